@@ -1,0 +1,300 @@
+//! `ferrite`: check, bench and build the op ladders from the command line.
+
+use clap::{Args, Parser, Subcommand};
+use ferrite::core::cuda::{self, jit};
+use ferrite::core::harness::report::{bench_table, check_table, ladder_svg, Table};
+use ferrite::core::harness::{BenchConfig, CheckConfig};
+use ferrite::core::rng::Rng;
+use ferrite::{ops, Arch, DType, Device, Error, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "ferrite", version, about = "Deep-learning ops as ladders of named variants: check them, bench them, build their kernels")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Devices, CUDA/NVRTC status, op families and their variants.
+    Info,
+    /// Correctness of every variant against an f64 reference on fresh random inputs.
+    Check(CheckArgs),
+    /// Time every variant, with the machine's ceilings and the vendor/peer library in the same run.
+    Bench(BenchArgs),
+    /// Compile every kernel for the given architectures (no GPU needed) and report resources.
+    Kernels(KernelArgs),
+}
+
+#[derive(Args)]
+struct Common {
+    /// Op family, or `all`.
+    #[arg(default_value = "all")]
+    op: String,
+    /// cpu, cuda, cuda:N or all (default: every device present).
+    #[arg(long, default_value = "all")]
+    device: String,
+    /// Only these variants (repeatable).
+    #[arg(long = "variant")]
+    variants: Vec<String>,
+    /// Only these dtypes (repeatable): f32, f16, bf16.
+    #[arg(long = "dtype")]
+    dtypes: Vec<String>,
+    /// Fewer, smaller cases.
+    #[arg(long)]
+    quick: bool,
+    /// Write the records as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Input seed (fresh every run when not given).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Square problem size (matmul: N×N×N).
+    #[arg(long, conflicts_with_all = ["m", "n", "k"])]
+    size: Vec<usize>,
+    #[arg(long, requires_all = ["n", "k"])]
+    m: Option<usize>,
+    #[arg(long)]
+    n: Option<usize>,
+    #[arg(long)]
+    k: Option<usize>,
+    /// Write an SVG chart of the ladder.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct KernelArgs {
+    /// Architectures, comma-separated.
+    #[arg(long, default_value = "sm_80,sm_90a", value_delimiter = ',')]
+    arch: Vec<String>,
+    /// ptxas to assemble with and read registers/spills from (skipped when absent).
+    #[arg(long)]
+    ptxas: Option<PathBuf>,
+    /// Keep PTX and cubins here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Fail if any kernel spills registers.
+    #[arg(long)]
+    deny_spills: bool,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn devices(spec: &str) -> Result<Vec<Device>> {
+    if spec == "all" {
+        let mut d = vec![Device::Cpu];
+        match cuda::availability() {
+            Ok(n) => d.extend((0..n.min(1)).map(Device::Cuda)),
+            Err(e) => eprintln!("note: GPU variants skipped: {e}"),
+        }
+        return Ok(d);
+    }
+    let d = Device::parse(spec)?;
+    if let Device::Cuda(i) = d {
+        cuda::device(i)?;
+    }
+    Ok(vec![d])
+}
+
+fn dtypes(names: &[String]) -> Result<Vec<DType>> {
+    names
+        .iter()
+        .map(|n| DType::parse(n).ok_or_else(|| Error::bad_arg("ferrite", "--dtype", "f32, f16 or bf16", n)))
+        .collect()
+}
+
+fn families(op: &str) -> Result<Vec<&'static dyn ferrite::core::harness::OpFamily>> {
+    if op == "all" {
+        Ok(ops::registry())
+    } else {
+        Ok(vec![ops::family(op)?])
+    }
+}
+
+fn spinner() -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(ProgressStyle::with_template("{spinner} [{elapsed}] {msg}").unwrap());
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb
+}
+
+fn write_json(path: &PathBuf, value: &serde_json::Value) -> Result<()> {
+    let s = serde_json::to_string_pretty(value).map_err(|e| Error::Other(e.to_string()))?;
+    std::fs::write(path, s).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+fn info() -> Result<()> {
+    println!("ferrite {}", env!("CARGO_PKG_VERSION"));
+    let (isa, lanes) = ops::cpu_simd();
+    println!("cpu: {} — {} threads, {isa} ({lanes} f32 lanes)", ops::matmul::bench::cpu_name(), rayon_threads());
+    match cuda::availability() {
+        Ok(n) => {
+            for i in 0..n {
+                let d = cuda::device(i)?;
+                let p = d.props();
+                println!(
+                    "cuda:{i}: {} — {} SMs, {:.0} MiB L2, {:.1} GiB, target {}",
+                    p.name,
+                    p.sm_count,
+                    p.l2_bytes as f64 / (1 << 20) as f64,
+                    p.total_mem as f64 / (1u64 << 30) as f64,
+                    p.target
+                );
+            }
+        }
+        Err(e) => println!("cuda: unavailable — {e}; CPU variants only"),
+    }
+    match jit::nvrtc_version() {
+        Ok((a, b)) => println!("nvrtc: {a}.{b}; CUDA headers: {:?}", jit::cuda_include_dirs()),
+        Err(e) => println!("nvrtc: {e}"),
+    }
+    println!("kernel cache: {}", jit::cache_dir().display());
+    let mut t = Table::new(&["op", "variant", "backend", "dtypes", "min arch", "what it changes"]);
+    for f in ops::registry() {
+        for v in f.variants() {
+            t.row(vec![
+                f.name().into(),
+                v.name.into(),
+                format!("{:?}", v.backend).to_lowercase(),
+                v.dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(","),
+                v.min_arch.map(|a| a.target().to_string()).unwrap_or_else(|| "-".into()),
+                v.summary.into(),
+            ]);
+        }
+    }
+    print!("\n{}", t.render());
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+fn check(a: CheckArgs) -> Result<bool> {
+    let cfg = CheckConfig {
+        devices: devices(&a.common.device)?,
+        variants: a.common.variants.clone(),
+        dtypes: dtypes(&a.common.dtypes)?,
+        seed: a.seed.unwrap_or_else(Rng::fresh_seed),
+        quick: a.common.quick,
+    };
+    let mut recs = Vec::new();
+    let pb = spinner();
+    for f in families(&a.common.op)? {
+        pb.set_message(format!("checking {}", f.name()));
+        f.check(&cfg, &mut recs)?;
+    }
+    pb.finish_and_clear();
+    print!("{}", check_table(&recs));
+    let failed = recs.iter().filter(|r| !r.pass).count();
+    println!("\nseed {}: {} cases, {} passed, {} failed", cfg.seed, recs.len(), recs.len() - failed, failed);
+    if let Some(p) = &a.common.json {
+        write_json(p, &serde_json::json!({ "seed": cfg.seed, "records": recs }))?;
+    }
+    Ok(failed == 0)
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    let mut shapes: Vec<Vec<usize>> = a.size.iter().map(|&s| vec![s]).collect();
+    if let (Some(m), Some(n), Some(k)) = (a.m, a.n, a.k) {
+        shapes.push(vec![m, n, k]);
+    }
+    let cfg = BenchConfig {
+        devices: devices(&a.common.device)?,
+        variants: a.common.variants.clone(),
+        dtypes: dtypes(&a.common.dtypes)?,
+        shapes,
+        quick: a.common.quick,
+    };
+    let fams = families(&a.common.op)?;
+    let pb = spinner();
+    let mut progress = |m: &str| pb.set_message(m.to_string());
+    let ceilings = ops::measure_ceilings(&cfg.devices, cfg.quick, &mut progress)?;
+    let mut recs = Vec::new();
+    for f in fams {
+        f.bench(&cfg, &ceilings, &mut progress, &mut recs)?;
+    }
+    pb.finish_and_clear();
+    println!("ceilings measured in this run:");
+    if let (Some(ghz), Some(peak)) = (ceilings.cpu_ghz, ceilings.cpu_core_peak_gflops) {
+        println!("  cpu: {ghz:.2} GHz (measured), {}, nominal peak {peak:.0} GFLOP/s per core; {} threads", ceilings.cpu_isa, ceilings.cpu_threads);
+    }
+    if let Some(p) = ceilings.cpu_peer_gflops {
+        println!("  cpu: gemm crate f32 {p:.1} GFLOP/s (all threads)");
+    }
+    if let Some(bw) = ceilings.gpu_copy_gbps {
+        println!("  gpu: device copy {bw:.0} GB/s (read + write)");
+    }
+    for (d, v) in &ceilings.gpu_gemm_gflops {
+        println!("  gpu: cuBLAS {d} {:.1} TFLOP/s", v / 1e3);
+    }
+    println!();
+    print!("{}", bench_table(&recs));
+    if let Some(p) = &a.common.json {
+        write_json(p, &serde_json::json!({ "ceilings": ceilings, "records": recs }))?;
+        println!("json: {}", p.display());
+    }
+    if let Some(p) = &a.plot {
+        let title = format!("ferrite bench {} — {}", a.common.op, recs.first().map(|r| r.device.clone()).unwrap_or_default());
+        std::fs::write(p, ladder_svg(&recs, &title)).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+        println!("chart: {}", p.display());
+    }
+    Ok(())
+}
+
+fn kernels(a: KernelArgs) -> Result<bool> {
+    let archs: Vec<Arch> = a.arch.iter().map(|s| Arch::parse_target(s)).collect::<Result<_>>()?;
+    if let Some(p) = &a.ptxas {
+        if !p.exists() {
+            return Err(Error::bad_arg("kernels", "--ptxas", "a path to ptxas", p.display()));
+        }
+    }
+    let builds = ops::build_kernels(&archs, a.ptxas.as_deref(), a.out.as_deref())?;
+    let mut t = Table::new(&["module", "function", "arch", "regs", "smem", "stack", "spill st", "spill ld", "cached"]);
+    let o = |v: Option<u32>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
+    for b in &builds {
+        t.row(vec![b.module.clone(), b.function.clone(), b.arch.clone(), o(b.registers), o(b.smem_bytes), o(b.stack_bytes), o(b.spill_stores), o(b.spill_loads), b.from_cache.to_string()]);
+    }
+    print!("{}", t.render());
+    let spilling: Vec<_> = builds.iter().filter(|b| b.spill_stores.unwrap_or(0) > 0 || b.spill_loads.unwrap_or(0) > 0).collect();
+    println!("\n{} kernels compiled for {}; {} spill", builds.len(), a.arch.join(", "), spilling.len());
+    if let Some(p) = &a.json {
+        write_json(p, &serde_json::json!({ "kernels": builds }))?;
+    }
+    Ok(!(a.deny_spills && !spilling.is_empty()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Info => info().map(|_| true),
+        Cmd::Check(a) => check(a),
+        Cmd::Bench(a) => bench(a).map(|_| true),
+        Cmd::Kernels(a) => kernels(a),
+    };
+    match r {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

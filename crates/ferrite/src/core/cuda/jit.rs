@@ -1,0 +1,309 @@
+//! Kernels compiled at run time. `.cu` sources are embedded in the binary (`include_str!`), NVRTC
+//! compiles them for the device's architecture with `-D` specialisations, and the PTX is cached on
+//! disk keyed by a hash of (source, arch, options, NVRTC version): a second run compiles nothing.
+//!
+//! Sources may `#include "ferrite.cuh"` (the shared device helpers); the include is expanded here,
+//! so NVRTC needs only the CUDA headers (`cuda_fp16.h`, `cuda_bf16.h`), found from the usual places.
+
+use super::{CudaDevice, Kernel};
+use crate::core::device::Arch;
+use crate::core::error::{Error, Result};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// A `.cu` file of an op family, embedded at build time.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// Module name used in messages and reports, e.g. `matmul/naive`.
+    pub name: &'static str,
+    /// The source text.
+    pub src: &'static str,
+}
+
+/// Embeds a `.cu` file that sits next to the Rust file naming it.
+#[macro_export]
+macro_rules! kernel_source {
+    ($name:expr, $file:expr) => {
+        $crate::core::cuda::jit::KernelSource {
+            name: $name,
+            src: include_str!($file),
+        }
+    };
+}
+
+/// Shared device helpers every kernel may include.
+const HEADERS: &[(&str, &str)] = &[("ferrite.cuh", include_str!("kernels/ferrite.cuh"))];
+
+/// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).
+#[derive(Clone, Debug)]
+pub struct Program {
+    pub source: KernelSource,
+    pub defines: Vec<(String, String)>,
+}
+
+impl Program {
+    pub fn new(source: KernelSource) -> Self {
+        Program {
+            source,
+            defines: Vec::new(),
+        }
+    }
+    pub fn define(mut self, name: &str, value: impl ToString) -> Self {
+        self.defines.push((name.to_string(), value.to_string()));
+        self
+    }
+    /// A readable label: `matmul/naive[T=float]`.
+    pub fn label(&self) -> String {
+        if self.defines.is_empty() {
+            return self.source.name.to_string();
+        }
+        let d: Vec<String> = self.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        format!("{}[{}]", self.source.name, d.join(","))
+    }
+}
+
+/// Expands `#include "X"` lines naming an embedded header.
+fn expand_includes(src: &str) -> String {
+    let mut out = String::with_capacity(src.len() + 4096);
+    for line in src.lines() {
+        let t = line.trim_start();
+        if let Some(rest) = t.strip_prefix("#include \"") {
+            let name = rest.trim_end_matches('"');
+            if let Some((_, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
+                out.push_str(&expand_includes(h));
+                out.push('\n');
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Folders holding `cuda_fp16.h`: `FERRITE_CUDA_INCLUDE`, `CUDA_HOME`/`CUDA_PATH`, the toolkit's
+/// default place, and the `include` beside any `lib` folder on `LD_LIBRARY_PATH` (pip's wheels).
+pub fn cuda_include_dirs() -> Vec<String> {
+    let mut cands: Vec<PathBuf> = Vec::new();
+    if let Ok(v) = std::env::var("FERRITE_CUDA_INCLUDE") {
+        cands.push(v.into());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            cands.push(Path::new(&v).join("include"));
+        }
+    }
+    cands.push("/usr/local/cuda/include".into());
+    cands.push("/usr/local/cuda/targets/x86_64-linux/include".into());
+    if let Ok(v) = std::env::var("LD_LIBRARY_PATH") {
+        for p in v.split(':').filter(|p| !p.is_empty()) {
+            if let Some(parent) = Path::new(p).parent() {
+                cands.push(parent.join("include"));
+            }
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    for c in cands {
+        if c.join("cuda_fp16.h").exists() {
+            let s = c.to_string_lossy().into_owned();
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
+/// NVRTC's version as (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    super::nvrtc_available()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both out-pointers are valid for writes.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::cuda("nvrtcVersion", format!("{e:?}")))?;
+    Ok((major, minor))
+}
+
+/// Where compiled PTX (and tuning results) are kept: `FERRITE_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/ferrite`, else `~/.cache/ferrite`, else a temp folder.
+pub fn cache_dir() -> PathBuf {
+    if let Ok(v) = std::env::var("FERRITE_CACHE_DIR") {
+        return v.into();
+    }
+    if let Ok(v) = std::env::var("XDG_CACHE_HOME") {
+        return Path::new(&v).join("ferrite");
+    }
+    if let Ok(v) = std::env::var("HOME") {
+        return Path::new(&v).join(".cache").join("ferrite");
+    }
+    std::env::temp_dir().join("ferrite-cache")
+}
+
+/// The PTX of a program for one architecture, and whether it came from the disk cache.
+#[derive(Clone, Debug)]
+pub struct CompiledPtx {
+    pub label: String,
+    pub key: String,
+    pub ptx: String,
+    pub from_cache: bool,
+    pub arch: Arch,
+}
+
+fn options_for(program: &Program, arch: Arch, includes: &[String]) -> Vec<String> {
+    let mut opts = vec![
+        format!("--gpu-architecture={}", arch.target()),
+        "-std=c++17".to_string(),
+        "-lineinfo".to_string(),
+        "-default-device".to_string(),
+    ];
+    for (k, v) in &program.defines {
+        opts.push(format!("-D{k}={v}"));
+    }
+    for i in includes {
+        opts.push(format!("-I{i}"));
+    }
+    opts
+}
+
+/// Compiles `program` for `arch`, or reads it from the disk cache.
+pub fn compile(program: &Program, arch: Arch) -> Result<CompiledPtx> {
+    let (vmaj, vmin) = nvrtc_version()?;
+    let src = expand_includes(program.source.src);
+    let includes = cuda_include_dirs();
+    let opts = options_for(program, arch, &includes);
+    // The include paths are machine-specific and do not change the PTX: leave them out of the key.
+    let key_opts: Vec<&String> = opts.iter().filter(|o| !o.starts_with("-I")).collect();
+    let mut h = Sha256::new();
+    h.update(src.as_bytes());
+    h.update(program.source.name.as_bytes());
+    for o in &key_opts {
+        h.update(b"\0");
+        h.update(o.as_bytes());
+    }
+    h.update(format!("\0nvrtc {vmaj}.{vmin}").as_bytes());
+    let digest = h.finalize();
+    let key: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let label = program.label();
+    let path = cache_dir().join("ptx").join(format!("{key}.ptx"));
+    if let Ok(ptx) = std::fs::read_to_string(&path) {
+        if ptx.contains(".target") {
+            return Ok(CompiledPtx {
+                label,
+                key,
+                ptx,
+                from_cache: true,
+                arch,
+            });
+        }
+    }
+    let ptx = nvrtc_compile(&src, &label, &opts, arch)?;
+    // A cache write failure only costs a recompile next time; say nothing and go on.
+    if std::fs::create_dir_all(path.parent().unwrap()).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(CompiledPtx {
+        label,
+        key,
+        ptx,
+        from_cache: false,
+        arch,
+    })
+}
+
+fn nvrtc_compile(src: &str, label: &str, opts: &[String], arch: Arch) -> Result<String> {
+    use cudarc::nvrtc::result as nv;
+    let csrc = std::ffi::CString::new(src)
+        .map_err(|_| Error::Other(format!("kernel source {label} contains a NUL byte")))?;
+    let cname = std::ffi::CString::new(label.replace('/', "_") + ".cu").unwrap();
+    let fail = |log: String| Error::Compile {
+        module: label.to_string(),
+        arch: arch.target().to_string(),
+        options: opts.iter().filter(|o| !o.starts_with("-I")).cloned().collect::<Vec<_>>().join(" "),
+        log,
+    };
+    let prog = nv::create_program(&csrc, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    // SAFETY: prog is a live program; options are valid C strings; destroyed below on all paths.
+    let compiled = unsafe { nv::compile_program(prog, opts) };
+    // SAFETY: prog is live.
+    let log = unsafe { nv::get_program_log(prog) }
+        .map(|raw| {
+            // SAFETY: NVRTC returns a NUL-terminated log.
+            unsafe { std::ffi::CStr::from_ptr(raw.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .unwrap_or_default();
+    let result = match compiled {
+        Err(e) => Err(fail(if log.trim().is_empty() { format!("{e:?}") } else { first_lines(&log, 60) })),
+        // SAFETY: prog compiled successfully.
+        Ok(()) => unsafe { nv::get_ptx(prog) }
+            .map(|raw| {
+                // SAFETY: NVRTC returns NUL-terminated PTX text.
+                unsafe { std::ffi::CStr::from_ptr(raw.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}"))),
+    };
+    // SAFETY: prog is live and destroyed once.
+    let _ = unsafe { nv::destroy_program(prog) };
+    result
+}
+
+/// The first `n` lines of a long compiler log (the first errors are the ones that matter).
+fn first_lines(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    if lines.len() <= n {
+        return log.to_string();
+    }
+    format!("{}\n... ({} more lines)", lines[..n].join("\n"), lines.len() - n)
+}
+
+type KernelKey = (usize, String, String);
+
+impl CudaDevice {
+    /// The kernel `func` of `program`, compiled for this device (disk- and memory-cached).
+    pub fn kernel(self: &Arc<Self>, program: &Program, func: &str) -> Result<Kernel> {
+        static KERNELS: OnceLock<Mutex<HashMap<KernelKey, Kernel>>> = OnceLock::new();
+        let label = program.label();
+        let k = (self.ordinal(), label.clone(), func.to_string());
+        if let Some(kern) = KERNELS.get_or_init(Default::default).lock().unwrap().get(&k) {
+            return Ok(kern.clone());
+        }
+        let compiled = compile(program, self.arch())?;
+        let module = self.module(&compiled.key, &compiled.ptx)?;
+        let f = module
+            .load_function(func)
+            .map_err(|e| Error::cuda(format!("cuModuleGetFunction({func} in {label})"), e))?;
+        let kern = Kernel {
+            name: format!("{func} ({label})"),
+            func: f,
+            dev: self.clone(),
+        };
+        KERNELS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap()
+            .insert(k, kern.clone());
+        Ok(kern)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn includes_are_expanded() {
+        let s = expand_includes("#include \"ferrite.cuh\"\nint x;\n#include <cuda_fp16.h>\n");
+        assert!(s.contains("FERRITE_CUH"));
+        assert!(s.contains("#include <cuda_fp16.h>"));
+        assert!(!s.contains("#include \"ferrite.cuh\""));
+    }
+}

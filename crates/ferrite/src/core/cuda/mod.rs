@@ -1,0 +1,584 @@
+//! The CUDA runtime layer: finding the driver (dynamically, so ferrite runs without CUDA), one
+//! primary context per device, streams, events, device and page-locked host memory, kernel
+//! launches that name the kernel when they fail.
+//!
+//! Memory ordering contract: ferrite allocates with `cuMemAllocAsync` on the device's own stream
+//! and runs each op on the stream it is given (the device's stream when none is given). A caller
+//! who passes another stream (PyTorch's current stream, a CUDA-graph capture stream) orders that
+//! stream against ferrite's own, exactly as with two PyTorch streams.
+
+pub mod blas;
+pub mod jit;
+
+use super::device::Arch;
+use super::error::{Error, Result};
+use cudarc::driver::{
+    result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream,
+};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use cudarc::driver::CudaStream as RawStream;
+
+/// A stream ops can run on: ferrite's own or one borrowed from a caller.
+pub type Stream = Arc<CudaStream>;
+
+/// Libraries the loader may not find on its own: preloading them by full path makes the later
+/// `dlopen` by soname (inside cudarc) find the already-loaded copy.
+fn preload_cuda_libraries() {
+    let mut roots: Vec<String> = Vec::new();
+    for var in ["FERRITE_CUDA_LIB_DIR", "CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            roots.push(v.clone());
+            roots.push(format!("{v}/lib64"));
+            roots.push(format!("{v}/lib"));
+        }
+    }
+    roots.push("/usr/local/cuda/lib64".into());
+    roots.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
+    for lib in ["libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13"] {
+        for root in &roots {
+            let p = std::path::Path::new(root).join(lib);
+            if p.exists() {
+                // SAFETY: loading a CUDA library runs its initialisers, which have no
+                // preconditions; the handle is leaked on purpose so the library stays loaded.
+                if let Ok(l) = unsafe { libloading::Library::new(&p) } {
+                    std::mem::forget(l);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Whether CUDA can be used, and if not, why. Computed once. `FERRITE_DISABLE_CUDA=1` forces the
+/// CPU-only path (used by tests of that path on GPU machines).
+pub fn availability() -> Result<usize> {
+    static AVAIL: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    AVAIL
+        .get_or_init(|| {
+            if std::env::var("FERRITE_DISABLE_CUDA").is_ok_and(|v| v != "0" && !v.is_empty()) {
+                return Err("disabled by FERRITE_DISABLE_CUDA".into());
+            }
+            preload_cuda_libraries();
+            // SAFETY: only probes whether the library can be opened.
+            if !unsafe { sys::is_culib_present() } {
+                return Err("no CUDA driver library (libcuda.so) found by the loader".into());
+            }
+            // cudarc panics when a symbol is missing (a driver older than CUDA 13); turn that into
+            // a reason instead of a crash.
+            let probe = std::panic::catch_unwind(|| {
+                drv::init().map_err(|e| format!("cuInit failed: {e}"))?;
+                CudaContext::device_count().map_err(|e| format!("cuDeviceGetCount failed: {e}"))
+            });
+            match probe {
+                Ok(Ok(0)) => Err("the CUDA driver reports no devices".into()),
+                Ok(Ok(n)) => Ok(n as usize),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err("the CUDA driver is too old for CUDA 13 (missing symbols)".into()),
+            }
+        })
+        .clone()
+        .map_err(Error::CudaUnavailable)
+}
+
+/// Whether NVRTC can be loaded (kernels can be compiled, with or without a GPU).
+pub fn nvrtc_available() -> Result<()> {
+    preload_cuda_libraries();
+    // SAFETY: only probes whether the library can be opened.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable(
+            "NVRTC (libnvrtc.so.13) not found: install the CUDA toolkit or the nvidia-cuda-nvrtc \
+             wheel and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ))
+    }
+}
+
+/// Properties read once from the device.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceProps {
+    pub name: String,
+    pub ordinal: usize,
+    pub sm_count: u32,
+    pub l2_bytes: u64,
+    pub total_mem: u64,
+    pub smem_per_block_optin: u32,
+    pub smem_per_sm: u32,
+    pub max_threads_per_sm: u32,
+    pub regs_per_sm: u32,
+    pub clock_khz: u32,
+    pub mem_clock_khz: u32,
+    pub mem_bus_bits: u32,
+    pub target: String,
+}
+
+/// One GPU: its primary context, ferrite's stream on it, and the kernels loaded into it.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Stream,
+    arch: Arch,
+    props: DeviceProps,
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice({} {})", self.props.ordinal, self.props.name)
+    }
+}
+
+/// The device for `ordinal`, created once (retaining the primary context, the one PyTorch uses).
+pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    let count = availability()?;
+    if ordinal >= count {
+        return Err(Error::bad_arg(
+            "cuda device",
+            "ordinal",
+            format!("< {count} (devices present)"),
+            ordinal,
+        ));
+    }
+    let mut map = DEVICES.get_or_init(Default::default).lock().unwrap();
+    if let Some(d) = map.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let d = Arc::new(CudaDevice::open(ordinal)?);
+    map.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+impl CudaDevice {
+    fn open(ordinal: usize) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
+        // SAFETY: ferrite passes raw device pointers to kernels and orders work by streams itself
+        // (see the module comment), so cudarc's per-slice event tracking is not used.
+        unsafe { ctx.disable_event_tracking() };
+        let attr = |a: sys::CUdevice_attribute| -> Result<u32> {
+            ctx.attribute(a)
+                .map(|v| v as u32)
+                .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))
+        };
+        use sys::CUdevice_attribute::*;
+        let name = ctx.name().map_err(|e| Error::cuda("cuDeviceGetName", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))?;
+        let arch = Arch::from_compute_capability(&name, major, minor)?;
+        let props = DeviceProps {
+            name,
+            ordinal,
+            sm_count: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            l2_bytes: attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64,
+            total_mem: ctx.total_mem().map_err(|e| Error::cuda("cuDeviceTotalMem", e))? as u64,
+            smem_per_block_optin: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+            smem_per_sm: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+            max_threads_per_sm: attr(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
+            regs_per_sm: attr(CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?,
+            clock_khz: attr(CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
+            mem_clock_khz: attr(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?,
+            mem_bus_bits: attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
+            target: arch.target().to_string(),
+        };
+        let stream = ctx.new_stream().map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            arch,
+            props,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+    pub fn ordinal(&self) -> usize {
+        self.props.ordinal
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// ferrite's own stream on this device (the default for ops given no stream).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+    }
+
+    /// A new stream on this device.
+    pub fn new_stream(&self) -> Result<Stream> {
+        self.ctx.new_stream().map_err(|e| Error::cuda("cuStreamCreate", e))
+    }
+
+    /// Wraps a stream created elsewhere (e.g. `torch.cuda.current_stream().cuda_stream`).
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUstream` of this device's primary context that outlives every use of
+    /// the returned handle; ferrite never destroys it.
+    pub unsafe fn wrap_stream(&self, raw: u64) -> Result<Stream> {
+        // SAFETY: forwarded to the caller's contract above.
+        Ok(unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) })
+    }
+
+    pub fn synchronize(&self, stream: &Stream, after: &str) -> Result<()> {
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda(format!("cuStreamSynchronize after {after}"), e))
+    }
+
+    /// Loads (once) the module of `ptx` under `key`, returning it.
+    pub(crate) fn module(&self, key: &str, ptx: &str) -> Result<Arc<CudaModule>> {
+        let mut mods = self.modules.lock().unwrap();
+        if let Some(m) = mods.get(key) {
+            return Ok(m.clone());
+        }
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(|e| Error::cuda(format!("cuModuleLoadData ({key})"), e))?;
+        mods.insert(key.to_string(), m.clone());
+        Ok(m)
+    }
+
+    /// Allocates `bytes` of device memory on `stream` (stream-ordered). Contents are undefined.
+    pub fn alloc(self: &Arc<Self>, bytes: usize, stream: &Stream) -> Result<DeviceBuffer> {
+        self.bind()?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            // SAFETY: the context is bound; the pointer is freed exactly once in Drop.
+            unsafe { drv::malloc_async(stream.cu_stream(), bytes) }.map_err(|e| {
+                Error::cuda(format!("cuMemAllocAsync of {bytes} bytes on {}", self.props.name), e)
+            })?
+        };
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            dev: self.clone(),
+            free_on: Some(stream.clone()),
+        })
+    }
+
+    /// Page-locked host memory that the CPU may read fast (not write-combined).
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
+        self.bind()?;
+        // SAFETY: the memory is only handed out as bytes after the allocation succeeded; freed in Drop.
+        let ptr = unsafe { drv::malloc_host(bytes.max(1), 0) }
+            .map_err(|e| Error::cuda(format!("cuMemHostAlloc of {bytes} bytes"), e))?;
+        Ok(PinnedBuffer {
+            ptr: ptr as *mut u8,
+            bytes,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Copies host bytes into device memory at `dst`, ordered on `stream`.
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must be device memory of this device, and `src` must stay alive and
+    /// unmodified until the stream has passed this copy (synchronize, or use pinned memory + events).
+    pub unsafe fn htod(&self, dst: u64, src: &[u8], stream: &Stream) -> Result<()> {
+        self.bind()?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
+    }
+
+    /// # Safety
+    /// `src..src+dst.len()` must be device memory of this device; `dst` must stay alive until the
+    /// stream has passed this copy.
+    pub unsafe fn dtoh(&self, dst: &mut [u8], src: u64, stream: &Stream) -> Result<()> {
+        self.bind()?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { drv::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))
+    }
+
+    /// # Safety
+    /// Both ranges must be device memory of this device, `bytes` long.
+    pub unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
+    }
+
+    /// # Safety
+    /// `dst..dst+bytes` must be device memory of this device.
+    pub unsafe fn memset(&self, dst: u64, byte: u8, bytes: usize, stream: &Stream) -> Result<()> {
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { drv::memset_d8_async(dst, byte, bytes, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuMemsetD8Async", e))
+    }
+}
+
+/// Device memory owned by ferrite (freed stream-ordered on drop) or borrowed from a caller.
+pub struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+    dev: Arc<CudaDevice>,
+    /// `None` for borrowed memory (never freed by ferrite).
+    free_on: Option<Stream>,
+}
+
+impl DeviceBuffer {
+    /// Wraps device memory that somebody else owns (a PyTorch tensor's storage).
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` must be device memory of `dev` that stays allocated while this buffer and
+    /// every tensor viewing it live.
+    pub unsafe fn borrowed(dev: Arc<CudaDevice>, ptr: u64, bytes: usize) -> Self {
+        DeviceBuffer {
+            ptr,
+            bytes,
+            dev,
+            free_on: None,
+        }
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.dev
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let (Some(stream), true) = (&self.free_on, self.ptr != 0) {
+            let _ = self.dev.bind();
+            // SAFETY: ptr came from cuMemAllocAsync in `alloc` and is freed only here, on the
+            // stream that allocated it, after all work that stream queued on it.
+            let _ = unsafe { drv::free_async(self.ptr, stream.cu_stream()) };
+        }
+    }
+}
+
+/// Page-locked host memory (cuMemHostAlloc without write-combining: fast for CPU reads too).
+pub struct PinnedBuffer {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; access goes through &/&mut.
+unsafe impl Send for PinnedBuffer {}
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is a live allocation of `bytes` (at least 1) bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from cuMemHostAlloc and is freed only here.
+        let _ = unsafe { drv::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+/// A pair of events timing the work queued between `start` and `stop` on one stream.
+pub struct GpuTimer {
+    start: sys::CUevent,
+    stop: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+impl GpuTimer {
+    pub fn new(dev: &CudaDevice) -> Result<Self> {
+        dev.bind()?;
+        let f = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let start = drv::event::create(f).map_err(|e| Error::cuda("cuEventCreate", e))?;
+        let stop = drv::event::create(f).map_err(|e| Error::cuda("cuEventCreate", e))?;
+        Ok(GpuTimer {
+            start,
+            stop,
+            ctx: dev.ctx.clone(),
+        })
+    }
+    pub fn start(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: both handles are live events of this context.
+        unsafe { drv::event::record(self.start, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuEventRecord", e))
+    }
+    pub fn stop(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: as above.
+        unsafe { drv::event::record(self.stop, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuEventRecord", e))
+    }
+    /// Waits for the stop event and returns the elapsed milliseconds.
+    pub fn elapsed_ms(&self) -> Result<f64> {
+        // SAFETY: live events; cuEventSynchronize has no other precondition.
+        unsafe { sys::cuEventSynchronize(self.stop).result() }
+            .map_err(|e| Error::cuda("cuEventSynchronize (a kernel timed here failed)", e))?;
+        // SAFETY: both events were recorded on the same stream.
+        unsafe { drv::event::elapsed(self.start, self.stop) }
+            .map(|v| v as f64)
+            .map_err(|e| Error::cuda("cuEventElapsedTime", e))
+    }
+}
+
+impl Drop for GpuTimer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: both events were created in `new` and are destroyed only here.
+        unsafe {
+            let _ = drv::event::destroy(self.start);
+            let _ = drv::event::destroy(self.stop);
+        }
+    }
+}
+
+/// Kernel parameters, each kept in its own 8-byte-aligned heap slot so the pointers handed to
+/// `cuLaunchKernel` stay valid while the argument list lives.
+#[derive(Default)]
+pub struct KernelArgs {
+    slots: Vec<Box<[u64]>>,
+}
+
+impl KernelArgs {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Adds one parameter. `T` must be laid out exactly as the kernel's parameter (a device
+    /// pointer as `u64`, `int` as `i32`, a `float`, a `#[repr(C)]` struct...).
+    pub fn push<T: Copy + 'static>(&mut self, v: T) -> &mut Self {
+        let words = std::mem::size_of::<T>().div_ceil(8).max(1);
+        let mut slot = vec![0u64; words].into_boxed_slice();
+        // SAFETY: the slot holds at least size_of::<T>() bytes; the write is unaligned-safe.
+        unsafe { std::ptr::write_unaligned(slot.as_mut_ptr() as *mut T, v) };
+        self.slots.push(slot);
+        self
+    }
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        self.slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .collect()
+    }
+}
+
+/// A kernel loaded into a device, with its name for error messages and reports.
+#[derive(Clone)]
+pub struct Kernel {
+    pub name: String,
+    pub func: CudaFunction,
+    pub dev: Arc<CudaDevice>,
+}
+
+/// Static resource use of a kernel, as the driver reports it.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct KernelResources {
+    pub registers: i32,
+    pub static_smem: i32,
+    pub local_bytes: i32,
+    pub max_threads: i32,
+}
+
+impl Kernel {
+    pub fn resources(&self) -> Result<KernelResources> {
+        let e = |x| Error::cuda(format!("cuFuncGetAttribute({})", self.name), x);
+        Ok(KernelResources {
+            registers: self.func.num_regs().map_err(e)?,
+            static_smem: self.func.shared_size_bytes().map_err(e)?,
+            local_bytes: self.func.local_size_bytes().map_err(e)?,
+            max_threads: self.func.max_threads_per_block().map_err(e)?,
+        })
+    }
+
+    /// Theoretical occupancy: resident warps per SM over the SM's maximum.
+    pub fn occupancy(&self, block_threads: u32, dyn_smem: u32) -> Result<f64> {
+        let blocks = self
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(block_threads, dyn_smem as usize, None)
+            .map_err(|e| Error::cuda(format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({})", self.name), e))?;
+        let warps = blocks * block_threads.div_ceil(32);
+        Ok(warps as f64 / (self.dev.props.max_threads_per_sm / 32) as f64)
+    }
+
+    /// Raises the dynamic shared-memory limit (needed above 48 KiB).
+    pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<()> {
+        self.func
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| Error::cuda(format!("cuFuncSetAttribute({}, max dynamic smem {bytes})", self.name), e))
+    }
+
+    /// Launches on `stream`. A launch error names the kernel and its launch shape.
+    pub fn launch(
+        &self,
+        stream: &Stream,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &mut KernelArgs,
+    ) -> Result<()> {
+        let err = |msg: String| Error::Launch {
+            kernel: self.name.clone(),
+            grid,
+            block,
+            smem,
+            msg,
+        };
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 || grid.1 > 65535 || grid.2 > 65535 {
+            return Err(err("grid dimensions out of range (x ≥ 1, y and z in 1..=65535)".into()));
+        }
+        self.dev.bind()?;
+        let mut ptrs = args.pointers();
+        // SAFETY: every parameter slot was pushed in the kernel's parameter order with the
+        // kernel's parameter types (each op's host code pairs with its .cu source); the device
+        // pointers among them are live allocations of this device, ordered on `stream`.
+        unsafe {
+            drv::launch_kernel(
+                self.func.cu_function(),
+                grid,
+                block,
+                smem,
+                stream.cu_stream(),
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| err(e.to_string()))
+    }
+}

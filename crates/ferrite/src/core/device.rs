@@ -1,0 +1,132 @@
+//! Where a tensor lives, and which GPU architecture kernels are built for.
+
+use super::error::{Error, Result};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl Device {
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+
+    pub fn parse(s: &str) -> Result<Device> {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "cpu" {
+            return Ok(Device::Cpu);
+        }
+        if s == "cuda" || s == "gpu" {
+            return Ok(Device::Cuda(0));
+        }
+        if let Some(n) = s.strip_prefix("cuda:") {
+            if let Ok(i) = n.parse() {
+                return Ok(Device::Cuda(i));
+            }
+        }
+        Err(Error::bad_arg("Device::parse", "device", "cpu, cuda or cuda:N", s))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// A GPU architecture ferrite compiles for. Hopper gets the `a` target (wgmma, setmaxnreg).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Arch {
+    pub major: i32,
+    pub minor: i32,
+}
+
+impl Arch {
+    pub const SM80: Arch = Arch { major: 8, minor: 0 };
+    pub const SM86: Arch = Arch { major: 8, minor: 6 };
+    pub const SM89: Arch = Arch { major: 8, minor: 9 };
+    pub const SM90: Arch = Arch { major: 9, minor: 0 };
+
+    /// The compute capability as one number: 80, 86, 89, 90, ...
+    pub fn sm(self) -> u32 {
+        (self.major * 10 + self.minor) as u32
+    }
+
+    /// The NVRTC target for a device of this compute capability, or an error for devices older
+    /// than Ampere. Newer devices than Hopper get their own `sm_XY` (PTX JIT by the driver).
+    pub fn from_compute_capability(name: &str, major: i32, minor: i32) -> Result<Arch> {
+        if major < 8 {
+            return Err(Error::UnsupportedArch {
+                name: name.into(),
+                major,
+                minor,
+            });
+        }
+        Ok(Arch { major, minor })
+    }
+
+    /// The `--gpu-architecture` string NVRTC gets.
+    pub fn target(self) -> &'static str {
+        match (self.major, self.minor) {
+            (8, 0) => "sm_80",
+            (8, 6) => "sm_86",
+            (8, 7) => "sm_87",
+            (8, 9) => "sm_89",
+            (9, 0) => "sm_90a",
+            (10, 0) => "sm_100a",
+            (12, 0) => "sm_120a",
+            // Unknown newer parts: the closest common target; the driver JITs the PTX forward.
+            (m, _) if m >= 9 => "sm_90",
+            _ => "sm_80",
+        }
+    }
+
+    pub fn parse_target(s: &str) -> Result<Arch> {
+        let t = s.trim().trim_start_matches("sm_").trim_end_matches('a');
+        let v: i32 = t
+            .parse()
+            .map_err(|_| Error::bad_arg("arch", "target", "sm_80, sm_86, sm_89 or sm_90a", s))?;
+        Arch::from_compute_capability(s, v / 10, v % 10)
+    }
+
+    /// Hopper-only instructions (wgmma, TMA tensor maps with multicast, setmaxnreg).
+    pub fn is_hopper(self) -> bool {
+        self.major == 9
+    }
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.target())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_targets() {
+        assert_eq!(Arch::from_compute_capability("H100", 9, 0).unwrap().target(), "sm_90a");
+        assert_eq!(Arch::from_compute_capability("A100", 8, 0).unwrap().target(), "sm_80");
+        assert_eq!(Arch::from_compute_capability("L4", 8, 9).unwrap().target(), "sm_89");
+        let e = Arch::from_compute_capability("V100", 7, 0).unwrap_err().to_string();
+        assert!(e.contains("sm_70") && e.contains("V100") && e.contains("sm_80"), "{e}");
+        assert_eq!(Arch::parse_target("sm_90a").unwrap(), Arch::SM90);
+        assert!(Arch::parse_target("sm_75").is_err());
+        assert!(Arch::parse_target("banana").is_err());
+    }
+
+    #[test]
+    fn device_parse() {
+        assert_eq!(Device::parse("cuda:1").unwrap(), Device::Cuda(1));
+        assert_eq!(Device::parse("CPU").unwrap(), Device::Cpu);
+        assert!(Device::parse("tpu").is_err());
+    }
+}

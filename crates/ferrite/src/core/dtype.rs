@@ -1,0 +1,169 @@
+//! Element types. Floating types for math (f32, f16, bf16) and integer types for indices and tokens.
+
+use half::{bf16, f16};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I32,
+    U32,
+    U16,
+    U8,
+}
+
+impl DType {
+    pub const ALL: [DType; 7] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::U32,
+        DType::U16,
+        DType::U8,
+    ];
+
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::U16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+            DType::U16 => "u16",
+            DType::U8 => "u8",
+        }
+    }
+
+    /// The C++ type name the CUDA kernels use for this dtype.
+    pub fn cuda_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float",
+            DType::F16 => "__half",
+            DType::BF16 => "__nv_bfloat16",
+            DType::I32 => "int",
+            DType::U32 => "unsigned int",
+            DType::U16 => "unsigned short",
+            DType::U8 => "unsigned char",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DType> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(s))
+            .or(match s.to_ascii_lowercase().as_str() {
+                "float" | "float32" | "fp32" => Some(DType::F32),
+                "half" | "float16" | "fp16" => Some(DType::F16),
+                "bfloat16" => Some(DType::BF16),
+                _ => None,
+            })
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A Rust type that can live in a tensor. `to_f64`/`from_f64` are the bridge to the f64 reference.
+pub trait Element:
+    bytemuck::Pod + cudarc::driver::DeviceRepr + Send + Sync + Copy + PartialEq + fmt::Debug + 'static
+{
+    const DTYPE: DType;
+    fn to_f64(self) -> f64;
+    /// Rounds (floats, to nearest) or saturates and truncates (integers).
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! int_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+        }
+    };
+}
+int_element!(i32, DType::I32);
+int_element!(u32, DType::U32);
+int_element!(u16, DType::U16);
+int_element!(u8, DType::U8);
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+}
+
+/// Reads element `i` of a little-endian byte buffer of dtype `dtype` as f64.
+pub(crate) fn read_as_f64(bytes: &[u8], dtype: DType, i: usize) -> f64 {
+    let s = dtype.size_in_bytes();
+    let b = &bytes[i * s..(i + 1) * s];
+    match dtype {
+        DType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::F16 => f16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DType::BF16 => bf16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DType::I32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::U32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::U16 => u16::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::U8 => b[0] as f64,
+    }
+}
+
+/// Writes `v` (rounded to `dtype`) as element `i` of a little-endian byte buffer.
+pub(crate) fn write_from_f64(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
+    let s = dtype.size_in_bytes();
+    let b = &mut bytes[i * s..(i + 1) * s];
+    match dtype {
+        DType::F32 => b.copy_from_slice(&(v as f32).to_le_bytes()),
+        DType::F16 => b.copy_from_slice(&f16::from_f64(v).to_le_bytes()),
+        DType::BF16 => b.copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
+        DType::I32 => b.copy_from_slice(&(v as i32).to_le_bytes()),
+        DType::U32 => b.copy_from_slice(&(v as u32).to_le_bytes()),
+        DType::U16 => b.copy_from_slice(&(v as u16).to_le_bytes()),
+        DType::U8 => b[0] = v as u8,
+    }
+}

@@ -1,0 +1,226 @@
+//! Timing: warm-up, repeats, median/min/max. CPU work is timed with the host clock; GPU work with
+//! CUDA events around each repeat, inputs rotated by the caller so the working set exceeds L2.
+
+use crate::core::cuda::{CudaDevice, GpuTimer, Stream};
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Stats {
+    pub median_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    pub reps: usize,
+}
+
+impl Stats {
+    pub fn from_samples(mut ms: Vec<f64>) -> Stats {
+        ms.sort_by(|a, b| a.total_cmp(b));
+        let n = ms.len();
+        if n == 0 {
+            return Stats::default();
+        }
+        let median = if n % 2 == 1 {
+            ms[n / 2]
+        } else {
+            0.5 * (ms[n / 2 - 1] + ms[n / 2])
+        };
+        Stats {
+            median_ms: median,
+            min_ms: ms[0],
+            max_ms: ms[n - 1],
+            reps: n,
+        }
+    }
+}
+
+/// How long and how often to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    pub warmup: usize,
+    pub min_reps: usize,
+    pub max_reps: usize,
+    /// Stop adding repeats once this much time was measured (after `min_reps`).
+    pub target: Duration,
+}
+
+impl Budget {
+    pub fn cpu() -> Self {
+        Budget {
+            warmup: 1,
+            min_reps: 3,
+            max_reps: 50,
+            target: Duration::from_millis(1500),
+        }
+    }
+    pub fn gpu() -> Self {
+        Budget {
+            warmup: 5,
+            min_reps: 20,
+            max_reps: 200,
+            target: Duration::from_millis(800),
+        }
+    }
+}
+
+/// Times `f` on the CPU.
+pub fn time_cpu(budget: Budget, mut f: impl FnMut()) -> Stats {
+    for _ in 0..budget.warmup {
+        f();
+    }
+    let mut samples = Vec::new();
+    let started = Instant::now();
+    while samples.len() < budget.max_reps
+        && (samples.len() < budget.min_reps || started.elapsed() < budget.target)
+    {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Stats::from_samples(samples)
+}
+
+/// Times `f(rep)` on `stream` with an event pair per repeat; `rep` lets the caller rotate inputs.
+/// Repeats are queued in batches and read back after each batch, so host gaps don't count.
+pub fn time_gpu(
+    dev: &CudaDevice,
+    stream: &Stream,
+    budget: Budget,
+    mut f: impl FnMut(usize) -> Result<()>,
+) -> Result<Stats> {
+    for i in 0..budget.warmup {
+        f(i)?;
+    }
+    dev.synchronize(stream, "warm-up")?;
+    // One probe repeat to size the batches.
+    let probe = GpuTimer::new(dev)?;
+    probe.start(stream)?;
+    f(0)?;
+    probe.stop(stream)?;
+    let one = probe.elapsed_ms()?.max(1e-4);
+    let wanted = ((budget.target.as_secs_f64() * 1e3 / one) as usize).clamp(budget.min_reps, budget.max_reps);
+    let timers: Vec<GpuTimer> = (0..wanted).map(|_| GpuTimer::new(dev)).collect::<Result<_>>()?;
+    for (i, t) in timers.iter().enumerate() {
+        t.start(stream)?;
+        f(i + 1)?;
+        t.stop(stream)?;
+    }
+    let samples = timers.iter().map(|t| t.elapsed_ms()).collect::<Result<Vec<_>>>()?;
+    Ok(Stats::from_samples(samples))
+}
+
+/// How many input sets to rotate through so one pass over them exceeds the L2 (×2 for margin),
+/// capped so the sets fit comfortably in `free_bytes`.
+pub fn rotation_sets(bytes_per_set: usize, l2_bytes: u64, free_bytes: u64) -> usize {
+    if bytes_per_set == 0 {
+        return 1;
+    }
+    let want = ((2 * l2_bytes) as usize).div_ceil(bytes_per_set).max(1);
+    let cap = ((free_bytes / 4) as usize / bytes_per_set).max(1);
+    want.min(cap).min(64)
+}
+
+/// One line of a bench report. `ratio_to_peer` > 1 means faster than the peer.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct BenchRecord {
+    pub device: String,
+    pub op: String,
+    pub variant: String,
+    pub dtype: String,
+    pub shape: String,
+    pub median_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    pub reps: usize,
+    pub flops: f64,
+    pub bytes: f64,
+    pub tflops: f64,
+    pub gbps: f64,
+    /// Percent of the relevant ceiling (vendor rate for compute-bound, copy bandwidth otherwise).
+    pub pct_of_ceiling: Option<f64>,
+    pub ceiling: String,
+    pub speedup_vs_baseline: Option<f64>,
+    pub baseline: String,
+    pub ratio_to_peer: Option<f64>,
+    pub peer: String,
+    pub is_peer: bool,
+    pub registers: Option<i32>,
+    pub smem_bytes: Option<u32>,
+    pub spill_bytes: Option<i32>,
+    pub occupancy: Option<f64>,
+    pub config: String,
+    pub note: String,
+}
+
+impl BenchRecord {
+    pub fn new(device: Device, device_name: &str, op: &str, variant: &str, dtype: DType, shape: String, stats: Stats, flops: f64, bytes: f64) -> Self {
+        let s = stats.median_ms * 1e-3;
+        BenchRecord {
+            device: format!("{device} ({device_name})"),
+            op: op.into(),
+            variant: variant.into(),
+            dtype: dtype.to_string(),
+            shape,
+            median_ms: stats.median_ms,
+            min_ms: stats.min_ms,
+            max_ms: stats.max_ms,
+            reps: stats.reps,
+            flops,
+            bytes,
+            tflops: if s > 0.0 { flops / s / 1e12 } else { 0.0 },
+            gbps: if s > 0.0 { bytes / s / 1e9 } else { 0.0 },
+            ..Default::default()
+        }
+    }
+}
+
+/// Fills the relative columns of a group of records measured together (same op, shape, dtype,
+/// device): speedup over `baseline`, ratio to the record flagged `is_peer`, percent of `ceiling`.
+pub fn relate(records: &mut [BenchRecord], baseline: &str, ceiling: Option<(&str, f64, bool)>) {
+    let base = records.iter().find(|r| r.variant == baseline).map(|r| (r.median_ms, r.variant.clone()));
+    let peer = records.iter().find(|r| r.is_peer).map(|r| (r.median_ms, r.variant.clone()));
+    for r in records.iter_mut() {
+        if let Some((b, name)) = &base {
+            r.speedup_vs_baseline = Some(b / r.median_ms);
+            r.baseline = name.clone();
+        }
+        if let Some((p, name)) = &peer {
+            r.ratio_to_peer = Some(p / r.median_ms);
+            r.peer = name.clone();
+        }
+        if let Some((name, value, compute_bound)) = ceiling {
+            let achieved = if compute_bound { r.tflops * 1e3 } else { r.gbps };
+            if value > 0.0 {
+                r.pct_of_ceiling = Some(100.0 * achieved / value);
+                r.ceiling = name.to_string();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_and_relations() {
+        let s = Stats::from_samples(vec![3.0, 1.0, 2.0, 10.0]);
+        assert_eq!((s.median_ms, s.min_ms, s.max_ms, s.reps), (2.5, 1.0, 10.0, 4));
+        let mk = |v: &str, ms: f64, peer: bool| BenchRecord {
+            variant: v.into(),
+            median_ms: ms,
+            is_peer: peer,
+            tflops: 1.0 / ms,
+            ..Default::default()
+        };
+        let mut rs = vec![mk("naive", 10.0, false), mk("fast", 2.0, false), mk("vendor", 1.0, true)];
+        relate(&mut rs, "naive", Some(("peak", 1000.0, true)));
+        assert_eq!(rs[1].speedup_vs_baseline, Some(5.0));
+        assert_eq!(rs[1].ratio_to_peer, Some(0.5));
+        assert_eq!(rs[2].pct_of_ceiling, Some(100.0));
+        assert_eq!(rotation_sets(10 << 20, 50 << 20, 80 << 30), 10);
+        assert_eq!(rotation_sets(1 << 30, 50 << 20, 80 << 30), 1);
+    }
+}

@@ -1,0 +1,165 @@
+//! Correctness checks: each op family compares each variant's output against an f64 CPU reference
+//! on fresh random inputs, with outputs poisoned first. This file holds the shared pieces.
+
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+
+/// Which numeric contract a result is held to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// True fp32 arithmetic.
+    F32,
+    /// fp32 inputs through tensor cores (10-bit mantissa products).
+    Tf32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    pub fn of(dtype: DType) -> Precision {
+        match dtype {
+            DType::BF16 => Precision::Bf16,
+            DType::F16 => Precision::F16,
+            _ => Precision::F32,
+        }
+    }
+
+    /// Relative Frobenius error allowed. fp32 rounding grows like √k·2⁻²⁴ in a length-k dot
+    /// product, so f32 gets a little room above 1e-6 for the long reductions of the checks.
+    pub fn tolerance(self) -> f64 {
+        match self {
+            Precision::F32 => 5e-6,
+            Precision::Tf32 => 1e-3,
+            Precision::Bf16 | Precision::F16 => 1e-2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
+}
+
+/// ‖out − ref‖ / ‖ref‖ (or ‖out‖ when ref is all zero). Any NaN or Inf in `out` gives +Inf, so
+/// an unwritten (poisoned) or overflowed element always fails.
+pub fn rel_error(out: &[f64], reference: &[f64]) -> f64 {
+    if out.len() != reference.len() {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&o, &r) in out.iter().zip(reference) {
+        if !o.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (o - r) * (o - r);
+        den += r * r;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// What `ferrite check` runs.
+#[derive(Clone, Debug)]
+pub struct CheckConfig {
+    pub devices: Vec<Device>,
+    /// Only these variants (all when empty).
+    pub variants: Vec<String>,
+    /// Only these dtypes (all the op supports when empty).
+    pub dtypes: Vec<DType>,
+    /// Seed for the inputs; fresh per run unless given.
+    pub seed: u64,
+    /// Smaller shape set (unit tests).
+    pub quick: bool,
+}
+
+impl CheckConfig {
+    pub fn wants_variant(&self, name: &str) -> bool {
+        self.variants.is_empty() || self.variants.iter().any(|v| v == name)
+    }
+    pub fn wants_dtype(&self, d: DType) -> bool {
+        self.dtypes.is_empty() || self.dtypes.contains(&d)
+    }
+}
+
+/// One line of the check table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckRecord {
+    pub op: String,
+    pub variant: String,
+    pub device: String,
+    pub dtype: String,
+    pub precision: Precision,
+    pub shape: String,
+    pub error: f64,
+    pub tolerance: f64,
+    pub pass: bool,
+    /// Why a case failed to run, or what was special about it.
+    pub note: String,
+}
+
+impl CheckRecord {
+    /// A compared result.
+    #[allow(clippy::too_many_arguments)]
+    pub fn compared(
+        op: &str,
+        variant: &str,
+        device: Device,
+        dtype: DType,
+        precision: Precision,
+        shape: String,
+        error: f64,
+        note: String,
+    ) -> Self {
+        let tolerance = precision.tolerance();
+        CheckRecord {
+            op: op.into(),
+            variant: variant.into(),
+            device: device.to_string(),
+            dtype: dtype.to_string(),
+            precision,
+            shape,
+            error,
+            tolerance,
+            pass: error <= tolerance,
+            note,
+        }
+    }
+
+    /// A case that could not run (an error is a failure, never a skip).
+    pub fn errored(op: &str, variant: &str, device: Device, dtype: DType, shape: String, err: String) -> Self {
+        CheckRecord {
+            op: op.into(),
+            variant: variant.into(),
+            device: device.to_string(),
+            dtype: dtype.to_string(),
+            precision: Precision::of(dtype),
+            shape,
+            error: f64::INFINITY,
+            tolerance: Precision::of(dtype).tolerance(),
+            pass: false,
+            note: err,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nan_and_inf_never_pass() {
+        assert_eq!(rel_error(&[1.0, f64::NAN], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rel_error(&[1.0, f64::INFINITY], &[1.0, 2.0]), f64::INFINITY);
+        assert!(rel_error(&[1.0, 2.0], &[1.0, 2.0]) == 0.0);
+        assert!((rel_error(&[1.1], &[1.0]) - 0.1).abs() < 1e-12);
+        assert_eq!(rel_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+    }
+}

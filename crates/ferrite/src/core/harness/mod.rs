@@ -1,0 +1,77 @@
+//! The check and bench harness: what an op family implements to take part in `ferrite check`,
+//! `ferrite bench` and `ferrite kernels`, and the shared machinery they use. Knows no op.
+
+pub mod bench;
+pub mod check;
+pub mod report;
+
+use crate::core::cuda::jit::Program;
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use crate::core::variant::VariantInfo;
+pub use bench::{BenchRecord, Budget, Stats};
+pub use check::{CheckConfig, CheckRecord, Precision};
+
+/// What `ferrite bench` runs.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    pub devices: Vec<Device>,
+    /// Only these variants (all when empty).
+    pub variants: Vec<String>,
+    pub dtypes: Vec<DType>,
+    /// Explicit problem shapes (op-specific meaning, e.g. [m, n, k]); the op's defaults when empty.
+    pub shapes: Vec<Vec<usize>>,
+    /// Fewer, smaller cases (CI, smoke runs).
+    pub quick: bool,
+}
+
+impl BenchConfig {
+    pub fn wants_variant(&self, name: &str) -> bool {
+        self.variants.is_empty() || self.variants.iter().any(|v| v == name)
+    }
+    pub fn wants_dtype(&self, d: DType) -> bool {
+        self.dtypes.is_empty() || self.dtypes.contains(&d)
+    }
+}
+
+/// Machine ceilings measured at the start of a bench run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Ceilings {
+    /// Device-to-device copy, bytes read + written per second / 1e9.
+    pub gpu_copy_gbps: Option<f64>,
+    /// Vendor GEMM rate per dtype at 4096³ (GFLOP/s), e.g. ("bf16", 7.7e5).
+    pub gpu_gemm_gflops: Vec<(String, f64)>,
+    /// The CPU peer library's multi-threaded GEMM rate (GFLOP/s).
+    pub cpu_peer_gflops: Option<f64>,
+    /// Nominal single-core f32 peak: GHz × SIMD lanes × 2 (FMA) × 2 (FMA units).
+    pub cpu_core_peak_gflops: Option<f64>,
+    pub cpu_ghz: Option<f64>,
+    pub cpu_isa: String,
+    pub cpu_threads: usize,
+}
+
+impl Ceilings {
+    pub fn gpu_gemm(&self, dtype: &str) -> Option<f64> {
+        self.gpu_gemm_gflops.iter().find(|(d, _)| d == dtype).map(|(_, v)| *v)
+    }
+}
+
+/// A kernel module and the functions in it, for the build check (`ferrite kernels`).
+pub struct KernelSpec {
+    pub program: Program,
+    pub functions: Vec<String>,
+    pub min_arch: Arch,
+}
+
+/// An op family as the harness sees it.
+pub trait OpFamily: Sync {
+    fn name(&self) -> &'static str;
+    fn variants(&self) -> Vec<VariantInfo>;
+    /// Runs the checks in `cfg`, appending one record per (variant, device, dtype, shape).
+    fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()>;
+    /// Runs the benchmarks in `cfg`; `progress` is called with a short label before each case.
+    fn bench(&self, cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()>;
+    /// Every kernel module the family compiles, with each specialisation it uses.
+    fn kernels(&self) -> Vec<KernelSpec>;
+}

@@ -1,0 +1,217 @@
+//! Output of check and bench: aligned terminal tables, JSON, and an SVG chart of a ladder.
+
+use super::bench::BenchRecord;
+use super::check::CheckRecord;
+use std::fmt::Write;
+
+/// A plain aligned text table.
+pub struct Table {
+    headers: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(headers: &[&str]) -> Self {
+        Table {
+            headers: headers.iter().map(|s| s.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+    pub fn render(&self) -> String {
+        let n = self.headers.len();
+        let mut w: Vec<usize> = self.headers.iter().map(|h| h.chars().count()).collect();
+        for r in &self.rows {
+            for (i, c) in r.iter().enumerate().take(n) {
+                w[i] = w[i].max(c.chars().count());
+            }
+        }
+        let line = |cells: &[String]| {
+            let mut s = String::new();
+            for (i, c) in cells.iter().enumerate().take(n) {
+                let pad = w[i] - c.chars().count();
+                if i > 0 {
+                    s.push_str("  ");
+                }
+                s.push_str(c);
+                if i + 1 < n {
+                    s.push_str(&" ".repeat(pad));
+                }
+            }
+            s.trim_end().to_string()
+        };
+        let mut out = line(&self.headers) + "\n";
+        out += &w.iter().map(|&x| "-".repeat(x)).collect::<Vec<_>>().join("  ");
+        out.push('\n');
+        for r in &self.rows {
+            out += &line(r);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+fn sci(v: f64) -> String {
+    if !v.is_finite() {
+        "inf".into()
+    } else if v == 0.0 {
+        "0".into()
+    } else {
+        format!("{v:.1e}")
+    }
+}
+
+pub fn check_table(records: &[CheckRecord]) -> String {
+    let mut t = Table::new(&["op", "variant", "device", "dtype", "shape", "error", "tol", "pass", "note"]);
+    for r in records {
+        t.row(vec![
+            r.op.clone(),
+            r.variant.clone(),
+            r.device.clone(),
+            if r.precision.name() != r.dtype { format!("{} ({})", r.dtype, r.precision.name()) } else { r.dtype.clone() },
+            r.shape.clone(),
+            sci(r.error),
+            sci(r.tolerance),
+            if r.pass { "ok".into() } else { "FAIL".into() },
+            r.note.clone(),
+        ]);
+    }
+    t.render()
+}
+
+fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    v.map(f).unwrap_or_else(|| "-".into())
+}
+
+/// Human rate: TFLOP/s above 1, GFLOP/s below.
+pub fn rate(tflops: f64) -> String {
+    if tflops >= 1.0 {
+        format!("{tflops:.1} TFLOP/s")
+    } else {
+        format!("{:.1} GFLOP/s", tflops * 1e3)
+    }
+}
+
+pub fn bench_table(records: &[BenchRecord]) -> String {
+    let mut t = Table::new(&[
+        "op", "variant", "dtype", "shape", "median ms", "min", "max", "rate", "GB/s", "% ceil", "× base", "× peer", "regs", "smem", "occ", "config / note",
+    ]);
+    for r in records {
+        let mut note = r.config.clone();
+        if !r.note.is_empty() {
+            if !note.is_empty() {
+                note.push_str("; ");
+            }
+            note.push_str(&r.note);
+        }
+        t.row(vec![
+            r.op.clone(),
+            if r.is_peer { format!("{} (peer)", r.variant) } else { r.variant.clone() },
+            r.dtype.clone(),
+            r.shape.clone(),
+            format!("{:.4}", r.median_ms),
+            format!("{:.4}", r.min_ms),
+            format!("{:.4}", r.max_ms),
+            if r.flops > 0.0 { rate(r.tflops) } else { "-".into() },
+            format!("{:.1}", r.gbps),
+            opt(r.pct_of_ceiling, |v| format!("{v:.1}%")),
+            opt(r.speedup_vs_baseline, |v| format!("{v:.2}")),
+            opt(r.ratio_to_peer, |v| format!("{v:.2}")),
+            r.registers.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+            r.smem_bytes.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+            opt(r.occupancy, |v| format!("{:.0}%", v * 100.0)),
+            note,
+        ]);
+    }
+    t.render()
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// A horizontal bar chart of the ladder: one panel per (device, op, dtype, shape), one bar per
+/// variant, rate on a log axis (a naive CPU loop and a tensor-core kernel differ by 10⁴).
+pub fn ladder_svg(records: &[BenchRecord], title: &str) -> String {
+    let mut groups: Vec<(String, Vec<&BenchRecord>)> = Vec::new();
+    for r in records.iter().filter(|r| r.flops > 0.0 || r.gbps > 0.0) {
+        let key = format!("{} · {} · {} · {}", r.device, r.op, r.dtype, r.shape);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(r),
+            None => groups.push((key, vec![r])),
+        }
+    }
+    let value = |r: &BenchRecord| if r.flops > 0.0 { r.tflops * 1e3 } else { r.gbps };
+    let unit = |g: &[&BenchRecord]| if g.iter().any(|r| r.flops > 0.0) { "GFLOP/s" } else { "GB/s" };
+    let (lw, bw, bh, gap) = (170.0, 560.0, 18.0, 34.0);
+    let width = lw + bw + 190.0;
+    let height: f64 = 50.0 + groups.iter().map(|(_, g)| gap + bh * g.len() as f64).sum::<f64>();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(s, r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#, esc(title));
+    let mut y = 50.0;
+    for (key, g) in &groups {
+        let vmax = g.iter().map(|r| value(r)).fold(1e-9, f64::max);
+        let vmin = g.iter().map(|r| value(r)).filter(|v| *v > 0.0).fold(vmax, f64::min);
+        let lo = (vmin / 2.0).log10().floor();
+        let hi = vmax.log10().ceil().max(lo + 1.0);
+        let _ = writeln!(
+            s,
+            r#"<text x="10" y="{}" font-weight="bold">{} ({}, log scale)</text>"#,
+            y + 14.0,
+            esc(key),
+            unit(g)
+        );
+        y += gap - 8.0;
+        for r in g {
+            let v = value(r).max(10f64.powf(lo));
+            let len = bw * (v.log10() - lo) / (hi - lo);
+            let color = if r.is_peer { "#888888" } else if r.device.starts_with("cuda") { "#2e7d32" } else { "#1565c0" };
+            let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#, lw - 6.0, y + 13.0, esc(&r.variant));
+            let _ = writeln!(s, r#"<rect x="{lw}" y="{}" width="{len:.1}" height="{}" fill="{color}"/>"#, y + 2.0, bh - 4.0);
+            let ratio = r.ratio_to_peer.filter(|_| !r.is_peer).map(|x| format!(" ({x:.2}× peer)")).unwrap_or_default();
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}">{:.1}{}</text>"#,
+                lw + len + 6.0,
+                y + 13.0,
+                value(r),
+                esc(&ratio)
+            );
+            y += bh;
+        }
+        y += 8.0;
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_aligns_and_svg_is_wellformed() {
+        let mut t = Table::new(&["a", "bbb"]);
+        t.row(vec!["xx".into(), "y".into()]);
+        let s = t.render();
+        assert!(s.starts_with("a   bbb\n--  ---\nxx  y"), "{s}");
+        let r = BenchRecord {
+            device: "cpu".into(),
+            op: "matmul".into(),
+            variant: "naive<1>".into(),
+            flops: 1e9,
+            tflops: 0.001,
+            ..Default::default()
+        };
+        let svg = ladder_svg(&[r], "t");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("naive&lt;1&gt;"));
+    }
+}

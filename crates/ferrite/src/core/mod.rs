@@ -1,0 +1,12 @@
+//! Shared machinery: tensors, devices, the CUDA runtime and JIT, variants and the harness.
+//! Nothing here knows any op.
+
+pub mod cuda;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod harness;
+pub mod layout;
+pub mod rng;
+pub mod tensor;
+pub mod variant;

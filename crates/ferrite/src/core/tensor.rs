@@ -1,0 +1,424 @@
+//! The tensor: a view (shape, strides, offset — see `Layout`) over storage on the CPU or a GPU.
+//! Views share storage (`Arc`); ops write outputs through the storage's lock, so a caller can hand
+//! ferrite its own output buffers. Device storage may be borrowed (a PyTorch tensor's memory).
+
+use super::cuda::{self, CudaDevice, DeviceBuffer, Stream};
+use super::device::Device;
+use super::dtype::{read_as_f64, write_from_f64, DType, Element};
+use super::error::{Error, Result};
+use super::layout::{checked_bytes, checked_numel, Layout};
+use super::rng::Rng;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// Host bytes, 8-byte aligned so every dtype can be viewed in place.
+pub struct HostBytes {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl HostBytes {
+    pub fn zeroed(len: usize) -> Self {
+        HostBytes {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+    pub fn as_slice<T: Element>(&self) -> &[T] {
+        bytemuck::cast_slice(self.as_bytes())
+    }
+    pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(self.as_bytes_mut())
+    }
+}
+
+pub enum Storage {
+    Cpu(HostBytes),
+    Cuda(DeviceBuffer),
+}
+
+#[derive(Clone)]
+pub struct Tensor {
+    storage: Arc<RwLock<Storage>>,
+    layout: Layout,
+    dtype: DType,
+    device: Device,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor({} {:?} strides {:?} on {})",
+            self.dtype,
+            self.layout.shape(),
+            self.layout.strides(),
+            self.device
+        )
+    }
+}
+
+/// Describes a tensor for error messages: `bf16[127, 33] on cuda:0`.
+pub fn describe(t: &Tensor) -> String {
+    let mut s = format!("{}{:?} on {}", t.dtype, t.shape(), t.device);
+    if !t.is_contiguous() {
+        s.push_str(&format!(" (strides {:?})", t.strides()));
+    }
+    s
+}
+
+impl Tensor {
+    fn from_storage(storage: Storage, shape: &[usize], dtype: DType, device: Device) -> Self {
+        Tensor {
+            storage: Arc::new(RwLock::new(storage)),
+            layout: Layout::contiguous(shape),
+            dtype,
+            device,
+        }
+    }
+
+    /// A CPU tensor owning `data`, row-major with `shape`.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        let n = checked_numel("Tensor::from_vec", shape)?;
+        if n != data.len() {
+            return Err(Error::bad_arg(
+                "Tensor::from_vec",
+                "data",
+                format!("{n} elements for shape {shape:?}"),
+                format!("{} elements", data.len()),
+            ));
+        }
+        let mut hb = HostBytes::zeroed(n * T::DTYPE.size_in_bytes());
+        hb.as_mut_slice::<T>().copy_from_slice(&data);
+        Ok(Self::from_storage(Storage::Cpu(hb), shape, T::DTYPE, Device::Cpu))
+    }
+
+    /// Uninitialised on a GPU, zeroed on the CPU. Ops that write every element take these.
+    pub fn empty(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let n = checked_numel("Tensor::empty", shape)?;
+        let bytes = checked_bytes("Tensor::empty", n, dtype.size_in_bytes())?;
+        let storage = match device {
+            Device::Cpu => Storage::Cpu(HostBytes::zeroed(bytes)),
+            Device::Cuda(i) => {
+                let dev = cuda::device(i)?;
+                Storage::Cuda(dev.alloc(bytes, dev.stream())?)
+            }
+        };
+        Ok(Self::from_storage(storage, shape, dtype, device))
+    }
+
+    /// Every element set to `v` (rounded to the dtype).
+    pub fn full(shape: &[usize], dtype: DType, device: Device, v: f64) -> Result<Tensor> {
+        let n = checked_numel("Tensor::full", shape)?;
+        let mut hb = HostBytes::zeroed(checked_bytes("Tensor::full", n, dtype.size_in_bytes())?);
+        for i in 0..n {
+            write_from_f64(hb.as_bytes_mut(), dtype, i, v);
+        }
+        Self::from_storage(Storage::Cpu(hb), shape, dtype, Device::Cpu).to_device(device)
+    }
+
+    /// Uniform random in [lo, hi) from `seed` (integers: truncated).
+    pub fn rand(shape: &[usize], dtype: DType, device: Device, seed: u64, lo: f64, hi: f64) -> Result<Tensor> {
+        let n = checked_numel("Tensor::rand", shape)?;
+        let mut hb = HostBytes::zeroed(checked_bytes("Tensor::rand", n, dtype.size_in_bytes())?);
+        let mut rng = Rng::new(seed);
+        for i in 0..n {
+            write_from_f64(hb.as_bytes_mut(), dtype, i, rng.uniform(lo, hi));
+        }
+        Self::from_storage(Storage::Cpu(hb), shape, dtype, Device::Cpu).to_device(device)
+    }
+
+    /// Wraps device memory owned elsewhere (e.g. a PyTorch tensor) as a tensor view.
+    ///
+    /// # Safety
+    /// `ptr` must point to device memory of `dev` holding at least every element the layout
+    /// (`shape`, `strides`, offset 0) addresses, alive and not freed while the tensor lives.
+    pub unsafe fn from_device_ptr(
+        dev: Arc<CudaDevice>,
+        ptr: u64,
+        shape: &[usize],
+        strides: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let layout = Layout::new(shape.to_vec(), strides.to_vec(), 0)?;
+        let end = layout.max_offset("Tensor::from_device_ptr")?;
+        let bytes = checked_bytes("Tensor::from_device_ptr", end, dtype.size_in_bytes())?;
+        let ordinal = dev.ordinal();
+        // SAFETY: forwarded to the caller's contract.
+        let buf = unsafe { DeviceBuffer::borrowed(dev, ptr, bytes) };
+        Ok(Tensor {
+            storage: Arc::new(RwLock::new(Storage::Cuda(buf))),
+            layout,
+            dtype,
+            device: Device::Cuda(ordinal),
+        })
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        self.layout.shape()
+    }
+    pub fn strides(&self) -> &[usize] {
+        self.layout.strides()
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+    /// Bytes the view covers if contiguous.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size_in_bytes()
+    }
+    /// Whether two tensors view the same storage (an op refuses an output aliasing an input).
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+
+    fn with_layout(&self, layout: Layout) -> Tensor {
+        Tensor {
+            storage: self.storage.clone(),
+            layout,
+            dtype: self.dtype,
+            device: self.device,
+        }
+    }
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout.reshape(shape)?))
+    }
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout.transpose(a, b)?))
+    }
+    /// The 2-D transpose of the last two dims.
+    pub fn t(&self) -> Result<Tensor> {
+        let r = self.rank();
+        if r < 2 {
+            return Err(Error::bad_arg("t", "self", "rank ≥ 2", describe(self)));
+        }
+        self.transpose(r - 2, r - 1)
+    }
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout.narrow(dim, start, len)?))
+    }
+
+    pub(crate) fn read_storage(&self) -> Result<RwLockReadGuard<'_, Storage>> {
+        self.storage
+            .try_read()
+            .map_err(|_| Error::Other("tensor storage is being written by another op".into()))
+    }
+    pub(crate) fn write_storage(&self) -> Result<RwLockWriteGuard<'_, Storage>> {
+        self.storage
+            .try_write()
+            .map_err(|_| Error::Other("tensor storage is in use by another op (aliasing output?)".into()))
+    }
+
+    /// The CUDA device of a GPU tensor.
+    pub fn cuda_device(&self) -> Result<Arc<CudaDevice>> {
+        match &*self.read_storage()? {
+            Storage::Cuda(b) => Ok(b.device().clone()),
+            Storage::Cpu(_) => Err(Error::bad_arg("cuda_device", "self", "a CUDA tensor", describe(self))),
+        }
+    }
+
+    /// Device address of the view's first element (GPU tensors).
+    pub fn device_ptr(&self) -> Result<u64> {
+        match &*self.read_storage()? {
+            Storage::Cuda(b) => Ok(b.ptr() + (self.layout.offset() * self.dtype.size_in_bytes()) as u64),
+            Storage::Cpu(_) => Err(Error::bad_arg("device_ptr", "self", "a CUDA tensor", describe(self))),
+        }
+    }
+
+    /// Runs `f` on the CPU elements the storage holds from the view's offset on (contiguous
+    /// views read exactly `numel` from there; strided ones index with `strides()`).
+    pub fn with_cpu<T: Element, R>(&self, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+        self.expect_dtype("with_cpu", "self", T::DTYPE)?;
+        match &*self.read_storage()? {
+            Storage::Cpu(h) => Ok(f(&h.as_slice::<T>()[self.layout.offset()..])),
+            Storage::Cuda(_) => Err(Error::bad_arg("with_cpu", "self", "a CPU tensor", describe(self))),
+        }
+    }
+
+    pub fn with_cpu_mut<T: Element, R>(&self, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        self.expect_dtype("with_cpu_mut", "self", T::DTYPE)?;
+        match &mut *self.write_storage()? {
+            Storage::Cpu(h) => Ok(f(&mut h.as_mut_slice::<T>()[self.layout.offset()..])),
+            Storage::Cuda(_) => Err(Error::bad_arg("with_cpu_mut", "self", "a CPU tensor", describe(self))),
+        }
+    }
+
+    pub fn expect_dtype(&self, op: &str, arg: &str, dtype: DType) -> Result<()> {
+        if self.dtype != dtype {
+            return Err(Error::bad_arg(op, arg, format!("dtype {dtype}"), describe(self)));
+        }
+        Ok(())
+    }
+
+    /// The view's bytes in row-major order (copied from the device if needed).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let es = self.dtype.size_in_bytes();
+        match &*self.read_storage()? {
+            Storage::Cpu(h) => {
+                let src = h.as_bytes();
+                if self.is_contiguous() {
+                    let o = self.layout.offset() * es;
+                    return Ok(src[o..o + self.nbytes()].to_vec());
+                }
+                let mut out = Vec::with_capacity(self.nbytes());
+                for off in self.layout.offsets() {
+                    out.extend_from_slice(&src[off * es..(off + 1) * es]);
+                }
+                Ok(out)
+            }
+            Storage::Cuda(b) => {
+                let dev = b.device().clone();
+                // Copy the whole span the view touches, then gather on the host.
+                let span = self.layout.max_offset("to_bytes")? - self.layout.offset();
+                let mut host = vec![0u8; span * es];
+                let base = b.ptr() + (self.layout.offset() * es) as u64;
+                let stream = dev.stream().clone();
+                // SAFETY: base..base+span*es lies inside the buffer (layout validated against
+                // it); `host` lives until the synchronize below.
+                unsafe { dev.dtoh(&mut host, base, &stream)? };
+                dev.synchronize(&stream, "device→host copy")?;
+                if self.is_contiguous() {
+                    return Ok(host);
+                }
+                let rel = self.with_layout(Layout::new(
+                    self.shape().to_vec(),
+                    self.strides().to_vec(),
+                    0,
+                )?);
+                let mut out = Vec::with_capacity(self.nbytes());
+                for off in rel.layout.offsets() {
+                    out.extend_from_slice(&host[off * es..(off + 1) * es]);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// The view's elements in row-major order.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.expect_dtype("to_vec", "self", T::DTYPE)?;
+        let bytes = self.to_bytes()?;
+        let mut v = vec![T::zeroed(); self.numel()];
+        bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&bytes);
+        Ok(v)
+    }
+
+    /// The view's elements as f64, row-major (for references and error norms).
+    pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        let bytes = self.to_bytes()?;
+        Ok((0..self.numel()).map(|i| read_as_f64(&bytes, self.dtype, i)).collect())
+    }
+
+    /// A contiguous copy on `device` (or a cheap clone sharing storage if already there and
+    /// contiguous; see `deep_copy` for a copy that never shares).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device && self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        self.copy_to(device)
+    }
+
+    /// A contiguous copy with storage of its own, on the same device.
+    pub fn deep_copy(&self) -> Result<Tensor> {
+        self.copy_to(self.device)
+    }
+
+    fn copy_to(&self, device: Device) -> Result<Tensor> {
+        let bytes = self.to_bytes()?;
+        match device {
+            Device::Cpu => {
+                let mut hb = HostBytes::zeroed(bytes.len());
+                hb.as_bytes_mut().copy_from_slice(&bytes);
+                Ok(Self::from_storage(Storage::Cpu(hb), self.shape(), self.dtype, Device::Cpu))
+            }
+            Device::Cuda(i) => {
+                let dev = cuda::device(i)?;
+                let stream = dev.stream().clone();
+                let buf = dev.alloc(bytes.len(), &stream)?;
+                // SAFETY: buf holds bytes.len() bytes; `bytes` lives until the synchronize.
+                unsafe { dev.htod(buf.ptr(), &bytes, &stream)? };
+                dev.synchronize(&stream, "host→device copy")?;
+                Ok(Self::from_storage(Storage::Cuda(buf), self.shape(), self.dtype, device))
+            }
+        }
+    }
+
+    /// A contiguous version (a copy only if needed).
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let c = self.to_device(Device::Cpu)?;
+        c.to_device(self.device)
+    }
+
+    /// Fills the whole view with a value no correct kernel writes: NaN for floats, all-ones bits
+    /// for integers. Outputs are poisoned before a checked run so an unwritten element fails.
+    pub fn poison(&self, stream: Option<&Stream>) -> Result<()> {
+        if !self.is_contiguous() {
+            return Err(Error::bad_arg("poison", "self", "a contiguous view", describe(self)));
+        }
+        // 0xFF bytes are NaN in f32/f16/bf16 and -1 / MAX in the integer types.
+        match &mut *self.write_storage()? {
+            Storage::Cpu(h) => {
+                let o = self.layout.offset() * self.dtype.size_in_bytes();
+                h.as_bytes_mut()[o..o + self.nbytes()].fill(0xFF);
+                Ok(())
+            }
+            Storage::Cuda(b) => {
+                let dev = b.device().clone();
+                let s = stream.unwrap_or(dev.stream()).clone();
+                let p = b.ptr() + (self.layout.offset() * self.dtype.size_in_bytes()) as u64;
+                // SAFETY: the view lies inside the buffer.
+                unsafe { dev.memset(p, 0xFF, self.nbytes(), &s) }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_and_round_trip() {
+        let t = Tensor::from_vec((0..6).map(|x| x as f32).collect(), &[2, 3]).unwrap();
+        assert_eq!(t.t().unwrap().to_vec::<f32>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
+        assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec::<f32>().unwrap(), vec![1., 2., 4., 5.]);
+        assert!(t.to_vec::<i32>().is_err());
+        let e = Tensor::from_vec(vec![1.0f32; 5], &[2, 3]).unwrap_err().to_string();
+        assert!(e.contains("6 elements") && e.contains("5 elements"), "{e}");
+        let p = Tensor::rand(&[7], DType::BF16, Device::Cpu, 1, -1.0, 1.0).unwrap();
+        p.poison(None).unwrap();
+        assert!(p.to_f64_vec().unwrap().iter().all(|v| v.is_nan()));
+    }
+
+    #[test]
+    fn empty_tensors_and_overflow() {
+        let t = Tensor::empty(&[0, 5], DType::F32, Device::Cpu).unwrap();
+        assert_eq!(t.numel(), 0);
+        assert!(t.to_vec::<f32>().unwrap().is_empty());
+        let e = Tensor::empty(&[1 << 40, 1 << 30], DType::F32, Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("overflow"), "{e}");
+    }
+}

@@ -1,0 +1,379 @@
+//! # matmul — C = α·op(A)·op(B) + β·C
+//!
+//! The room of the matrix-multiply family: the public functions and their input checks (here),
+//! the CPU ladder (`cpu/`), the CUDA host code (`cuda.rs`) and kernels (`kernels/*.cu`), the
+//! checks against an f64 reference (`check.rs`) and the benchmark (`bench.rs`).
+//!
+//! **Layouts.** A is `[m, k]` or `[batch, m, k]`, B is `[k, n]` or `[batch, k, n]`; each may be
+//! row-major or a transposed view (stride 1 in either of its last two dims: NN, NT, TN, TT) with
+//! any leading dimension; a 2-D operand broadcasts over the batch. The output is `[m, n]` or
+//! `[batch, m, n]` with stride 1 in its last dim and any row and batch stride that keeps batches
+//! apart. A, B and C share one dtype (f32, f16, bf16) and one device; f32 may run as tf32
+//! (tensor cores) when the caller asks for `Precision::Tf32`.
+//!
+//! **Variants** (the ladder; `variants()` lists what each supports):
+//! - CPU f32: `naive` → `blocked` → `simd` → `parallel`, measured against the `gemm` crate.
+//! - CUDA: `naive` (one thread per output element), measured against cuBLAS.
+
+pub mod bench;
+pub mod check;
+pub mod cpu;
+pub mod cuda;
+
+use crate::core::cuda::Stream;
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::{BenchConfig, BenchRecord, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily, Precision};
+use crate::core::tensor::{describe, Tensor};
+use crate::core::variant::{self, Backend, VariantInfo};
+
+pub const OP: &str = "matmul";
+
+const F32: &[DType] = &[DType::F32];
+const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+
+/// The ladder, in order.
+pub fn variants() -> Vec<VariantInfo> {
+    vec![
+        VariantInfo {
+            name: "naive",
+            backend: Backend::Cpu,
+            dtypes: F32,
+            min_arch: None,
+            constraints: "any shape",
+            summary: "triple loop i-j-p: B is walked down a column, one cache line per multiply-add",
+            rank: 1,
+        },
+        VariantInfo {
+            name: "blocked",
+            backend: Backend::Cpu,
+            dtypes: F32,
+            min_arch: None,
+            constraints: "any shape",
+            summary: "cache tiles and i-p-j order: the inner loop streams a row of B and vectorises",
+            rank: 2,
+        },
+        VariantInfo {
+            name: "simd",
+            backend: Backend::Cpu,
+            dtypes: F32,
+            min_arch: None,
+            constraints: "any shape",
+            summary: "packed panels + register-blocked AVX-512/AVX2 FMA micro-kernel chosen at run time",
+            rank: 3,
+        },
+        VariantInfo {
+            name: "parallel",
+            backend: Backend::Cpu,
+            dtypes: F32,
+            min_arch: None,
+            constraints: "any shape",
+            summary: "the simd kernel over all cores (rayon), B panels packed once and shared",
+            rank: 4,
+        },
+        VariantInfo {
+            name: "naive",
+            backend: Backend::Cuda,
+            dtypes: FLOATS,
+            min_arch: Some(crate::core::device::Arch::SM80),
+            constraints: "any shape, any layout",
+            summary: "one thread per output element, operands straight from global memory",
+            rank: 1,
+        },
+    ]
+}
+
+/// Options of one call. `Default` is α = 1, β = 0, best variant, fp32 precision, the device's
+/// own stream.
+#[derive(Clone, Debug)]
+pub struct MatmulOptions {
+    pub variant: Option<String>,
+    pub alpha: f32,
+    pub beta: f32,
+    /// For f32 inputs: `F32` (exact fp32) or `Tf32` (tensor cores). Ignored for f16/bf16.
+    pub precision: Precision,
+    /// Stream to run on (GPU); the device's own stream when None.
+    pub stream: Option<Stream>,
+    /// CPU threads for the multi-threaded variants (0 = all cores).
+    pub threads: usize,
+}
+
+impl Default for MatmulOptions {
+    fn default() -> Self {
+        MatmulOptions {
+            variant: None,
+            alpha: 1.0,
+            beta: 0.0,
+            precision: Precision::F32,
+            stream: None,
+            threads: 0,
+        }
+    }
+}
+
+/// How one operand is laid out: leading dimension, whether it is stored transposed, batch stride
+/// (0 = broadcast), all in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub ld: usize,
+    pub trans: bool,
+    pub batch_stride: usize,
+}
+
+/// A validated problem: sizes and layouts the variants work from.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemm {
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: Operand,
+    pub b: Operand,
+    /// `trans` is always false for C.
+    pub c: Operand,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Gemm {
+    pub fn flops(&self) -> f64 {
+        2.0 * self.batch as f64 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+    /// The fewest bytes any implementation moves: A, B read once, C written once.
+    pub fn min_bytes(&self, beta: f32) -> f64 {
+        let es = self.dtype.size_in_bytes() as f64;
+        let c = self.m as f64 * self.n as f64 * if beta != 0.0 { 2.0 } else { 1.0 };
+        self.batch as f64 * es * (self.m as f64 * self.k as f64 + self.k as f64 * self.n as f64 + c)
+    }
+    pub fn label(&self) -> String {
+        let t = |o: &Operand| if o.trans { 'T' } else { 'N' };
+        let b = if self.batch != 1 { format!("{}×", self.batch) } else { String::new() };
+        format!("{b}{}×{}×{} {}{}", self.m, self.n, self.k, t(&self.a), t(&self.b))
+    }
+}
+
+/// Reads the layout of a 2-D/3-D operand: (rows, cols, batch, layout).
+fn operand(t: &Tensor, arg: &str) -> Result<(usize, usize, usize, Operand)> {
+    let r = t.rank();
+    if !(2..=3).contains(&r) {
+        return Err(Error::bad_arg(OP, arg, "a 2-D [rows, cols] or 3-D [batch, rows, cols] tensor", describe(t)));
+    }
+    let s = t.shape();
+    let st = t.strides();
+    let (rows, cols) = (s[r - 2], s[r - 1]);
+    let (sr, sc) = (st[r - 2], st[r - 1]);
+    let (batch, batch_stride) = if r == 3 { (s[0], if s[0] > 1 { st[0] } else { 0 }) } else { (1, 0) };
+    if rows == 0 || cols == 0 {
+        // Nothing is read: any layout will do.
+        return Ok((rows, cols, batch, Operand { ld: cols.max(1), trans: false, batch_stride }));
+    }
+    // Row-major: unit stride along columns (or a single column), rows `ld` apart.
+    if cols <= 1 || sc == 1 {
+        let ld = if rows <= 1 { cols.max(1) } else { sr };
+        if ld >= cols.max(1) {
+            return Ok((rows, cols, batch, Operand { ld, trans: false, batch_stride }));
+        }
+    }
+    // Column-major (a transposed view): unit stride along rows.
+    if rows <= 1 || sr == 1 {
+        let ld = if cols <= 1 { rows.max(1) } else { sc };
+        if ld >= rows.max(1) {
+            return Ok((rows, cols, batch, Operand { ld, trans: true, batch_stride }));
+        }
+    }
+    Err(Error::bad_arg(
+        OP,
+        arg,
+        "stride 1 in one of the last two dims (row-major or a transposed view); call .contiguous()",
+        describe(t),
+    ))
+}
+
+/// Checks A, B and C against each other and returns the problem.
+pub fn validate(a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Gemm> {
+    for (t, name) in [(b, "b"), (c, "out")] {
+        if t.device() != a.device() {
+            return Err(Error::bad_arg(OP, name, format!("a tensor on {} (like a)", a.device()), describe(t)));
+        }
+        if t.dtype() != a.dtype() {
+            return Err(Error::bad_arg(OP, name, format!("dtype {} (like a)", a.dtype()), describe(t)));
+        }
+    }
+    if !FLOATS.contains(&a.dtype()) {
+        return Err(Error::bad_arg(OP, "a", "dtype f32, f16 or bf16", describe(a)));
+    }
+    if c.shares_storage(a) || c.shares_storage(b) {
+        return Err(Error::bad_arg(OP, "out", "a buffer distinct from a and b", "a view of an input"));
+    }
+    let (m, ka, ba, ao) = operand(a, "a")?;
+    let (kb, n, bb, bo) = operand(b, "b")?;
+    if ka != kb {
+        return Err(Error::bad_arg(
+            OP,
+            "b",
+            format!("{ka} rows (a is {m}×{ka})"),
+            format!("{} (inner dims {ka} vs {kb})", describe(b)),
+        ));
+    }
+    let batch = match (a.rank(), b.rank()) {
+        (3, 3) if ba != bb => {
+            return Err(Error::bad_arg(OP, "b", format!("batch {ba} (like a)"), describe(b)));
+        }
+        (3, _) => ba,
+        (_, 3) => bb,
+        _ => 1,
+    };
+    let want_rank = a.rank().max(b.rank());
+    let want: Vec<usize> = if want_rank == 3 { vec![batch, m, n] } else { vec![m, n] };
+    if c.shape() != want.as_slice() {
+        return Err(Error::bad_arg(OP, "out", format!("shape {want:?}"), describe(c)));
+    }
+    let (_, _, _, co) = operand(c, "out")?;
+    if co.trans && m > 1 && n > 1 {
+        return Err(Error::bad_arg(OP, "out", "stride 1 in its last dim (row-major)", describe(c)));
+    }
+    let co = Operand { ld: if co.trans { n.max(1) } else { co.ld }, trans: false, ..co };
+    if batch > 1 && m > 0 && n > 0 && co.batch_stride < (m - 1) * co.ld + n {
+        return Err(Error::bad_arg(OP, "out", "batches that do not overlap (batch stride ≥ rows·ld)", describe(c)));
+    }
+    // Sizes kernels and cuBLAS index with: keep every extent addressable in 64-bit products.
+    for (name, v) in [("m", m), ("n", n), ("k", ka), ("batch", batch)] {
+        if v > i32::MAX as usize {
+            return Err(Error::bad_arg(OP, name, format!("≤ {}", i32::MAX), v));
+        }
+    }
+    Ok(Gemm {
+        batch,
+        m,
+        n,
+        k: ka,
+        a: ao,
+        b: bo,
+        c: co,
+        dtype: a.dtype(),
+        device: a.device(),
+    })
+}
+
+fn precision_of(g: &Gemm, opts: &MatmulOptions) -> Precision {
+    match g.dtype {
+        DType::F32 => opts.precision,
+        d => Precision::of(d),
+    }
+}
+
+/// Picks the variant that will run `g` under `opts`.
+pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
+    let vs = variants();
+    let backend = Backend::of(g.device);
+    let arch = match g.device {
+        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
+        Device::Cpu => None,
+    };
+    let prec = precision_of(g, opts);
+    let v = variant::select(OP, &vs, opts.variant.as_deref(), backend, g.dtype, arch, |v| {
+        (prec == Precision::Tf32 && (v.backend == Backend::Cpu || v.name == "naive"))
+            .then(|| "has no tf32 mode (tensor-core variants do)".to_string())
+    })?;
+    Ok(v.clone())
+}
+
+/// out = α·a·b + β·out, into a caller-provided output.
+pub fn matmul_into(a: &Tensor, b: &Tensor, out: &Tensor, opts: &MatmulOptions) -> Result<()> {
+    let g = validate(a, b, out)?;
+    let v = select(&g, opts)?;
+    if g.batch == 0 || g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    match g.device {
+        Device::Cpu => run_cpu(v.name, &g, a, b, out, opts),
+        Device::Cuda(_) => cuda::run(v.name, &g, a, b, out, opts),
+    }
+}
+
+/// a·b into a new tensor (options as in `matmul_into`, with β ignored: the output starts empty).
+pub fn matmul_with(a: &Tensor, b: &Tensor, opts: &MatmulOptions) -> Result<Tensor> {
+    let (ra, rb) = (a.rank(), b.rank());
+    if !(2..=3).contains(&ra) || !(2..=3).contains(&rb) {
+        return Err(Error::bad_arg(OP, if (2..=3).contains(&ra) { "b" } else { "a" }, "a 2-D or 3-D tensor", describe(if (2..=3).contains(&ra) { b } else { a })));
+    }
+    let (m, n) = (a.shape()[ra - 2], b.shape()[rb - 1]);
+    let shape: Vec<usize> = match (ra, rb) {
+        (3, _) => vec![a.shape()[0], m, n],
+        (_, 3) => vec![b.shape()[0], m, n],
+        _ => vec![m, n],
+    };
+    let out = Tensor::empty(&shape, a.dtype(), a.device())?;
+    let opts = MatmulOptions { beta: 0.0, ..opts.clone() };
+    matmul_into(a, b, &out, &opts)?;
+    Ok(out)
+}
+
+/// a·b with the best variant.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    matmul_with(a, b, &MatmulOptions::default())
+}
+
+/// Runs a CPU variant batch by batch on f32 storage.
+fn run_cpu(variant: &str, g: &Gemm, a: &Tensor, b: &Tensor, c: &Tensor, opts: &MatmulOptions) -> Result<()> {
+    let f: fn(cpu::Sgemm, usize) = match variant {
+        "naive" => |s, _| cpu::naive(s),
+        "blocked" => |s, _| cpu::blocked(s),
+        "simd" => |s, _| cpu::simd(s),
+        "parallel" => cpu::parallel,
+        "peer" => cpu::peer,
+        other => return Err(Error::NoVariant { op: OP.into(), msg: format!("no CPU variant named `{other}`") }),
+    };
+    a.with_cpu::<f32, _>(|a_s| {
+        b.with_cpu::<f32, _>(|b_s| {
+            c.with_cpu_mut::<f32, _>(|c_s| {
+                for z in 0..g.batch {
+                    f(
+                        cpu::Sgemm {
+                            m: g.m,
+                            n: g.n,
+                            k: g.k,
+                            alpha: opts.alpha,
+                            beta: opts.beta,
+                            a: &a_s[z * g.a.batch_stride..],
+                            lda: g.a.ld,
+                            a_trans: g.a.trans,
+                            b: &b_s[z * g.b.batch_stride..],
+                            ldb: g.b.ld,
+                            b_trans: g.b.trans,
+                            c: &mut c_s[z * g.c.batch_stride..],
+                            ldc: g.c.ld,
+                        },
+                        opts.threads,
+                    );
+                }
+            })
+        })
+    })???;
+    Ok(())
+}
+
+/// The family as the harness sees it.
+pub struct Matmul;
+
+impl OpFamily for Matmul {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn variants(&self) -> Vec<VariantInfo> {
+        variants()
+    }
+    fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
+        check::run(cfg, out)
+    }
+    fn bench(&self, cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
+        bench::run(cfg, ceilings, progress, out)
+    }
+    fn kernels(&self) -> Vec<KernelSpec> {
+        cuda::kernel_specs()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,219 @@
+//! The op families, one folder each, and what runs across all of them: the registry, the machine
+//! ceilings measured before a bench, and the kernel build check.
+
+pub mod copy;
+pub mod matmul;
+
+use crate::core::cuda::{self, jit};
+use crate::core::device::{Arch, Device};
+use crate::core::error::{Error, Result};
+use crate::core::harness::bench::{time_cpu, time_gpu, Budget};
+use crate::core::harness::{Ceilings, OpFamily, Precision};
+use crate::core::tensor::Tensor;
+use crate::core::dtype::DType;
+
+/// Every op family, in the order `check all` and `bench all` run them.
+pub fn registry() -> Vec<&'static dyn OpFamily> {
+    vec![&copy::Copy, &matmul::Matmul]
+}
+
+/// The family called `name`, or an error listing the families.
+pub fn family(name: &str) -> Result<&'static dyn OpFamily> {
+    registry().into_iter().find(|f| f.name() == name).ok_or_else(|| {
+        let names: Vec<&str> = registry().iter().map(|f| f.name()).collect();
+        Error::bad_arg("ferrite", "OP", format!("one of: all, {}", names.join(", ")), name)
+    })
+}
+
+/// Clock of one core in GHz, measured: a chain of dependent adds retires one per cycle.
+pub fn measure_cpu_ghz() -> f64 {
+    let iters: u64 = 200_000_000;
+    let run = || {
+        let t = std::time::Instant::now();
+        let mut x: u64 = std::hint::black_box(1);
+        for _ in 0..iters / 4 {
+            x = std::hint::black_box(x.wrapping_add(3));
+            x = std::hint::black_box(x.wrapping_add(5));
+            x = std::hint::black_box(x.wrapping_add(7));
+            x = std::hint::black_box(x.wrapping_add(9));
+        }
+        std::hint::black_box(x);
+        t.elapsed().as_secs_f64()
+    };
+    let best = (0..3).map(|_| run()).fold(f64::MAX, f64::min);
+    // black_box forces a store/load per add on some compilers; the add chain is then bound by
+    // store-forwarding, not the ALU, so this is a lower bound on the clock.
+    iters as f64 / best / 1e9
+}
+
+/// The widest f32 SIMD the CPU runs and its lane count.
+pub fn cpu_simd() -> (&'static str, usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            return ("avx512f", 16);
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return ("avx2+fma", 8);
+        }
+        ("sse2", 4)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    ("portable", 4)
+}
+
+/// Measures the ceilings a bench run compares against, for the devices it will use.
+pub fn measure_ceilings(devices: &[Device], quick: bool, progress: &mut dyn FnMut(&str)) -> Result<Ceilings> {
+    let mut c = Ceilings { cpu_threads: rayon::current_num_threads(), ..Default::default() };
+    for &d in devices {
+        match d {
+            Device::Cpu => {
+                progress("ceilings: cpu clock");
+                let (isa, lanes) = cpu_simd();
+                let ghz = measure_cpu_ghz();
+                c.cpu_ghz = Some(ghz);
+                c.cpu_isa = isa.into();
+                // GHz × lanes × 2 flops per FMA × 2 FMA pipes.
+                c.cpu_core_peak_gflops = Some(ghz * lanes as f64 * 2.0 * 2.0);
+                progress("ceilings: cpu peer gemm");
+                let n = if quick { 512 } else { 1024 };
+                let a = Tensor::rand(&[n, n], DType::F32, Device::Cpu, 1, -1.0, 1.0)?;
+                let mut out = vec![0f32; n * n];
+                let s = a.with_cpu::<f32, _>(|a_s| {
+                    time_cpu(Budget::cpu(), || {
+                        matmul::cpu::peer(matmul::cpu::Sgemm { m: n, n, k: n, alpha: 1.0, beta: 0.0, a: a_s, lda: n, a_trans: false, b: a_s, ldb: n, b_trans: false, c: &mut out, ldc: n }, 0)
+                    })
+                })?;
+                c.cpu_peer_gflops = Some(2.0 * (n as f64).powi(3) / (s.median_ms * 1e-3) / 1e9);
+            }
+            Device::Cuda(i) => {
+                let dev = cuda::device(i)?;
+                progress("ceilings: device copy bandwidth");
+                c.gpu_copy_gbps = Some(copy::gpu_bandwidth(&dev, if quick { 256 << 20 } else { 1 << 30 })?);
+                let n = if quick { 2048 } else { 4096 };
+                for (dtype, prec, label) in [
+                    (DType::F32, Precision::F32, "f32"),
+                    (DType::F32, Precision::Tf32, "tf32"),
+                    (DType::BF16, Precision::Bf16, "bf16"),
+                    (DType::F16, Precision::F16, "f16"),
+                ] {
+                    progress(&format!("ceilings: cuBLAS {label} {n}³"));
+                    let dd = Device::Cuda(i);
+                    let a = Tensor::rand(&[n, n], dtype, dd, 1, -1.0, 1.0)?;
+                    let b = Tensor::rand(&[n, n], dtype, dd, 2, -1.0, 1.0)?;
+                    let o = Tensor::empty(&[n, n], dtype, dd)?;
+                    let g = matmul::validate(&a, &b, &o)?;
+                    let p = matmul::cuda::Ptrs { a: a.device_ptr()?, b: b.device_ptr()?, c: o.device_ptr()? };
+                    let stream = dev.stream().clone();
+                    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| matmul::cuda::cublas(&dev, &g, p, 1.0, 0.0, prec, &stream))?;
+                    c.gpu_gemm_gflops.push((label.into(), g.flops() / (s.median_ms * 1e-3) / 1e9));
+                }
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// One compiled kernel's resource report from ptxas.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KernelBuild {
+    pub module: String,
+    pub function: String,
+    pub arch: String,
+    pub from_cache: bool,
+    pub registers: Option<u32>,
+    pub smem_bytes: Option<u32>,
+    pub stack_bytes: Option<u32>,
+    pub spill_stores: Option<u32>,
+    pub spill_loads: Option<u32>,
+}
+
+/// Compiles every kernel of every family for `archs` through the runtime's own JIT path (no GPU
+/// needed) and, when `ptxas` is given, assembles each PTX and reads its resource report.
+pub fn build_kernels(archs: &[Arch], ptxas: Option<&std::path::Path>, out_dir: Option<&std::path::Path>) -> Result<Vec<KernelBuild>> {
+    let mut builds = Vec::new();
+    for fam in registry() {
+        for spec in fam.kernels() {
+            for &arch in archs.iter().filter(|a| **a >= spec.min_arch) {
+                let compiled = jit::compile(&spec.program, arch)?;
+                let report = match ptxas {
+                    Some(p) => Some(ptxas_report(p, &compiled, out_dir)?),
+                    None => None,
+                };
+                for f in &spec.functions {
+                    if !compiled.ptx.contains(&format!(".entry {f}(")) {
+                        return Err(Error::Other(format!("{}: PTX has no entry `{f}` for {}", compiled.label, arch.target())));
+                    }
+                    let r = report.as_ref().and_then(|r| r.iter().find(|(name, _)| name == f)).map(|(_, r)| r.clone());
+                    builds.push(KernelBuild {
+                        module: compiled.label.clone(),
+                        function: f.clone(),
+                        arch: arch.target().into(),
+                        from_cache: compiled.from_cache,
+                        registers: r.as_ref().and_then(|r| r.registers),
+                        smem_bytes: r.as_ref().and_then(|r| r.smem_bytes),
+                        stack_bytes: r.as_ref().and_then(|r| r.stack_bytes),
+                        spill_stores: r.as_ref().and_then(|r| r.spill_stores),
+                        spill_loads: r.as_ref().and_then(|r| r.spill_loads),
+                    });
+                }
+            }
+        }
+    }
+    Ok(builds)
+}
+
+#[derive(Clone, Debug, Default)]
+struct PtxasFunc {
+    registers: Option<u32>,
+    smem_bytes: Option<u32>,
+    stack_bytes: Option<u32>,
+    spill_stores: Option<u32>,
+    spill_loads: Option<u32>,
+}
+
+fn num_before(s: &str, unit: &str) -> Option<u32> {
+    let i = s.find(unit)?;
+    s[..i].split_whitespace().last()?.parse().ok()
+}
+
+/// Runs `ptxas -v` on the PTX; returns (function, resources) pairs. A ptxas error is an error.
+fn ptxas_report(ptxas: &std::path::Path, c: &jit::CompiledPtx, out_dir: Option<&std::path::Path>) -> Result<Vec<(String, PtxasFunc)>> {
+    let dir = out_dir.map(|p| p.to_path_buf()).unwrap_or_else(|| std::env::temp_dir().join("ferrite-ptxas"));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let stem = format!("{}-{}-{}", c.label.replace(['/', '[', ']', ',', '=', ' '], "_"), c.arch.target(), &c.key[..8]);
+    let ptx = dir.join(format!("{stem}.ptx"));
+    std::fs::write(&ptx, &c.ptx).map_err(|e| Error::io(format!("writing {}", ptx.display()), e))?;
+    let cubin = dir.join(format!("{stem}.cubin"));
+    let o = std::process::Command::new(ptxas)
+        .arg(format!("-arch={}", c.arch.target()))
+        .arg("-v")
+        .arg(&ptx)
+        .arg("-o")
+        .arg(&cubin)
+        .output()
+        .map_err(|e| Error::io(format!("running {}", ptxas.display()), e))?;
+    let log = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+    if !o.status.success() {
+        return Err(Error::Compile { module: c.label.clone(), arch: c.arch.target().into(), options: "ptxas -v".into(), log });
+    }
+    let mut funcs: Vec<(String, PtxasFunc)> = Vec::new();
+    for line in log.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            funcs.push((name, PtxasFunc::default()));
+        } else if let Some((_, f)) = funcs.last_mut() {
+            if line.contains("bytes stack frame") {
+                f.stack_bytes = num_before(line, "bytes stack frame");
+                f.spill_stores = num_before(line, "bytes spill stores");
+                f.spill_loads = num_before(line, "bytes spill loads");
+            }
+            if line.contains("Used") && line.contains("registers") {
+                f.registers = num_before(line, "registers");
+                f.smem_bytes = num_before(line, "bytes smem").or(Some(0));
+            }
+        }
+    }
+    Ok(funcs)
+}
