@@ -128,6 +128,17 @@ fn families(op: &str) -> Result<Vec<&'static dyn ferrite::core::harness::OpFamil
     }
 }
 
+/// Every requested variant must exist in one of the selected families.
+fn validate_variants(fams: &[&'static dyn ferrite::core::harness::OpFamily], wanted: &[String]) -> Result<()> {
+    for w in wanted {
+        if !fams.iter().any(|f| f.variants().iter().any(|v| v.name == w)) {
+            let known: Vec<String> = fams.iter().flat_map(|f| f.variants().into_iter().map(move |v| format!("{}/{}", f.name(), v.name))).collect();
+            return Err(Error::bad_arg("ferrite", "--variant", format!("one of {}", known.join(", ")), w));
+        }
+    }
+    Ok(())
+}
+
 fn spinner() -> ProgressBar {
     let pb = ProgressBar::new_spinner();
     pb.set_style(ProgressStyle::with_template("{spinner} [{elapsed}] {msg}").unwrap());
@@ -195,14 +206,19 @@ fn check(a: CheckArgs) -> Result<bool> {
         seed: a.seed.unwrap_or_else(Rng::fresh_seed),
         quick: a.common.quick,
     };
+    let fams = families(&a.common.op)?;
+    validate_variants(&fams, &cfg.variants)?;
     let mut recs = Vec::new();
     let pb = spinner();
-    for f in families(&a.common.op)? {
+    for f in fams {
         pb.set_message(format!("checking {}", f.name()));
         f.check(&cfg, &mut recs)?;
     }
     pb.finish_and_clear();
     print!("{}", check_table(&recs));
+    if recs.is_empty() {
+        return Err(Error::Other("no check case matched the given op, device, variant and dtype".into()));
+    }
     let failed = recs.iter().filter(|r| !r.pass).count();
     println!("\nseed {}: {} cases, {} passed, {} failed", cfg.seed, recs.len(), recs.len() - failed, failed);
     if let Some(p) = &a.common.json {
@@ -224,6 +240,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         quick: a.common.quick,
     };
     let fams = families(&a.common.op)?;
+    validate_variants(&fams, &cfg.variants)?;
     let pb = spinner();
     let mut progress = |m: &str| pb.set_message(m.to_string());
     let ceilings = ops::measure_ceilings(&cfg.devices, cfg.quick, &mut progress)?;

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds the release CLI and the test binaries here and bundles them, with the runner, into
+# .gpu-bundle/ (git-ignored, ≤ 64 MiB) for a CUDA machine that has no Rust toolchain.
+#   bash scripts/gpu-suite/bundle.sh     then, on the GPU machine:   bash .gpu-bundle/run.sh [quick|full]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=.gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/tests"
+cargo build --release -p ferrite-cli
+cp target/release/ferrite "$out/bin/"
+# Test executables (release profile so the f64 references are quick), located from cargo's JSON.
+cargo test --release --workspace --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["name"] + "\t" + m["executable"])
+' | while IFS=$'\t' read -r name exe; do cp "$exe" "$out/tests/$name"; done
+cp scripts/gpu-suite/run.sh "$out/"
+strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
+size=$(du -sm "$out" | cut -f1)
+echo "bundle: $out (${size} MiB): $(ls "$out/bin" "$out/tests" | tr '\n' ' ')"
+[ "$size" -le 64 ] || { echo "bundle exceeds 64 MiB" >&2; exit 1; }

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU suite runner: on any CUDA machine, from the bundle made by bundle.sh, runs the GPU tests,
+# `ferrite check all` and `ferrite bench all`, and writes logs, JSON and SVG into $OUT.
+#   bash .gpu-bundle/run.sh [quick|full] [extra ferrite bench args...]
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+mode=${1:-full}; shift || true
+OUT=${OUT:-$PWD/gpu-suite-out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export FERRITE_CACHE_DIR=${FERRITE_CACHE_DIR:-/tmp/ferrite-cache}
+quick=(); [ "$mode" = quick ] && quick=(--quick)
+log="$OUT/suite.log"
+status=0
+step() { echo "== $*" | tee -a "$log"; }
+
+step "machine"
+{ date -u +%Y-%m-%dT%H:%M:%SZ; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; } 2>&1 | tee -a "$log"
+"$here/bin/ferrite" info 2>&1 | tee -a "$log"
+
+step "kernels (ptxas report)"
+ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+"$here/bin/ferrite" kernels --ptxas "$ptxas" --arch sm_90a --json "$OUT/kernels.json" 2>&1 | tee -a "$log" || status=1
+
+step "tests"
+for t in "$here"/tests/*; do
+  echo "-- $(basename "$t")" | tee -a "$log"
+  "$t" --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test result|FAILED|panicked" ; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
+step "check all"
+"$here/bin/ferrite" check all "${quick[@]}" --device cuda --json "$OUT/check.json" > "$OUT/check.txt" 2>&1 || status=1
+tail -n 3 "$OUT/check.txt" | tee -a "$log"
+grep FAIL "$OUT/check.txt" | head -20 | tee -a "$log"
+
+if [ "${FERRITE_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  step "compute-sanitizer memcheck (check --quick)"
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/ferrite" check all --quick --device cuda > "$OUT/memcheck.txt" 2>&1 || status=1
+  tail -n 5 "$OUT/memcheck.txt" | tee -a "$log"
+fi
+
+step "bench all"
+"$here/bin/ferrite" bench all "${quick[@]}" --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.svg" "$@" > "$OUT/bench.txt" 2>&1 || status=1
+cat "$OUT/bench.txt"
+echo "suite status: $status" | tee -a "$log"
+exit $status
