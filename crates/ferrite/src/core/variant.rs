@@ -71,13 +71,19 @@ pub fn select<'a>(
 ) -> Result<&'a VariantInfo> {
     let why = |v: &VariantInfo| v.unsupported_reason(backend, dtype, arch).or_else(|| extra(v));
     if let Some(name) = requested {
-        let v = variants.iter().find(|v| v.name == name).ok_or_else(|| Error::NoVariant {
-            op: op.into(),
-            msg: format!(
-                "no variant named `{name}`; variants: {}",
-                variants.iter().map(|v| v.name).collect::<Vec<_>>().join(", ")
-            ),
-        })?;
+        // The same name may exist on several backends (`naive` on CPU and CUDA): prefer the one
+        // for this device.
+        let v = variants
+            .iter()
+            .find(|v| v.name == name && v.backend == backend)
+            .or_else(|| variants.iter().find(|v| v.name == name))
+            .ok_or_else(|| Error::NoVariant {
+                op: op.into(),
+                msg: format!(
+                    "no variant named `{name}`; variants: {}",
+                    variants.iter().map(|v| v.name).collect::<Vec<_>>().join(", ")
+                ),
+            })?;
         if let Some(r) = why(v) {
             return Err(Error::NoVariant {
                 op: op.into(),
@@ -90,8 +96,19 @@ pub fn select<'a>(
         .iter()
         .filter(|v| why(v).is_none())
         .max_by_key(|v| v.rank)
-        .ok_or_else(|| Error::NoVariant {
-            op: op.into(),
-            msg: format!("no variant supports {dtype} on {backend:?}").to_lowercase(),
+        .ok_or_else(|| {
+            let reasons: Vec<String> = variants
+                .iter()
+                .filter(|v| v.backend == backend)
+                .filter_map(|v| why(v).map(|r| format!("`{}` {r}", v.name)))
+                .collect();
+            Error::NoVariant {
+                op: op.into(),
+                msg: format!(
+                    "no {} variant can run {dtype} here: {}",
+                    format!("{backend:?}").to_lowercase(),
+                    if reasons.is_empty() { "none exist".to_string() } else { reasons.join("; ") }
+                ),
+            }
         })
 }
