@@ -3,8 +3,15 @@
 use std::process::Command;
 
 fn ferrite(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrite")).args(args).output().expect("run ferrite");
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(args)
+        .output()
+        .expect("run ferrite");
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -26,16 +33,40 @@ fn bench_writes_json_and_svg_with_the_peer_and_ratios() {
     std::fs::create_dir_all(&dir).unwrap();
     let (json, svg) = (dir.join("b.json"), dir.join("b.svg"));
     let (ok, out, err) = ferrite(&[
-        "bench", "matmul", "--device", "cpu", "--size", "96", "--quick",
-        "--json", json.to_str().unwrap(), "--plot", svg.to_str().unwrap(),
+        "bench",
+        "matmul",
+        "--device",
+        "cpu",
+        "--size",
+        "96",
+        "--quick",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
     ]);
     assert!(ok, "{out}\n{err}");
     assert!(out.contains("gemm-crate (peer)"), "{out}");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let recs = v["records"].as_array().unwrap();
     for name in ["naive", "blocked", "simd", "parallel", "gemm-crate"] {
-        let r = recs.iter().find(|r| r["variant"] == name).unwrap_or_else(|| panic!("no record for {name}"));
-        for field in ["device", "op", "variant", "dtype", "shape", "median_ms", "tflops", "gbps", "ratio_to_peer", "peer"] {
+        let r = recs
+            .iter()
+            .find(|r| r["variant"] == name)
+            .unwrap_or_else(|| panic!("no record for {name}"));
+        for field in [
+            "device",
+            "op",
+            "variant",
+            "dtype",
+            "shape",
+            "median_ms",
+            "tflops",
+            "gbps",
+            "ratio_to_peer",
+            "peer",
+        ] {
             assert!(!r[field].is_null(), "{name}: field {field} missing: {r}");
         }
         assert!(r["median_ms"].as_f64().unwrap() > 0.0);
@@ -49,28 +80,64 @@ fn bench_writes_json_and_svg_with_the_peer_and_ratios() {
 #[test]
 fn bad_arguments_are_clear_errors() {
     let (ok, _, err) = ferrite(&["check", "frobnicate"]);
-    assert!(!ok && err.contains("frobnicate") && err.contains("matmul"), "{err}");
+    assert!(
+        !ok && err.contains("frobnicate") && err.contains("matmul"),
+        "{err}"
+    );
     let (ok, _, err) = ferrite(&["bench", "matmul", "--dtype", "f12", "--device", "cpu"]);
-    assert!(!ok && err.contains("--dtype") && err.contains("f12"), "{err}");
+    assert!(
+        !ok && err.contains("--dtype") && err.contains("f12"),
+        "{err}"
+    );
     let (ok, _, err) = ferrite(&["check", "matmul", "--device", "tpu"]);
     assert!(!ok && err.contains("tpu"), "{err}");
     let (ok, _, err) = ferrite(&["kernels", "--arch", "sm_70"]);
-    assert!(!ok && err.contains("sm_70") && err.contains("sm_80"), "{err}");
-    let (ok, _, err) = ferrite(&["check", "matmul", "--device", "cpu", "--variant", "warp9", "--quick"]);
-    assert!(!ok && err.contains("warp9") && err.contains("matmul/simd"), "{err}");
+    assert!(
+        !ok && err.contains("sm_70") && err.contains("sm_80"),
+        "{err}"
+    );
+    let (ok, _, err) = ferrite(&[
+        "check",
+        "matmul",
+        "--device",
+        "cpu",
+        "--variant",
+        "warp9",
+        "--quick",
+    ]);
+    assert!(
+        !ok && err.contains("warp9") && err.contains("matmul/simd"),
+        "{err}"
+    );
     // A filter that leaves nothing to check is an error, not a silent pass.
-    let (ok, _, err) = ferrite(&["check", "matmul", "--device", "cpu", "--dtype", "bf16", "--quick"]);
+    let (ok, _, err) = ferrite(&[
+        "check", "matmul", "--device", "cpu", "--dtype", "bf16", "--quick",
+    ]);
     assert!(!ok && err.contains("no check case"), "{err}");
 }
 
 #[test]
 fn no_gpu_is_reported_not_crashed() {
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrite")).args(["check", "matmul", "--device", "cuda", "--quick"]).env("FERRITE_DISABLE_CUDA", "1").output().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["check", "matmul", "--device", "cuda", "--quick"])
+        .env("FERRITE_DISABLE_CUDA", "1")
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("CUDA unavailable"), "{err}");
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrite")).arg("info").env("FERRITE_DISABLE_CUDA", "1").output().unwrap();
+    assert!(
+        !o.status.success() && err.contains("CUDA unavailable"),
+        "{err}"
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .arg("info")
+        .env("FERRITE_DISABLE_CUDA", "1")
+        .output()
+        .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && out.contains("CPU variants only"), "{out}");
+    assert!(
+        o.status.success() && out.contains("CPU variants only"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -79,7 +146,14 @@ fn kernels_without_nvrtc_say_how_to_get_it() {
         eprintln!("skipped: NVRTC installed system-wide");
         return;
     }
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrite")).arg("kernels").env("LD_LIBRARY_PATH", "").env_remove("CUDA_HOME").env_remove("CUDA_PATH").env_remove("FERRITE_CUDA_LIB_DIR").output().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .arg("kernels")
+        .env("LD_LIBRARY_PATH", "")
+        .env_remove("CUDA_HOME")
+        .env_remove("CUDA_PATH")
+        .env_remove("FERRITE_CUDA_LIB_DIR")
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("NVRTC"), "{err}");
 }

@@ -27,7 +27,12 @@ impl Device {
                 return Ok(Device::Cuda(i));
             }
         }
-        Err(Error::bad_arg("Device::parse", "device", "cpu, cuda or cuda:N", s))
+        Err(Error::bad_arg(
+            "Device::parse",
+            "device",
+            "cpu, cuda or cuda:N",
+            s,
+        ))
     }
 }
 
@@ -113,11 +118,29 @@ mod tests {
 
     #[test]
     fn arch_targets() {
-        assert_eq!(Arch::from_compute_capability("H100", 9, 0).unwrap().target(), "sm_90a");
-        assert_eq!(Arch::from_compute_capability("A100", 8, 0).unwrap().target(), "sm_80");
-        assert_eq!(Arch::from_compute_capability("L4", 8, 9).unwrap().target(), "sm_89");
-        let e = Arch::from_compute_capability("V100", 7, 0).unwrap_err().to_string();
-        assert!(e.contains("sm_70") && e.contains("V100") && e.contains("sm_80"), "{e}");
+        assert_eq!(
+            Arch::from_compute_capability("H100", 9, 0)
+                .unwrap()
+                .target(),
+            "sm_90a"
+        );
+        assert_eq!(
+            Arch::from_compute_capability("A100", 8, 0)
+                .unwrap()
+                .target(),
+            "sm_80"
+        );
+        assert_eq!(
+            Arch::from_compute_capability("L4", 8, 9).unwrap().target(),
+            "sm_89"
+        );
+        let e = Arch::from_compute_capability("V100", 7, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("sm_70") && e.contains("V100") && e.contains("sm_80"),
+            "{e}"
+        );
         assert_eq!(Arch::parse_target("sm_90a").unwrap(), Arch::SM90);
         assert!(Arch::parse_target("sm_75").is_err());
         assert!(Arch::parse_target("banana").is_err());

@@ -25,7 +25,9 @@ pub enum Error {
     CudaUnavailable(String),
 
     /// The device is older than anything ferrite builds kernels for.
-    #[error("unsupported GPU architecture sm_{major}{minor} ({name}): ferrite needs sm_80 or newer")]
+    #[error(
+        "unsupported GPU architecture sm_{major}{minor} ({name}): ferrite needs sm_80 or newer"
+    )]
     UnsupportedArch {
         name: String,
         major: i32,
@@ -46,7 +48,9 @@ pub enum Error {
     },
 
     /// A kernel launch (or the work it queued) failed.
-    #[error("kernel `{kernel}` (grid {grid:?}, block {block:?}, {smem} B dynamic shared memory): {msg}")]
+    #[error(
+        "kernel `{kernel}` (grid {grid:?}, block {block:?}, {smem} B dynamic shared memory): {msg}"
+    )]
     Launch {
         kernel: String,
         grid: (u32, u32, u32),

@@ -141,12 +141,7 @@ impl Layout {
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
         let r = self.rank();
         if dim >= r {
-            return Err(Error::bad_arg(
-                "narrow",
-                "dim",
-                format!("< rank {r}"),
-                dim,
-            ));
+            return Err(Error::bad_arg("narrow", "dim", format!("< rank {r}"), dim));
         }
         let end = start.checked_add(len);
         if end.is_none_or(|e| e > self.shape[dim]) {

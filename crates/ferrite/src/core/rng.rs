@@ -18,7 +18,10 @@ impl Rng {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
         let mut r = Rng::new(t ^ ((std::process::id() as u64) << 32));
-        r.next_u64() ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0xD1B5_4A32_D192_ED03)
+        r.next_u64()
+            ^ COUNTER
+                .fetch_add(1, Ordering::Relaxed)
+                .wrapping_mul(0xD1B5_4A32_D192_ED03)
     }
 
     pub fn next_u64(&mut self) -> u64 {

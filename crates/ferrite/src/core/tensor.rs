@@ -95,7 +95,12 @@ impl Tensor {
         }
         let mut hb = HostBytes::zeroed(n * T::DTYPE.size_in_bytes());
         hb.as_mut_slice::<T>().copy_from_slice(&data);
-        Ok(Self::from_storage(Storage::Cpu(hb), shape, T::DTYPE, Device::Cpu))
+        Ok(Self::from_storage(
+            Storage::Cpu(hb),
+            shape,
+            T::DTYPE,
+            Device::Cpu,
+        ))
     }
 
     /// Uninitialised on a GPU, zeroed on the CPU. Ops that write every element take these.
@@ -123,7 +128,14 @@ impl Tensor {
     }
 
     /// Uniform random in [lo, hi) from `seed` (integers: truncated).
-    pub fn rand(shape: &[usize], dtype: DType, device: Device, seed: u64, lo: f64, hi: f64) -> Result<Tensor> {
+    pub fn rand(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        seed: u64,
+        lo: f64,
+        hi: f64,
+    ) -> Result<Tensor> {
         let n = checked_numel("Tensor::rand", shape)?;
         let mut hb = HostBytes::zeroed(checked_bytes("Tensor::rand", n, dtype.size_in_bytes())?);
         let mut rng = Rng::new(seed);
@@ -224,24 +236,36 @@ impl Tensor {
             .map_err(|_| Error::Other("tensor storage is being written by another op".into()))
     }
     pub(crate) fn write_storage(&self) -> Result<RwLockWriteGuard<'_, Storage>> {
-        self.storage
-            .try_write()
-            .map_err(|_| Error::Other("tensor storage is in use by another op (aliasing output?)".into()))
+        self.storage.try_write().map_err(|_| {
+            Error::Other("tensor storage is in use by another op (aliasing output?)".into())
+        })
     }
 
     /// The CUDA device of a GPU tensor.
     pub fn cuda_device(&self) -> Result<Arc<CudaDevice>> {
         match &*self.read_storage()? {
             Storage::Cuda(b) => Ok(b.device().clone()),
-            Storage::Cpu(_) => Err(Error::bad_arg("cuda_device", "self", "a CUDA tensor", describe(self))),
+            Storage::Cpu(_) => Err(Error::bad_arg(
+                "cuda_device",
+                "self",
+                "a CUDA tensor",
+                describe(self),
+            )),
         }
     }
 
     /// Device address of the view's first element (GPU tensors).
     pub fn device_ptr(&self) -> Result<u64> {
         match &*self.read_storage()? {
-            Storage::Cuda(b) => Ok(b.ptr() + (self.layout.offset() * self.dtype.size_in_bytes()) as u64),
-            Storage::Cpu(_) => Err(Error::bad_arg("device_ptr", "self", "a CUDA tensor", describe(self))),
+            Storage::Cuda(b) => {
+                Ok(b.ptr() + (self.layout.offset() * self.dtype.size_in_bytes()) as u64)
+            }
+            Storage::Cpu(_) => Err(Error::bad_arg(
+                "device_ptr",
+                "self",
+                "a CUDA tensor",
+                describe(self),
+            )),
         }
     }
 
@@ -251,7 +275,12 @@ impl Tensor {
         self.expect_dtype("with_cpu", "self", T::DTYPE)?;
         match &*self.read_storage()? {
             Storage::Cpu(h) => Ok(f(&h.as_slice::<T>()[self.layout.offset()..])),
-            Storage::Cuda(_) => Err(Error::bad_arg("with_cpu", "self", "a CPU tensor", describe(self))),
+            Storage::Cuda(_) => Err(Error::bad_arg(
+                "with_cpu",
+                "self",
+                "a CPU tensor",
+                describe(self),
+            )),
         }
     }
 
@@ -259,13 +288,23 @@ impl Tensor {
         self.expect_dtype("with_cpu_mut", "self", T::DTYPE)?;
         match &mut *self.write_storage()? {
             Storage::Cpu(h) => Ok(f(&mut h.as_mut_slice::<T>()[self.layout.offset()..])),
-            Storage::Cuda(_) => Err(Error::bad_arg("with_cpu_mut", "self", "a CPU tensor", describe(self))),
+            Storage::Cuda(_) => Err(Error::bad_arg(
+                "with_cpu_mut",
+                "self",
+                "a CPU tensor",
+                describe(self),
+            )),
         }
     }
 
     pub fn expect_dtype(&self, op: &str, arg: &str, dtype: DType) -> Result<()> {
         if self.dtype != dtype {
-            return Err(Error::bad_arg(op, arg, format!("dtype {dtype}"), describe(self)));
+            return Err(Error::bad_arg(
+                op,
+                arg,
+                format!("dtype {dtype}"),
+                describe(self),
+            ));
         }
         Ok(())
     }
@@ -326,7 +365,9 @@ impl Tensor {
     /// The view's elements as f64, row-major (for references and error norms).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         let bytes = self.to_bytes()?;
-        Ok((0..self.numel()).map(|i| read_as_f64(&bytes, self.dtype, i)).collect())
+        Ok((0..self.numel())
+            .map(|i| read_as_f64(&bytes, self.dtype, i))
+            .collect())
     }
 
     /// A contiguous copy on `device` (or a cheap clone sharing storage if already there and
@@ -349,7 +390,12 @@ impl Tensor {
             Device::Cpu => {
                 let mut hb = HostBytes::zeroed(bytes.len());
                 hb.as_bytes_mut().copy_from_slice(&bytes);
-                Ok(Self::from_storage(Storage::Cpu(hb), self.shape(), self.dtype, Device::Cpu))
+                Ok(Self::from_storage(
+                    Storage::Cpu(hb),
+                    self.shape(),
+                    self.dtype,
+                    Device::Cpu,
+                ))
             }
             Device::Cuda(i) => {
                 let dev = cuda::device(i)?;
@@ -358,7 +404,12 @@ impl Tensor {
                 // SAFETY: buf holds bytes.len() bytes; `bytes` lives until the synchronize.
                 unsafe { dev.htod(buf.ptr(), &bytes, &stream)? };
                 dev.synchronize(&stream, "host→device copy")?;
-                Ok(Self::from_storage(Storage::Cuda(buf), self.shape(), self.dtype, device))
+                Ok(Self::from_storage(
+                    Storage::Cuda(buf),
+                    self.shape(),
+                    self.dtype,
+                    device,
+                ))
             }
         }
     }
@@ -376,7 +427,12 @@ impl Tensor {
     /// for integers. Outputs are poisoned before a checked run so an unwritten element fails.
     pub fn poison(&self, stream: Option<&Stream>) -> Result<()> {
         if !self.is_contiguous() {
-            return Err(Error::bad_arg("poison", "self", "a contiguous view", describe(self)));
+            return Err(Error::bad_arg(
+                "poison",
+                "self",
+                "a contiguous view",
+                describe(self),
+            ));
         }
         // 0xFF bytes are NaN in f32/f16/bf16 and -1 / MAX in the integer types.
         match &mut *self.write_storage()? {
@@ -403,10 +459,18 @@ mod tests {
     #[test]
     fn views_and_round_trip() {
         let t = Tensor::from_vec((0..6).map(|x| x as f32).collect(), &[2, 3]).unwrap();
-        assert_eq!(t.t().unwrap().to_vec::<f32>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
-        assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec::<f32>().unwrap(), vec![1., 2., 4., 5.]);
+        assert_eq!(
+            t.t().unwrap().to_vec::<f32>().unwrap(),
+            vec![0., 3., 1., 4., 2., 5.]
+        );
+        assert_eq!(
+            t.narrow(1, 1, 2).unwrap().to_vec::<f32>().unwrap(),
+            vec![1., 2., 4., 5.]
+        );
         assert!(t.to_vec::<i32>().is_err());
-        let e = Tensor::from_vec(vec![1.0f32; 5], &[2, 3]).unwrap_err().to_string();
+        let e = Tensor::from_vec(vec![1.0f32; 5], &[2, 3])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("6 elements") && e.contains("5 elements"), "{e}");
         let p = Tensor::rand(&[7], DType::BF16, Device::Cpu, 1, -1.0, 1.0).unwrap();
         p.poison(None).unwrap();

@@ -41,17 +41,29 @@ pub struct VariantInfo {
 
 impl VariantInfo {
     /// Why this variant cannot run `dtype` on a device of `backend`/`arch`, or None if it can.
-    pub fn unsupported_reason(&self, backend: Backend, dtype: DType, arch: Option<Arch>) -> Option<String> {
+    pub fn unsupported_reason(
+        &self,
+        backend: Backend,
+        dtype: DType,
+        arch: Option<Arch>,
+    ) -> Option<String> {
         if self.backend != backend {
             return Some(format!("runs on {:?}, not {:?}", self.backend, backend).to_lowercase());
         }
         if !self.dtypes.contains(&dtype) {
             let names: Vec<&str> = self.dtypes.iter().map(|d| d.name()).collect();
-            return Some(format!("supports dtypes [{}], not {dtype}", names.join(", ")));
+            return Some(format!(
+                "supports dtypes [{}], not {dtype}",
+                names.join(", ")
+            ));
         }
         if let (Some(min), Some(a)) = (self.min_arch, arch) {
             if a < min {
-                return Some(format!("needs {} or newer, device is {}", min.target(), a.target()));
+                return Some(format!(
+                    "needs {} or newer, device is {}",
+                    min.target(),
+                    a.target()
+                ));
             }
         }
         None
@@ -69,7 +81,10 @@ pub fn select<'a>(
     arch: Option<Arch>,
     extra: impl Fn(&VariantInfo) -> Option<String>,
 ) -> Result<&'a VariantInfo> {
-    let why = |v: &VariantInfo| v.unsupported_reason(backend, dtype, arch).or_else(|| extra(v));
+    let why = |v: &VariantInfo| {
+        v.unsupported_reason(backend, dtype, arch)
+            .or_else(|| extra(v))
+    };
     if let Some(name) = requested {
         // The same name may exist on several backends (`naive` on CPU and CUDA): prefer the one
         // for this device.
@@ -81,7 +96,11 @@ pub fn select<'a>(
                 op: op.into(),
                 msg: format!(
                     "no variant named `{name}`; variants: {}",
-                    variants.iter().map(|v| v.name).collect::<Vec<_>>().join(", ")
+                    variants
+                        .iter()
+                        .map(|v| v.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             })?;
         if let Some(r) = why(v) {
@@ -107,7 +126,11 @@ pub fn select<'a>(
                 msg: format!(
                     "no {} variant can run {dtype} here: {}",
                     format!("{backend:?}").to_lowercase(),
-                    if reasons.is_empty() { "none exist".to_string() } else { reasons.join("; ") }
+                    if reasons.is_empty() {
+                        "none exist".to_string()
+                    } else {
+                        reasons.join("; ")
+                    }
                 ),
             }
         })

@@ -6,11 +6,11 @@ pub mod matmul;
 
 use crate::core::cuda::{self, jit};
 use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::harness::bench::{time_cpu, time_gpu, Budget};
 use crate::core::harness::{Ceilings, OpFamily, Precision};
 use crate::core::tensor::Tensor;
-use crate::core::dtype::DType;
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
@@ -19,10 +19,18 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
 
 /// The family called `name`, or an error listing the families.
 pub fn family(name: &str) -> Result<&'static dyn OpFamily> {
-    registry().into_iter().find(|f| f.name() == name).ok_or_else(|| {
-        let names: Vec<&str> = registry().iter().map(|f| f.name()).collect();
-        Error::bad_arg("ferrite", "OP", format!("one of: all, {}", names.join(", ")), name)
-    })
+    registry()
+        .into_iter()
+        .find(|f| f.name() == name)
+        .ok_or_else(|| {
+            let names: Vec<&str> = registry().iter().map(|f| f.name()).collect();
+            Error::bad_arg(
+                "ferrite",
+                "OP",
+                format!("one of: all, {}", names.join(", ")),
+                name,
+            )
+        })
 }
 
 /// Clock of one core in GHz, measured: a chain of dependent adds retires one per cycle.
@@ -63,8 +71,15 @@ pub fn cpu_simd() -> (&'static str, usize) {
 }
 
 /// Measures the ceilings a bench run compares against, for the devices it will use.
-pub fn measure_ceilings(devices: &[Device], quick: bool, progress: &mut dyn FnMut(&str)) -> Result<Ceilings> {
-    let mut c = Ceilings { cpu_threads: rayon::current_num_threads(), ..Default::default() };
+pub fn measure_ceilings(
+    devices: &[Device],
+    quick: bool,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Ceilings> {
+    let mut c = Ceilings {
+        cpu_threads: rayon::current_num_threads(),
+        ..Default::default()
+    };
     for &d in devices {
         match d {
             Device::Cpu => {
@@ -81,7 +96,24 @@ pub fn measure_ceilings(devices: &[Device], quick: bool, progress: &mut dyn FnMu
                 let mut out = vec![0f32; n * n];
                 let s = a.with_cpu::<f32, _>(|a_s| {
                     time_cpu(Budget::cpu(), || {
-                        matmul::cpu::peer(matmul::cpu::Sgemm { m: n, n, k: n, alpha: 1.0, beta: 0.0, a: a_s, lda: n, a_trans: false, b: a_s, ldb: n, b_trans: false, c: &mut out, ldc: n }, 0)
+                        matmul::cpu::peer(
+                            matmul::cpu::Sgemm {
+                                m: n,
+                                n,
+                                k: n,
+                                alpha: 1.0,
+                                beta: 0.0,
+                                a: a_s,
+                                lda: n,
+                                a_trans: false,
+                                b: a_s,
+                                ldb: n,
+                                b_trans: false,
+                                c: &mut out,
+                                ldc: n,
+                            },
+                            0,
+                        )
                     })
                 })?;
                 c.cpu_peer_gflops = Some(2.0 * (n as f64).powi(3) / (s.median_ms * 1e-3) / 1e9);
@@ -89,7 +121,10 @@ pub fn measure_ceilings(devices: &[Device], quick: bool, progress: &mut dyn FnMu
             Device::Cuda(i) => {
                 let dev = cuda::device(i)?;
                 progress("ceilings: device copy bandwidth");
-                c.gpu_copy_gbps = Some(copy::gpu_bandwidth(&dev, if quick { 256 << 20 } else { 1 << 30 })?);
+                c.gpu_copy_gbps = Some(copy::gpu_bandwidth(
+                    &dev,
+                    if quick { 256 << 20 } else { 1 << 30 },
+                )?);
                 let n = if quick { 2048 } else { 4096 };
                 for (dtype, prec, label) in [
                     (DType::F32, Precision::F32, "f32"),
@@ -103,10 +138,17 @@ pub fn measure_ceilings(devices: &[Device], quick: bool, progress: &mut dyn FnMu
                     let b = Tensor::rand(&[n, n], dtype, dd, 2, -1.0, 1.0)?;
                     let o = Tensor::empty(&[n, n], dtype, dd)?;
                     let g = matmul::validate(&a, &b, &o)?;
-                    let p = matmul::cuda::Ptrs { a: a.device_ptr()?, b: b.device_ptr()?, c: o.device_ptr()? };
+                    let p = matmul::cuda::Ptrs {
+                        a: a.device_ptr()?,
+                        b: b.device_ptr()?,
+                        c: o.device_ptr()?,
+                    };
                     let stream = dev.stream().clone();
-                    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| matmul::cuda::cublas(&dev, &g, p, 1.0, 0.0, prec, &stream))?;
-                    c.gpu_gemm_gflops.push((label.into(), g.flops() / (s.median_ms * 1e-3) / 1e9));
+                    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| {
+                        matmul::cuda::cublas(&dev, &g, p, 1.0, 0.0, prec, &stream)
+                    })?;
+                    c.gpu_gemm_gflops
+                        .push((label.into(), g.flops() / (s.median_ms * 1e-3) / 1e9));
                 }
             }
         }
@@ -130,7 +172,11 @@ pub struct KernelBuild {
 
 /// Compiles every kernel of every family for `archs` through the runtime's own JIT path (no GPU
 /// needed) and, when `ptxas` is given, assembles each PTX and reads its resource report.
-pub fn build_kernels(archs: &[Arch], ptxas: Option<&std::path::Path>, out_dir: Option<&std::path::Path>) -> Result<Vec<KernelBuild>> {
+pub fn build_kernels(
+    archs: &[Arch],
+    ptxas: Option<&std::path::Path>,
+    out_dir: Option<&std::path::Path>,
+) -> Result<Vec<KernelBuild>> {
     let mut builds = Vec::new();
     for fam in registry() {
         for spec in fam.kernels() {
@@ -142,9 +188,16 @@ pub fn build_kernels(archs: &[Arch], ptxas: Option<&std::path::Path>, out_dir: O
                 };
                 for f in &spec.functions {
                     if !compiled.ptx.contains(&format!(".entry {f}(")) {
-                        return Err(Error::Other(format!("{}: PTX has no entry `{f}` for {}", compiled.label, arch.target())));
+                        return Err(Error::Other(format!(
+                            "{}: PTX has no entry `{f}` for {}",
+                            compiled.label,
+                            arch.target()
+                        )));
                     }
-                    let r = report.as_ref().and_then(|r| r.iter().find(|(name, _)| name == f)).map(|(_, r)| r.clone());
+                    let r = report
+                        .as_ref()
+                        .and_then(|r| r.iter().find(|(name, _)| name == f))
+                        .map(|(_, r)| r.clone());
                     builds.push(KernelBuild {
                         module: compiled.label.clone(),
                         function: f.clone(),
@@ -178,10 +231,22 @@ fn num_before(s: &str, unit: &str) -> Option<u32> {
 }
 
 /// Runs `ptxas -v` on the PTX; returns (function, resources) pairs. A ptxas error is an error.
-fn ptxas_report(ptxas: &std::path::Path, c: &jit::CompiledPtx, out_dir: Option<&std::path::Path>) -> Result<Vec<(String, PtxasFunc)>> {
-    let dir = out_dir.map(|p| p.to_path_buf()).unwrap_or_else(|| std::env::temp_dir().join("ferrite-ptxas"));
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let stem = format!("{}-{}-{}", c.label.replace(['/', '[', ']', ',', '=', ' '], "_"), c.arch.target(), &c.key[..8]);
+fn ptxas_report(
+    ptxas: &std::path::Path,
+    c: &jit::CompiledPtx,
+    out_dir: Option<&std::path::Path>,
+) -> Result<Vec<(String, PtxasFunc)>> {
+    let dir = out_dir
+        .map(|p| p.to_path_buf())
+        .unwrap_or_else(|| std::env::temp_dir().join("ferrite-ptxas"));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let stem = format!(
+        "{}-{}-{}",
+        c.label.replace(['/', '[', ']', ',', '=', ' '], "_"),
+        c.arch.target(),
+        &c.key[..8]
+    );
     let ptx = dir.join(format!("{stem}.ptx"));
     std::fs::write(&ptx, &c.ptx).map_err(|e| Error::io(format!("writing {}", ptx.display()), e))?;
     let cubin = dir.join(format!("{stem}.cubin"));
@@ -195,7 +260,12 @@ fn ptxas_report(ptxas: &std::path::Path, c: &jit::CompiledPtx, out_dir: Option<&
         .map_err(|e| Error::io(format!("running {}", ptxas.display()), e))?;
     let log = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
     if !o.status.success() {
-        return Err(Error::Compile { module: c.label.clone(), arch: c.arch.target().into(), options: "ptxas -v".into(), log });
+        return Err(Error::Compile {
+            module: c.label.clone(),
+            arch: c.arch.target().into(),
+            options: "ptxas -v".into(),
+            log,
+        });
     }
     let mut funcs: Vec<(String, PtxasFunc)> = Vec::new();
     for line in log.lines() {

@@ -59,7 +59,11 @@ impl Program {
         if self.defines.is_empty() {
             return self.source.name.to_string();
         }
-        let d: Vec<String> = self.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let d: Vec<String> = self
+            .defines
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         format!("{}[{}]", self.source.name, d.join(","))
     }
 }
@@ -224,7 +228,12 @@ fn nvrtc_compile(src: &str, label: &str, opts: &[String], arch: Arch) -> Result<
     let fail = |log: String| Error::Compile {
         module: label.to_string(),
         arch: arch.target().to_string(),
-        options: opts.iter().filter(|o| !o.starts_with("-I")).cloned().collect::<Vec<_>>().join(" "),
+        options: opts
+            .iter()
+            .filter(|o| !o.starts_with("-I"))
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" "),
         log,
     };
     let prog = nv::create_program(&csrc, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
@@ -240,7 +249,11 @@ fn nvrtc_compile(src: &str, label: &str, opts: &[String], arch: Arch) -> Result<
         })
         .unwrap_or_default();
     let result = match compiled {
-        Err(e) => Err(fail(if log.trim().is_empty() { format!("{e:?}") } else { first_lines(&log, 60) })),
+        Err(e) => Err(fail(if log.trim().is_empty() {
+            format!("{e:?}")
+        } else {
+            first_lines(&log, 60)
+        })),
         // SAFETY: prog compiled successfully.
         Ok(()) => unsafe { nv::get_ptx(prog) }
             .map(|raw| {
@@ -262,7 +275,11 @@ fn first_lines(log: &str, n: usize) -> String {
     if lines.len() <= n {
         return log.to_string();
     }
-    format!("{}\n... ({} more lines)", lines[..n].join("\n"), lines.len() - n)
+    format!(
+        "{}\n... ({} more lines)",
+        lines[..n].join("\n"),
+        lines.len() - n
+    )
 }
 
 type KernelKey = (usize, String, String);
@@ -273,7 +290,12 @@ impl CudaDevice {
         static KERNELS: OnceLock<Mutex<HashMap<KernelKey, Kernel>>> = OnceLock::new();
         let label = program.label();
         let k = (self.ordinal(), label.clone(), func.to_string());
-        if let Some(kern) = KERNELS.get_or_init(Default::default).lock().unwrap().get(&k) {
+        if let Some(kern) = KERNELS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap()
+            .get(&k)
+        {
             return Ok(kern.clone());
         }
         let compiled = compile(program, self.arch())?;

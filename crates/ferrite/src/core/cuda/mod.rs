@@ -12,9 +12,7 @@ pub mod jit;
 
 use super::device::Arch;
 use super::error::{Error, Result};
-use cudarc::driver::{
-    result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream,
-};
+use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -154,7 +152,8 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
 
 impl CudaDevice {
     fn open(ordinal: usize) -> Result<Self> {
-        let ctx = CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: ferrite passes raw device pointers to kernels and orders work by streams itself
         // (see the module comment), so cudarc's per-slice event tracking is not used.
         unsafe { ctx.disable_event_tracking() };
@@ -174,7 +173,9 @@ impl CudaDevice {
             ordinal,
             sm_count: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
             l2_bytes: attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64,
-            total_mem: ctx.total_mem().map_err(|e| Error::cuda("cuDeviceTotalMem", e))? as u64,
+            total_mem: ctx
+                .total_mem()
+                .map_err(|e| Error::cuda("cuDeviceTotalMem", e))? as u64,
             smem_per_block_optin: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
             smem_per_sm: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
             max_threads_per_sm: attr(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
@@ -184,7 +185,9 @@ impl CudaDevice {
             mem_bus_bits: attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
             target: arch.target().to_string(),
         };
-        let stream = ctx.new_stream().map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -212,12 +215,16 @@ impl CudaDevice {
     }
 
     pub fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
     }
 
     /// A new stream on this device.
     pub fn new_stream(&self) -> Result<Stream> {
-        self.ctx.new_stream().map_err(|e| Error::cuda("cuStreamCreate", e))
+        self.ctx
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate", e))
     }
 
     /// Wraps a stream created elsewhere (e.g. `torch.cuda.current_stream().cuda_stream`).
@@ -258,7 +265,10 @@ impl CudaDevice {
         } else {
             // SAFETY: the context is bound; the pointer is freed exactly once in Drop.
             unsafe { drv::malloc_async(stream.cu_stream(), bytes) }.map_err(|e| {
-                Error::cuda(format!("cuMemAllocAsync of {bytes} bytes on {}", self.props.name), e)
+                Error::cuda(
+                    format!("cuMemAllocAsync of {bytes} bytes on {}", self.props.name),
+                    e,
+                )
             })?
         };
         Ok(DeviceBuffer {
@@ -530,7 +540,12 @@ impl Kernel {
         let blocks = self
             .func
             .occupancy_max_active_blocks_per_multiprocessor(block_threads, dyn_smem as usize, None)
-            .map_err(|e| Error::cuda(format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({})", self.name), e))?;
+            .map_err(|e| {
+                Error::cuda(
+                    format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({})", self.name),
+                    e,
+                )
+            })?;
         let warps = blocks * block_threads.div_ceil(32);
         Ok(warps as f64 / (self.dev.props.max_threads_per_sm / 32) as f64)
     }
@@ -542,7 +557,15 @@ impl Kernel {
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )
-            .map_err(|e| Error::cuda(format!("cuFuncSetAttribute({}, max dynamic smem {bytes})", self.name), e))
+            .map_err(|e| {
+                Error::cuda(
+                    format!(
+                        "cuFuncSetAttribute({}, max dynamic smem {bytes})",
+                        self.name
+                    ),
+                    e,
+                )
+            })
     }
 
     /// Launches on `stream`. A launch error names the kernel and its launch shape.
@@ -562,7 +585,9 @@ impl Kernel {
             msg,
         };
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 || grid.1 > 65535 || grid.2 > 65535 {
-            return Err(err("grid dimensions out of range (x ≥ 1, y and z in 1..=65535)".into()));
+            return Err(err(
+                "grid dimensions out of range (x ≥ 1, y and z in 1..=65535)".into(),
+            ));
         }
         self.dev.bind()?;
         let mut ptrs = args.pointers();

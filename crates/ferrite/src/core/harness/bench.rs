@@ -100,14 +100,20 @@ pub fn time_gpu(
     f(0)?;
     probe.stop(stream)?;
     let one = probe.elapsed_ms()?.max(1e-4);
-    let wanted = ((budget.target.as_secs_f64() * 1e3 / one) as usize).clamp(budget.min_reps, budget.max_reps);
-    let timers: Vec<GpuTimer> = (0..wanted).map(|_| GpuTimer::new(dev)).collect::<Result<_>>()?;
+    let wanted = ((budget.target.as_secs_f64() * 1e3 / one) as usize)
+        .clamp(budget.min_reps, budget.max_reps);
+    let timers: Vec<GpuTimer> = (0..wanted)
+        .map(|_| GpuTimer::new(dev))
+        .collect::<Result<_>>()?;
     for (i, t) in timers.iter().enumerate() {
         t.start(stream)?;
         f(i + 1)?;
         t.stop(stream)?;
     }
-    let samples = timers.iter().map(|t| t.elapsed_ms()).collect::<Result<Vec<_>>>()?;
+    let samples = timers
+        .iter()
+        .map(|t| t.elapsed_ms())
+        .collect::<Result<Vec<_>>>()?;
     Ok(Stats::from_samples(samples))
 }
 
@@ -155,7 +161,17 @@ pub struct BenchRecord {
 }
 
 impl BenchRecord {
-    pub fn new(device: Device, device_name: &str, op: &str, variant: &str, dtype: DType, shape: String, stats: Stats, flops: f64, bytes: f64) -> Self {
+    pub fn new(
+        device: Device,
+        device_name: &str,
+        op: &str,
+        variant: &str,
+        dtype: DType,
+        shape: String,
+        stats: Stats,
+        flops: f64,
+        bytes: f64,
+    ) -> Self {
         let s = stats.median_ms * 1e-3;
         BenchRecord {
             device: format!("{device} ({device_name})"),
@@ -179,8 +195,14 @@ impl BenchRecord {
 /// Fills the relative columns of a group of records measured together (same op, shape, dtype,
 /// device): speedup over `baseline`, ratio to the record flagged `is_peer`, percent of `ceiling`.
 pub fn relate(records: &mut [BenchRecord], baseline: &str, ceiling: Option<(&str, f64, bool)>) {
-    let base = records.iter().find(|r| r.variant == baseline).map(|r| (r.median_ms, r.variant.clone()));
-    let peer = records.iter().find(|r| r.is_peer).map(|r| (r.median_ms, r.variant.clone()));
+    let base = records
+        .iter()
+        .find(|r| r.variant == baseline)
+        .map(|r| (r.median_ms, r.variant.clone()));
+    let peer = records
+        .iter()
+        .find(|r| r.is_peer)
+        .map(|r| (r.median_ms, r.variant.clone()));
     for r in records.iter_mut() {
         if let Some((b, name)) = &base {
             r.speedup_vs_baseline = Some(b / r.median_ms);
@@ -191,7 +213,11 @@ pub fn relate(records: &mut [BenchRecord], baseline: &str, ceiling: Option<(&str
             r.peer = name.clone();
         }
         if let Some((name, value, compute_bound)) = ceiling {
-            let achieved = if compute_bound { r.tflops * 1e3 } else { r.gbps };
+            let achieved = if compute_bound {
+                r.tflops * 1e3
+            } else {
+                r.gbps
+            };
             if value > 0.0 {
                 r.pct_of_ceiling = Some(100.0 * achieved / value);
                 r.ceiling = name.to_string();
@@ -207,7 +233,10 @@ mod tests {
     #[test]
     fn stats_and_relations() {
         let s = Stats::from_samples(vec![3.0, 1.0, 2.0, 10.0]);
-        assert_eq!((s.median_ms, s.min_ms, s.max_ms, s.reps), (2.5, 1.0, 10.0, 4));
+        assert_eq!(
+            (s.median_ms, s.min_ms, s.max_ms, s.reps),
+            (2.5, 1.0, 10.0, 4)
+        );
         let mk = |v: &str, ms: f64, peer: bool| BenchRecord {
             variant: v.into(),
             median_ms: ms,
@@ -215,7 +244,11 @@ mod tests {
             tflops: 1.0 / ms,
             ..Default::default()
         };
-        let mut rs = vec![mk("naive", 10.0, false), mk("fast", 2.0, false), mk("vendor", 1.0, true)];
+        let mut rs = vec![
+            mk("naive", 10.0, false),
+            mk("fast", 2.0, false),
+            mk("vendor", 1.0, true),
+        ];
         relate(&mut rs, "naive", Some(("peak", 1000.0, true)));
         assert_eq!(rs[1].speedup_vs_baseline, Some(5.0));
         assert_eq!(rs[1].ratio_to_peer, Some(0.5));

@@ -14,6 +14,8 @@ pub enum Precision {
     Tf32,
     Bf16,
     F16,
+    /// Bit-exact results (copies, gathers, integer ops).
+    Exact,
 }
 
 impl Precision {
@@ -32,6 +34,7 @@ impl Precision {
             Precision::F32 => 5e-6,
             Precision::Tf32 => 1e-3,
             Precision::Bf16 | Precision::F16 => 1e-2,
+            Precision::Exact => 0.0,
         }
     }
 
@@ -41,6 +44,7 @@ impl Precision {
             Precision::Tf32 => "tf32",
             Precision::Bf16 => "bf16",
             Precision::F16 => "f16",
+            Precision::Exact => "exact",
         }
     }
 }
@@ -134,7 +138,14 @@ impl CheckRecord {
     }
 
     /// A case that could not run (an error is a failure, never a skip).
-    pub fn errored(op: &str, variant: &str, device: Device, dtype: DType, shape: String, err: String) -> Self {
+    pub fn errored(
+        op: &str,
+        variant: &str,
+        device: Device,
+        dtype: DType,
+        shape: String,
+        err: String,
+    ) -> Self {
         CheckRecord {
             op: op.into(),
             variant: variant.into(),

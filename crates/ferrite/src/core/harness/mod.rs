@@ -53,7 +53,10 @@ pub struct Ceilings {
 
 impl Ceilings {
     pub fn gpu_gemm(&self, dtype: &str) -> Option<f64> {
-        self.gpu_gemm_gflops.iter().find(|(d, _)| d == dtype).map(|(_, v)| *v)
+        self.gpu_gemm_gflops
+            .iter()
+            .find(|(d, _)| d == dtype)
+            .map(|(_, v)| *v)
     }
 }
 
@@ -71,7 +74,13 @@ pub trait OpFamily: Sync {
     /// Runs the checks in `cfg`, appending one record per (variant, device, dtype, shape).
     fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()>;
     /// Runs the benchmarks in `cfg`; `progress` is called with a short label before each case.
-    fn bench(&self, cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()>;
+    fn bench(
+        &self,
+        cfg: &BenchConfig,
+        ceilings: &Ceilings,
+        progress: &mut dyn FnMut(&str),
+        out: &mut Vec<BenchRecord>,
+    ) -> Result<()>;
     /// Every kernel module the family compiles, with each specialisation it uses.
     fn kernels(&self) -> Vec<KernelSpec>;
 }

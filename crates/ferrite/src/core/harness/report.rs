@@ -43,7 +43,11 @@ impl Table {
             s.trim_end().to_string()
         };
         let mut out = line(&self.headers) + "\n";
-        out += &w.iter().map(|&x| "-".repeat(x)).collect::<Vec<_>>().join("  ");
+        out += &w
+            .iter()
+            .map(|&x| "-".repeat(x))
+            .collect::<Vec<_>>()
+            .join("  ");
         out.push('\n');
         for r in &self.rows {
             out += &line(r);
@@ -64,13 +68,19 @@ fn sci(v: f64) -> String {
 }
 
 pub fn check_table(records: &[CheckRecord]) -> String {
-    let mut t = Table::new(&["op", "variant", "device", "dtype", "shape", "error", "tol", "pass", "note"]);
+    let mut t = Table::new(&[
+        "op", "variant", "device", "dtype", "shape", "error", "tol", "pass", "note",
+    ]);
     for r in records {
         t.row(vec![
             r.op.clone(),
             r.variant.clone(),
             r.device.clone(),
-            if r.precision.name() != r.dtype { format!("{} ({})", r.dtype, r.precision.name()) } else { r.dtype.clone() },
+            if r.precision.name() != r.dtype {
+                format!("{} ({})", r.dtype, r.precision.name())
+            } else {
+                r.dtype.clone()
+            },
             r.shape.clone(),
             sci(r.error),
             sci(r.tolerance),
@@ -96,7 +106,22 @@ pub fn rate(tflops: f64) -> String {
 
 pub fn bench_table(records: &[BenchRecord]) -> String {
     let mut t = Table::new(&[
-        "op", "variant", "dtype", "shape", "median ms", "min", "max", "rate", "GB/s", "% ceil", "× base", "× peer", "regs", "smem", "occ", "config / note",
+        "op",
+        "variant",
+        "dtype",
+        "shape",
+        "median ms",
+        "min",
+        "max",
+        "rate",
+        "GB/s",
+        "% ceil",
+        "× base",
+        "× peer",
+        "regs",
+        "smem",
+        "occ",
+        "config / note",
     ]);
     for r in records {
         let mut note = r.config.clone();
@@ -108,19 +133,31 @@ pub fn bench_table(records: &[BenchRecord]) -> String {
         }
         t.row(vec![
             r.op.clone(),
-            if r.is_peer { format!("{} (peer)", r.variant) } else { r.variant.clone() },
+            if r.is_peer {
+                format!("{} (peer)", r.variant)
+            } else {
+                r.variant.clone()
+            },
             r.dtype.clone(),
             r.shape.clone(),
             format!("{:.4}", r.median_ms),
             format!("{:.4}", r.min_ms),
             format!("{:.4}", r.max_ms),
-            if r.flops > 0.0 { rate(r.tflops) } else { "-".into() },
+            if r.flops > 0.0 {
+                rate(r.tflops)
+            } else {
+                "-".into()
+            },
             format!("{:.1}", r.gbps),
             opt(r.pct_of_ceiling, |v| format!("{v:.1}%")),
             opt(r.speedup_vs_baseline, |v| format!("{v:.2}")),
             opt(r.ratio_to_peer, |v| format!("{v:.2}")),
-            r.registers.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
-            r.smem_bytes.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+            r.registers
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| "-".into()),
+            r.smem_bytes
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| "-".into()),
             opt(r.occupancy, |v| format!("{:.0}%", v * 100.0)),
             note,
         ]);
@@ -129,7 +166,9 @@ pub fn bench_table(records: &[BenchRecord]) -> String {
 }
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 /// A horizontal bar chart of the ladder: one panel per (device, op, dtype, shape), one bar per
@@ -143,22 +182,46 @@ pub fn ladder_svg(records: &[BenchRecord], title: &str) -> String {
             None => groups.push((key, vec![r])),
         }
     }
-    let value = |r: &BenchRecord| if r.flops > 0.0 { r.tflops * 1e3 } else { r.gbps };
-    let unit = |g: &[&BenchRecord]| if g.iter().any(|r| r.flops > 0.0) { "GFLOP/s" } else { "GB/s" };
+    let value = |r: &BenchRecord| {
+        if r.flops > 0.0 {
+            r.tflops * 1e3
+        } else {
+            r.gbps
+        }
+    };
+    let unit = |g: &[&BenchRecord]| {
+        if g.iter().any(|r| r.flops > 0.0) {
+            "GFLOP/s"
+        } else {
+            "GB/s"
+        }
+    };
     let (lw, bw, bh, gap) = (170.0, 560.0, 18.0, 34.0);
     let width = lw + bw + 190.0;
-    let height: f64 = 50.0 + groups.iter().map(|(_, g)| gap + bh * g.len() as f64).sum::<f64>();
+    let height: f64 = 50.0
+        + groups
+            .iter()
+            .map(|(_, g)| gap + bh * g.len() as f64)
+            .sum::<f64>();
     let mut s = String::new();
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(s, r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#, esc(title));
+    let _ = writeln!(
+        s,
+        r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
     let mut y = 50.0;
     for (key, g) in &groups {
         let vmax = g.iter().map(|r| value(r)).fold(1e-9, f64::max);
-        let vmin = g.iter().map(|r| value(r)).filter(|v| *v > 0.0).fold(vmax, f64::min);
+        let vmin = g
+            .iter()
+            .map(|r| value(r))
+            .filter(|v| *v > 0.0)
+            .fold(vmax, f64::min);
         let lo = (vmin / 2.0).log10().floor();
         let hi = vmax.log10().ceil().max(lo + 1.0);
         let _ = writeln!(
@@ -172,10 +235,31 @@ pub fn ladder_svg(records: &[BenchRecord], title: &str) -> String {
         for r in g {
             let v = value(r).max(10f64.powf(lo));
             let len = bw * (v.log10() - lo) / (hi - lo);
-            let color = if r.is_peer { "#888888" } else if r.device.starts_with("cuda") { "#2e7d32" } else { "#1565c0" };
-            let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#, lw - 6.0, y + 13.0, esc(&r.variant));
-            let _ = writeln!(s, r#"<rect x="{lw}" y="{}" width="{len:.1}" height="{}" fill="{color}"/>"#, y + 2.0, bh - 4.0);
-            let ratio = r.ratio_to_peer.filter(|_| !r.is_peer).map(|x| format!(" ({x:.2}× peer)")).unwrap_or_default();
+            let color = if r.is_peer {
+                "#888888"
+            } else if r.device.starts_with("cuda") {
+                "#2e7d32"
+            } else {
+                "#1565c0"
+            };
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
+                lw - 6.0,
+                y + 13.0,
+                esc(&r.variant)
+            );
+            let _ = writeln!(
+                s,
+                r#"<rect x="{lw}" y="{}" width="{len:.1}" height="{}" fill="{color}"/>"#,
+                y + 2.0,
+                bh - 4.0
+            );
+            let ratio = r
+                .ratio_to_peer
+                .filter(|_| !r.is_peer)
+                .map(|x| format!(" ({x:.2}× peer)"))
+                .unwrap_or_default();
             let _ = writeln!(
                 s,
                 r#"<text x="{}" y="{}">{:.1}{}</text>"#,

@@ -12,7 +12,9 @@ use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::harness::bench::{relate, time_cpu, time_gpu, BenchRecord, Budget};
 use crate::core::harness::check::rel_error;
-use crate::core::harness::{BenchConfig, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily, Precision};
+use crate::core::harness::{
+    BenchConfig, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily, Precision,
+};
 use crate::core::rng::Rng;
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
@@ -21,13 +23,45 @@ use std::sync::Arc;
 
 pub const OP: &str = "copy";
 const SRC: KernelSource = kernel_source!("copy", "kernels/copy.cu");
-const ANY: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::I32, DType::U32, DType::U16, DType::U8];
+const ANY: &[DType] = &[
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::I32,
+    DType::U32,
+    DType::U16,
+    DType::U8,
+];
 
 pub fn variants() -> Vec<VariantInfo> {
     vec![
-        VariantInfo { name: "memcpy", backend: Backend::Cpu, dtypes: ANY, min_arch: None, constraints: "contiguous", summary: "the standard library's copy", rank: 1 },
-        VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: ANY, min_arch: Some(Arch::SM80), constraints: "contiguous", summary: "one 4-byte word per thread", rank: 1 },
-        VariantInfo { name: "vectorized", backend: Backend::Cuda, dtypes: ANY, min_arch: Some(Arch::SM80), constraints: "contiguous", summary: "16-byte accesses, 4 in flight per thread, grid sized to the SMs", rank: 2 },
+        VariantInfo {
+            name: "memcpy",
+            backend: Backend::Cpu,
+            dtypes: ANY,
+            min_arch: None,
+            constraints: "contiguous",
+            summary: "the standard library's copy",
+            rank: 1,
+        },
+        VariantInfo {
+            name: "naive",
+            backend: Backend::Cuda,
+            dtypes: ANY,
+            min_arch: Some(Arch::SM80),
+            constraints: "contiguous",
+            summary: "one 4-byte word per thread",
+            rank: 1,
+        },
+        VariantInfo {
+            name: "vectorized",
+            backend: Backend::Cuda,
+            dtypes: ANY,
+            min_arch: Some(Arch::SM80),
+            constraints: "contiguous",
+            summary: "16-byte accesses, 4 in flight per thread, grid sized to the SMs",
+            rank: 2,
+        },
     ]
 }
 
@@ -42,7 +76,14 @@ fn program() -> Program {
 }
 
 /// Copies `bytes` from `src` to `dst` (device pointers) with a CUDA variant.
-pub fn copy_device(dev: &Arc<CudaDevice>, variant: &str, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+pub fn copy_device(
+    dev: &Arc<CudaDevice>,
+    variant: &str,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }
@@ -58,7 +99,11 @@ pub fn copy_device(dev: &Arc<CudaDevice>, variant: &str, dst: u64, src: u64, byt
         }
         "naive" | "vectorized" => {
             // 16-byte-aligned body through the kernel, unaligned head/tail through the driver.
-            let head = if dst % 16 == src % 16 { ((16 - dst % 16) % 16) as usize } else { bytes };
+            let head = if dst % 16 == src % 16 {
+                ((16 - dst % 16) % 16) as usize
+            } else {
+                bytes
+            };
             let head = head.min(bytes);
             let body = (bytes - head) / 16 * 16;
             // SAFETY: dst/src address `bytes` bytes of device memory (caller's contract).
@@ -73,20 +118,35 @@ pub fn copy_device(dev: &Arc<CudaDevice>, variant: &str, dst: u64, src: u64, byt
             }
             let tail = bytes - head - body;
             // SAFETY: as above; the tail lies inside the same ranges.
-            unsafe { dev.dtod(dst + (head + body) as u64, src + (head + body) as u64, tail, stream) }
+            unsafe {
+                dev.dtod(
+                    dst + (head + body) as u64,
+                    src + (head + body) as u64,
+                    tail,
+                    stream,
+                )
+            }
         }
         "driver" => {
             // SAFETY: as above.
             unsafe { dev.dtod(dst, src, bytes, stream) }
         }
-        other => Err(Error::NoVariant { op: OP.into(), msg: format!("no CUDA variant named `{other}`") }),
+        other => Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!("no CUDA variant named `{other}`"),
+        }),
     }
 }
 
 /// dst = src for two contiguous tensors of one shape, dtype and device.
 pub fn copy_into(src: &Tensor, dst: &Tensor, opts: &CopyOptions) -> Result<()> {
     if dst.device() != src.device() || dst.dtype() != src.dtype() || dst.shape() != src.shape() {
-        return Err(Error::bad_arg(OP, "dst", format!("a tensor like src ({})", describe(src)), describe(dst)));
+        return Err(Error::bad_arg(
+            OP,
+            "dst",
+            format!("a tensor like src ({})", describe(src)),
+            describe(dst),
+        ));
     }
     for (t, n) in [(src, "src"), (dst, "dst")] {
         if !t.is_contiguous() {
@@ -94,20 +154,40 @@ pub fn copy_into(src: &Tensor, dst: &Tensor, opts: &CopyOptions) -> Result<()> {
         }
     }
     if dst.shares_storage(src) {
-        return Err(Error::bad_arg(OP, "dst", "a buffer distinct from src", "a view of src"));
+        return Err(Error::bad_arg(
+            OP,
+            "dst",
+            "a buffer distinct from src",
+            "a view of src",
+        ));
     }
     let arch = match src.device() {
         Device::Cuda(i) => Some(device(i)?.arch()),
         Device::Cpu => None,
     };
     let vs = variants();
-    let v = variant::select(OP, &vs, opts.variant.as_deref(), Backend::of(src.device()), src.dtype(), arch, |_| None)?;
+    let v = variant::select(
+        OP,
+        &vs,
+        opts.variant.as_deref(),
+        Backend::of(src.device()),
+        src.dtype(),
+        arch,
+        |_| None,
+    )?;
     match src.device() {
         Device::Cpu => write_bytes(dst, &src.to_bytes()?),
         Device::Cuda(i) => {
             let dev = device(i)?;
             let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
-            copy_device(&dev, v.name, dst.device_ptr()?, src.device_ptr()?, src.nbytes(), &stream)
+            copy_device(
+                &dev,
+                v.name,
+                dst.device_ptr()?,
+                src.device_ptr()?,
+                src.nbytes(),
+                &stream,
+            )
         }
     }
 }
@@ -115,7 +195,9 @@ pub fn copy_into(src: &Tensor, dst: &Tensor, opts: &CopyOptions) -> Result<()> {
 fn write_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
     macro_rules! typed {
         ($t:ty) => {
-            dst.with_cpu_mut::<$t, _>(|d| bytemuck::cast_slice_mut::<$t, u8>(&mut d[..dst.numel()]).copy_from_slice(bytes))
+            dst.with_cpu_mut::<$t, _>(|d| {
+                bytemuck::cast_slice_mut::<$t, u8>(&mut d[..dst.numel()]).copy_from_slice(bytes)
+            })
         };
     }
     match dst.dtype() {
@@ -138,7 +220,9 @@ pub fn gpu_bandwidth(dev: &Arc<CudaDevice>, bytes: usize) -> Result<f64> {
     unsafe { dev.memset(a.ptr(), 0x5A, bytes, &stream)? };
     let mut best = 0f64;
     for v in ["vectorized", "driver"] {
-        let s = time_gpu(dev, &stream, Budget::gpu(), |_| copy_device(dev, v, b.ptr(), a.ptr(), bytes, &stream))?;
+        let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+            copy_device(dev, v, b.ptr(), a.ptr(), bytes, &stream)
+        })?;
         best = best.max(2.0 * bytes as f64 / (s.median_ms * 1e-3) / 1e9);
     }
     Ok(best)
@@ -147,19 +231,58 @@ pub fn gpu_bandwidth(dev: &Arc<CudaDevice>, bytes: usize) -> Result<f64> {
 fn check_run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     let mut rng = Rng::new(cfg.seed);
     for &dev in &cfg.devices {
-        for v in variants().iter().filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name)) {
-            for dtype in [DType::F32, DType::BF16, DType::U8].into_iter().filter(|d| cfg.wants_dtype(*d)) {
-                for n in [1usize, 7, 127, 1000, 4097, if cfg.quick { 65_537 } else { 1 << 22 }] {
+        for v in variants()
+            .iter()
+            .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
+        {
+            for dtype in [DType::F32, DType::BF16, DType::U8]
+                .into_iter()
+                .filter(|d| cfg.wants_dtype(*d))
+            {
+                // (length, offset of the source view: misaligned starts take the head/tail path)
+                for (n, off) in [
+                    (1usize, 0usize),
+                    (7, 0),
+                    (127, 0),
+                    (1000, 3),
+                    (4097, 0),
+                    (4097, 5),
+                    (if cfg.quick { 65_537 } else { 1 << 22 }, 1),
+                ] {
                     let res = (|| -> Result<f64> {
-                        let src = Tensor::rand(&[n], dtype, dev, rng.next_u64(), 1.0, 200.0)?;
+                        let src = Tensor::rand(&[n + off], dtype, dev, rng.next_u64(), 1.0, 200.0)?
+                            .narrow(0, off, n)?;
                         let dst = Tensor::empty(&[n], dtype, dev)?;
                         dst.poison(None)?;
-                        copy_into(&src, &dst, &CopyOptions { variant: Some(v.name.into()), stream: None })?;
+                        copy_into(
+                            &src,
+                            &dst,
+                            &CopyOptions {
+                                variant: Some(v.name.into()),
+                                stream: None,
+                            },
+                        )?;
                         Ok(rel_error(&dst.to_f64_vec()?, &src.to_f64_vec()?))
                     })();
                     out.push(match res {
-                        Ok(e) => CheckRecord::compared(OP, v.name, dev, dtype, Precision::F32, format!("{n}"), e, String::new()),
-                        Err(e) => CheckRecord::errored(OP, v.name, dev, dtype, format!("{n}"), e.to_string()),
+                        Ok(e) => CheckRecord::compared(
+                            OP,
+                            v.name,
+                            dev,
+                            dtype,
+                            Precision::Exact,
+                            format!("{n} +{off}"),
+                            e,
+                            String::new(),
+                        ),
+                        Err(e) => CheckRecord::errored(
+                            OP,
+                            v.name,
+                            dev,
+                            dtype,
+                            format!("{n} +{off}"),
+                            e.to_string(),
+                        ),
                     });
                 }
             }
@@ -168,7 +291,12 @@ fn check_run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     Ok(())
 }
 
-fn bench_run(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
+fn bench_run(
+    cfg: &BenchConfig,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
     for &d in &cfg.devices {
         let mut group = Vec::new();
         match d {
@@ -178,7 +306,17 @@ fn bench_run(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
                 let mut dst = vec![0u8; bytes];
                 progress("copy cpu memcpy");
                 let s = time_cpu(Budget::cpu(), || dst.copy_from_slice(&src));
-                let mut r = BenchRecord::new(d, &crate::ops::matmul::bench::cpu_name(), OP, "memcpy", DType::U8, format!("{} MiB", bytes >> 20), s, 0.0, 2.0 * bytes as f64);
+                let mut r = BenchRecord::new(
+                    d,
+                    &crate::ops::matmul::bench::cpu_name(),
+                    OP,
+                    "memcpy",
+                    DType::U8,
+                    format!("{} MiB", bytes >> 20),
+                    s,
+                    0.0,
+                    2.0 * bytes as f64,
+                );
                 r.config = "1 thread".into();
                 group.push(r);
                 relate(&mut group, "memcpy", None);
@@ -191,13 +329,35 @@ fn bench_run(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
                 let b = dev.alloc(bytes, &stream)?;
                 // SAFETY: fresh allocations of `bytes` each.
                 unsafe { dev.memset(a.ptr(), 0x5A, bytes, &stream)? };
-                for v in ["naive", "vectorized", "driver"].into_iter().filter(|v| *v == "driver" || cfg.wants_variant(v)) {
+                for v in ["naive", "vectorized", "driver"]
+                    .into_iter()
+                    .filter(|v| *v == "driver" || cfg.wants_variant(v))
+                {
                     progress(&format!("copy {d} {v}"));
-                    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| copy_device(&dev, v, b.ptr(), a.ptr(), bytes, &stream))?;
-                    let mut r = BenchRecord::new(d, &dev.props().name, OP, if v == "driver" { "cuMemcpyDtoD" } else { v }, DType::U8, format!("{} MiB", bytes >> 20), s, 0.0, 2.0 * bytes as f64);
+                    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| {
+                        copy_device(&dev, v, b.ptr(), a.ptr(), bytes, &stream)
+                    })?;
+                    let mut r = BenchRecord::new(
+                        d,
+                        &dev.props().name,
+                        OP,
+                        if v == "driver" { "cuMemcpyDtoD" } else { v },
+                        DType::U8,
+                        format!("{} MiB", bytes >> 20),
+                        s,
+                        0.0,
+                        2.0 * bytes as f64,
+                    );
                     r.is_peer = v == "driver";
                     if v != "driver" {
-                        let k = dev.kernel(&program(), if v == "naive" { "copy_naive" } else { "copy_vectorized" })?;
+                        let k = dev.kernel(
+                            &program(),
+                            if v == "naive" {
+                                "copy_naive"
+                            } else {
+                                "copy_vectorized"
+                            },
+                        )?;
                         let res = k.resources()?;
                         r.registers = Some(res.registers);
                         r.smem_bytes = Some(res.static_smem as u32);
@@ -206,7 +366,11 @@ fn bench_run(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
                     }
                     group.push(r);
                 }
-                relate(&mut group, "naive", ceilings.gpu_copy_gbps.map(|v| ("best copy", v, false)));
+                relate(
+                    &mut group,
+                    "naive",
+                    ceilings.gpu_copy_gbps.map(|v| ("best copy", v, false)),
+                );
             }
         }
         out.extend(group);
@@ -226,10 +390,20 @@ impl OpFamily for Copy {
     fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
         check_run(cfg, out)
     }
-    fn bench(&self, cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
+    fn bench(
+        &self,
+        cfg: &BenchConfig,
+        ceilings: &Ceilings,
+        progress: &mut dyn FnMut(&str),
+        out: &mut Vec<BenchRecord>,
+    ) -> Result<()> {
         bench_run(cfg, ceilings, progress, out)
     }
     fn kernels(&self) -> Vec<KernelSpec> {
-        vec![KernelSpec { program: program(), functions: vec!["copy_naive".into(), "copy_vectorized".into()], min_arch: Arch::SM80 }]
+        vec![KernelSpec {
+            program: program(),
+            functions: vec!["copy_naive".into(), "copy_vectorized".into()],
+            min_arch: Arch::SM80,
+        }]
     }
 }

@@ -28,7 +28,12 @@ fn shapes(cfg: &BenchConfig, defaults: &[[usize; 3]]) -> Vec<[usize; 3]> {
         .collect()
 }
 
-pub fn run(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
+pub fn run(
+    cfg: &BenchConfig,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
     for &dev in &cfg.devices {
         match dev {
             Device::Cpu => bench_cpu(cfg, ceilings, progress, out)?,
@@ -42,15 +47,28 @@ pub fn run(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str
 pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
-fn bench_cpu(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
+fn bench_cpu(
+    cfg: &BenchConfig,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
     if !cfg.wants_dtype(DType::F32) {
         return Ok(());
     }
-    let defaults: &[[usize; 3]] = if cfg.quick { &[[256, 256, 256], [512, 512, 512]] } else { &[[512, 512, 512], [1024, 1024, 1024], [2048, 2048, 2048]] };
+    let defaults: &[[usize; 3]] = if cfg.quick {
+        &[[256, 256, 256], [512, 512, 512]]
+    } else {
+        &[[512, 512, 512], [1024, 1024, 1024], [2048, 2048, 2048]]
+    };
     let explicit = !cfg.shapes.is_empty();
     let threads = rayon::current_num_threads();
     let name = cpu_name();
@@ -60,7 +78,11 @@ fn bench_cpu(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
         let c = Tensor::empty(&[m, n], DType::F32, Device::Cpu)?;
         let g = validate(&a, &b, &c)?;
         let mut group: Vec<BenchRecord> = Vec::new();
-        let mut runs: Vec<(&str, bool)> = variants().iter().filter(|v| v.backend == Backend::Cpu && cfg.wants_variant(v.name)).map(|v| (v.name, false)).collect();
+        let mut runs: Vec<(&str, bool)> = variants()
+            .iter()
+            .filter(|v| v.backend == Backend::Cpu && cfg.wants_variant(v.name))
+            .map(|v| (v.name, false))
+            .collect();
         // The peer always runs: every ratio is to it.
         runs.push(("gemm-crate", true));
         for (vname, is_peer) in runs {
@@ -69,12 +91,30 @@ fn bench_cpu(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
                 continue;
             }
             progress(&format!("matmul cpu {vname} {}", g.label()));
-            let vthreads = if matches!(vname, "parallel" | "gemm-crate") { threads } else { 1 };
+            let vthreads = if matches!(vname, "parallel" | "gemm-crate") {
+                threads
+            } else {
+                1
+            };
             let stats = a.with_cpu::<f32, _>(|a_s| {
                 b.with_cpu::<f32, _>(|b_s| {
                     c.with_cpu_mut::<f32, _>(|c_s| {
                         time_cpu(Budget::cpu(), || {
-                            let s = cpu::Sgemm { m, n, k, alpha: 1.0, beta: 0.0, a: a_s, lda: k, a_trans: false, b: b_s, ldb: n, b_trans: false, c: &mut *c_s, ldc: n };
+                            let s = cpu::Sgemm {
+                                m,
+                                n,
+                                k,
+                                alpha: 1.0,
+                                beta: 0.0,
+                                a: a_s,
+                                lda: k,
+                                a_trans: false,
+                                b: b_s,
+                                ldb: n,
+                                b_trans: false,
+                                c: &mut *c_s,
+                                ldc: n,
+                            };
                             match vname {
                                 "naive" => cpu::naive(s),
                                 "blocked" => cpu::blocked(s),
@@ -86,7 +126,17 @@ fn bench_cpu(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
                     })
                 })
             })???;
-            let mut r = BenchRecord::new(Device::Cpu, &name, OP, vname, DType::F32, g.label(), stats, g.flops(), g.min_bytes(0.0));
+            let mut r = BenchRecord::new(
+                Device::Cpu,
+                &name,
+                OP,
+                vname,
+                DType::F32,
+                g.label(),
+                stats,
+                g.flops(),
+                g.min_bytes(0.0),
+            );
             r.is_peer = is_peer;
             r.config = match vname {
                 "simd" => format!("{} micro-kernel, 1 thread", cpu::simd_isa()),
@@ -97,7 +147,10 @@ fn bench_cpu(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
             if let Some(peak) = ceilings.cpu_core_peak_gflops {
                 let p = peak * vthreads as f64;
                 r.pct_of_ceiling = Some(100.0 * r.tflops * 1e3 / p);
-                r.ceiling = format!("nominal peak {p:.0} GFLOP/s ({vthreads} core{})", if vthreads > 1 { "s" } else { "" });
+                r.ceiling = format!(
+                    "nominal peak {p:.0} GFLOP/s ({vthreads} core{})",
+                    if vthreads > 1 { "s" } else { "" }
+                );
             }
             group.push(r);
         }
@@ -108,37 +161,86 @@ fn bench_cpu(cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&s
 }
 
 /// Input sets for rotation: (a, b, c) per set, so a pass over them exceeds L2.
-fn gpu_sets(dev: &Arc<CudaDevice>, dtype: DType, [m, n, k]: [usize; 3]) -> Result<Vec<(Tensor, Tensor, Tensor)>> {
+fn gpu_sets(
+    dev: &Arc<CudaDevice>,
+    dtype: DType,
+    [m, n, k]: [usize; 3],
+) -> Result<Vec<(Tensor, Tensor, Tensor)>> {
     let d = Device::Cuda(dev.ordinal());
     let es = dtype.size_in_bytes();
     let per_set = (m * k + k * n + m * n) * es;
-    let (free, _) = dev.context().mem_get_info().map_err(|e| crate::core::error::Error::cuda("cuMemGetInfo", e))?;
+    let (free, _) = dev
+        .context()
+        .mem_get_info()
+        .map_err(|e| crate::core::error::Error::cuda("cuMemGetInfo", e))?;
     let sets = rotation_sets(per_set, dev.props().l2_bytes, free as u64);
     // One random set on the host, copied to every slot: random data, without paying the host RNG
     // once per set.
     let a = Tensor::rand(&[m, k], dtype, Device::Cpu, 11, -1.0, 1.0)?;
     let b = Tensor::rand(&[k, n], dtype, Device::Cpu, 12, -1.0, 1.0)?;
     (0..sets)
-        .map(|_| Ok((a.to_device(d)?, b.to_device(d)?, Tensor::empty(&[m, n], dtype, d)?)))
+        .map(|_| {
+            Ok((
+                a.to_device(d)?,
+                b.to_device(d)?,
+                Tensor::empty(&[m, n], dtype, d)?,
+            ))
+        })
         .collect()
 }
 
-fn bench_gpu(cfg: &BenchConfig, dev: &Arc<CudaDevice>, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
-    let defaults: &[[usize; 3]] = if cfg.quick { &[[2048, 2048, 2048]] } else { &[[4096, 4096, 4096]] };
+fn bench_gpu(
+    cfg: &BenchConfig,
+    dev: &Arc<CudaDevice>,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    let defaults: &[[usize; 3]] = if cfg.quick {
+        &[[2048, 2048, 2048]]
+    } else {
+        &[[4096, 4096, 4096]]
+    };
     let stream = dev.stream().clone();
     let name = dev.props().name.clone();
     let d = Device::Cuda(dev.ordinal());
-    for dtype in [DType::F32, DType::BF16, DType::F16].into_iter().filter(|t| cfg.wants_dtype(*t)) {
+    for dtype in [DType::F32, DType::BF16, DType::F16]
+        .into_iter()
+        .filter(|t| cfg.wants_dtype(*t))
+    {
         for shape in shapes(cfg, defaults) {
             let sets = gpu_sets(dev, dtype, shape)?;
             let g: Gemm = validate(&sets[0].0, &sets[0].1, &sets[0].2)?;
-            let ptrs: Vec<Ptrs> = sets.iter().map(|(a, b, c)| Ok(Ptrs { a: a.device_ptr()?, b: b.device_ptr()?, c: c.device_ptr()? })).collect::<Result<_>>()?;
+            let ptrs: Vec<Ptrs> = sets
+                .iter()
+                .map(|(a, b, c)| {
+                    Ok(Ptrs {
+                        a: a.device_ptr()?,
+                        b: b.device_ptr()?,
+                        c: c.device_ptr()?,
+                    })
+                })
+                .collect::<Result<_>>()?;
             let mut group = Vec::new();
-            for v in variants().iter().filter(|v| v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name)) {
+            for v in variants().iter().filter(|v| {
+                v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name)
+            }) {
                 progress(&format!("matmul {d} {} {dtype} {}", v.name, g.label()));
                 let l = mm_cuda::plan(v.name, &g, dev)?;
-                let stats = time_gpu(dev, &stream, Budget::gpu(), |i| mm_cuda::launch(&l, &g, ptrs[i % ptrs.len()], 1.0, 0.0, &stream))?;
-                let mut r = BenchRecord::new(d, &name, OP, v.name, dtype, g.label(), stats, g.flops(), g.min_bytes(0.0));
+                let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
+                    mm_cuda::launch(&l, &g, ptrs[i % ptrs.len()], 1.0, 0.0, &stream)
+                })?;
+                let mut r = BenchRecord::new(
+                    d,
+                    &name,
+                    OP,
+                    v.name,
+                    dtype,
+                    g.label(),
+                    stats,
+                    g.flops(),
+                    g.min_bytes(0.0),
+                );
                 let res = l.kernel.resources()?;
                 let threads = l.block.0 * l.block.1 * l.block.2;
                 r.registers = Some(res.registers);
@@ -149,12 +251,41 @@ fn bench_gpu(cfg: &BenchConfig, dev: &Arc<CudaDevice>, ceilings: &Ceilings, prog
                 group.push(r);
             }
             progress(&format!("matmul {d} cublas {dtype} {}", g.label()));
-            let stats = time_gpu(dev, &stream, Budget::gpu(), |i| mm_cuda::cublas(dev, &g, ptrs[i % ptrs.len()], 1.0, 0.0, Precision::of(dtype), &stream))?;
-            let mut r = BenchRecord::new(d, &name, OP, "cublas", dtype, g.label(), stats, g.flops(), g.min_bytes(0.0));
+            let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
+                mm_cuda::cublas(
+                    dev,
+                    &g,
+                    ptrs[i % ptrs.len()],
+                    1.0,
+                    0.0,
+                    Precision::of(dtype),
+                    &stream,
+                )
+            })?;
+            let mut r = BenchRecord::new(
+                d,
+                &name,
+                OP,
+                "cublas",
+                dtype,
+                g.label(),
+                stats,
+                g.flops(),
+                g.min_bytes(0.0),
+            );
             r.is_peer = true;
-            r.config = format!("cublasGemmStridedBatchedEx, {} compute", if dtype == DType::F32 { "fp32" } else { "fp32-accumulate" });
+            r.config = format!(
+                "cublasGemmStridedBatchedEx, {} compute",
+                if dtype == DType::F32 {
+                    "fp32"
+                } else {
+                    "fp32-accumulate"
+                }
+            );
             group.push(r);
-            let ceiling = ceilings.gpu_gemm(dtype.name()).map(|v| ("cuBLAS 4096³", v, true));
+            let ceiling = ceilings
+                .gpu_gemm(dtype.name())
+                .map(|v| ("cuBLAS 4096³", v, true));
             relate(&mut group, "naive", ceiling);
             out.extend(group);
         }

@@ -31,11 +31,29 @@ pub struct Case {
 
 impl Case {
     const fn nn(m: usize, n: usize, k: usize) -> Case {
-        Case { batch: 1, m, n, k, a_trans: false, b_trans: false, broadcast_b: false, pad: 0, alpha: 1.0, beta: 0.0 }
+        Case {
+            batch: 1,
+            m,
+            n,
+            k,
+            a_trans: false,
+            b_trans: false,
+            broadcast_b: false,
+            pad: 0,
+            alpha: 1.0,
+            beta: 0.0,
+        }
     }
     pub fn label(&self) -> String {
         let t = |x: bool| if x { 'T' } else { 'N' };
-        let mut s = format!("{}×{}×{} {}{}", self.m, self.n, self.k, t(self.a_trans), t(self.b_trans));
+        let mut s = format!(
+            "{}×{}×{} {}{}",
+            self.m,
+            self.n,
+            self.k,
+            t(self.a_trans),
+            t(self.b_trans)
+        );
         if self.batch != 1 {
             s = format!("{}×", self.batch) + &s;
         }
@@ -58,19 +76,51 @@ pub fn cases(quick: bool) -> Vec<Case> {
         Case::nn(1, 1, 1),
         Case::nn(7, 5, 3),
         Case::nn(127, 255, 33),
-        Case { a_trans: true, ..Case::nn(33, 17, 65) },
-        Case { b_trans: true, ..Case::nn(33, 17, 65) },
-        Case { a_trans: true, b_trans: true, pad: 3, ..Case::nn(31, 9, 127) },
-        Case { batch: 3, broadcast_b: true, alpha: 0.5, beta: -1.5, ..Case::nn(31, 47, 65) },
-        Case { batch: 2, b_trans: true, pad: 5, ..Case::nn(17, 64, 40) },
+        Case {
+            a_trans: true,
+            ..Case::nn(33, 17, 65)
+        },
+        Case {
+            b_trans: true,
+            ..Case::nn(33, 17, 65)
+        },
+        Case {
+            a_trans: true,
+            b_trans: true,
+            pad: 3,
+            ..Case::nn(31, 9, 127)
+        },
+        Case {
+            batch: 3,
+            broadcast_b: true,
+            alpha: 0.5,
+            beta: -1.5,
+            ..Case::nn(31, 47, 65)
+        },
+        Case {
+            batch: 2,
+            b_trans: true,
+            pad: 5,
+            ..Case::nn(17, 64, 40)
+        },
         Case::nn(300, 200, 1),
-        Case { beta: 2.0, ..Case::nn(9, 11, 0) },
-        Case { alpha: -2.0, beta: 0.25, ..Case::nn(64, 96, 128) },
+        Case {
+            beta: 2.0,
+            ..Case::nn(9, 11, 0)
+        },
+        Case {
+            alpha: -2.0,
+            beta: 0.25,
+            ..Case::nn(64, 96, 128)
+        },
     ];
     if !quick {
         v.extend([
             Case::nn(1000, 7, 129),
-            Case { a_trans: true, ..Case::nn(257, 1000, 300) },
+            Case {
+                a_trans: true,
+                ..Case::nn(257, 1000, 300)
+            },
             Case::nn(4097, 4095, 129),
         ]);
     }
@@ -78,7 +128,16 @@ pub fn cases(quick: bool) -> Vec<Case> {
 }
 
 /// A tensor of logical shape [batch?, rows, cols] stored transposed and/or with padded rows.
-fn operand(dev: Device, dtype: DType, batch: Option<usize>, rows: usize, cols: usize, trans: bool, pad: usize, seed: u64) -> Result<Tensor> {
+fn operand(
+    dev: Device,
+    dtype: DType,
+    batch: Option<usize>,
+    rows: usize,
+    cols: usize,
+    trans: bool,
+    pad: usize,
+    seed: u64,
+) -> Result<Tensor> {
     let (sr, sc) = if trans { (cols, rows) } else { (rows, cols) };
     let mut shape = vec![sr, sc + pad];
     if let Some(b) = batch {
@@ -95,13 +154,40 @@ fn operand(dev: Device, dtype: DType, batch: Option<usize>, rows: usize, cols: u
 }
 
 /// Inputs of one case: (a, b, c0 or None when β = 0).
-pub fn inputs(c: &Case, dev: Device, dtype: DType, seed: u64) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+pub fn inputs(
+    c: &Case,
+    dev: Device,
+    dtype: DType,
+    seed: u64,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let batched = c.batch != 1 || c.broadcast_b;
-    let a = operand(dev, dtype, batched.then_some(c.batch), c.m, c.k, c.a_trans, c.pad, seed)?;
+    let a = operand(
+        dev,
+        dtype,
+        batched.then_some(c.batch),
+        c.m,
+        c.k,
+        c.a_trans,
+        c.pad,
+        seed,
+    )?;
     let b_batch = (batched && !c.broadcast_b).then_some(c.batch);
-    let b = operand(dev, dtype, b_batch, c.k, c.n, c.b_trans, c.pad, seed ^ 0x5555)?;
+    let b = operand(
+        dev,
+        dtype,
+        b_batch,
+        c.k,
+        c.n,
+        c.b_trans,
+        c.pad,
+        seed ^ 0x5555,
+    )?;
     let c0 = if c.beta != 0.0 {
-        let shape: Vec<usize> = if batched { vec![c.batch, c.m, c.n] } else { vec![c.m, c.n] };
+        let shape: Vec<usize> = if batched {
+            vec![c.batch, c.m, c.n]
+        } else {
+            vec![c.m, c.n]
+        };
         Some(Tensor::rand(&shape, dtype, dev, seed ^ 0xAAAA, -1.0, 1.0)?)
     } else {
         None
@@ -116,24 +202,39 @@ pub fn reference(c: &Case, a: &Tensor, b: &Tensor, c0: Option<&Tensor>) -> Resul
     let (m, n, k) = (c.m, c.n, c.k);
     let b_batch_stride = if c.broadcast_b { 0 } else { k * n };
     let mut out = vec![0f64; c.batch * m * n];
-    out.par_chunks_mut(n.max(1)).enumerate().for_each(|(row, o)| {
-        let (z, i) = (row / m.max(1), row % m.max(1));
-        let arow = &av[z * m * k + i * k..][..k];
-        let bz = &bv[z * b_batch_stride..];
-        for (j, oj) in o.iter_mut().enumerate() {
-            let mut acc = 0f64;
-            for p in 0..k {
-                acc += arow[p] * bz[p * n + j];
+    out.par_chunks_mut(n.max(1))
+        .enumerate()
+        .for_each(|(row, o)| {
+            let (z, i) = (row / m.max(1), row % m.max(1));
+            let arow = &av[z * m * k + i * k..][..k];
+            let bz = &bv[z * b_batch_stride..];
+            for (j, oj) in o.iter_mut().enumerate() {
+                let mut acc = 0f64;
+                for p in 0..k {
+                    acc += arow[p] * bz[p * n + j];
+                }
+                *oj = c.alpha as f64 * acc
+                    + cv.as_ref()
+                        .map_or(0.0, |cv| c.beta as f64 * cv[row * n + j]);
             }
-            *oj = c.alpha as f64 * acc + cv.as_ref().map_or(0.0, |cv| c.beta as f64 * cv[row * n + j]);
-        }
-    });
+        });
     Ok(out)
 }
 
-fn check_one(c: &Case, dev: Device, dtype: DType, variant: &str, precision: Precision, seed: u64) -> Result<f64> {
+fn check_one(
+    c: &Case,
+    dev: Device,
+    dtype: DType,
+    variant: &str,
+    precision: Precision,
+    seed: u64,
+) -> Result<f64> {
     let (a, b, c0) = inputs(c, dev, dtype, seed)?;
-    let shape: Vec<usize> = if c.batch != 1 || c.broadcast_b { vec![c.batch, c.m, c.n] } else { vec![c.m, c.n] };
+    let shape: Vec<usize> = if c.batch != 1 || c.broadcast_b {
+        vec![c.batch, c.m, c.n]
+    } else {
+        vec![c.m, c.n]
+    };
     let out = match &c0 {
         Some(c0) => c0.deep_copy()?,
         None => {
@@ -142,7 +243,13 @@ fn check_one(c: &Case, dev: Device, dtype: DType, variant: &str, precision: Prec
             o
         }
     };
-    let opts = MatmulOptions { variant: Some(variant.into()), alpha: c.alpha, beta: c.beta, precision, ..Default::default() };
+    let opts = MatmulOptions {
+        variant: Some(variant.into()),
+        alpha: c.alpha,
+        beta: c.beta,
+        precision,
+        ..Default::default()
+    };
     matmul_into(&a, &b, &out, &opts)?;
     if let Device::Cuda(i) = dev {
         let d = crate::core::cuda::device(i)?;
@@ -156,14 +263,28 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     let mut rng = Rng::new(cfg.seed);
     for &dev in &cfg.devices {
         let backend = Backend::of(dev);
-        for v in variants().iter().filter(|v| v.backend == backend && cfg.wants_variant(v.name)) {
+        for v in variants()
+            .iter()
+            .filter(|v| v.backend == backend && cfg.wants_variant(v.name))
+        {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
                 for c in cases(cfg.quick) {
                     let precision = Precision::of(dtype);
                     let seed = rng.next_u64();
                     let rec = match check_one(&c, dev, dtype, v.name, precision, seed) {
-                        Ok(err) => CheckRecord::compared(OP, v.name, dev, dtype, precision, c.label(), err, String::new()),
-                        Err(e) => CheckRecord::errored(OP, v.name, dev, dtype, c.label(), e.to_string()),
+                        Ok(err) => CheckRecord::compared(
+                            OP,
+                            v.name,
+                            dev,
+                            dtype,
+                            precision,
+                            c.label(),
+                            err,
+                            String::new(),
+                        ),
+                        Err(e) => {
+                            CheckRecord::errored(OP, v.name, dev, dtype, c.label(), e.to_string())
+                        }
                     };
                     out.push(rec);
                 }

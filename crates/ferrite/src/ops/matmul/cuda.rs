@@ -1,6 +1,7 @@
 //! CUDA host code of the matmul family: launching each variant's kernel, and cuBLAS as the peer.
 
 use super::{Gemm, MatmulOptions, OP};
+use crate::core::cuda::jit::KernelSource;
 use crate::core::cuda::jit::Program;
 use crate::core::cuda::{blas, device, CudaDevice, Kernel, KernelArgs, Stream};
 use crate::core::device::{Arch, Device};
@@ -9,7 +10,6 @@ use crate::core::error::{Error, Result};
 use crate::core::harness::{KernelSpec, Precision};
 use crate::core::tensor::Tensor;
 use crate::kernel_source;
-use crate::core::cuda::jit::KernelSource;
 use std::sync::Arc;
 
 const NAIVE: KernelSource = kernel_source!("matmul/naive", "kernels/naive.cu");
@@ -89,8 +89,17 @@ pub fn launch(l: &Launch, g: &Gemm, p: Ptrs, alpha: f32, beta: f32, stream: &Str
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
 }
 
-pub(super) fn run(variant: &str, g: &Gemm, a: &Tensor, b: &Tensor, c: &Tensor, opts: &MatmulOptions) -> Result<()> {
-    let Device::Cuda(i) = g.device else { unreachable!("cuda::run on a CPU problem") };
+pub(super) fn run(
+    variant: &str,
+    g: &Gemm,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &MatmulOptions,
+) -> Result<()> {
+    let Device::Cuda(i) = g.device else {
+        unreachable!("cuda::run on a CPU problem")
+    };
     let dev = device(i)?;
     let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
     let p = Ptrs {
@@ -104,18 +113,44 @@ pub(super) fn run(variant: &str, g: &Gemm, a: &Tensor, b: &Tensor, c: &Tensor, o
 
 /// cuBLAS on the same problem: the vendor peer. Row-major C = op(A)·op(B) is computed as the
 /// column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so B goes first and the transposes carry over unchanged.
-pub fn cublas(dev: &CudaDevice, g: &Gemm, p: Ptrs, alpha: f32, beta: f32, precision: Precision, stream: &Stream) -> Result<()> {
+pub fn cublas(
+    dev: &CudaDevice,
+    g: &Gemm,
+    p: Ptrs,
+    alpha: f32,
+    beta: f32,
+    precision: Precision,
+    stream: &Stream,
+) -> Result<()> {
     use cudarc::cublas::{result as cb, sys};
     let h = blas::handle(dev, stream)?;
     let h = h.lock().unwrap();
     let (dt, compute) = match (g.dtype, precision) {
-        (DType::F32, Precision::Tf32) => (sys::cudaDataType::CUDA_R_32F, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32),
-        (DType::F32, _) => (sys::cudaDataType::CUDA_R_32F, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F),
-        (DType::F16, _) => (sys::cudaDataType::CUDA_R_16F, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F),
-        (DType::BF16, _) => (sys::cudaDataType::CUDA_R_16BF, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F),
+        (DType::F32, Precision::Tf32) => (
+            sys::cudaDataType::CUDA_R_32F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        ),
+        (DType::F32, _) => (
+            sys::cudaDataType::CUDA_R_32F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        (DType::F16, _) => (
+            sys::cudaDataType::CUDA_R_16F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        (DType::BF16, _) => (
+            sys::cudaDataType::CUDA_R_16BF,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
         (d, _) => return Err(Error::bad_arg("cublas", "dtype", "f32, f16 or bf16", d)),
     };
-    let op = |t: bool| if t { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
     dev.bind()?;
     // SAFETY: the pointers address the validated operands of `g` on this device (the caller
     // guarantees it); alpha/beta are host f32 as the compute type expects; the handle is locked.
@@ -146,5 +181,10 @@ pub fn cublas(dev: &CudaDevice, g: &Gemm, p: Ptrs, alpha: f32, beta: f32, precis
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| Error::cuda(format!("cublasGemmStridedBatchedEx ({})", g.label()), format!("{e:?}")))
+    .map_err(|e| {
+        Error::cuda(
+            format!("cublasGemmStridedBatchedEx ({})", g.label()),
+            format!("{e:?}"),
+        )
+    })
 }

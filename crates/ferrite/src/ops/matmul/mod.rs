@@ -24,7 +24,9 @@ use crate::core::cuda::Stream;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
-use crate::core::harness::{BenchConfig, BenchRecord, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily, Precision};
+use crate::core::harness::{
+    BenchConfig, BenchRecord, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily, Precision,
+};
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
@@ -42,7 +44,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: F32,
             min_arch: None,
             constraints: "any shape",
-            summary: "triple loop i-j-p: B is walked down a column, one cache line per multiply-add",
+            summary:
+                "triple loop i-j-p: B is walked down a column, one cache line per multiply-add",
             rank: 1,
         },
         VariantInfo {
@@ -51,7 +54,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: F32,
             min_arch: None,
             constraints: "any shape",
-            summary: "cache tiles and i-p-j order: the inner loop streams a row of B and vectorises",
+            summary:
+                "cache tiles and i-p-j order: the inner loop streams a row of B and vectorises",
             rank: 2,
         },
         VariantInfo {
@@ -60,7 +64,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: F32,
             min_arch: None,
             constraints: "any shape",
-            summary: "packed panels + register-blocked AVX-512/AVX2 FMA micro-kernel chosen at run time",
+            summary:
+                "packed panels + register-blocked AVX-512/AVX2 FMA micro-kernel chosen at run time",
             rank: 3,
         },
         VariantInfo {
@@ -148,8 +153,19 @@ impl Gemm {
     }
     pub fn label(&self) -> String {
         let t = |o: &Operand| if o.trans { 'T' } else { 'N' };
-        let b = if self.batch != 1 { format!("{}×", self.batch) } else { String::new() };
-        format!("{b}{}×{}×{} {}{}", self.m, self.n, self.k, t(&self.a), t(&self.b))
+        let b = if self.batch != 1 {
+            format!("{}×", self.batch)
+        } else {
+            String::new()
+        };
+        format!(
+            "{b}{}×{}×{} {}{}",
+            self.m,
+            self.n,
+            self.k,
+            t(&self.a),
+            t(&self.b)
+        )
     }
 }
 
@@ -157,29 +173,65 @@ impl Gemm {
 fn operand(t: &Tensor, arg: &str) -> Result<(usize, usize, usize, Operand)> {
     let r = t.rank();
     if !(2..=3).contains(&r) {
-        return Err(Error::bad_arg(OP, arg, "a 2-D [rows, cols] or 3-D [batch, rows, cols] tensor", describe(t)));
+        return Err(Error::bad_arg(
+            OP,
+            arg,
+            "a 2-D [rows, cols] or 3-D [batch, rows, cols] tensor",
+            describe(t),
+        ));
     }
     let s = t.shape();
     let st = t.strides();
     let (rows, cols) = (s[r - 2], s[r - 1]);
     let (sr, sc) = (st[r - 2], st[r - 1]);
-    let (batch, batch_stride) = if r == 3 { (s[0], if s[0] > 1 { st[0] } else { 0 }) } else { (1, 0) };
+    let (batch, batch_stride) = if r == 3 {
+        (s[0], if s[0] > 1 { st[0] } else { 0 })
+    } else {
+        (1, 0)
+    };
     if rows == 0 || cols == 0 {
         // Nothing is read: any layout will do.
-        return Ok((rows, cols, batch, Operand { ld: cols.max(1), trans: false, batch_stride }));
+        return Ok((
+            rows,
+            cols,
+            batch,
+            Operand {
+                ld: cols.max(1),
+                trans: false,
+                batch_stride,
+            },
+        ));
     }
     // Row-major: unit stride along columns (or a single column), rows `ld` apart.
     if cols <= 1 || sc == 1 {
         let ld = if rows <= 1 { cols.max(1) } else { sr };
         if ld >= cols.max(1) {
-            return Ok((rows, cols, batch, Operand { ld, trans: false, batch_stride }));
+            return Ok((
+                rows,
+                cols,
+                batch,
+                Operand {
+                    ld,
+                    trans: false,
+                    batch_stride,
+                },
+            ));
         }
     }
     // Column-major (a transposed view): unit stride along rows.
     if rows <= 1 || sr == 1 {
         let ld = if cols <= 1 { rows.max(1) } else { sc };
         if ld >= rows.max(1) {
-            return Ok((rows, cols, batch, Operand { ld, trans: true, batch_stride }));
+            return Ok((
+                rows,
+                cols,
+                batch,
+                Operand {
+                    ld,
+                    trans: true,
+                    batch_stride,
+                },
+            ));
         }
     }
     Err(Error::bad_arg(
@@ -194,17 +246,37 @@ fn operand(t: &Tensor, arg: &str) -> Result<(usize, usize, usize, Operand)> {
 pub fn validate(a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Gemm> {
     for (t, name) in [(b, "b"), (c, "out")] {
         if t.device() != a.device() {
-            return Err(Error::bad_arg(OP, name, format!("a tensor on {} (like a)", a.device()), describe(t)));
+            return Err(Error::bad_arg(
+                OP,
+                name,
+                format!("a tensor on {} (like a)", a.device()),
+                describe(t),
+            ));
         }
         if t.dtype() != a.dtype() {
-            return Err(Error::bad_arg(OP, name, format!("dtype {} (like a)", a.dtype()), describe(t)));
+            return Err(Error::bad_arg(
+                OP,
+                name,
+                format!("dtype {} (like a)", a.dtype()),
+                describe(t),
+            ));
         }
     }
     if !FLOATS.contains(&a.dtype()) {
-        return Err(Error::bad_arg(OP, "a", "dtype f32, f16 or bf16", describe(a)));
+        return Err(Error::bad_arg(
+            OP,
+            "a",
+            "dtype f32, f16 or bf16",
+            describe(a),
+        ));
     }
     if c.shares_storage(a) || c.shares_storage(b) {
-        return Err(Error::bad_arg(OP, "out", "a buffer distinct from a and b", "a view of an input"));
+        return Err(Error::bad_arg(
+            OP,
+            "out",
+            "a buffer distinct from a and b",
+            "a view of an input",
+        ));
     }
     let (m, ka, ba, ao) = operand(a, "a")?;
     let (kb, n, bb, bo) = operand(b, "b")?;
@@ -218,24 +290,52 @@ pub fn validate(a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Gemm> {
     }
     let batch = match (a.rank(), b.rank()) {
         (3, 3) if ba != bb => {
-            return Err(Error::bad_arg(OP, "b", format!("batch {ba} (like a)"), describe(b)));
+            return Err(Error::bad_arg(
+                OP,
+                "b",
+                format!("batch {ba} (like a)"),
+                describe(b),
+            ));
         }
         (3, _) => ba,
         (_, 3) => bb,
         _ => 1,
     };
     let want_rank = a.rank().max(b.rank());
-    let want: Vec<usize> = if want_rank == 3 { vec![batch, m, n] } else { vec![m, n] };
+    let want: Vec<usize> = if want_rank == 3 {
+        vec![batch, m, n]
+    } else {
+        vec![m, n]
+    };
     if c.shape() != want.as_slice() {
-        return Err(Error::bad_arg(OP, "out", format!("shape {want:?}"), describe(c)));
+        return Err(Error::bad_arg(
+            OP,
+            "out",
+            format!("shape {want:?}"),
+            describe(c),
+        ));
     }
     let (_, _, _, co) = operand(c, "out")?;
     if co.trans && m > 1 && n > 1 {
-        return Err(Error::bad_arg(OP, "out", "stride 1 in its last dim (row-major)", describe(c)));
+        return Err(Error::bad_arg(
+            OP,
+            "out",
+            "stride 1 in its last dim (row-major)",
+            describe(c),
+        ));
     }
-    let co = Operand { ld: if co.trans { n.max(1) } else { co.ld }, trans: false, ..co };
+    let co = Operand {
+        ld: if co.trans { n.max(1) } else { co.ld },
+        trans: false,
+        ..co
+    };
     if batch > 1 && m > 0 && n > 0 && co.batch_stride < (m - 1) * co.ld + n {
-        return Err(Error::bad_arg(OP, "out", "batches that do not overlap (batch stride ≥ rows·ld)", describe(c)));
+        return Err(Error::bad_arg(
+            OP,
+            "out",
+            "batches that do not overlap (batch stride ≥ rows·ld)",
+            describe(c),
+        ));
     }
     // Sizes kernels and cuBLAS index with: keep every extent addressable in 64-bit products.
     for (name, v) in [("m", m), ("n", n), ("k", ka), ("batch", batch)] {
@@ -272,10 +372,18 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         Device::Cpu => None,
     };
     let prec = precision_of(g, opts);
-    let v = variant::select(OP, &vs, opts.variant.as_deref(), backend, g.dtype, arch, |v| {
-        (prec == Precision::Tf32 && (v.backend == Backend::Cpu || v.name == "naive"))
-            .then(|| "has no tf32 mode (tensor-core variants do)".to_string())
-    })?;
+    let v = variant::select(
+        OP,
+        &vs,
+        opts.variant.as_deref(),
+        backend,
+        g.dtype,
+        arch,
+        |v| {
+            (prec == Precision::Tf32 && (v.backend == Backend::Cpu || v.name == "naive"))
+                .then(|| "has no tf32 mode (tensor-core variants do)".to_string())
+        },
+    )?;
     Ok(v.clone())
 }
 
@@ -296,7 +404,12 @@ pub fn matmul_into(a: &Tensor, b: &Tensor, out: &Tensor, opts: &MatmulOptions) -
 pub fn matmul_with(a: &Tensor, b: &Tensor, opts: &MatmulOptions) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
     if !(2..=3).contains(&ra) || !(2..=3).contains(&rb) {
-        return Err(Error::bad_arg(OP, if (2..=3).contains(&ra) { "b" } else { "a" }, "a 2-D or 3-D tensor", describe(if (2..=3).contains(&ra) { b } else { a })));
+        return Err(Error::bad_arg(
+            OP,
+            if (2..=3).contains(&ra) { "b" } else { "a" },
+            "a 2-D or 3-D tensor",
+            describe(if (2..=3).contains(&ra) { b } else { a }),
+        ));
     }
     let (m, n) = (a.shape()[ra - 2], b.shape()[rb - 1]);
     let shape: Vec<usize> = match (ra, rb) {
@@ -305,7 +418,10 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, opts: &MatmulOptions) -> Result<Tenso
         _ => vec![m, n],
     };
     let out = Tensor::empty(&shape, a.dtype(), a.device())?;
-    let opts = MatmulOptions { beta: 0.0, ..opts.clone() };
+    let opts = MatmulOptions {
+        beta: 0.0,
+        ..opts.clone()
+    };
     matmul_into(a, b, &out, &opts)?;
     Ok(out)
 }
@@ -316,14 +432,26 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// Runs a CPU variant batch by batch on f32 storage.
-fn run_cpu(variant: &str, g: &Gemm, a: &Tensor, b: &Tensor, c: &Tensor, opts: &MatmulOptions) -> Result<()> {
+fn run_cpu(
+    variant: &str,
+    g: &Gemm,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &MatmulOptions,
+) -> Result<()> {
     let f: fn(cpu::Sgemm, usize) = match variant {
         "naive" => |s, _| cpu::naive(s),
         "blocked" => |s, _| cpu::blocked(s),
         "simd" => |s, _| cpu::simd(s),
         "parallel" => cpu::parallel,
         "peer" => cpu::peer,
-        other => return Err(Error::NoVariant { op: OP.into(), msg: format!("no CPU variant named `{other}`") }),
+        other => {
+            return Err(Error::NoVariant {
+                op: OP.into(),
+                msg: format!("no CPU variant named `{other}`"),
+            })
+        }
     };
     a.with_cpu::<f32, _>(|a_s| {
         b.with_cpu::<f32, _>(|b_s| {
@@ -367,7 +495,13 @@ impl OpFamily for Matmul {
     fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
         check::run(cfg, out)
     }
-    fn bench(&self, cfg: &BenchConfig, ceilings: &Ceilings, progress: &mut dyn FnMut(&str), out: &mut Vec<BenchRecord>) -> Result<()> {
+    fn bench(
+        &self,
+        cfg: &BenchConfig,
+        ceilings: &Ceilings,
+        progress: &mut dyn FnMut(&str),
+        out: &mut Vec<BenchRecord>,
+    ) -> Result<()> {
         bench::run(cfg, ceilings, progress, out)
     }
     fn kernels(&self) -> Vec<KernelSpec> {

@@ -16,19 +16,44 @@ fn devices() -> Vec<Device> {
 
 #[test]
 fn every_variant_passes_check() {
-    let cfg = CheckConfig { devices: devices(), variants: vec![], dtypes: vec![], seed: Rng::fresh_seed(), quick: true };
+    let cfg = CheckConfig {
+        devices: devices(),
+        variants: vec![],
+        dtypes: vec![],
+        seed: Rng::fresh_seed(),
+        quick: true,
+    };
     let mut recs = Vec::new();
     check::run(&cfg, &mut recs).unwrap();
-    let cpu_variants = variants().iter().filter(|v| v.backend == Backend::Cpu).count();
+    let cpu_variants = variants()
+        .iter()
+        .filter(|v| v.backend == Backend::Cpu)
+        .count();
     assert!(recs.len() >= cpu_variants * check::cases(true).len());
     let bad: Vec<_> = recs.iter().filter(|r| !r.pass).collect();
-    assert!(bad.is_empty(), "failures (seed {}):\n{}", cfg.seed, crate::core::harness::report::check_table(&recs));
+    assert!(
+        bad.is_empty(),
+        "failures (seed {}):\n{}",
+        cfg.seed,
+        crate::core::harness::report::check_table(&recs)
+    );
 }
 
 #[test]
 fn check_catches_a_wrong_result() {
     // The harness itself must be able to fail: a perturbed output exceeds the tolerance.
-    let c = check::Case { batch: 1, m: 9, n: 7, k: 5, a_trans: false, b_trans: false, broadcast_b: false, pad: 0, alpha: 1.0, beta: 0.0 };
+    let c = check::Case {
+        batch: 1,
+        m: 9,
+        n: 7,
+        k: 5,
+        a_trans: false,
+        b_trans: false,
+        broadcast_b: false,
+        pad: 0,
+        alpha: 1.0,
+        beta: 0.0,
+    };
     let (a, b, _) = check::inputs(&c, Device::Cpu, DType::F32, 3).unwrap();
     let r = check::reference(&c, &a, &b, None).unwrap();
     let mut out = matmul(&a, &b).unwrap().to_f64_vec().unwrap();
@@ -47,7 +72,10 @@ fn bad_inputs_get_clear_errors() {
     let o = MatmulOptions::default();
     // Inner dimensions.
     let e = err_of(matmul_into(&t(&[3, 4]), &t(&[5, 6]), &t(&[3, 6]), &o));
-    assert!(e.contains("matmul") && e.contains("`b`") && e.contains("4 vs 5"), "{e}");
+    assert!(
+        e.contains("matmul") && e.contains("`b`") && e.contains("4 vs 5"),
+        "{e}"
+    );
     // Output shape.
     let e = err_of(matmul_into(&t(&[3, 4]), &t(&[4, 6]), &t(&[3, 5]), &o));
     assert!(e.contains("`out`") && e.contains("[3, 6]"), "{e}");
@@ -57,14 +85,31 @@ fn bad_inputs_get_clear_errors() {
     assert!(e.contains("dtype f32") && e.contains("bf16"), "{e}");
     // Integer dtype.
     let i = Tensor::from_vec(vec![1i32; 4], &[2, 2]).unwrap();
-    let e = err_of(matmul_into(&i, &i.clone().contiguous().unwrap().to_device(Device::Cpu).unwrap(), &i, &o));
-    assert!(e.contains("f32, f16 or bf16") || e.contains("distinct"), "{e}");
+    let e = err_of(matmul_into(
+        &i,
+        &i.clone()
+            .contiguous()
+            .unwrap()
+            .to_device(Device::Cpu)
+            .unwrap(),
+        &i,
+        &o,
+    ));
+    assert!(
+        e.contains("f32, f16 or bf16") || e.contains("distinct"),
+        "{e}"
+    );
     // Rank.
     let e = matmul(&t(&[4]), &t(&[4, 2])).unwrap_err().to_string();
     assert!(e.contains("2-D"), "{e}");
     // Strided (neither dim unit-stride).
     let base = t(&[6, 8]);
-    let strided = base.reshape(&[3, 2, 8]).unwrap().narrow(1, 0, 1).unwrap().reshape(&[3, 8]);
+    let strided = base
+        .reshape(&[3, 2, 8])
+        .unwrap()
+        .narrow(1, 0, 1)
+        .unwrap()
+        .reshape(&[3, 8]);
     // reshape of a non-contiguous view is refused itself: say so.
     assert!(strided.is_err());
     // Aliasing output.
@@ -72,15 +117,33 @@ fn bad_inputs_get_clear_errors() {
     let e = err_of(matmul_into(&a, &t(&[4, 4]), &a, &o));
     assert!(e.contains("distinct"), "{e}");
     // Unknown / unsupported variant.
-    let e = err_of(matmul_into(&t(&[2, 2]), &t(&[2, 2]), &t(&[2, 2]), &MatmulOptions { variant: Some("warp9".into()), ..o.clone() }));
+    let e = err_of(matmul_into(
+        &t(&[2, 2]),
+        &t(&[2, 2]),
+        &t(&[2, 2]),
+        &MatmulOptions {
+            variant: Some("warp9".into()),
+            ..o.clone()
+        },
+    ));
     assert!(e.contains("warp9") && e.contains("naive"), "{e}");
-    let e = err_of(matmul_into(&t(&[2, 2]), &t(&[2, 2]), &t(&[2, 2]), &MatmulOptions { precision: Precision::Tf32, ..o.clone() }));
+    let e = err_of(matmul_into(
+        &t(&[2, 2]),
+        &t(&[2, 2]),
+        &t(&[2, 2]),
+        &MatmulOptions {
+            precision: Precision::Tf32,
+            ..o.clone()
+        },
+    ));
     assert!(e.contains("tf32"), "{e}");
     // bf16 on the CPU ladder (f32 only).
     let e = matmul(&b16.t().unwrap(), &b16).unwrap_err().to_string();
     assert!(e.contains("bf16"), "{e}");
     // Batch mismatch.
-    let e = matmul(&t(&[2, 3, 4]), &t(&[3, 4, 5])).unwrap_err().to_string();
+    let e = matmul(&t(&[2, 3, 4]), &t(&[3, 4, 5]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("batch 2"), "{e}");
 }
 
@@ -103,6 +166,8 @@ fn gpu_errors_without_a_gpu_are_clear() {
     if crate::core::cuda::availability().is_ok() {
         return;
     }
-    let e = Tensor::empty(&[2, 2], DType::F32, Device::Cuda(0)).unwrap_err().to_string();
+    let e = Tensor::empty(&[2, 2], DType::F32, Device::Cuda(0))
+        .unwrap_err()
+        .to_string();
     assert!(e.starts_with("CUDA unavailable:"), "{e}");
 }
