@@ -159,6 +159,20 @@ fn caller_stream_and_borrowed_output() {
 }
 
 #[test]
+fn mixed_devices_are_refused() {
+    let Some(d) = gpu() else { return };
+    let a = Tensor::rand(&[4, 4], DType::F32, d, 1, -1.0, 1.0).unwrap();
+    let b = Tensor::rand(&[4, 4], DType::F32, Device::Cpu, 2, -1.0, 1.0).unwrap();
+    let e = ferrite::ops::matmul::matmul(&a, &b)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`b`") && e.contains("cuda:0") && e.contains("on cpu"),
+        "{e}"
+    );
+}
+
+#[test]
 fn no_gpu_and_bad_ordinals_are_clear_errors() {
     match cuda::availability() {
         Ok(n) => {

@@ -226,6 +226,33 @@ impl Tensor {
         }
         self.transpose(r - 2, r - 1)
     }
+    /// Any view of this tensor's storage (shape, strides and offset in elements), checked to lie
+    /// inside the storage.
+    pub fn as_strided(&self, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
+        let layout = Layout::new(shape.to_vec(), strides.to_vec(), offset)?;
+        let end = layout.max_offset("as_strided")?;
+        let have = self.storage_elements()?;
+        if end > have {
+            return Err(Error::bad_arg(
+                "as_strided",
+                "shape/strides/offset",
+                format!("a view inside the storage's {have} elements"),
+                format!(
+                    "shape {shape:?} strides {strides:?} offset {offset} (reaches element {end})"
+                ),
+            ));
+        }
+        Ok(self.with_layout(layout))
+    }
+
+    fn storage_elements(&self) -> Result<usize> {
+        let bytes = match &*self.read_storage()? {
+            Storage::Cpu(h) => h.as_bytes().len(),
+            Storage::Cuda(b) => b.bytes(),
+        };
+        Ok(bytes / self.dtype.size_in_bytes())
+    }
+
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
         Ok(self.with_layout(self.layout.narrow(dim, start, len)?))
     }
@@ -475,6 +502,18 @@ mod tests {
         let p = Tensor::rand(&[7], DType::BF16, Device::Cpu, 1, -1.0, 1.0).unwrap();
         p.poison(None).unwrap();
         assert!(p.to_f64_vec().unwrap().iter().all(|v| v.is_nan()));
+    }
+
+    #[test]
+    fn as_strided_stays_inside_storage() {
+        let t = Tensor::from_vec((0..12).map(|x| x as f32).collect(), &[12]).unwrap();
+        let v = t.as_strided(&[3, 2], &[4, 2], 1).unwrap();
+        assert_eq!(v.to_vec::<f32>().unwrap(), vec![1., 3., 5., 7., 9., 11.]);
+        let e = t.as_strided(&[3, 2], &[4, 2], 2).unwrap_err().to_string();
+        assert!(
+            e.contains("12 elements") && e.contains("reaches element 13"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -102,16 +102,18 @@ fn bad_inputs_get_clear_errors() {
     // Rank.
     let e = matmul(&t(&[4]), &t(&[4, 2])).unwrap_err().to_string();
     assert!(e.contains("2-D"), "{e}");
-    // Strided (neither dim unit-stride).
-    let base = t(&[6, 8]);
-    let strided = base
-        .reshape(&[3, 2, 8])
-        .unwrap()
-        .narrow(1, 0, 1)
-        .unwrap()
-        .reshape(&[3, 8]);
-    // reshape of a non-contiguous view is refused itself: say so.
-    assert!(strided.is_err());
+    // Strided: neither of the last two dims has stride 1.
+    let base = t(&[48]);
+    let strided = base.as_strided(&[4, 6], &[12, 2], 0).unwrap();
+    let e = matmul(&strided, &t(&[6, 2])).unwrap_err().to_string();
+    assert!(
+        e.contains("`a`") && e.contains("stride 1") && e.contains("strides [12, 2]"),
+        "{e}"
+    );
+    // Overlapping output batches.
+    let out = t(&[16]).as_strided(&[2, 2, 2], &[2, 2, 1], 0).unwrap();
+    let e = err_of(matmul_into(&t(&[2, 2, 3]), &t(&[3, 2]), &out, &o));
+    assert!(e.contains("`out`") && e.contains("overlap"), "{e}");
     // Aliasing output.
     let a = t(&[4, 4]);
     let e = err_of(matmul_into(&a, &t(&[4, 4]), &a, &o));

@@ -1,0 +1,172 @@
+// matmul/common.cuh — shared by the tiled CUDA matmul kernels (cuda.rs prepends it to each
+// module's source; it is not a standalone header).
+//
+// Conventions every kernel here follows:
+// - One launch signature (the same as naive.cu): C, A, B, m, n, k, lda, ldb, ldc, a_trans,
+//   b_trans, batch strides, batch, alpha, beta. op(A)[i][p] = A[a_trans ? p*lda + i : i*lda + p],
+//   op(B)[p][j] = B[b_trans ? j*ldb + p : p*ldb + j], C[i][j] = C[i*ldc + j].
+// - Block (x, y, z) computes the BM×BN tile of C at row blockIdx.y*BM, column blockIdx.x*BN of
+//   batch blockIdx.z, and strides over further row tiles and batches by gridDim.y / gridDim.z
+//   (the launch clamps y and z to 65535), so any m and batch are covered.
+// - Index products are 64-bit (i64); tiles at the edges are zero-filled on load and predicated on
+//   store, so any m, n, k works (k = 0 writes alpha*0 + beta*C).
+// - beta == 0 never reads C (the output may hold NaN).
+// - The layout (a_trans, b_trans) is dispatched once at kernel entry to a body templated on it,
+//   so the inner loops carry no layout branches.
+#include "ferrite.cuh"
+
+using namespace ferrite;
+
+#ifndef FE_ELEM
+#define FE_ELEM float
+#endif
+typedef FE_ELEM T;
+
+#define FE_MATMUL_PARAMS                                                                     \
+  T *__restrict__ C, const T *__restrict__ A, const T *__restrict__ B, i64 m, i64 n, i64 k, \
+      i64 lda, i64 ldb, i64 ldc, int a_trans, int b_trans, i64 stride_a, i64 stride_b,     \
+      i64 stride_c, i64 batch, float alpha, float beta
+#define FE_MATMUL_ARGS \
+  C, A, B, m, n, k, lda, ldb, ldc, a_trans, b_trans, stride_a, stride_b, stride_c, batch, alpha, beta
+
+// Calls body<a_trans, b_trans>(extra..., FE_MATMUL_ARGS).
+#define FE_LAYOUT_DISPATCH(body, ...)                   \
+  do {                                                  \
+    if (a_trans) {                                      \
+      if (b_trans)                                      \
+        body<true, true>(__VA_ARGS__ FE_MATMUL_ARGS);   \
+      else                                              \
+        body<true, false>(__VA_ARGS__ FE_MATMUL_ARGS);  \
+    } else {                                            \
+      if (b_trans)                                      \
+        body<false, true>(__VA_ARGS__ FE_MATMUL_ARGS);  \
+      else                                              \
+        body<false, false>(__VA_ARGS__ FE_MATMUL_ARGS); \
+    }                                                   \
+  } while (0)
+
+// Loop over the (batch z, row-tile origin m0) pairs this block owns. Block-uniform, so
+// __syncthreads() inside is safe.
+#define FE_FOR_EACH_TILE(BM_)                                  \
+  for (i64 z = blockIdx.z; z < batch; z += gridDim.z)          \
+    for (i64 m0 = (i64)blockIdx.y * (BM_); m0 < m; m0 += (i64)gridDim.y * (BM_))
+
+// Whether 16-byte accesses are possible along an operand's rows: base address 16-byte aligned and
+// every row/batch start too (ld and batch stride multiples of 16 bytes). Block-uniform.
+__device__ __forceinline__ bool fe_aligned16(const void* p, i64 ld, i64 stride) {
+  return ((u64)p % 16 == 0) && ((ld * (i64)sizeof(T)) % 16 == 0) &&
+         ((stride * (i64)sizeof(T)) % 16 == 0);
+}
+
+// C element update: alpha*acc (+ beta*C only when beta != 0).
+template <typename U>
+__device__ __forceinline__ void fe_store(U* c, float acc, float alpha, float beta) {
+  float v = alpha * acc;
+  if (beta != 0.f) v = fmaf(beta, to_float(*c), v);
+  *c = from_float<U>(v);
+}
+
+// ---- fp32 SIMT tile loaders -------------------------------------------------------------------
+
+// Copies the R×CN tile of op(X) at (r0, c0) into shared memory, element (r, c) to s[r*SR + c*SC],
+// zero outside rows × cols. op(X)[r][c] = X[TR ? c*ld + r : r*ld + c]; consecutive threads walk
+// X's contiguous dimension, so a warp's global loads are coalesced in every layout.
+template <int R, int CN, int NT, bool TR, int SR, int SC>
+__device__ __forceinline__ void fe_load_tile(float* __restrict__ s, const float* __restrict__ X,
+                                             i64 ld, i64 r0, i64 c0, i64 rows, i64 cols) {
+  const int t = threadIdx.x;
+#pragma unroll
+  for (int e0 = 0; e0 < R * CN; e0 += NT) {
+    const int e = e0 + t;
+    if ((R * CN) % NT != 0 && e >= R * CN) break;
+    const int r = TR ? e % R : e / CN;
+    const int c = TR ? e / R : e % CN;
+    const i64 gr = r0 + r, gc = c0 + c;
+    float v = 0.f;
+    if (gr < rows && gc < cols) v = X[TR ? gc * ld + gr : gr * ld + gc];
+    s[r * SR + c * SC] = v;
+  }
+}
+
+// The same tile in 4-element vectors along X's contiguous dimension, held in registers between
+// load() (global → registers) and store() (registers → shared), so a kernel can issue the next
+// tile's loads before computing on the current one. With `fast` (X 16-byte aligned, see
+// fe_aligned16) a vector fully inside the matrix is one 128-bit load (LDG.E.128); otherwise its
+// four elements are loaded one by one, each predicated (edges, odd ld, unaligned views).
+template <int R, int CN, int NT, bool TR>
+struct FeVecTile {
+  static constexpr int NV = R * CN / 4 / NT;
+  static_assert(NV >= 1 && (R * CN) % (4 * NT) == 0, "tile must split into whole vectors per thread");
+  float4 v[NV];
+
+  __device__ __forceinline__ static void coords(int q, int& vr, int& vc) {
+    const int e = threadIdx.x + q * NT;
+    vr = TR ? (e % (R / 4)) * 4 : e / (CN / 4);
+    vc = TR ? e / (R / 4) : (e % (CN / 4)) * 4;
+  }
+
+  __device__ __forceinline__ void load(const float* __restrict__ X, i64 ld, i64 r0, i64 c0,
+                                       i64 rows, i64 cols, bool fast) {
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+      int vr, vc;
+      coords(q, vr, vc);
+      const i64 gr = r0 + vr, gc = c0 + vc;
+      const float* p = X + (TR ? gc * ld + gr : gr * ld + gc);
+      const bool line_ok = TR ? gc < cols : gr < rows;  // the row (column) of the vector exists
+      const i64 first = TR ? gr : gc;                   // index of element 0 along the vector
+      const i64 lim = TR ? rows : cols;
+      if (fast && line_ok && first + 3 < lim) {
+        v[q] = __ldg(reinterpret_cast<const float4*>(p));
+      } else {
+        v[q].x = (line_ok && first + 0 < lim) ? p[0] : 0.f;
+        v[q].y = (line_ok && first + 1 < lim) ? p[1] : 0.f;
+        v[q].z = (line_ok && first + 2 < lim) ? p[2] : 0.f;
+        v[q].w = (line_ok && first + 3 < lim) ? p[3] : 0.f;
+      }
+    }
+  }
+
+  // Element (r, c) to s[r*SR + c*SC]: one 128-bit store when the vector is contiguous in shared
+  // memory too, else four scalar stores (the transposing case).
+  template <int SR, int SC>
+  __device__ __forceinline__ void store(float* __restrict__ s) const {
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+      int vr, vc;
+      coords(q, vr, vc);
+      float* d = s + vr * SR + vc * SC;
+      constexpr int step = TR ? SR : SC;
+      if (step == 1) {
+        *reinterpret_cast<float4*>(d) = v[q];
+      } else {
+        d[0] = v[q].x;
+        d[step] = v[q].y;
+        d[2 * step] = v[q].z;
+        d[3 * step] = v[q].w;
+      }
+    }
+  }
+};
+
+// Four consecutive outputs of a row: one 128-bit access when `fast` and all four are inside,
+// else element by element.
+__device__ __forceinline__ void fe_store4(float* c, i64 j, i64 n, float4 acc, float alpha,
+                                          float beta, bool fast) {
+  if (fast && j + 3 < n) {
+    float4 v = make_float4(alpha * acc.x, alpha * acc.y, alpha * acc.z, alpha * acc.w);
+    if (beta != 0.f) {
+      const float4 o = *reinterpret_cast<const float4*>(c);
+      v.x = fmaf(beta, o.x, v.x);
+      v.y = fmaf(beta, o.y, v.y);
+      v.z = fmaf(beta, o.z, v.z);
+      v.w = fmaf(beta, o.w, v.w);
+    }
+    *reinterpret_cast<float4*>(c) = v;
+  } else {
+    if (j + 0 < n) fe_store(c + 0, acc.x, alpha, beta);
+    if (j + 1 < n) fe_store(c + 1, acc.y, alpha, beta);
+    if (j + 2 < n) fe_store(c + 2, acc.z, alpha, beta);
+    if (j + 3 < n) fe_store(c + 3, acc.w, alpha, beta);
+  }
+}
