@@ -397,6 +397,54 @@ impl Tensor {
             .collect())
     }
 
+    /// The view's elements as f32, row-major (float math on the CPU paths).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let bytes = self.to_bytes()?;
+        Ok(match self.dtype {
+            DType::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+            DType::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => (0..self.numel())
+                .map(|i| read_as_f64(&bytes, self.dtype, i) as f32)
+                .collect(),
+        })
+    }
+
+    /// Writes `v` (rounded to the dtype) into a contiguous CPU tensor, in row-major order.
+    pub fn write_f32(&self, v: &[f32]) -> Result<()> {
+        if v.len() != self.numel() || !self.is_contiguous() {
+            return Err(Error::bad_arg(
+                "write_f32",
+                "self",
+                format!("a contiguous tensor of {} elements", v.len()),
+                describe(self),
+            ));
+        }
+        match self.dtype {
+            DType::F32 => self.with_cpu_mut::<f32, _>(|d| d[..v.len()].copy_from_slice(v)),
+            DType::F16 => self.with_cpu_mut::<half::f16, _>(|d| {
+                d.iter_mut()
+                    .zip(v)
+                    .for_each(|(o, &x)| *o = half::f16::from_f32(x))
+            }),
+            DType::BF16 => self.with_cpu_mut::<half::bf16, _>(|d| {
+                d.iter_mut()
+                    .zip(v)
+                    .for_each(|(o, &x)| *o = half::bf16::from_f32(x))
+            }),
+            other => Err(Error::bad_arg("write_f32", "self", "a float tensor", other)),
+        }
+    }
+
     /// A contiguous copy on `device` (or a cheap clone sharing storage if already there and
     /// contiguous; see `deep_copy` for a copy that never shares).
     pub fn to_device(&self, device: Device) -> Result<Tensor> {

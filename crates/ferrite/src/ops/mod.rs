@@ -3,6 +3,7 @@
 
 pub mod copy;
 pub mod matmul;
+pub mod norm;
 
 use crate::core::cuda::{self, jit};
 use crate::core::device::{Arch, Device};
@@ -14,7 +15,7 @@ use crate::core::tensor::Tensor;
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
-    vec![&copy::Copy, &matmul::Matmul]
+    vec![&copy::Copy, &matmul::Matmul, &norm::Norm]
 }
 
 /// The family called `name`, or an error listing the families.

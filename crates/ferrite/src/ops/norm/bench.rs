@@ -1,0 +1,268 @@
+//! `ferrite bench norm`: forward and backward of RMSNorm and LayerNorm, as GB/s against the
+//! device copy bandwidth measured in the same run (a norm moves the bytes a copy moves: its
+//! ceiling), naive → vectorized.
+
+use super::cuda::{self as nc, BwdPtrs, FwdPtrs};
+use super::{variants, vectorized_fits, NormKind, Problem, OP};
+use crate::core::cuda::{device, CudaDevice};
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use crate::core::harness::bench::{relate, time_cpu, time_gpu, BenchRecord, Budget};
+use crate::core::harness::{BenchConfig, Ceilings};
+use crate::core::tensor::Tensor;
+use crate::core::variant::Backend;
+use std::sync::Arc;
+
+fn shapes(cfg: &BenchConfig, default: [usize; 2]) -> Vec<[usize; 2]> {
+    if cfg.shapes.is_empty() {
+        return vec![default];
+    }
+    cfg.shapes
+        .iter()
+        .map(|s| {
+            if s.len() >= 2 {
+                [s[0], s[1]]
+            } else {
+                [s[0], s[0]]
+            }
+        })
+        .collect()
+}
+
+pub fn run(
+    cfg: &BenchConfig,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    for &d in &cfg.devices {
+        match d {
+            Device::Cpu => bench_cpu(cfg, progress, out)?,
+            Device::Cuda(i) => bench_gpu(cfg, &device(i)?, ceilings, progress, out)?,
+        }
+    }
+    Ok(())
+}
+
+/// Fewest bytes of a pass: forward reads x, writes y (+ w, b, stats); backward reads dy and x,
+/// writes dx (+ w, dw, db, stats).
+fn bytes(p: &Problem, backward: bool) -> f64 {
+    let (n, es) = ((p.rows * p.cols) as f64, p.dtype.size_in_bytes() as f64);
+    let params = p.cols as f64 * es * if p.kind == NormKind::Layer { 2.0 } else { 1.0 };
+    let stats = p.rows as f64 * 4.0 * if p.kind == NormKind::Layer { 2.0 } else { 1.0 };
+    if backward {
+        3.0 * n * es + 2.0 * params + stats
+    } else {
+        2.0 * n * es + params + stats
+    }
+}
+
+fn bench_cpu(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    if !cfg.wants_dtype(DType::F32) {
+        return Ok(());
+    }
+    let name = crate::ops::matmul::bench::cpu_name();
+    for [rows, cols] in shapes(cfg, if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
+        for kind in [NormKind::Rms, NormKind::Layer] {
+            let p = Problem {
+                kind,
+                rows,
+                cols,
+                dtype: DType::F32,
+                device: Device::Cpu,
+            };
+            let x = Tensor::rand(&[rows, cols], DType::F32, Device::Cpu, 1, -1.0, 1.0)?;
+            let w = Tensor::rand(&[cols], DType::F32, Device::Cpu, 2, 0.5, 1.5)?;
+            let y = Tensor::empty(&[rows, cols], DType::F32, Device::Cpu)?;
+            let mut group = Vec::new();
+            for v in variants()
+                .iter()
+                .filter(|v| v.backend == Backend::Cpu && cfg.wants_variant(v.name))
+            {
+                progress(&format!("norm cpu {} {}", v.name, p.label()));
+                let opts = super::NormOptions {
+                    variant: Some(v.name.into()),
+                    ..Default::default()
+                };
+                let i = super::Fwd {
+                    x: &x,
+                    residual: None,
+                    weight: Some(&w),
+                    bias: None,
+                };
+                let o = super::FwdOut {
+                    y: &y,
+                    h: None,
+                    mean: None,
+                    rstd: None,
+                };
+                let mut err = None;
+                let s = time_cpu(Budget::cpu(), || {
+                    if let Err(e) = super::forward_into(kind, &i, &o, &opts) {
+                        err = Some(e);
+                    }
+                });
+                if let Some(e) = err {
+                    return Err(e);
+                }
+                let mut r = BenchRecord::new(
+                    Device::Cpu,
+                    &name,
+                    OP,
+                    v.name,
+                    DType::F32,
+                    format!("{} fwd", p.label()),
+                    s,
+                    0.0,
+                    bytes(&p, false),
+                );
+                r.config = if v.name == "parallel" {
+                    format!("{} threads", rayon::current_num_threads())
+                } else {
+                    "1 thread".into()
+                };
+                group.push(r);
+            }
+            relate(&mut group, "naive", None);
+            out.extend(group);
+        }
+    }
+    Ok(())
+}
+
+fn bench_gpu(
+    cfg: &BenchConfig,
+    dev: &Arc<CudaDevice>,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    let d = Device::Cuda(dev.ordinal());
+    let stream = dev.stream().clone();
+    let name = dev.props().name.clone();
+    let ceiling = ceilings.gpu_copy_gbps.map(|v| ("device copy", v, false));
+    for dtype in [DType::BF16, DType::F32]
+        .into_iter()
+        .filter(|t| cfg.wants_dtype(*t))
+    {
+        for [rows, cols] in shapes(
+            cfg,
+            if cfg.quick {
+                [4096, 4096]
+            } else {
+                [32768, 4096]
+            },
+        ) {
+            let x = Tensor::rand(&[rows, cols], dtype, d, 1, -1.0, 2.0)?;
+            let dy = Tensor::rand(&[rows, cols], dtype, d, 2, -1.0, 1.0)?;
+            let w = Tensor::rand(&[cols], dtype, d, 3, 0.5, 1.5)?;
+            let b = Tensor::rand(&[cols], dtype, d, 4, -0.5, 0.5)?;
+            let y = Tensor::empty(&[rows, cols], dtype, d)?;
+            let dw = Tensor::empty(&[cols], dtype, d)?;
+            let db = Tensor::empty(&[cols], dtype, d)?;
+            let mean = Tensor::empty(&[rows], DType::F32, d)?;
+            let rstd = Tensor::empty(&[rows], DType::F32, d)?;
+            for kind in [NormKind::Rms, NormKind::Layer] {
+                let layer = kind == NormKind::Layer;
+                let p = Problem {
+                    kind,
+                    rows,
+                    cols,
+                    dtype,
+                    device: d,
+                };
+                let fq = FwdPtrs {
+                    y: y.device_ptr()?,
+                    mean: if layer { mean.device_ptr()? } else { 0 },
+                    rstd: rstd.device_ptr()?,
+                    x: x.device_ptr()?,
+                    w: w.device_ptr()?,
+                    b: if layer { b.device_ptr()? } else { 0 },
+                    ..Default::default()
+                };
+                let bq = BwdPtrs {
+                    dx: y.device_ptr()?,
+                    dw: dw.device_ptr()?,
+                    db: if layer { db.device_ptr()? } else { 0 },
+                    dy: dy.device_ptr()?,
+                    x: x.device_ptr()?,
+                    w: w.device_ptr()?,
+                    mean: fq.mean,
+                    rstd: fq.rstd,
+                };
+                let runnable: Vec<&str> = variants()
+                    .iter()
+                    .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
+                    .filter(|v| v.name != "vectorized" || vectorized_fits(&p, &[]).is_none())
+                    .map(|v| v.name)
+                    .collect();
+                let mut fwd = Vec::new();
+                for v in &runnable {
+                    progress(&format!("norm {d} {v} {dtype} {} fwd", p.label()));
+                    let l = nc::plan_fwd(v, &p, dev)?;
+                    let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                        nc::launch_fwd(&l, &p, fq, 1e-5, &stream)
+                    })?;
+                    let mut r = BenchRecord::new(
+                        d,
+                        &name,
+                        OP,
+                        v,
+                        dtype,
+                        format!("{} fwd", p.label()),
+                        s,
+                        0.0,
+                        bytes(&p, false),
+                    );
+                    let res = l.kernel.resources()?;
+                    r.registers = Some(res.registers);
+                    r.smem_bytes = Some(res.static_smem as u32);
+                    r.spill_bytes = Some(res.local_bytes);
+                    r.occupancy = Some(l.kernel.occupancy(l.threads, 0)?);
+                    r.config = format!("{} threads/row", l.threads);
+                    fwd.push(r);
+                }
+                relate(&mut fwd, "naive", ceiling);
+                out.extend(fwd);
+                let mut bwd = Vec::new();
+                for v in &runnable {
+                    progress(&format!("norm {d} {v} {dtype} {} bwd", p.label()));
+                    let l = nc::plan_bwd(v, &p, dev)?;
+                    let scratch = dev.alloc(nc::bwd_scratch_bytes(&l, &p, &bq), &stream)?;
+                    let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                        nc::launch_bwd(&l, &p, bq, scratch.ptr(), &stream)
+                    })?;
+                    let mut r = BenchRecord::new(
+                        d,
+                        &name,
+                        OP,
+                        v,
+                        dtype,
+                        format!("{} bwd", p.label()),
+                        s,
+                        0.0,
+                        bytes(&p, true),
+                    );
+                    let res = l.kernel.resources()?;
+                    r.registers = Some(res.registers);
+                    r.smem_bytes = Some(res.static_smem as u32);
+                    r.spill_bytes = Some(res.local_bytes);
+                    r.occupancy = Some(l.kernel.occupancy(l.threads, 0)?);
+                    r.config = format!(
+                        "{} blocks × {} threads, dw/db partials {} rows",
+                        l.grid, l.threads, l.grid
+                    );
+                    bwd.push(r);
+                }
+                relate(&mut bwd, "naive", ceiling);
+                out.extend(bwd);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,515 @@
+//! # norm — LayerNorm and RMSNorm, forward and backward, with the fused residual add
+//!
+//! Over the last dim of a contiguous `[..., cols]` tensor (rows = everything before it):
+//! `h = x + residual` (optional, written out), `y = (h − mean)·rstd·w + b` (LayerNorm) or
+//! `y = h·rstd·w` (RMSNorm), `rstd = 1/√(var + eps)`. The forward saves `mean`/`rstd` (fp32, one
+//! per row) for the backward, which returns dx and, reduced deterministically (no atomics: the
+//! same bits on every run), dw and db.
+//!
+//! x, residual, y, h, dy, dx share one float dtype (f32, bf16, f16) and shape; w, b, dw, db are
+//! `[cols]` of that dtype; mean and rstd are f32 `[rows]`. All arithmetic is fp32.
+//!
+//! Variants — CPU: `naive` (one thread, three passes) → `parallel` (rows across cores, one pass
+//! into a row buffer). CUDA: `naive` (a block per row, three passes over global memory, scalar
+//! loads) → `vectorized` (the row in registers after one 16-byte-load read). See kernels/norm.cu.
+
+pub mod bench;
+pub mod check;
+pub mod cpu;
+pub mod cuda;
+
+use crate::core::cuda::Stream;
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::{
+    BenchConfig, BenchRecord, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily,
+};
+use crate::core::tensor::{describe, Tensor};
+use crate::core::variant::{self, Backend, VariantInfo};
+
+pub const OP: &str = "norm";
+const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    Layer,
+    Rms,
+}
+
+impl NormKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            NormKind::Layer => "layer_norm",
+            NormKind::Rms => "rms_norm",
+        }
+    }
+}
+
+pub fn variants() -> Vec<VariantInfo> {
+    vec![
+        VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread, three passes over each row", rank: 1 },
+        VariantInfo { name: "parallel", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "rows across cores, each row read once into a buffer", rank: 2 },
+        VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "a block per row, three passes over global memory, scalar loads; dw/db via a rows×cols scratch", rank: 1 },
+        VariantInfo {
+            name: "vectorized",
+            backend: Backend::Cuda,
+            dtypes: FLOATS,
+            min_arch: Some(Arch::SM80),
+            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit); 16-byte aligned tensors",
+            summary: "row in registers after one 16-byte-load pass; backward accumulates dw/db per block in registers",
+            rank: 2,
+        },
+    ]
+}
+
+#[derive(Clone, Debug)]
+pub struct NormOptions {
+    pub variant: Option<String>,
+    pub eps: f32,
+    pub stream: Option<Stream>,
+}
+
+impl Default for NormOptions {
+    fn default() -> Self {
+        NormOptions {
+            variant: None,
+            eps: 1e-5,
+            stream: None,
+        }
+    }
+}
+
+/// Forward inputs.
+#[derive(Clone, Copy)]
+pub struct Fwd<'a> {
+    pub x: &'a Tensor,
+    pub residual: Option<&'a Tensor>,
+    pub weight: Option<&'a Tensor>,
+    pub bias: Option<&'a Tensor>,
+}
+
+/// Forward outputs (caller-provided). `h` receives x + residual when a residual is given.
+#[derive(Clone, Copy)]
+pub struct FwdOut<'a> {
+    pub y: &'a Tensor,
+    pub h: Option<&'a Tensor>,
+    pub mean: Option<&'a Tensor>,
+    pub rstd: Option<&'a Tensor>,
+}
+
+/// Backward inputs: `x` is the tensor that was normalised (h when the residual was fused).
+#[derive(Clone, Copy)]
+pub struct Bwd<'a> {
+    pub dy: &'a Tensor,
+    pub x: &'a Tensor,
+    pub weight: Option<&'a Tensor>,
+    pub mean: Option<&'a Tensor>,
+    pub rstd: &'a Tensor,
+}
+
+#[derive(Clone, Copy)]
+pub struct BwdOut<'a> {
+    pub dx: &'a Tensor,
+    pub dweight: Option<&'a Tensor>,
+    pub dbias: Option<&'a Tensor>,
+}
+
+/// A validated problem.
+#[derive(Clone, Copy, Debug)]
+pub struct Problem {
+    pub kind: NormKind,
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Problem {
+    pub fn label(&self) -> String {
+        format!("{} {}×{}", self.kind.name(), self.rows, self.cols)
+    }
+}
+
+fn expect_like(op: &str, arg: &str, t: &Tensor, like: &Tensor, shape: &[usize]) -> Result<()> {
+    if t.device() != like.device()
+        || t.dtype() != like.dtype()
+        || t.shape() != shape
+        || !t.is_contiguous()
+    {
+        return Err(Error::bad_arg(
+            op,
+            arg,
+            format!(
+                "a contiguous {}{shape:?} on {}",
+                like.dtype(),
+                like.device()
+            ),
+            describe(t),
+        ));
+    }
+    Ok(())
+}
+
+fn expect_stats(op: &str, arg: &str, t: &Tensor, rows: usize, device: Device) -> Result<()> {
+    if t.device() != device || t.dtype() != DType::F32 || t.numel() != rows || !t.is_contiguous() {
+        return Err(Error::bad_arg(
+            op,
+            arg,
+            format!("a contiguous f32 tensor of {rows} elements (one per row) on {device}"),
+            describe(t),
+        ));
+    }
+    Ok(())
+}
+
+fn check_distinct(
+    op: &str,
+    outs: &[(&str, Option<&Tensor>)],
+    ins: &[Option<&Tensor>],
+) -> Result<()> {
+    for (name, o) in outs {
+        let Some(o) = o else { continue };
+        if ins.iter().flatten().any(|i| o.shares_storage(i)) {
+            return Err(Error::bad_arg(
+                op,
+                *name,
+                "a buffer distinct from the inputs",
+                "a view of an input",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Shape, dtype and device rules shared by forward and backward.
+fn problem(op: &str, kind: NormKind, x: &Tensor, eps: Option<f32>) -> Result<Problem> {
+    if x.rank() == 0 || !x.is_contiguous() || !FLOATS.contains(&x.dtype()) {
+        return Err(Error::bad_arg(
+            op,
+            "x",
+            "a contiguous f32/f16/bf16 tensor of rank ≥ 1",
+            describe(x),
+        ));
+    }
+    let cols = *x.shape().last().unwrap();
+    if cols == 0 {
+        return Err(Error::bad_arg(
+            op,
+            "x",
+            "a last dim ≥ 1 (the normalised dim)",
+            describe(x),
+        ));
+    }
+    if let Some(eps) = eps {
+        if !(eps > 0.0 && eps.is_finite()) {
+            return Err(Error::bad_arg(op, "eps", "a finite value > 0", eps));
+        }
+    }
+    Ok(Problem {
+        kind,
+        rows: x.numel() / cols,
+        cols,
+        dtype: x.dtype(),
+        device: x.device(),
+    })
+}
+
+pub fn validate_fwd(kind: NormKind, i: &Fwd, o: &FwdOut, eps: f32) -> Result<Problem> {
+    let op = kind.name();
+    let p = problem(op, kind, i.x, Some(eps))?;
+    let shape = i.x.shape();
+    expect_like(op, "y", o.y, i.x, shape)?;
+    if let Some(r) = i.residual {
+        expect_like(op, "residual", r, i.x, shape)?;
+    }
+    match (i.residual, o.h) {
+        (Some(_), Some(h)) => expect_like(op, "h", h, i.x, shape)?,
+        (None, Some(h)) => {
+            return Err(Error::bad_arg(
+                op,
+                "h",
+                "None when no residual is given",
+                describe(h),
+            ))
+        }
+        _ => {}
+    }
+    for (name, t) in [("weight", i.weight), ("bias", i.bias)] {
+        if let Some(t) = t {
+            expect_like(op, name, t, i.x, &[p.cols])?;
+        }
+    }
+    if kind == NormKind::Rms {
+        if let Some(b) = i.bias {
+            return Err(Error::bad_arg(
+                op,
+                "bias",
+                "None (RMSNorm has no bias)",
+                describe(b),
+            ));
+        }
+        if let Some(m) = o.mean {
+            return Err(Error::bad_arg(
+                op,
+                "mean",
+                "None (RMSNorm has no mean)",
+                describe(m),
+            ));
+        }
+    }
+    if let Some(m) = o.mean {
+        expect_stats(op, "mean", m, p.rows, p.device)?;
+    }
+    if let Some(r) = o.rstd {
+        expect_stats(op, "rstd", r, p.rows, p.device)?;
+    }
+    check_distinct(
+        op,
+        &[
+            ("y", Some(o.y)),
+            ("h", o.h),
+            ("mean", o.mean),
+            ("rstd", o.rstd),
+        ],
+        &[Some(i.x), i.residual, i.weight, i.bias],
+    )?;
+    Ok(p)
+}
+
+pub fn validate_bwd(kind: NormKind, i: &Bwd, o: &BwdOut) -> Result<Problem> {
+    let op = if kind == NormKind::Layer {
+        "layer_norm_backward"
+    } else {
+        "rms_norm_backward"
+    };
+    let p = problem(op, kind, i.x, None)?;
+    let shape = i.x.shape();
+    expect_like(op, "dy", i.dy, i.x, shape)?;
+    expect_like(op, "dx", o.dx, i.x, shape)?;
+    expect_stats(op, "rstd", i.rstd, p.rows, p.device)?;
+    match (kind, i.mean) {
+        (NormKind::Layer, Some(m)) => expect_stats(op, "mean", m, p.rows, p.device)?,
+        (NormKind::Layer, None) => {
+            return Err(Error::bad_arg(
+                op,
+                "mean",
+                "the mean saved by the forward pass",
+                "None",
+            ))
+        }
+        (NormKind::Rms, Some(m)) => {
+            return Err(Error::bad_arg(
+                op,
+                "mean",
+                "None (RMSNorm has no mean)",
+                describe(m),
+            ))
+        }
+        (NormKind::Rms, None) => {}
+    }
+    for (name, t) in [
+        ("weight", i.weight),
+        ("dweight", o.dweight),
+        ("dbias", o.dbias),
+    ] {
+        if let Some(t) = t {
+            expect_like(op, name, t, i.x, &[p.cols])?;
+        }
+    }
+    if o.dweight.is_some() && i.weight.is_none() {
+        return Err(Error::bad_arg(
+            op,
+            "dweight",
+            "None when the forward had no weight",
+            "a tensor",
+        ));
+    }
+    if kind == NormKind::Rms && o.dbias.is_some() {
+        return Err(Error::bad_arg(
+            op,
+            "dbias",
+            "None (RMSNorm has no bias)",
+            "a tensor",
+        ));
+    }
+    check_distinct(
+        op,
+        &[
+            ("dx", Some(o.dx)),
+            ("dweight", o.dweight),
+            ("dbias", o.dbias),
+        ],
+        &[Some(i.dy), Some(i.x), i.weight, i.mean, Some(i.rstd)],
+    )?;
+    Ok(p)
+}
+
+/// Whether the `vectorized` CUDA variant can take this problem, or why not.
+pub fn vectorized_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
+    let vec = 16 / p.dtype.size_in_bytes();
+    let max = 1024 * cuda::CHUNKS * vec;
+    if p.cols % vec != 0 {
+        return Some(format!(
+            "needs cols a multiple of {vec} for {} (got {})",
+            p.dtype, p.cols
+        ));
+    }
+    if p.cols > max {
+        return Some(format!(
+            "needs cols ≤ {max} for {} (got {})",
+            p.dtype, p.cols
+        ));
+    }
+    if ptrs.iter().any(|&a| a % 16 != 0) {
+        return Some("needs 16-byte aligned tensors".into());
+    }
+    None
+}
+
+fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<VariantInfo> {
+    let vs = variants();
+    let arch = match p.device {
+        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
+        Device::Cpu => None,
+    };
+    let v = variant::select(
+        p.kind.name(),
+        &vs,
+        requested,
+        Backend::of(p.device),
+        p.dtype,
+        arch,
+        |v| {
+            (v.backend == Backend::Cuda && v.name == "vectorized")
+                .then(|| vectorized_fits(p, ptrs))
+                .flatten()
+        },
+    )?;
+    Ok(v.clone())
+}
+
+fn device_ptrs(ts: &[Option<&Tensor>]) -> Result<Vec<u64>> {
+    ts.iter().flatten().map(|t| t.device_ptr()).collect()
+}
+
+/// Forward into caller-provided outputs.
+pub fn forward_into(kind: NormKind, i: &Fwd, o: &FwdOut, opts: &NormOptions) -> Result<()> {
+    let p = validate_fwd(kind, i, o, opts.eps)?;
+    let ptrs = if p.device.is_cuda() {
+        device_ptrs(&[Some(i.x), i.residual, i.weight, i.bias, Some(o.y), o.h])?
+    } else {
+        vec![]
+    };
+    let v = select(&p, opts.variant.as_deref(), &ptrs)?;
+    match p.device {
+        Device::Cpu => cpu::forward(v.name, &p, i, o, opts.eps),
+        Device::Cuda(_) => cuda::forward(v.name, &p, i, o, opts),
+    }
+}
+
+/// Backward into caller-provided outputs.
+pub fn backward_into(kind: NormKind, i: &Bwd, o: &BwdOut, opts: &NormOptions) -> Result<()> {
+    let p = validate_bwd(kind, i, o)?;
+    let ptrs = if p.device.is_cuda() {
+        device_ptrs(&[Some(i.dy), Some(i.x), i.weight, Some(o.dx)])?
+    } else {
+        vec![]
+    };
+    let v = select(&p, opts.variant.as_deref(), &ptrs)?;
+    match p.device {
+        Device::Cpu => cpu::backward(v.name, &p, i, o),
+        Device::Cuda(_) => cuda::backward(v.name, &p, i, o, opts),
+    }
+}
+
+/// RMSNorm: returns (y, rstd).
+pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<(Tensor, Tensor)> {
+    let p = problem("rms_norm", NormKind::Rms, x, Some(eps))?;
+    let y = Tensor::empty(x.shape(), x.dtype(), x.device())?;
+    let rstd = Tensor::empty(&[p.rows], DType::F32, x.device())?;
+    let opts = NormOptions {
+        eps,
+        ..Default::default()
+    };
+    forward_into(
+        NormKind::Rms,
+        &Fwd {
+            x,
+            residual: None,
+            weight,
+            bias: None,
+        },
+        &FwdOut {
+            y: &y,
+            h: None,
+            mean: None,
+            rstd: Some(&rstd),
+        },
+        &opts,
+    )?;
+    Ok((y, rstd))
+}
+
+/// LayerNorm: returns (y, mean, rstd).
+pub fn layer_norm(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let p = problem("layer_norm", NormKind::Layer, x, Some(eps))?;
+    let y = Tensor::empty(x.shape(), x.dtype(), x.device())?;
+    let mean = Tensor::empty(&[p.rows], DType::F32, x.device())?;
+    let rstd = Tensor::empty(&[p.rows], DType::F32, x.device())?;
+    let opts = NormOptions {
+        eps,
+        ..Default::default()
+    };
+    forward_into(
+        NormKind::Layer,
+        &Fwd {
+            x,
+            residual: None,
+            weight,
+            bias,
+        },
+        &FwdOut {
+            y: &y,
+            h: None,
+            mean: Some(&mean),
+            rstd: Some(&rstd),
+        },
+        &opts,
+    )?;
+    Ok((y, mean, rstd))
+}
+
+pub struct Norm;
+
+impl OpFamily for Norm {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn variants(&self) -> Vec<VariantInfo> {
+        variants()
+    }
+    fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
+        check::run(cfg, out)
+    }
+    fn bench(
+        &self,
+        cfg: &BenchConfig,
+        ceilings: &Ceilings,
+        progress: &mut dyn FnMut(&str),
+        out: &mut Vec<BenchRecord>,
+    ) -> Result<()> {
+        bench::run(cfg, ceilings, progress, out)
+    }
+    fn kernels(&self) -> Vec<KernelSpec> {
+        cuda::kernel_specs()
+    }
+}
+
+#[cfg(test)]
+mod tests;
