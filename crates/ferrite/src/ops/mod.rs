@@ -4,6 +4,7 @@
 pub mod copy;
 pub mod matmul;
 pub mod norm;
+pub mod softmax;
 
 use crate::core::cuda::{self, jit};
 use crate::core::device::{Arch, Device};
@@ -15,7 +16,7 @@ use crate::core::tensor::Tensor;
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
-    vec![&copy::Copy, &matmul::Matmul, &norm::Norm]
+    vec![&copy::Copy, &matmul::Matmul, &norm::Norm, &softmax::Softmax]
 }
 
 /// The family called `name`, or an error listing the families.

@@ -9,6 +9,7 @@
 
 pub mod blas;
 pub mod jit;
+pub mod rows;
 
 use super::device::Arch;
 use super::error::{Error, Result};

@@ -192,6 +192,23 @@ impl BenchRecord {
     }
 }
 
+impl BenchRecord {
+    /// Adds the kernel's resource columns (registers, shared memory, local bytes, occupancy).
+    pub fn with_kernel(
+        mut self,
+        kernel: &crate::core::cuda::Kernel,
+        block_threads: u32,
+        dyn_smem: u32,
+    ) -> Result<Self> {
+        let res = kernel.resources()?;
+        self.registers = Some(res.registers);
+        self.smem_bytes = Some(res.static_smem as u32 + dyn_smem);
+        self.spill_bytes = Some(res.local_bytes);
+        self.occupancy = Some(kernel.occupancy(block_threads, dyn_smem)?);
+        Ok(self)
+    }
+}
+
 /// Fills the relative columns of a group of records measured together (same op, shape, dtype,
 /// device): speedup over `baseline`, ratio to the record flagged `is_peer`, percent of `ceiling`.
 pub fn relate(records: &mut [BenchRecord], baseline: &str, ceiling: Option<(&str, f64, bool)>) {

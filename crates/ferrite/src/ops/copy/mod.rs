@@ -358,11 +358,7 @@ fn bench_run(
                                 "copy_vectorized"
                             },
                         )?;
-                        let res = k.resources()?;
-                        r.registers = Some(res.registers);
-                        r.smem_bytes = Some(res.static_smem as u32);
-                        r.spill_bytes = Some(res.local_bytes);
-                        r.occupancy = Some(k.occupancy(256, 0)?);
+                        r = r.with_kernel(&k, 256, 0)?;
                     }
                     group.push(r);
                 }

@@ -219,11 +219,7 @@ fn bench_gpu(
                         0.0,
                         bytes(&p, false),
                     );
-                    let res = l.kernel.resources()?;
-                    r.registers = Some(res.registers);
-                    r.smem_bytes = Some(res.static_smem as u32);
-                    r.spill_bytes = Some(res.local_bytes);
-                    r.occupancy = Some(l.kernel.occupancy(l.threads, 0)?);
+                    r = r.with_kernel(&l.kernel, l.threads, 0)?;
                     r.config = format!("{} threads/row", l.threads);
                     fwd.push(r);
                 }
@@ -248,11 +244,7 @@ fn bench_gpu(
                         0.0,
                         bytes(&p, true),
                     );
-                    let res = l.kernel.resources()?;
-                    r.registers = Some(res.registers);
-                    r.smem_bytes = Some(res.static_smem as u32);
-                    r.spill_bytes = Some(res.local_bytes);
-                    r.occupancy = Some(l.kernel.occupancy(l.threads, 0)?);
+                    r = r.with_kernel(&l.kernel, l.threads, 0)?;
                     r.config = format!(
                         "{} blocks × {} threads, dw/db partials {} rows",
                         l.grid, l.threads, l.grid

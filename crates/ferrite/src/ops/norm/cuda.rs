@@ -2,7 +2,7 @@
 
 use super::{Bwd, BwdOut, Fwd, FwdOut, NormKind, NormOptions, Problem, OP};
 use crate::core::cuda::jit::{KernelSource, Program};
-use crate::core::cuda::{device, CudaDevice, Kernel, KernelArgs, Stream};
+use crate::core::cuda::{device, rows, CudaDevice, Kernel, KernelArgs, Stream};
 use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -12,19 +12,6 @@ use crate::kernel_source;
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("norm", "kernels/norm.cu");
-/// Most 16-byte vectors a thread holds in the vectorized kernels (more would spill the backward).
-pub const CHUNKS: usize = 4;
-
-/// Vectors per thread for a row: as few as fit the row in 1024 threads, so short rows get many
-/// threads with few registers each (occupancy), long rows up to CHUNKS per thread.
-pub fn chunks_for(p: &Problem) -> usize {
-    let vecs = p.cols / (16 / p.dtype.size_in_bytes());
-    match vecs.div_ceil(1024) {
-        0 | 1 => 1,
-        2 => 2,
-        _ => CHUNKS,
-    }
-}
 const FUNCS: [&str; 5] = [
     "norm_fwd_naive",
     "norm_fwd_vec",
@@ -32,7 +19,6 @@ const FUNCS: [&str; 5] = [
     "norm_bwd_vec",
     "norm_col_sum",
 ];
-
 pub fn program(kind: NormKind, dtype: DType, chunks: usize) -> Program {
     Program::new(SRC)
         .define("FE_ELEM", dtype.cuda_name())
@@ -44,7 +30,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for kind in [NormKind::Layer, NormKind::Rms] {
         for d in [DType::F32, DType::F16, DType::BF16] {
-            for chunks in [1, 2, CHUNKS] {
+            for chunks in [1, 2, rows::MAX_CHUNKS] {
                 v.push(KernelSpec {
                     program: program(kind, d, chunks),
                     functions: FUNCS.iter().map(|s| s.to_string()).collect(),
@@ -69,20 +55,16 @@ fn ctx(p: &Problem, stream: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)
     Ok((dev, s))
 }
 
-/// Threads per block: one per 16-byte vector of the row (vectorized: CHUNKS per thread), a
-/// multiple of 32 between 32 and 1024.
 fn block_threads(variant: &str, p: &Problem) -> u32 {
-    let vecs = p.cols / (16 / p.dtype.size_in_bytes());
-    let want = if variant == "vectorized" {
-        vecs.div_ceil(chunks_for(p))
+    if variant == "vectorized" {
+        rows::threads_vectorized(p.cols, p.dtype)
     } else {
-        p.cols.min(1024)
-    };
-    (want.div_ceil(32) * 32).clamp(32, 1024) as u32
+        rows::threads_scalar(p.cols)
+    }
 }
 
-fn grid_rows(rows: usize) -> u32 {
-    rows.clamp(1, i32::MAX as usize) as u32
+fn chunks_for(p: &Problem) -> usize {
+    rows::chunks(p.cols, p.dtype)
 }
 
 pub struct FwdLaunch {
@@ -135,7 +117,7 @@ pub fn launch_fwd(l: &FwdLaunch, p: &Problem, q: FwdPtrs, eps: f32, stream: &Str
         .push(eps);
     l.kernel.launch(
         stream,
-        (grid_rows(p.rows), 1, 1),
+        (rows::grid(p.rows), 1, 1),
         (l.threads, 1, 1),
         0,
         &mut a,
@@ -177,7 +159,7 @@ pub struct BwdLaunch {
 pub fn plan_bwd(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLaunch> {
     let prog = program(p.kind, p.dtype, chunks_for(p));
     let (f, grid) = match variant {
-        "naive" => ("norm_bwd_naive", grid_rows(p.rows)),
+        "naive" => ("norm_bwd_naive", rows::grid(p.rows)),
         // A fixed grid (a function of the device only) keeps the reduction order, and so the
         // bits, the same on every run.
         "vectorized" => (

@@ -347,24 +347,7 @@ pub fn validate_bwd(kind: NormKind, i: &Bwd, o: &BwdOut) -> Result<Problem> {
 
 /// Whether the `vectorized` CUDA variant can take this problem, or why not.
 pub fn vectorized_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
-    let vec = 16 / p.dtype.size_in_bytes();
-    let max = 1024 * cuda::CHUNKS * vec;
-    if p.cols % vec != 0 {
-        return Some(format!(
-            "needs cols a multiple of {vec} for {} (got {})",
-            p.dtype, p.cols
-        ));
-    }
-    if p.cols > max {
-        return Some(format!(
-            "needs cols ≤ {max} for {} (got {})",
-            p.dtype, p.cols
-        ));
-    }
-    if ptrs.iter().any(|&a| a % 16 != 0) {
-        return Some("needs 16-byte aligned tensors".into());
-    }
-    None
+    crate::core::cuda::rows::vectorized_unfit(p.cols, p.dtype, ptrs)
 }
 
 fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<VariantInfo> {

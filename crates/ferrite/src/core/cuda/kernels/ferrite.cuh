@@ -24,6 +24,54 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 __host__ __device__ __forceinline__ i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
 
+// Block-wide sums of two floats; every thread receives both totals. blockDim.x must be a multiple
+// of 32; `red` is 64 floats of shared memory owned by the caller.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();  // the previous call's readers are done with `red`
+  if (lane == 0) {
+    red[warp] = a;
+    red[32 + warp] = b;
+  }
+  __syncthreads();
+  a = lane < nw ? red[lane] : 0.f;
+  b = lane < nw ? red[32 + lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  return make_float2(a, b);
+}
+
+__device__ __forceinline__ float block_sum(float a, float* red) { return block_sum2(a, 0.f, red).x; }
+
+// Block-wide maximum; every thread receives it. Same contract as block_sum2.
+__device__ __forceinline__ float block_max(float a, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = a;
+  __syncthreads();
+  a = lane < nw ? red[lane] : -__int_as_float(0x7f800000);  // -inf
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  return a;
+}
+
+// A 16-byte vector of storage elements, for 128-bit loads and stores.
+template <typename E>
+struct alignas(16) Vec16 {
+  static constexpr int N = 16 / sizeof(E);
+  E v[N];
+};
+
 }  // namespace ferrite
 
 #endif  // FERRITE_CUH

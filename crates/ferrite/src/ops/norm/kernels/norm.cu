@@ -35,37 +35,8 @@ using namespace ferrite;
 #endif
 
 typedef FE_ELEM T;
-constexpr int VEC = 16 / sizeof(T);
-struct alignas(16) Vec {
-  T v[VEC];
-};
-
-// Block-wide sum of one (or two) floats; every thread receives the total. blockDim.x is a
-// multiple of 32; `red` holds 64 floats of shared memory.
-__device__ __forceinline__ float2 block_sum2(float a, float b, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, o);
-    b += __shfl_xor_sync(0xffffffffu, b, o);
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  __syncthreads();  // the previous call's readers are done with `red`
-  if (lane == 0) {
-    red[warp] = a;
-    red[32 + warp] = b;
-  }
-  __syncthreads();
-  a = lane < nw ? red[lane] : 0.f;
-  b = lane < nw ? red[32 + lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, o);
-    b += __shfl_xor_sync(0xffffffffu, b, o);
-  }
-  return make_float2(a, b);
-}
-
-__device__ __forceinline__ float block_sum(float a, float* red) { return block_sum2(a, 0.f, red).x; }
+typedef Vec16<T> Vec;
+constexpr int VEC = Vec::N;
 
 // h = x + residual, rounded to the storage type (the value a separate add kernel would store).
 __device__ __forceinline__ float add_residual(float x, const T* res, i64 i) {
