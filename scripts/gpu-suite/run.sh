@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite runner: on any CUDA machine, from the bundle made by bundle.sh, runs the GPU tests,
-# `ferrite check all` and `ferrite bench all`, and writes logs, JSON and SVG into $OUT.
+# `ferrite check all` and `ferrite bench all` (and PyTorch peers where torch is installed), and
+# writes at most 8 files into $OUT: suite.log, kernels.json, check.{txt,json}, bench.{txt,json,svg},
+# torch_peers.json.
 #   bash .gpu-bundle/run.sh [quick|full] [extra ferrite bench args...]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -35,12 +37,17 @@ grep FAIL "$OUT/check.txt" | head -20 | tee -a "$log"
 
 if [ "${FERRITE_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   step "compute-sanitizer memcheck (check --quick)"
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/ferrite" check all --quick --device cuda > "$OUT/memcheck.txt" 2>&1 || status=1
-  tail -n 5 "$OUT/memcheck.txt" | tee -a "$log"
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/ferrite" check all --quick --device cuda > /tmp/memcheck.txt 2>&1 || status=1
+  grep -E "ERROR SUMMARY|Invalid|cases" /tmp/memcheck.txt | head -20 | tee -a "$log"
 fi
 
 step "bench all"
 "$here/bin/ferrite" bench all "${quick[@]}" --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.svg" "$@" > "$OUT/bench.txt" 2>&1 || status=1
 cat "$OUT/bench.txt"
+
+if [ "$mode" = full ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  step "PyTorch peers (norm, softmax) vs ferrite's best, same machine, same run"
+  python3 "$here/torch_peers.py" "$OUT/bench.json" "$OUT/torch_peers.json" 2>&1 | tee -a "$log" || status=1
+fi
 echo "suite status: $status" | tee -a "$log"
 exit $status
