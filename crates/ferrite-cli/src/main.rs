@@ -1,5 +1,7 @@
 //! `ferrite`: check, bench and build the op ladders from the command line.
 
+mod data_cmd;
+
 use clap::{Args, Parser, Subcommand};
 use ferrite::core::cuda::{self, jit};
 use ferrite::core::harness::report::{bench_table, check_table, ladder_svg, Table};
@@ -32,6 +34,9 @@ enum Cmd {
     Bench(BenchArgs),
     /// Compile every kernel for the given architectures (no GPU needed) and report resources.
     Kernels(KernelArgs),
+    /// Token data: pack text into shards, inspect them, bench the streaming loader.
+    #[command(subcommand)]
+    Data(data_cmd::DataCmd),
 }
 
 #[derive(Args)]
@@ -397,6 +402,7 @@ fn main() -> ExitCode {
         Cmd::Check(a) => check(a),
         Cmd::Bench(a) => bench(a).map(|_| true),
         Cmd::Kernels(a) => kernels(a),
+        Cmd::Data(c) => data_cmd::run(c),
     };
     match r {
         Ok(true) => ExitCode::SUCCESS,

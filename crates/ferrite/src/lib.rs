@@ -19,6 +19,7 @@
 //! ```
 
 pub mod core;
+pub mod data;
 pub mod ops;
 
 pub use crate::core::device::{Arch, Device};

@@ -9,4 +9,5 @@ pub mod harness;
 pub mod layout;
 pub mod rng;
 pub mod tensor;
+pub mod tune;
 pub mod variant;

@@ -32,8 +32,10 @@ pub const INDEX_FILE: &str = "index.json";
 pub const INDEX_FORMAT: &str = "ferrite-token-index";
 pub const INDEX_VERSION: u32 = 1;
 /// Payload checksum granularity: every read of a chunk can be verified on its own, so the loader
-/// checks each byte it reads without reading whole shards. A multiple of 4096 (O_DIRECT).
-pub const DEFAULT_CHUNK_BYTES: u64 = 1 << 20;
+/// checks each byte it reads without reading whole shards. A multiple of 4096 (O_DIRECT). Small
+/// enough that widening a block's reads to whole chunks costs little (≤ 2 chunks per 4 MiB
+/// block), large enough that the index stays small (16 checksums per MiB).
+pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
 
 /// An error about one shard at one byte offset (the form every data error takes).
 pub fn shard_error(path: &Path, offset: u64, msg: impl std::fmt::Display) -> Error {
@@ -41,7 +43,10 @@ pub fn shard_error(path: &Path, offset: u64, msg: impl std::fmt::Display) -> Err
 }
 
 pub(crate) fn io_error(path: &Path, offset: u64, what: &str, e: std::io::Error) -> Error {
-    Error::io(format!("shard {}: at byte {offset}: {what}", path.display()), e)
+    Error::io(
+        format!("shard {}: at byte {offset}: {what}", path.display()),
+        e,
+    )
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -122,7 +127,9 @@ pub fn parse_header(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHe
         return Err(shard_error(
             path,
             head.len() as u64,
-            format!("truncated header: file is {file_bytes} bytes, a header needs {LLMC_HEADER_BYTES}"),
+            format!(
+                "truncated header: file is {file_bytes} bytes, a header needs {LLMC_HEADER_BYTES}"
+            ),
         ));
     }
     let magic = le_i32(head, 0);
@@ -158,7 +165,11 @@ pub fn parse_header(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHe
     }
     let count = le_i32(head, 8);
     if count <= 0 {
-        let what = if count == 0 { "empty shard (token count 0)".to_string() } else { format!("negative token count {count}") };
+        let what = if count == 0 {
+            "empty shard (token count 0)".to_string()
+        } else {
+            format!("negative token count {count}")
+        };
         return Err(shard_error(path, 8, what));
     }
     // llm.c writes zeros after the three fields; anything else there is corruption.
@@ -166,10 +177,17 @@ pub fn parse_header(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHe
         return Err(shard_error(
             path,
             i as u64,
-            format!("reserved header byte is 0x{:02x}, llm.c writes 0 (corrupt header)", head[i]),
+            format!(
+                "reserved header byte is 0x{:02x}, llm.c writes 0 (corrupt header)",
+                head[i]
+            ),
         ));
     }
-    let dtype = if format == ShardFormat::LlmcV1 { DType::U16 } else { DType::U32 };
+    let dtype = if format == ShardFormat::LlmcV1 {
+        DType::U16
+    } else {
+        DType::U32
+    };
     let h = ShardHeader {
         format,
         dtype,
@@ -219,7 +237,13 @@ fn parse_ftok(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHeader> 
     }
     let version = le_u32(head, 8);
     if version != FTOK_VERSION {
-        return Err(shard_error(path, 8, format!("bad version {version}: this reader knows ferrite shard version {FTOK_VERSION}")));
+        return Err(shard_error(
+            path,
+            8,
+            format!(
+                "bad version {version}: this reader knows ferrite shard version {FTOK_VERSION}"
+            ),
+        ));
     }
     let stored = le_u32(head, 4092);
     let actual = crc32fast::hash(&head[..4092]);
@@ -231,21 +255,34 @@ fn parse_ftok(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHeader> 
         ));
     }
     let bpt = le_u32(head, 12) as u64;
-    let dtype = token_dtype(bpt).ok_or_else(|| shard_error(path, 12, format!("bad bytes-per-token {bpt} (2 or 4)")))?;
+    let dtype = token_dtype(bpt)
+        .ok_or_else(|| shard_error(path, 12, format!("bad bytes-per-token {bpt} (2 or 4)")))?;
     let tokens = le_u64(head, 16);
     if tokens == 0 {
         return Err(shard_error(path, 16, "empty shard (token count 0)"));
     }
     let chunk_bytes = le_u32(head, 24) as u64;
     if chunk_bytes == 0 || chunk_bytes % 4096 != 0 {
-        return Err(shard_error(path, 24, format!("bad chunk size {chunk_bytes} (a positive multiple of 4096)")));
+        return Err(shard_error(
+            path,
+            24,
+            format!("bad chunk size {chunk_bytes} (a positive multiple of 4096)"),
+        ));
     }
     let payload_offset = le_u64(head, 40);
     if payload_offset != FTOK_HEADER_BYTES {
-        return Err(shard_error(path, 40, format!("bad payload offset {payload_offset} (4096)")));
+        return Err(shard_error(
+            path,
+            40,
+            format!("bad payload offset {payload_offset} (4096)"),
+        ));
     }
     if let Some(i) = (36..40).chain(48..4092).find(|&i| head[i] != 0) {
-        return Err(shard_error(path, i as u64, format!("reserved header byte is 0x{:02x}, expected 0", head[i])));
+        return Err(shard_error(
+            path,
+            i as u64,
+            format!("reserved header byte is 0x{:02x}, expected 0", head[i]),
+        ));
     }
     let h = ShardHeader {
         format: ShardFormat::Ferrite,
@@ -267,23 +304,37 @@ fn parse_ftok(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHeader> 
 /// Reads and validates the header of the shard at `path`.
 pub fn read_header(path: &Path) -> Result<ShardHeader> {
     let mut f = std::fs::File::open(path).map_err(|e| io_error(path, 0, "cannot open", e))?;
-    let len = f.metadata().map_err(|e| io_error(path, 0, "cannot stat", e))?.len();
+    let len = f
+        .metadata()
+        .map_err(|e| io_error(path, 0, "cannot stat", e))?
+        .len();
     if !f.metadata().map(|m| m.is_file()).unwrap_or(false) {
         return Err(shard_error(path, 0, "not a regular file"));
     }
     let mut head = vec![0u8; FTOK_HEADER_BYTES.min(len) as usize];
-    f.read_exact(&mut head).map_err(|e| io_error(path, 0, "cannot read header", e))?;
+    f.read_exact(&mut head)
+        .map_err(|e| io_error(path, 0, "cannot read header", e))?;
     parse_header(path, &head, len)
 }
 
 /// Builds the header bytes of a shard.
-pub fn encode_header(format: ShardFormat, tokens: u64, payload_crc32: u32, vocab_size: u32, chunk_bytes: u64) -> Vec<u8> {
+pub fn encode_header(
+    format: ShardFormat,
+    tokens: u64,
+    payload_crc32: u32,
+    vocab_size: u32,
+    chunk_bytes: u64,
+) -> Vec<u8> {
     match format {
         ShardFormat::LlmcV1 | ShardFormat::LlmcV7 => {
             let mut h = vec![0u8; LLMC_HEADER_BYTES as usize];
-            let (m, v) = if format == ShardFormat::LlmcV1 { (LLMC_MAGIC_V1, 1) } else { (LLMC_MAGIC_V7, 7) };
+            let (m, v): (i32, i32) = if format == ShardFormat::LlmcV1 {
+                (LLMC_MAGIC_V1, 1)
+            } else {
+                (LLMC_MAGIC_V7, 7)
+            };
             h[0..4].copy_from_slice(&m.to_le_bytes());
-            h[4..8].copy_from_slice(&(v as i32).to_le_bytes());
+            h[4..8].copy_from_slice(&v.to_le_bytes());
             h[8..12].copy_from_slice(&(tokens as i32).to_le_bytes());
             h
         }
@@ -306,8 +357,20 @@ pub fn encode_header(format: ShardFormat, tokens: u64, payload_crc32: u32, vocab
 }
 
 /// The ferrite header for `dtype` tokens (2 or 4 bytes each).
-pub fn encode_ftok_header(dtype: DType, tokens: u64, payload_crc32: u32, vocab_size: u32, chunk_bytes: u64) -> Vec<u8> {
-    let mut h = encode_header(ShardFormat::Ferrite, tokens, payload_crc32, vocab_size, chunk_bytes);
+pub fn encode_ftok_header(
+    dtype: DType,
+    tokens: u64,
+    payload_crc32: u32,
+    vocab_size: u32,
+    chunk_bytes: u64,
+) -> Vec<u8> {
+    let mut h = encode_header(
+        ShardFormat::Ferrite,
+        tokens,
+        payload_crc32,
+        vocab_size,
+        chunk_bytes,
+    );
     h[12..16].copy_from_slice(&(dtype.size_in_bytes() as u32).to_le_bytes());
     let c = crc32fast::hash(&h[..4092]);
     h[4092..].copy_from_slice(&c.to_le_bytes());
@@ -349,9 +412,15 @@ pub struct Index {
 
 impl Index {
     pub fn read(path: &Path) -> Result<Index> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(format!("index {}: cannot read", path.display()), e))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("index {}: cannot read", path.display()), e))?;
         let idx: Index = serde_json::from_str(&text).map_err(|e| {
-            Error::Other(format!("index {}: line {} column {}: {e}", path.display(), e.line(), e.column()))
+            Error::Other(format!(
+                "index {}: line {} column {}: {e}",
+                path.display(),
+                e.line(),
+                e.column()
+            ))
         })?;
         if idx.format != INDEX_FORMAT || idx.version != INDEX_VERSION {
             return Err(Error::Other(format!(
@@ -369,7 +438,10 @@ impl Index {
             )));
         }
         if idx.shards.is_empty() {
-            return Err(Error::Other(format!("index {}: lists no shards", path.display())));
+            return Err(Error::Other(format!(
+                "index {}: lists no shards",
+                path.display()
+            )));
         }
         let sum: u64 = idx.shards.iter().map(|s| s.tokens).sum();
         if sum != idx.total_tokens {
@@ -392,10 +464,18 @@ impl Index {
 /// half-written file under the final name.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = tmp_path(path);
-    let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-    f.write_all(bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    f.sync_all().map_err(|e| Error::io(format!("syncing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
+    let mut f = std::fs::File::create(&tmp)
+        .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    f.write_all(bytes)
+        .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    f.sync_all()
+        .map_err(|e| Error::io(format!("syncing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        Error::io(
+            format!("renaming {} to {}", tmp.display(), path.display()),
+            e,
+        )
+    })
 }
 
 pub(crate) fn tmp_path(path: &Path) -> PathBuf {
@@ -406,7 +486,10 @@ pub(crate) fn tmp_path(path: &Path) -> PathBuf {
 
 /// CRC-32 of each `chunk` bytes of `payload`.
 pub fn chunk_crcs(payload: &[u8], chunk: u64) -> Vec<u32> {
-    payload.chunks(chunk as usize).map(crc32fast::hash).collect()
+    payload
+        .chunks(chunk as usize)
+        .map(crc32fast::hash)
+        .collect()
 }
 
 /// Streams a shard file into place: header placeholder, tokens, then the real header; keeps the
@@ -429,20 +512,37 @@ pub struct ShardWriter {
 }
 
 impl ShardWriter {
-    pub fn create(path: &Path, format: ShardFormat, dtype: DType, chunk_bytes: u64, vocab_size: u32) -> Result<Self> {
+    pub fn create(
+        path: &Path,
+        format: ShardFormat,
+        dtype: DType,
+        chunk_bytes: u64,
+        vocab_size: u32,
+    ) -> Result<Self> {
         let want = match format {
             ShardFormat::LlmcV1 => DType::U16,
             ShardFormat::LlmcV7 => DType::U32,
             ShardFormat::Ferrite => dtype,
         };
         if dtype != want || !matches!(dtype, DType::U16 | DType::U32) {
-            return Err(Error::bad_arg("ShardWriter", "dtype", format!("{want} for {}", format.name()), dtype));
+            return Err(Error::bad_arg(
+                "ShardWriter",
+                "dtype",
+                format!("{want} for {}", format.name()),
+                dtype,
+            ));
         }
         if chunk_bytes == 0 || chunk_bytes % 4096 != 0 || chunk_bytes > u32::MAX as u64 {
-            return Err(Error::bad_arg("ShardWriter", "chunk_bytes", "a multiple of 4096 below 4 GiB", chunk_bytes));
+            return Err(Error::bad_arg(
+                "ShardWriter",
+                "chunk_bytes",
+                "a multiple of 4096 below 4 GiB",
+                chunk_bytes,
+            ));
         }
         let tmp = tmp_path(path);
-        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+        let f = std::fs::File::create(&tmp)
+            .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
         let mut file = std::io::BufWriter::with_capacity(1 << 20, f);
         file.write_all(&vec![0u8; format.header_bytes() as usize])
             .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
@@ -470,7 +570,8 @@ impl ShardWriter {
 
     /// Appends tokens (each must fit the shard's dtype).
     pub fn push(&mut self, toks: &[u32]) -> Result<()> {
-        if self.format != ShardFormat::Ferrite && self.tokens + toks.len() as u64 > i32::MAX as u64 {
+        if self.format != ShardFormat::Ferrite && self.tokens + toks.len() as u64 > i32::MAX as u64
+        {
             return Err(Error::Other(format!(
                 "shard {}: llm.c shards hold at most {} tokens (an i32 count)",
                 self.path.display(),
@@ -482,12 +583,17 @@ impl ShardWriter {
             DType::U16 => {
                 for &t in toks {
                     let v = u16::try_from(t).map_err(|_| {
-                        Error::Other(format!("shard {}: token {t} does not fit u16 (pack with --dtype u32)", self.path.display()))
+                        Error::Other(format!(
+                            "shard {}: token {t} does not fit u16 (pack with --dtype u32)",
+                            self.path.display()
+                        ))
                     })?;
                     self.scratch.extend_from_slice(&v.to_le_bytes());
                 }
             }
-            _ => toks.iter().for_each(|t| self.scratch.extend_from_slice(&t.to_le_bytes())),
+            _ => toks
+                .iter()
+                .for_each(|t| self.scratch.extend_from_slice(&t.to_le_bytes())),
         }
         // Feed the chunk hashers, splitting at chunk boundaries.
         let mut rest = &self.scratch[..];
@@ -516,25 +622,43 @@ impl ShardWriter {
         if self.tokens == 0 {
             drop(self.file);
             let _ = std::fs::remove_file(&self.tmp);
-            return Err(Error::Other(format!("shard {}: no tokens to write", self.path.display())));
+            return Err(Error::Other(format!(
+                "shard {}: no tokens to write",
+                self.path.display()
+            )));
         }
         if self.in_chunk > 0 {
             self.chunk_crcs.push(self.chunk.clone().finalize());
         }
         let crc = self.whole.clone().finalize();
         let header = match self.format {
-            ShardFormat::Ferrite => encode_ftok_header(self.dtype, self.tokens, crc, self.vocab_size, self.chunk_bytes),
+            ShardFormat::Ferrite => encode_ftok_header(
+                self.dtype,
+                self.tokens,
+                crc,
+                self.vocab_size,
+                self.chunk_bytes,
+            ),
             f => encode_header(f, self.tokens, crc, self.vocab_size, self.chunk_bytes),
         };
-        let mut f = self.file.into_inner().map_err(|e| Error::io(ctx("flushing"), e.into_error()))?;
-        f.seek(SeekFrom::Start(0)).map_err(|e| Error::io(ctx("seeking"), e))?;
-        f.write_all(&header).map_err(|e| Error::io(ctx("writing header of"), e))?;
+        let mut f = self
+            .file
+            .into_inner()
+            .map_err(|e| Error::io(ctx("flushing"), e.into_error()))?;
+        f.seek(SeekFrom::Start(0))
+            .map_err(|e| Error::io(ctx("seeking"), e))?;
+        f.write_all(&header)
+            .map_err(|e| Error::io(ctx("writing header of"), e))?;
         f.sync_all().map_err(|e| Error::io(ctx("syncing"), e))?;
         let bytes = f.metadata().map_err(|e| Error::io(ctx("stat"), e))?.len();
         drop(f);
         std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(ctx("renaming"), e))?;
         Ok(IndexEntry {
-            file: self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            file: self
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
             format: self.format,
             dtype: self.dtype.name().into(),
             tokens: self.tokens,
@@ -549,8 +673,22 @@ impl ShardWriter {
 
 /// Reads a whole shard and checks its header, its index entry (when given) and every payload
 /// chunk. The error names the shard and the first failing chunk's byte range.
-pub fn verify_shard(path: &Path, entry: Option<&IndexEntry>, chunk_bytes: u64) -> Result<ShardHeader> {
+pub fn verify_shard(
+    path: &Path,
+    entry: Option<&IndexEntry>,
+    chunk_bytes: u64,
+) -> Result<ShardHeader> {
     let bytes = std::fs::read(path).map_err(|e| io_error(path, 0, "cannot read", e))?;
+    verify_bytes(path, &bytes, entry, chunk_bytes)
+}
+
+/// `verify_shard` on a shard's bytes already in memory (`path` names it in errors).
+pub fn verify_bytes(
+    path: &Path,
+    bytes: &[u8],
+    entry: Option<&IndexEntry>,
+    chunk_bytes: u64,
+) -> Result<ShardHeader> {
     let head = &bytes[..bytes.len().min(FTOK_HEADER_BYTES as usize)];
     let h = parse_header(path, head, bytes.len() as u64)?;
     let payload = &bytes[h.payload_offset as usize..];
@@ -578,7 +716,9 @@ pub fn verify_shard(path: &Path, entry: Option<&IndexEntry>, chunk_bytes: u64) -
             return Err(shard_error(
                 path,
                 h.payload_offset,
-                format!("payload checksum mismatch (header at byte 28: 0x{c:08x}, data 0x{got:08x})"),
+                format!(
+                    "payload checksum mismatch (header at byte 28: 0x{c:08x}, data 0x{got:08x})"
+                ),
             ));
         }
     }
@@ -586,30 +726,73 @@ pub fn verify_shard(path: &Path, entry: Option<&IndexEntry>, chunk_bytes: u64) -
 }
 
 /// Checks that the header agrees with the index entry.
-pub fn check_entry(path: &Path, h: &ShardHeader, e: &IndexEntry, file_bytes: u64, chunk_bytes: u64) -> Result<()> {
-    let count_at = if h.format == ShardFormat::Ferrite { 16 } else { 8 };
+pub fn check_entry(
+    path: &Path,
+    h: &ShardHeader,
+    e: &IndexEntry,
+    file_bytes: u64,
+    chunk_bytes: u64,
+) -> Result<()> {
+    let count_at = if h.format == ShardFormat::Ferrite {
+        16
+    } else {
+        8
+    };
     if e.format != h.format {
-        return Err(shard_error(path, 0, format!("index says format {}, the header is {}", e.format.name(), h.format.name())));
+        return Err(shard_error(
+            path,
+            0,
+            format!(
+                "index says format {}, the header is {}",
+                e.format.name(),
+                h.format.name()
+            ),
+        ));
     }
     if e.dtype != h.dtype.name() {
-        return Err(shard_error(path, 0, format!("index says dtype {}, the header says {}", e.dtype, h.dtype)));
+        return Err(shard_error(
+            path,
+            0,
+            format!("index says dtype {}, the header says {}", e.dtype, h.dtype),
+        ));
     }
     if e.tokens != h.tokens {
         return Err(shard_error(
             path,
             count_at,
-            format!("token count mismatch: index says {}, header says {}", e.tokens, h.tokens),
+            format!(
+                "token count mismatch: index says {}, header says {}",
+                e.tokens, h.tokens
+            ),
         ));
     }
     if e.bytes != file_bytes {
-        return Err(shard_error(path, file_bytes, format!("index says {} bytes, the file is {file_bytes}", e.bytes)));
+        return Err(shard_error(
+            path,
+            file_bytes,
+            format!("index says {} bytes, the file is {file_bytes}", e.bytes),
+        ));
     }
     if h.format == ShardFormat::Ferrite && h.chunk_bytes != chunk_bytes {
-        return Err(shard_error(path, 24, format!("header chunk size {} differs from the index's {chunk_bytes}", h.chunk_bytes)));
+        return Err(shard_error(
+            path,
+            24,
+            format!(
+                "header chunk size {} differs from the index's {chunk_bytes}",
+                h.chunk_bytes
+            ),
+        ));
     }
     if let Some(c) = h.payload_crc32 {
         if c != e.crc32 {
-            return Err(shard_error(path, 28, format!("index checksum 0x{:08x} differs from the header's 0x{c:08x}", e.crc32)));
+            return Err(shard_error(
+                path,
+                28,
+                format!(
+                    "index checksum 0x{:08x} differs from the header's 0x{c:08x}",
+                    e.crc32
+                ),
+            ));
         }
     }
     let want_chunks = h.payload_bytes().div_ceil(chunk_bytes);
@@ -617,7 +800,11 @@ pub fn check_entry(path: &Path, h: &ShardHeader, e: &IndexEntry, file_bytes: u64
         return Err(shard_error(
             path,
             h.payload_offset,
-            format!("index lists {} chunk checksums, {} payload bytes need {want_chunks}", e.chunk_crc32.len(), h.payload_bytes()),
+            format!(
+                "index lists {} chunk checksums, {} payload bytes need {want_chunks}",
+                e.chunk_crc32.len(),
+                h.payload_bytes()
+            ),
         ));
     }
     Ok(())

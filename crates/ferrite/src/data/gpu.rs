@@ -30,27 +30,47 @@ unsafe impl Sync for Event {}
 impl Event {
     pub fn new(dev: &CudaDevice) -> Result<Event> {
         dev.bind()?;
-        let ev = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| Error::cuda("cuEventCreate", e))?;
+        let ev = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| Error::cuda("cuEventCreate", e))?;
         Ok(Event {
             ev,
             ctx: dev.context().clone(),
         })
     }
+    fn bind(&self) -> Result<()> {
+        // Event calls act on the calling thread's current context: the consumer's thread may
+        // have none bound yet.
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+    }
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        self.bind()?;
         // SAFETY: a live event and a live stream of the same context.
-        unsafe { drv::event::record(self.ev, stream.cu_stream()) }.map_err(|e| Error::cuda("cuEventRecord", e))
+        unsafe { drv::event::record(self.ev, stream.cu_stream()) }
+            .map_err(|e| Error::cuda("cuEventRecord", e))
     }
     /// Makes `stream` wait (on the GPU) for the work before this event's last record. An event
     /// never recorded is complete, so the first wait on a fresh slot is free.
     pub fn wait_on(&self, stream: &Stream) -> Result<()> {
+        self.bind()?;
         // SAFETY: a live event and a live stream of the same context.
-        unsafe { drv::stream::wait_event(stream.cu_stream(), self.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))
+        unsafe {
+            drv::stream::wait_event(
+                stream.cu_stream(),
+                self.ev,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::cuda("cuStreamWaitEvent", e))
     }
     pub fn synchronize(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: a live event.
-        unsafe { drv::event::synchronize(self.ev) }.map_err(|e| Error::cuda("cuEventSynchronize (a batch copy failed)", e))
+        unsafe { drv::event::synchronize(self.ev) }
+            .map_err(|e| Error::cuda("cuEventSynchronize (a batch copy failed)", e))
     }
 }
 
@@ -105,13 +125,19 @@ impl DeviceRing {
         let s = &self.slots[i];
         // The previous copy out of this host buffer must be over before the CPU rewrites it.
         s.ready.synchronize()?;
-        let mut host = s.host.lock().map_err(|_| Error::Other("loader slot lock poisoned".into()))?;
+        let mut host = s
+            .host
+            .lock()
+            .map_err(|_| Error::Other("loader slot lock poisoned".into()))?;
         fill(&mut host.as_mut_slice()[..self.slot_bytes])?;
         // Compute that read this device buffer last time must be done before we overwrite it.
         s.released.wait_on(&self.copy)?;
         // SAFETY: the device buffer holds slot_bytes; the pinned source stays alive (owned by the
         // ring, which outlives every batch) and is not rewritten before `ready` completes (above).
-        unsafe { self.device.htod(s.dev.ptr(), &host.as_slice()[..self.slot_bytes], &self.copy)? };
+        unsafe {
+            self.device
+                .htod(s.dev.ptr(), &host.as_slice()[..self.slot_bytes], &self.copy)?
+        };
         s.ready.record(&self.copy)
     }
 }
@@ -122,6 +148,8 @@ impl Drop for DeviceRing {
         for s in &self.slots {
             let _ = s.released.wait_on(&self.copy);
         }
-        let _ = self.device.synchronize(&self.copy, "dropping the loader's device ring");
+        let _ = self
+            .device
+            .synchronize(&self.copy, "dropping the loader's device ring");
     }
 }

@@ -165,7 +165,8 @@ impl Engine for Uring {
         self.outstanding
     }
     unsafe fn submit(&mut self, req: Req) -> Result<()> {
-        let len = u32::try_from(req.len).map_err(|_| Error::Other(format!("read of {} bytes is too large", req.len)))?;
+        let len = u32::try_from(req.len)
+            .map_err(|_| Error::Other(format!("read of {} bytes is too large", req.len)))?;
         let sqe = io_uring::opcode::Read::new(io_uring::types::Fd(req.fd), req.dst, len)
             .offset(req.off)
             .build()
@@ -177,7 +178,9 @@ impl Engine for Uring {
                 break;
             }
             // Submission queue full: hand what is queued to the kernel and retry.
-            self.ring.submit().map_err(|e| Error::io("io_uring_enter (submit)", e))?;
+            self.ring
+                .submit()
+                .map_err(|e| Error::io("io_uring_enter (submit)", e))?;
             self.unsubmitted = 0;
         }
         self.outstanding += 1;
@@ -245,9 +248,18 @@ pub unsafe fn pread_full(fd: i32, dst: *mut u8, len: usize, off: u64) -> i64 {
     let mut got = 0usize;
     while got < len {
         // SAFETY: dst+got..dst+len lies inside the caller's buffer.
-        let r = unsafe { libc::pread(fd, dst.add(got) as *mut libc::c_void, len - got, (off + got as u64) as libc::off_t) };
+        let r = unsafe {
+            libc::pread(
+                fd,
+                dst.add(got) as *mut libc::c_void,
+                len - got,
+                (off + got as u64) as libc::off_t,
+            )
+        };
         if r < 0 {
-            let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+            let e = std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO);
             if e == libc::EINTR {
                 continue;
             }
@@ -281,7 +293,13 @@ impl PreadPool {
                         // SAFETY: the submitter keeps dst alive and untouched until it receives
                         // this completion (Engine::submit's contract).
                         let res = unsafe { pread_full(r.fd, r.dst, r.len, r.off) };
-                        if dtx.send(Done { token: r.token, res }).is_err() {
+                        if dtx
+                            .send(Done {
+                                token: r.token,
+                                res,
+                            })
+                            .is_err()
+                        {
                             return;
                         }
                     })
@@ -317,7 +335,10 @@ impl Engine for PreadPool {
         if self.outstanding == 0 {
             return Ok(());
         }
-        let d = self.done.recv().map_err(|_| Error::Other("a pread thread died".into()))?;
+        let d = self
+            .done
+            .recv()
+            .map_err(|_| Error::Other("a pread thread died".into()))?;
         out.push(d);
         self.outstanding -= 1;
         while let Ok(d) = self.done.try_recv() {
@@ -430,7 +451,10 @@ fn probe(engine: &mut dyn Engine, files: &Files) -> std::result::Result<(), Stri
             files.paths[0].display(),
             std::io::Error::from_raw_os_error(-r as i32)
         )),
-        r => Err(format!("probe read of {} returned {r} of {want} bytes", files.paths[0].display())),
+        r => Err(format!(
+            "probe read of {} returned {r} of {want} bytes",
+            files.paths[0].display()
+        )),
     }
 }
 
@@ -451,7 +475,11 @@ pub fn setup(cfg: &IoConfig, files: &mut Files) -> Setup {
             match Uring::new(cfg.queue_depth) {
                 Ok(mut u) => match probe(&mut u, files) {
                     Ok(()) => {
-                        let d = format!("{}{}", u.name(), if files.is_direct() { " + O_DIRECT" } else { "" });
+                        let d = format!(
+                            "{}{}",
+                            u.name(),
+                            if files.is_direct() { " + O_DIRECT" } else { "" }
+                        );
                         return Setup {
                             engine: Box::new(u),
                             description: d,
@@ -471,8 +499,17 @@ pub fn setup(cfg: &IoConfig, files: &mut Files) -> Setup {
             files.direct.clear();
         }
     }
-    let desc = format!("{}{}", pool.name(), if files.is_direct() { " + O_DIRECT" } else { " (page cache)" });
-    let fallback = (cfg.engine == EngineKind::Auto || (cfg.direct && !files.is_direct())).then(|| reasons.join("; "));
+    let desc = format!(
+        "{}{}",
+        pool.name(),
+        if files.is_direct() {
+            " + O_DIRECT"
+        } else {
+            " (page cache)"
+        }
+    );
+    let fallback = (cfg.engine == EngineKind::Auto || (cfg.direct && !files.is_direct()))
+        .then(|| reasons.join("; "));
     let fallback = fallback.filter(|r| !r.is_empty());
     if let Some(r) = &fallback {
         if !FALLBACK_SAID.swap(true, Ordering::Relaxed) {
@@ -489,10 +526,19 @@ pub fn setup(cfg: &IoConfig, files: &mut Files) -> Setup {
 /// Turns a failed or short completion into an error naming the shard and offset.
 pub fn check_done(path: &Path, off: u64, res: i64, want: usize) -> Result<usize> {
     if res < 0 {
-        return Err(io_error(path, off, "read failed", std::io::Error::from_raw_os_error(-res as i32)));
+        return Err(io_error(
+            path,
+            off,
+            "read failed",
+            std::io::Error::from_raw_os_error(-res as i32),
+        ));
     }
     if res == 0 && want > 0 {
-        return Err(shard_error(path, off, format!("unexpected end of file ({want} more bytes expected; did the file shrink?)")));
+        return Err(shard_error(
+            path,
+            off,
+            format!("unexpected end of file ({want} more bytes expected; did the file shrink?)"),
+        ));
     }
     Ok(res as usize)
 }

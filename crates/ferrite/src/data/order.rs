@@ -29,7 +29,11 @@ impl Perm {
     pub fn new(n: u64, key: u64) -> Perm {
         // The smallest even-width power of two covering n, so cycle walking takes < 4 steps on
         // average.
-        let bits = if n <= 1 { 2 } else { 64 - (n - 1).leading_zeros() };
+        let bits = if n <= 1 {
+            2
+        } else {
+            64 - (n - 1).leading_zeros()
+        };
         let half_bits = bits.div_ceil(2).max(1);
         let mut k = mix64(key);
         let mut keys = [0u64; 4];
@@ -110,11 +114,17 @@ impl EpochOrder {
         let blocks = spec.samples.div_ceil(k);
         let key = mix64(spec.seed ^ mix64(epoch.wrapping_mul(0x1000_0000_01b3)));
         let block_perm = Perm::new(blocks, key);
-        let last_size = if blocks == 0 { 0 } else { spec.samples - (blocks - 1) * k };
+        let last_size = if blocks == 0 {
+            0
+        } else {
+            spec.samples - (blocks - 1) * k
+        };
         let short_slot = if !spec.shuffle || blocks == 0 {
             blocks.saturating_sub(1)
         } else {
-            (0..blocks).find(|&s| block_perm.apply(s) == blocks - 1).unwrap_or(0)
+            (0..blocks)
+                .find(|&s| block_perm.apply(s) == blocks - 1)
+                .unwrap_or(0)
         };
         let windows = blocks.div_ceil(m);
         let mut win_start = Vec::with_capacity(windows as usize + 1);
@@ -162,7 +172,8 @@ impl EpochOrder {
     pub fn sampler(&self, w: usize) -> WindowSampler<'_> {
         let (a, b) = self.window_range(w);
         let perm = self.spec.shuffle.then(|| {
-            let key = mix64(self.spec.seed ^ mix64(self.epoch ^ mix64(w as u64 ^ 0x5eed_0f_3a11)));
+            let key =
+                mix64(self.spec.seed ^ mix64(self.epoch ^ mix64(w as u64 ^ 0x005e_ed0f_3a11)));
             Perm::new(b - a, key)
         });
         WindowSampler { eo: self, w, perm }
@@ -196,7 +207,11 @@ impl WindowSampler<'_> {
             (q / k, q % k)
         };
         let slot = base + j;
-        let block = if eo.spec.shuffle { eo.block_perm.apply(slot) } else { slot };
+        let block = if eo.spec.shuffle {
+            eo.block_perm.apply(slot)
+        } else {
+            slot
+        };
         debug_assert!(block < eo.blocks);
         block * k + off
     }
@@ -244,7 +259,15 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    pub fn new(samples: u64, world: u64, rank: u64, batch: u64, remainder: Remainder, start: (u64, u64), end_epoch: Option<u64>) -> Self {
+    pub fn new(
+        samples: u64,
+        world: u64,
+        rank: u64,
+        batch: u64,
+        remainder: Remainder,
+        start: (u64, u64),
+        end_epoch: Option<u64>,
+    ) -> Self {
         let mut s = Schedule {
             samples,
             world,
@@ -329,14 +352,33 @@ mod tests {
 
     #[test]
     fn epoch_order_is_a_bijection_with_short_blocks() {
-        for (samples, k, m) in [(1u64, 1, 1), (10, 3, 2), (100, 7, 3), (1000, 16, 4), (999, 10, 100), (37, 64, 2)] {
+        for (samples, k, m) in [
+            (1u64, 1, 1),
+            (10, 3, 2),
+            (100, 7, 3),
+            (1000, 16, 4),
+            (999, 10, 100),
+            (37, 64, 2),
+        ] {
             for shuffle in [false, true] {
                 for epoch in 0..3 {
-                    let eo = EpochOrder::new(OrderSpec { samples, block_samples: k, window_blocks: m, shuffle, seed: 7 }, epoch);
+                    let eo = EpochOrder::new(
+                        OrderSpec {
+                            samples,
+                            block_samples: k,
+                            window_blocks: m,
+                            shuffle,
+                            seed: 7,
+                        },
+                        epoch,
+                    );
                     let mut seen = vec![false; samples as usize];
                     for pos in 0..samples {
                         let s = eo.sample_at(pos) as usize;
-                        assert!(!seen[s], "{samples}/{k}/{m} shuffle {shuffle}: sample {s} twice");
+                        assert!(
+                            !seen[s],
+                            "{samples}/{k}/{m} shuffle {shuffle}: sample {s} twice"
+                        );
                         seen[s] = true;
                         if !shuffle {
                             assert_eq!(s as u64, pos);

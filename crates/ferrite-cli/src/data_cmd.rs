@@ -1,0 +1,399 @@
+//! `ferrite data`: pack text into token shards, inspect and verify shards, bench the loader.
+
+use clap::{Args, Subcommand};
+use ferrite::core::cuda;
+use ferrite::data::bench::{self, BenchConfig};
+use ferrite::data::format::{verify_shard, ShardFormat, DEFAULT_CHUNK_BYTES};
+use ferrite::data::{
+    pack_files, Dataset, EngineKind, IoConfig, Loader, LoaderConfig, PackConfig, Remainder,
+};
+use ferrite::{DType, Device, Error, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+
+#[derive(Subcommand)]
+pub enum DataCmd {
+    /// Tokenize text files (GPT-2 BPE) into shards plus an index.json.
+    Pack(PackArgs),
+    /// Validate shards (headers, index, checksums) and print what they hold.
+    Inspect(InspectArgs),
+    /// Raw O_DIRECT read ceiling, loader throughput to host/GPU, simulated training loop.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+pub struct PackArgs {
+    /// Text files (.txt: one document each; .jsonl: one {"text": ...} per line) or folders of them.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// Output folder.
+    #[arg(short, long)]
+    out: PathBuf,
+    /// ferrite (.ftok), llmc (llm.c v1 .bin, u16) or llmc7 (llm.c v7 .bin, u32).
+    #[arg(long, default_value = "ferrite")]
+    format: String,
+    /// Token dtype of ferrite shards: u16 or u32.
+    #[arg(long, default_value = "u16")]
+    dtype: String,
+    /// Tokens per shard.
+    #[arg(long, default_value_t = 100_000_000)]
+    shard_tokens: u64,
+    /// Checksum chunk size in bytes (a multiple of 4096).
+    #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
+    chunk_bytes: u64,
+}
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// A packed folder, an index.json, or shard files.
+    #[arg(required = true)]
+    paths: Vec<PathBuf>,
+    /// Read every byte and check every checksum.
+    #[arg(long)]
+    verify: bool,
+    /// Also print the first batch of a loader with this B×T (e.g. 2x16).
+    #[arg(long)]
+    peek: Option<String>,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// A packed folder (or index.json / shard files). With --synthetic, where to write the data.
+    path: PathBuf,
+    /// Write this many GB of random tokens to PATH first (1 GB shards).
+    #[arg(long)]
+    synthetic: Option<f64>,
+    /// Delete the synthetic data afterwards.
+    #[arg(long)]
+    cleanup: bool,
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    #[arg(long, default_value_t = 1024)]
+    seq: usize,
+    /// io_uring queue depth of the loader.
+    #[arg(long, default_value_t = 64)]
+    queue_depth: u32,
+    /// Skip the loader's chunk checksum verification (to measure its cost).
+    #[arg(long)]
+    no_verify: bool,
+    /// Windows (64 MiB each) the loader reads ahead.
+    #[arg(long, default_value_t = 3)]
+    read_ahead: usize,
+    /// pread pool threads (the fallback).
+    #[arg(long, default_value_t = 8)]
+    threads: usize,
+    /// Loader read size in KiB.
+    #[arg(long, default_value_t = 4096)]
+    request_kib: usize,
+    /// auto (io_uring + O_DIRECT, fallback pread) or pread.
+    #[arg(long, default_value = "auto")]
+    engine: String,
+    /// Read sizes (KiB) tried for the raw ceiling.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+    ceiling_kib: Vec<usize>,
+    /// Queue depths tried for the raw ceiling.
+    #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
+    ceiling_qd: Vec<u32>,
+    /// Stop each phase after this many GB (0: the whole data set once).
+    #[arg(long, default_value_t = 0.0)]
+    max_gb: f64,
+    /// Simulated compute per batch, as a multiple of the loader's measured time per batch.
+    #[arg(long, default_value_t = 1.2)]
+    compute_factor: f64,
+    /// Steps of the simulated training loop (after the first batch).
+    #[arg(long, default_value_t = 2000)]
+    sim_steps: u64,
+    /// The simulated compute sleeps instead of spinning (for machines with few cores).
+    #[arg(long)]
+    sim_sleep: bool,
+    /// cpu, or cuda / cuda:N to include the GPU phases (default: cuda:0 when present).
+    #[arg(long)]
+    device: Option<String>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template(&format!(
+            "{what} [{{elapsed_precise}}] {{wide_bar}} {{bytes}}/{{total_bytes}} {{msg}}"
+        ))
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+fn inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(p)
+                .map_err(|e| Error::io(format!("listing {}", p.display()), e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| {
+                    f.is_file() && f.extension().is_some_and(|e| e == "txt" || e == "jsonl")
+                })
+                .collect();
+            v.sort();
+            out.extend(v);
+        } else {
+            out.push(p.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn pack(a: PackArgs) -> Result<()> {
+    let format = match a.format.as_str() {
+        "ferrite" => ShardFormat::Ferrite,
+        "llmc" | "llmc1" => ShardFormat::LlmcV1,
+        "llmc7" => ShardFormat::LlmcV7,
+        f => {
+            return Err(Error::bad_arg(
+                "data pack",
+                "--format",
+                "ferrite, llmc or llmc7",
+                f,
+            ))
+        }
+    };
+    let dtype = match a.dtype.as_str() {
+        "u16" => DType::U16,
+        "u32" => DType::U32,
+        d => return Err(Error::bad_arg("data pack", "--dtype", "u16 or u32", d)),
+    };
+    let files = inputs(&a.inputs)?;
+    let cfg = PackConfig {
+        out_dir: a.out.clone(),
+        format,
+        dtype,
+        shard_tokens: a.shard_tokens,
+        chunk_bytes: a.chunk_bytes,
+        ..PackConfig::default()
+    };
+    let pb = bar(0, "packing");
+    let s = pack_files(&files, &cfg, &mut |done, total, toks| {
+        pb.set_length(total);
+        pb.set_position(done);
+        pb.set_message(format!("{toks} tokens"));
+    })?;
+    pb.finish_and_clear();
+    println!(
+        "packed {} files ({} documents, {:.2} MB) into {} tokens in {} {} shards under {} in {:.2} s ({:.2} MB/s)",
+        s.files,
+        s.documents,
+        s.input_bytes as f64 / 1e6,
+        s.tokens,
+        s.shards,
+        format.name(),
+        a.out.display(),
+        s.seconds,
+        s.input_bytes as f64 / 1e6 / s.seconds
+    );
+    println!("index: {}", s.index.display());
+    Ok(())
+}
+
+fn open(paths: &[PathBuf]) -> Result<Dataset> {
+    if paths.len() == 1 {
+        Dataset::open(&paths[0])
+    } else {
+        Dataset::from_paths(paths)
+    }
+}
+
+fn inspect(a: InspectArgs) -> Result<()> {
+    let ds = open(&a.paths)?;
+    println!("{}", ds.summary(None));
+    for (i, s) in ds.shards.iter().enumerate() {
+        println!(
+            "  {:>4} {}  {}  {} tokens ({})  payload at byte {}",
+            i,
+            s.path.display(),
+            s.header.format.name(),
+            s.header.tokens,
+            s.header.dtype,
+            s.header.payload_offset
+        );
+    }
+    if a.verify {
+        let pb = bar(ds.total_bytes(), "verifying");
+        for (i, s) in ds.shards.iter().enumerate() {
+            let entry = ds.index.as_ref().map(|x| &x.shards[i]);
+            verify_shard(&s.path, entry, ds.chunk_bytes)?;
+            pb.inc(s.file_bytes);
+        }
+        pb.finish_and_clear();
+        println!(
+            "verified {} shards: headers{}",
+            ds.shards.len(),
+            if ds.checksummed() {
+                ", index and every payload checksum"
+            } else {
+                " (no index: payload not checksummed)"
+            }
+        );
+    }
+    if let Some(p) = a.peek {
+        let (b, t) = p
+            .split_once('x')
+            .and_then(|(b, t)| Some((b.parse().ok()?, t.parse().ok()?)))
+            .ok_or_else(|| Error::bad_arg("data inspect", "--peek", "BxT, e.g. 2x16", &p))?;
+        let mut l = Loader::new(
+            &ds,
+            LoaderConfig {
+                batch: b,
+                seq: t,
+                epochs: Some(1),
+                remainder: Remainder::Pad,
+                ..LoaderConfig::default()
+            },
+            None,
+        )?;
+        if let Some(batch) = l.next_batch()? {
+            println!(
+                "first batch (epoch {}, samples {:?}):",
+                batch.epoch, batch.samples
+            );
+            let v = batch.tokens.to_f64_vec()?;
+            for row in v.chunks(t + 1) {
+                println!("  {:?}", row.iter().map(|&x| x as u32).collect::<Vec<_>>());
+            }
+            println!(
+                "state after it: {}",
+                serde_json::to_string(&batch.state_after).unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn bench_cmd(a: BenchArgs) -> Result<()> {
+    if let Some(gb) = a.synthetic {
+        let bytes = (gb * 1e9) as u64;
+        let pb = bar(bytes, "writing synthetic shards");
+        bench::synthetic(&a.path, bytes, 1 << 30, &mut |d, _| pb.set_position(d))?;
+        pb.finish_and_clear();
+    }
+    let gpu = match a.device.as_deref() {
+        None => cuda::availability().ok().map(|_| 0),
+        Some(s) => match Device::parse(s)? {
+            Device::Cpu => None,
+            Device::Cuda(i) => {
+                cuda::device(i)?;
+                Some(i)
+            }
+        },
+    };
+    let engine = match a.engine.as_str() {
+        "auto" => EngineKind::Auto,
+        "pread" => EngineKind::Pread,
+        e => return Err(Error::bad_arg("data bench", "--engine", "auto or pread", e)),
+    };
+    let ds = Dataset::open(&a.path)?;
+    let cfg = BenchConfig {
+        batch: a.batch,
+        seq: a.seq,
+        io: IoConfig {
+            engine,
+            queue_depth: a.queue_depth,
+            threads: a.threads,
+            direct: true,
+            request_bytes: a.request_kib * 1024,
+        },
+        ceiling_requests: a.ceiling_kib.iter().map(|k| k * 1024).collect(),
+        ceiling_depths: a.ceiling_qd.clone(),
+        max_bytes: (a.max_gb * 1e9) as u64,
+        compute_factor: a.compute_factor,
+        gpu,
+        sim_steps: a.sim_steps,
+        sim_sleep: a.sim_sleep,
+        read_ahead: a.read_ahead,
+        verify: !a.no_verify,
+    };
+    let pb = ProgressBar::new_spinner();
+    pb.enable_steady_tick(std::time::Duration::from_millis(120));
+    let r = bench::run(&ds, &cfg, &mut |m| pb.set_message(m.to_string()));
+    pb.finish_and_clear();
+    let r = r?;
+    println!(
+        "data: {} ({:.2} GB)",
+        r.dataset,
+        r.dataset_bytes as f64 / 1e9
+    );
+    println!("raw read ceiling (O_DIRECT, reads in flight):");
+    for c in &r.ceiling {
+        println!(
+            "  {:>5} KiB × {:>3}: {:6.2} GB/s  ({})",
+            c.request_bytes / 1024,
+            c.queue_depth,
+            c.gbps,
+            c.engine
+        );
+    }
+    println!("  ceiling: {:.2} GB/s", r.ceiling_gbps);
+    let show = |name: &str, l: &bench::LoaderRun, ratio: f64| {
+        println!(
+            "loader → {name}: {:.2} GB/s of tokens ({:.2} GB/s read), {:.0}% of the ceiling; {:.2} CPU cores = {:.2} cores per GB/s; {}{}",
+            l.gbps,
+            l.read_gbps,
+            ratio * 100.0,
+            l.cpu_cores,
+            l.cores_per_gbps,
+            l.io,
+            l.fallback.as_ref().map(|f| format!(" (fallback: {f})")).unwrap_or_default()
+        )
+    };
+    if let (Some(h), Some(x)) = (&r.host, r.host_ratio) {
+        show("host", h, x);
+    }
+    if let (Some(g), Some(x)) = (&r.gpu, r.gpu_ratio) {
+        show("GPU", g, x);
+    }
+    for s in &r.sim {
+        println!(
+            "simulated training ({}): compute {:.3} ms/batch (read {:.3} ms/batch), {} steps: consumer waited {:.3}% of the loop (startup {:.1} ms)",
+            s.device,
+            s.compute_ms_per_batch,
+            s.read_ms_per_batch,
+            s.steps,
+            s.wait_fraction * 100.0,
+            s.startup_ms
+        );
+    }
+    if let Some(p) = &a.json {
+        let s = serde_json::to_string_pretty(&r).map_err(|e| Error::Other(e.to_string()))?;
+        std::fs::write(p, s).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+        println!("json: {}", p.display());
+    }
+    if a.cleanup && a.synthetic.is_some() {
+        remove_synthetic(&a.path)?;
+    }
+    Ok(())
+}
+
+fn remove_synthetic(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
+        .flatten()
+    {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "ftok")
+            || p.file_name().is_some_and(|n| n == "index.json")
+        {
+            std::fs::remove_file(&p)
+                .map_err(|e| Error::io(format!("removing {}", p.display()), e))?;
+        }
+    }
+    Ok(())
+}
+
+pub fn run(cmd: DataCmd) -> Result<bool> {
+    match cmd {
+        DataCmd::Pack(a) => pack(a),
+        DataCmd::Inspect(a) => inspect(a),
+        DataCmd::Bench(a) => bench_cmd(a),
+    }
+    .map(|_| true)
+}

@@ -1,0 +1,125 @@
+//! Autotuning by measurement: the first time a (device, op, variant, dtype, shape class) is seen,
+//! each candidate configuration is timed and the winner is remembered on disk next to the kernel
+//! cache (`<cache>/tune.json`), so later runs and processes pick it without measuring.
+
+use super::cuda::jit::cache_dir;
+use super::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+fn path() -> PathBuf {
+    cache_dir().join("tune.json")
+}
+
+fn table() -> &'static Mutex<BTreeMap<String, String>> {
+    static T: OnceLock<Mutex<BTreeMap<String, String>>> = OnceLock::new();
+    T.get_or_init(|| {
+        let map = std::fs::read_to_string(path())
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok())
+            .unwrap_or_default();
+        Mutex::new(map)
+    })
+}
+
+fn save(map: &BTreeMap<String, String>) {
+    // A failed write only costs a re-tune in the next process.
+    let p = path();
+    if let Some(dir) = p.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    if let Ok(s) = serde_json::to_string_pretty(map) {
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, s).is_ok() {
+            let _ = std::fs::rename(tmp, p);
+        }
+    }
+}
+
+/// Shapes in one class share a tuning result: each dim rounded up to a power of two.
+pub fn shape_class(dims: &[usize]) -> String {
+    dims.iter()
+        .map(|d| d.max(&1).next_power_of_two().to_string())
+        .collect::<Vec<_>>()
+        .join("x")
+}
+
+/// How a configuration was chosen.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Choice {
+    /// Remembered from an earlier measurement.
+    Cached,
+    /// Measured now; the times of every candidate (ms, +inf for one that failed).
+    Measured(Vec<f64>),
+}
+
+/// The best of `candidates` for `key`: remembered, or measured now with `time` (milliseconds;
+/// an error counts as a candidate that cannot run). Candidates are told apart by `Display`.
+pub fn pick<C: Clone + std::fmt::Display>(
+    key: &str,
+    candidates: &[C],
+    mut time: impl FnMut(&C) -> Result<f64>,
+) -> Result<(C, Choice)> {
+    if candidates.is_empty() {
+        return Err(Error::Other(format!("tune {key}: no candidates")));
+    }
+    if let Some(name) = table().lock().unwrap().get(key) {
+        if let Some(c) = candidates.iter().find(|c| &c.to_string() == name) {
+            return Ok((c.clone(), Choice::Cached));
+        }
+    }
+    let times: Vec<f64> = candidates
+        .iter()
+        .map(|c| time(c).unwrap_or(f64::INFINITY))
+        .collect();
+    let (best, t) = times
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, t)| (i, *t))
+        .unwrap();
+    if !t.is_finite() {
+        return Err(Error::Other(format!(
+            "tune {key}: no candidate configuration could run"
+        )));
+    }
+    let winner = candidates[best].clone();
+    let mut map = table().lock().unwrap();
+    map.insert(key.to_string(), winner.to_string());
+    save(&map);
+    Ok((winner, Choice::Measured(times)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_the_fastest_and_remembers_it() {
+        let key = format!(
+            "test/{}/{}",
+            std::process::id(),
+            crate::core::rng::Rng::fresh_seed()
+        );
+        let cands = ["a", "b", "c"];
+        let (w, how) = pick(&key, &cands, |c| match *c {
+            "a" => Ok(3.0),
+            "b" => Ok(1.0),
+            _ => Err(Error::Other("does not fit".into())),
+        })
+        .unwrap();
+        assert_eq!(w, "b");
+        assert!(matches!(how, Choice::Measured(ref t) if t[2].is_infinite()));
+        let (w, how) = pick(&key, &cands, |_| -> Result<f64> {
+            panic!("must not re-measure")
+        })
+        .unwrap();
+        assert_eq!((w, how), ("b", Choice::Cached));
+        assert!(pick(&format!("{key}/none"), &cands, |_| Err(Error::Other(
+            "x".into()
+        )))
+        .is_err());
+        assert_eq!(shape_class(&[4097, 1, 4096]), "8192x1x4096");
+    }
+}
