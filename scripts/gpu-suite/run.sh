@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite runner: on any CUDA machine, from the bundle made by bundle.sh, runs the GPU tests,
 # `ferrite check all` and `ferrite bench all` (and PyTorch peers where torch is installed), and
-# writes at most 8 files into $OUT: suite.log, kernels.json, check.{txt,json}, bench.{txt,json,svg},
-# torch_peers.json.
+# writes at most 8 files into $OUT: suite.log, check.{txt,json}, bench.{txt,json,svg},
+# data-bench.json, torch_peers.json.
 #   bash .gpu-bundle/run.sh [quick|full] [extra ferrite bench args...]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,7 +22,7 @@ step "machine"
 
 step "kernels (ptxas report)"
 ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
-"$here/bin/ferrite" kernels --ptxas "$ptxas" --arch sm_90a --json "$OUT/kernels.json" 2>&1 | tee -a "$log" || status=1
+"$here/bin/ferrite" kernels --ptxas "$ptxas" --arch sm_90a 2>&1 | tee -a "$log" || status=1
 
 step "tests"
 for t in "$here"/tests/*; do
@@ -44,6 +44,10 @@ fi
 step "bench all"
 "$here/bin/ferrite" bench all "${quick[@]}" --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.svg" "$@" > "$OUT/bench.txt" 2>&1 || status=1
 cat "$OUT/bench.txt"
+
+step "data: raw read ceiling, loader to host and GPU, simulated training loop"
+data_dir=${FERRITE_DATA_DIR:-/tmp/ferrite-data}
+"$here/bin/ferrite" data bench "$data_dir" --synthetic "$([ "$mode" = quick ] && echo 2 || echo 8)" --device cuda:0 --json "$OUT/data-bench.json" 2>&1 | tee -a "$log" || status=1
 
 if [ "$mode" = full ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   step "PyTorch peers (norm, softmax) vs ferrite's best, same machine, same run"
