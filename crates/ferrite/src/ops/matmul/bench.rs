@@ -189,6 +189,25 @@ fn gpu_sets(
         .collect()
 }
 
+/// The GPU groups: (input dtype, precision, label in the records). tf32 is f32 storage run by the
+/// tensor-core variants, against cuBLAS with CUBLAS_COMPUTE_32F_FAST_TF32.
+const GPU_GROUPS: [(DType, Precision, &str); 4] = [
+    (DType::F32, Precision::F32, "f32"),
+    (DType::F32, Precision::Tf32, "tf32"),
+    (DType::BF16, Precision::Bf16, "bf16"),
+    (DType::F16, Precision::F16, "f16"),
+];
+
+/// Default shapes for the tensor-core precisions beyond the cube (full mode only): 8192³ and the
+/// LLM projections with M = 8192 tokens (N×K = 4096×4096, 14336×4096, 4096×14336). Only the
+/// tensor-core variants and cuBLAS run these; the SIMT rungs and naive run the cube alone.
+const TC_LARGE: &[[usize; 3]] = &[
+    [8192, 8192, 8192],
+    [8192, 4096, 4096],
+    [8192, 14336, 4096],
+    [8192, 4096, 14336],
+];
+
 fn bench_gpu(
     cfg: &BenchConfig,
     dev: &Arc<CudaDevice>,
@@ -196,19 +215,34 @@ fn bench_gpu(
     progress: &mut dyn FnMut(&str),
     out: &mut Vec<BenchRecord>,
 ) -> Result<()> {
-    let defaults: &[[usize; 3]] = if cfg.quick {
-        &[[2048, 2048, 2048]]
-    } else {
-        &[[4096, 4096, 4096]]
-    };
+    let cube = if cfg.quick { 2048 } else { 4096 };
     let stream = dev.stream().clone();
     let name = dev.props().name.clone();
     let d = Device::Cuda(dev.ordinal());
-    for dtype in [DType::F32, DType::BF16, DType::F16]
-        .into_iter()
-        .filter(|t| cfg.wants_dtype(*t))
-    {
-        for shape in shapes(cfg, defaults) {
+    for (dtype, prec, label) in GPU_GROUPS.into_iter().filter(|g| cfg.wants_dtype(g.0)) {
+        let tf32 = prec == Precision::Tf32;
+        let mut defaults = vec![[cube; 3]];
+        if !cfg.quick && prec != Precision::F32 {
+            defaults.extend_from_slice(TC_LARGE);
+        }
+        for shape in shapes(cfg, &defaults) {
+            // Beyond the default cube, only the tensor-core variants (unless shapes were asked for).
+            let tc_only = cfg.shapes.is_empty() && shape != [cube; 3];
+            let runs: Vec<&'static str> = variants()
+                .iter()
+                .filter(|v| {
+                    let tc = mm_cuda::tensor_core(v.name);
+                    v.backend == Backend::Cuda
+                        && v.dtypes.contains(&dtype)
+                        && cfg.wants_variant(v.name)
+                        && (dtype != DType::F32 || tc == tf32)
+                        && (tc || !tc_only)
+                })
+                .map(|v| v.name)
+                .collect();
+            if runs.is_empty() && !cfg.variants.is_empty() {
+                continue;
+            }
             let sets = gpu_sets(dev, dtype, shape)?;
             let g: Gemm = validate(&sets[0].0, &sets[0].1, &sets[0].2)?;
             let ptrs: Vec<Ptrs> = sets
@@ -222,11 +256,9 @@ fn bench_gpu(
                 })
                 .collect::<Result<_>>()?;
             let mut group = Vec::new();
-            for v in variants().iter().filter(|v| {
-                v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name)
-            }) {
-                progress(&format!("matmul {d} {} {dtype} {}", v.name, g.label()));
-                let l = mm_cuda::plan(v.name, &g, dev)?;
+            for vname in runs {
+                progress(&format!("matmul {d} {vname} {label} {}", g.label()));
+                let l = mm_cuda::plan(vname, &g, dev)?;
                 let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
                     mm_cuda::launch(&l, &g, ptrs[i % ptrs.len()], 1.0, 0.0, &stream)
                 })?;
@@ -234,33 +266,21 @@ fn bench_gpu(
                     d,
                     &name,
                     OP,
-                    v.name,
+                    vname,
                     dtype,
                     g.label(),
                     stats,
                     g.flops(),
                     g.min_bytes(0.0),
                 );
-                let res = l.kernel.resources()?;
-                let threads = l.block.0 * l.block.1 * l.block.2;
-                r.registers = Some(res.registers);
-                r.smem_bytes = Some(res.static_smem as u32 + l.smem);
-                r.spill_bytes = Some(res.local_bytes);
-                r.occupancy = Some(l.kernel.occupancy(threads, l.smem)?);
+                r.dtype = label.into();
+                r = r.with_kernel(&l.kernel, l.block.0 * l.block.1 * l.block.2, l.smem)?;
                 r.config = l.config.clone();
                 group.push(r);
             }
-            progress(&format!("matmul {d} cublas {dtype} {}", g.label()));
+            progress(&format!("matmul {d} cublas {label} {}", g.label()));
             let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
-                mm_cuda::cublas(
-                    dev,
-                    &g,
-                    ptrs[i % ptrs.len()],
-                    1.0,
-                    0.0,
-                    Precision::of(dtype),
-                    &stream,
-                )
+                mm_cuda::cublas(dev, &g, ptrs[i % ptrs.len()], 1.0, 0.0, prec, &stream)
             })?;
             let mut r = BenchRecord::new(
                 d,
@@ -273,19 +293,21 @@ fn bench_gpu(
                 g.flops(),
                 g.min_bytes(0.0),
             );
+            r.dtype = label.into();
             r.is_peer = true;
             r.config = format!(
                 "cublasGemmStridedBatchedEx, {} compute",
-                if dtype == DType::F32 {
-                    "fp32"
-                } else {
-                    "fp32-accumulate"
+                match prec {
+                    Precision::F32 => "fp32",
+                    Precision::Tf32 => "fast-tf32",
+                    _ => "fp32-accumulate",
                 }
             );
             group.push(r);
+            let ceiling_label = format!("cuBLAS {cube}³");
             let ceiling = ceilings
-                .gpu_gemm(dtype.name())
-                .map(|v| ("cuBLAS 4096³", v, true));
+                .gpu_gemm(label)
+                .map(|v| (ceiling_label.as_str(), v, true));
             relate(&mut group, "naive", ceiling);
             out.extend(group);
         }

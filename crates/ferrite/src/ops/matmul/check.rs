@@ -113,6 +113,31 @@ pub fn cases(quick: bool) -> Vec<Case> {
             beta: 0.25,
             ..Case::nn(64, 96, 128)
         },
+        // Rows 16-byte aligned in every dtype (the 128-bit / cp.async fast paths) with edge
+        // tiles in m, n and k, including a k edge inside a 16-byte chunk (k = 196), per layout.
+        Case {
+            a_trans: true,
+            pad: 8,
+            ..Case::nn(136, 72, 196)
+        },
+        Case {
+            b_trans: true,
+            pad: 4,
+            ..Case::nn(72, 136, 196)
+        },
+        Case {
+            batch: 2,
+            pad: 4,
+            alpha: 0.5,
+            beta: -1.0,
+            ..Case::nn(72, 140, 196)
+        },
+        Case {
+            a_trans: true,
+            b_trans: true,
+            pad: 4,
+            ..Case::nn(132, 60, 196)
+        },
     ];
     if !quick {
         v.extend([
@@ -269,7 +294,15 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
         {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
                 for c in cases(cfg.quick) {
-                    let precision = Precision::of(dtype);
+                    // Tensor-core variants take f32 inputs only as tf32: check them at its tolerance.
+                    let precision = if dtype == DType::F32
+                        && backend == Backend::Cuda
+                        && super::cuda::tensor_core(v.name)
+                    {
+                        Precision::Tf32
+                    } else {
+                        Precision::of(dtype)
+                    };
                     let seed = rng.next_u64();
                     let rec = match check_one(&c, dev, dtype, v.name, precision, seed) {
                         Ok(err) => CheckRecord::compared(

@@ -13,7 +13,12 @@
 //!
 //! **Variants** (the ladder; `variants()` lists what each supports):
 //! - CPU f32: `naive` → `blocked` → `simd` → `parallel`, measured against the `gemm` crate.
-//! - CUDA: `naive` (one thread per output element), measured against cuBLAS.
+//! - CUDA, measured against cuBLAS (docs/matmul.md explains each step):
+//!   - fp32 SIMT (f32, true fp32): `naive` (one thread per output) → `coalesced` → `smem_tiled`
+//!     → `blocktile_1d` → `blocktile_2d` (register blocking) → `vectorized` (128-bit loads) →
+//!     `warptile` (warp tiles, register prefetch). `naive` also takes f16/bf16.
+//!   - tensor cores, sm_80+ (bf16, f16; f32 as tf32 only under `Precision::Tf32`): `mma`
+//!     (mma.sync + ldmatrix, one cp.async stage) → `mma_pipelined` (4-stage cp.async ring).
 
 pub mod bench;
 pub mod check;
@@ -86,7 +91,88 @@ pub fn variants() -> Vec<VariantInfo> {
             summary: "one thread per output element, operands straight from global memory",
             rank: 1,
         },
+        cuda_rung(
+            "coalesced",
+            F32,
+            "any shape, any layout",
+            "32×32 blocks, lanes along C's columns (rows for TT): coalesced operand reads, more L1 reuse",
+            2,
+        ),
+        cuda_rung(
+            "smem_tiled",
+            F32,
+            "any shape, any layout",
+            "32×32 tiles of A and B staged in shared memory: each global element read once per block",
+            3,
+        ),
+        cuda_rung(
+            "blocktile_1d",
+            F32,
+            "any shape, any layout",
+            "8 outputs per thread (64×64×8 tiles): one B value in a register feeds 8 FMAs",
+            4,
+        ),
+        cuda_rung(
+            "blocktile_2d",
+            F32,
+            "any shape, any layout",
+            "8×8 outputs per thread (128×128×8 tiles): register outer products, 0.25 shared loads per FMA",
+            5,
+        ),
+        cuda_rung(
+            "vectorized",
+            F32,
+            VEC_CONSTRAINTS,
+            "float4 global and shared loads, A transposed into shared memory, conflict-free thread map",
+            6,
+        ),
+        cuda_rung(
+            "warptile",
+            F32,
+            VEC_CONSTRAINTS,
+            "warp tiles of 64×64 (128 outputs per thread), next k-slice prefetched into registers",
+            7,
+        ),
+        cuda_rung(
+            "mma",
+            FLOATS,
+            MMA_CONSTRAINTS,
+            "tensor cores: mma.sync m16n8k16 (bf16/f16) or m16n8k8 (tf32) fed by ldmatrix, fp32 accumulate, one cp.async stage",
+            8,
+        ),
+        cuda_rung(
+            "mma_pipelined",
+            FLOATS,
+            MMA_CONSTRAINTS,
+            "mma with a 4-stage cp.async ring: the copy of slice k+3 overlaps the math of slice k",
+            9,
+        ),
     ]
+}
+
+const VEC_CONSTRAINTS: &str = "any shape, any layout; 128-bit loads where an operand's rows are \
+    16-byte aligned (base, ld and batch stride), predicated scalar loads otherwise";
+const MMA_CONSTRAINTS: &str = "sm_80+; any shape, any layout; f32 inputs only as tf32 \
+    (Precision::Tf32); 16-byte cp.async where an operand's rows are 16-byte aligned (base, ld and \
+    batch stride), element-wise copies otherwise";
+
+/// A CUDA rung of the ladder (sm_80 or newer).
+fn cuda_rung(
+    name: &'static str,
+    dtypes: &'static [DType],
+    constraints: &'static str,
+    summary: &'static str,
+    rank: u32,
+) -> VariantInfo {
+    VariantInfo {
+        name,
+        backend: Backend::Cuda,
+        dtypes,
+        min_arch: Some(crate::core::device::Arch::SM80),
+        constraints,
+        summary,
+        rank,
+    }
 }
 
 /// Options of one call. `Default` is α = 1, β = 0, best variant, fp32 precision, the device's
@@ -380,8 +466,17 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         g.dtype,
         arch,
         |v| {
-            (prec == Precision::Tf32 && (v.backend == Backend::Cpu || v.name == "naive"))
-                .then(|| "has no tf32 mode (tensor-core variants do)".to_string())
+            let tensor_core = v.backend == Backend::Cuda && cuda::tensor_core(v.name);
+            match prec {
+                Precision::Tf32 if !tensor_core => {
+                    Some("has no tf32 mode (tensor-core variants do)".to_string())
+                }
+                Precision::F32 if tensor_core => Some(
+                    "runs f32 inputs only as tf32 (ask for Precision::Tf32); the SIMT rungs are true fp32"
+                        .to_string(),
+                ),
+                _ => None,
+            }
         },
     )?;
     Ok(v.clone())
