@@ -262,7 +262,7 @@ fn parse_ftok(path: &Path, head: &[u8], file_bytes: u64) -> Result<ShardHeader> 
         return Err(shard_error(path, 16, "empty shard (token count 0)"));
     }
     let chunk_bytes = le_u32(head, 24) as u64;
-    if chunk_bytes == 0 || chunk_bytes % 4096 != 0 {
+    if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(4096) {
         return Err(shard_error(
             path,
             24,
@@ -430,7 +430,7 @@ impl Index {
                 idx.version
             )));
         }
-        if idx.chunk_bytes == 0 || idx.chunk_bytes % 4096 != 0 {
+        if idx.chunk_bytes == 0 || !idx.chunk_bytes.is_multiple_of(4096) {
             return Err(Error::Other(format!(
                 "index {}: chunk_bytes {} is not a positive multiple of 4096",
                 path.display(),
@@ -532,7 +532,7 @@ impl ShardWriter {
                 dtype,
             ));
         }
-        if chunk_bytes == 0 || chunk_bytes % 4096 != 0 || chunk_bytes > u32::MAX as u64 {
+        if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(4096) || chunk_bytes > u32::MAX as u64 {
             return Err(Error::bad_arg(
                 "ShardWriter",
                 "chunk_bytes",

@@ -427,7 +427,7 @@ impl Loader {
             ));
         }
         if cfg.io.request_bytes == 0
-            || cfg.io.request_bytes % ALIGN != 0
+            || !cfg.io.request_bytes.is_multiple_of(ALIGN)
             || cfg.io.request_bytes > 1 << 30
         {
             return Err(bad(

@@ -89,7 +89,7 @@ pub fn copy_device(
     }
     let sms = dev.props().sm_count;
     match variant {
-        "naive" if bytes % 4 == 0 && dst % 4 == 0 && src % 4 == 0 => {
+        "naive" if bytes.is_multiple_of(4) && dst.is_multiple_of(4) && src.is_multiple_of(4) => {
             let k = dev.kernel(&program(), "copy_naive")?;
             let words = (bytes / 4) as i64;
             let grid = (words as u64).div_ceil(256).min(u32::MAX as u64) as u32;

@@ -204,7 +204,8 @@ fn bench_gpu(
                 let mut fwd = Vec::new();
                 for v in &runnable {
                     progress(&format!("norm {d} {v} {dtype} {} fwd", p.label()));
-                    let l = nc::plan_fwd(v, &p, dev)?;
+                    let geo = nc::fwd_geometry(v, &p, dev, fq, 1e-5, &stream)?;
+                    let l = nc::plan_fwd(geo, &p, dev)?;
                     let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
                         nc::launch_fwd(&l, &p, fq, 1e-5, &stream)
                     })?;
@@ -220,7 +221,7 @@ fn bench_gpu(
                         bytes(&p, false),
                     );
                     r = r.with_kernel(&l.kernel, l.threads, 0)?;
-                    r.config = format!("{} threads/row", l.threads);
+                    r.config = geo.describe(&p);
                     fwd.push(r);
                 }
                 relate(&mut fwd, "naive", ceiling);
@@ -228,7 +229,8 @@ fn bench_gpu(
                 let mut bwd = Vec::new();
                 for v in &runnable {
                     progress(&format!("norm {d} {v} {dtype} {} bwd", p.label()));
-                    let l = nc::plan_bwd(v, &p, dev)?;
+                    let geo = nc::bwd_geometry(v, &p, dev, bq, &stream)?;
+                    let l = nc::plan_bwd(geo, &p, dev)?;
                     let scratch = dev.alloc(nc::bwd_scratch_bytes(&l, &p, &bq), &stream)?;
                     let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
                         nc::launch_bwd(&l, &p, bq, scratch.ptr(), &stream)
@@ -246,8 +248,10 @@ fn bench_gpu(
                     );
                     r = r.with_kernel(&l.kernel, l.threads, 0)?;
                     r.config = format!(
-                        "{} blocks × {} threads, dw/db partials {} rows",
-                        l.grid, l.threads, l.grid
+                        "{}; {} blocks, dw/db partials {} rows",
+                        geo.describe(&p),
+                        l.grid,
+                        l.grid
                     );
                     bwd.push(r);
                 }

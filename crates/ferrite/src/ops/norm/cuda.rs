@@ -2,7 +2,8 @@
 
 use super::{Bwd, BwdOut, Fwd, FwdOut, NormKind, NormOptions, Problem, OP};
 use crate::core::cuda::jit::{KernelSource, Program};
-use crate::core::cuda::{device, rows, CudaDevice, Kernel, KernelArgs, Stream};
+use crate::core::cuda::rows::{self, RowConfig};
+use crate::core::cuda::{device, CudaDevice, Kernel, KernelArgs, Stream};
 use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -55,16 +56,32 @@ fn ctx(p: &Problem, stream: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)
     Ok((dev, s))
 }
 
-fn block_threads(variant: &str, p: &Problem) -> u32 {
-    if variant == "vectorized" {
-        rows::threads_vectorized(p.cols, p.dtype)
-    } else {
-        rows::threads_scalar(p.cols)
-    }
+/// How a variant launches: for `vectorized`, the row configuration (tuned at first use).
+#[derive(Clone, Copy, Debug)]
+pub enum Geometry {
+    Naive,
+    Vectorized(RowConfig),
 }
 
-fn chunks_for(p: &Problem) -> usize {
-    rows::chunks(p.cols, p.dtype)
+impl Geometry {
+    fn chunks(self) -> usize {
+        match self {
+            Geometry::Naive => 1,
+            Geometry::Vectorized(c) => c.chunks,
+        }
+    }
+    fn threads(self, p: &Problem) -> u32 {
+        match self {
+            Geometry::Naive => rows::threads_scalar(p.cols),
+            Geometry::Vectorized(c) => rows::threads_for(p.cols, p.dtype, c.chunks),
+        }
+    }
+    pub fn describe(self, p: &Problem) -> String {
+        match self {
+            Geometry::Naive => format!("{} threads/row", self.threads(p)),
+            Geometry::Vectorized(c) => format!("{c} ({} threads/row), tuned", self.threads(p)),
+        }
+    }
 }
 
 pub struct FwdLaunch {
@@ -72,20 +89,14 @@ pub struct FwdLaunch {
     pub threads: u32,
 }
 
-pub fn plan_fwd(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<FwdLaunch> {
-    let f = match variant {
-        "naive" => "norm_fwd_naive",
-        "vectorized" => "norm_fwd_vec",
-        other => {
-            return Err(Error::NoVariant {
-                op: OP.into(),
-                msg: format!("no CUDA variant named `{other}`"),
-            })
-        }
+pub fn plan_fwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<FwdLaunch> {
+    let f = match g {
+        Geometry::Naive => "norm_fwd_naive",
+        Geometry::Vectorized(_) => "norm_fwd_vec",
     };
     Ok(FwdLaunch {
-        kernel: dev.kernel(&program(p.kind, p.dtype, chunks_for(p)), f)?,
-        threads: block_threads(variant, p),
+        kernel: dev.kernel(&program(p.kind, p.dtype, g.chunks()), f)?,
+        threads: g.threads(p),
     })
 }
 
@@ -124,6 +135,37 @@ pub fn launch_fwd(l: &FwdLaunch, p: &Problem, q: FwdPtrs, eps: f32, stream: &Str
     )
 }
 
+fn variant_geometry(variant: &str) -> Result<Option<Geometry>> {
+    match variant {
+        "naive" => Ok(Some(Geometry::Naive)),
+        "vectorized" => Ok(None),
+        other => Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!("no CUDA variant named `{other}`"),
+        }),
+    }
+}
+
+/// The forward geometry of `variant`, tuning the vectorized one on these buffers at first use.
+pub fn fwd_geometry(
+    variant: &str,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    q: FwdPtrs,
+    eps: f32,
+    stream: &Stream,
+) -> Result<Geometry> {
+    if let Some(g) = variant_geometry(variant)? {
+        return Ok(g);
+    }
+    let key = format!("norm_fwd/{}", p.kind.name());
+    let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[0], |c| {
+        let l = plan_fwd(Geometry::Vectorized(*c), p, dev)?;
+        rows::time_briefly(dev, stream, || launch_fwd(&l, p, q, eps, stream))
+    })?;
+    Ok(Geometry::Vectorized(c))
+}
+
 pub(super) fn forward(
     variant: &str,
     p: &Problem,
@@ -132,7 +174,6 @@ pub(super) fn forward(
     opts: &NormOptions,
 ) -> Result<()> {
     let (dev, stream) = ctx(p, &opts.stream)?;
-    let l = plan_fwd(variant, p, &dev)?;
     let q = FwdPtrs {
         y: o.y.device_ptr()?,
         h: ptr(o.h)?,
@@ -143,7 +184,8 @@ pub(super) fn forward(
         w: ptr(i.weight)?,
         b: ptr(i.bias)?,
     };
-    launch_fwd(&l, p, q, opts.eps, &stream)
+    let g = fwd_geometry(variant, p, &dev, q, opts.eps, &stream)?;
+    launch_fwd(&plan_fwd(g, p, &dev)?, p, q, opts.eps, &stream)
 }
 
 /// The backward: the dx kernel (writing dw/db partials) and the column sums, with the partials in
@@ -156,27 +198,23 @@ pub struct BwdLaunch {
     pub grid: u32,
 }
 
-pub fn plan_bwd(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLaunch> {
-    let prog = program(p.kind, p.dtype, chunks_for(p));
-    let (f, grid) = match variant {
-        "naive" => ("norm_bwd_naive", rows::grid(p.rows)),
-        // A fixed grid (a function of the device only) keeps the reduction order, and so the
-        // bits, the same on every run.
-        "vectorized" => (
+pub fn plan_bwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLaunch> {
+    let prog = program(p.kind, p.dtype, g.chunks());
+    let (f, grid) = match g {
+        Geometry::Naive => ("norm_bwd_naive", rows::grid(p.rows)),
+        // A fixed grid (a function of the device and the tuned configuration only) keeps the
+        // reduction order, and so the bits, the same on every run.
+        Geometry::Vectorized(c) => (
             "norm_bwd_vec",
-            (dev.props().sm_count as usize * 2).min(p.rows).max(1) as u32,
+            (dev.props().sm_count as usize * c.blocks_per_sm.max(1) as usize)
+                .min(p.rows)
+                .max(1) as u32,
         ),
-        other => {
-            return Err(Error::NoVariant {
-                op: OP.into(),
-                msg: format!("no CUDA variant named `{other}`"),
-            })
-        }
     };
     Ok(BwdLaunch {
         kernel: dev.kernel(&prog, f)?,
         col_sum: dev.kernel(&prog, "norm_col_sum")?,
-        threads: block_threads(variant, p),
+        threads: g.threads(p),
         grid,
     })
 }
@@ -245,6 +283,40 @@ pub fn launch_bwd(
     Ok(())
 }
 
+/// Runs the backward with geometry `g`, scratch allocated and freed on the op's stream (so it
+/// lives exactly as long as the kernels using it).
+pub fn run_bwd(
+    g: Geometry,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    q: BwdPtrs,
+    stream: &Stream,
+) -> Result<()> {
+    let l = plan_bwd(g, p, dev)?;
+    let scratch = dev.alloc(bwd_scratch_bytes(&l, p, &q), stream)?;
+    launch_bwd(&l, p, q, scratch.ptr(), stream)
+}
+
+/// The backward geometry of `variant`, tuning the vectorized one at first use (chunks × grid).
+pub fn bwd_geometry(
+    variant: &str,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    q: BwdPtrs,
+    stream: &Stream,
+) -> Result<Geometry> {
+    if let Some(g) = variant_geometry(variant)? {
+        return Ok(g);
+    }
+    let key = format!("norm_bwd/{}", p.kind.name());
+    let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[2, 4, 8], |c| {
+        rows::time_briefly(dev, stream, || {
+            run_bwd(Geometry::Vectorized(*c), p, dev, q, stream)
+        })
+    })?;
+    Ok(Geometry::Vectorized(c))
+}
+
 pub(super) fn backward(
     variant: &str,
     p: &Problem,
@@ -253,7 +325,6 @@ pub(super) fn backward(
     opts: &NormOptions,
 ) -> Result<()> {
     let (dev, stream) = ctx(p, &opts.stream)?;
-    let l = plan_bwd(variant, p, &dev)?;
     let q = BwdPtrs {
         dx: o.dx.device_ptr()?,
         dw: ptr(o.dweight)?,
@@ -264,7 +335,6 @@ pub(super) fn backward(
         mean: ptr(i.mean)?,
         rstd: i.rstd.device_ptr()?,
     };
-    // Allocated and freed on the op's stream, so it lives exactly as long as the kernels using it.
-    let scratch = dev.alloc(bwd_scratch_bytes(&l, p, &q), &stream)?;
-    launch_bwd(&l, p, q, scratch.ptr(), &stream)
+    let g = bwd_geometry(variant, p, &dev, q, &stream)?;
+    run_bwd(g, p, &dev, q, &stream)
 }

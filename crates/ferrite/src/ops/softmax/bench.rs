@@ -147,7 +147,7 @@ fn bench_gpu(
                     }
                     let dir = if backward { "bwd" } else { "fwd" };
                     progress(&format!("softmax {d} {} {dtype} {r}×{c} {dir}", v.name));
-                    let l = sc::plan(v.name, &p, backward, dev)?;
+                    let l = sc::plan(v.name, &p, backward, dev, &stream, &ptrs, 1.0)?;
                     let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
                         sc::launch(&l, &p, &ptrs, 1.0, &stream)
                     })?;
@@ -164,7 +164,7 @@ fn bench_gpu(
                         bytes,
                     )
                     .with_kernel(&l.kernel, l.threads, 0)?;
-                    rec.config = format!("{} threads/row", l.threads);
+                    rec.config = l.config.clone();
                     group.push(rec);
                 }
                 relate(&mut group, "naive", ceiling);

@@ -42,26 +42,69 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 pub struct Launch {
     pub kernel: Kernel,
     pub threads: u32,
+    pub config: String,
 }
 
-/// The kernel of `variant` for the forward (`backward == false`) or backward pass.
-pub fn plan(variant: &str, p: &Problem, backward: bool, dev: &Arc<CudaDevice>) -> Result<Launch> {
-    let (f, threads) = match (variant, backward) {
-        ("naive", false) => ("softmax_fwd_naive", rows::threads_scalar(p.cols)),
-        ("naive", true) => ("softmax_bwd_naive", rows::threads_scalar(p.cols)),
-        ("vectorized", false) => ("softmax_fwd_vec", rows::threads_vectorized(p.cols, p.dtype)),
-        ("vectorized", true) => ("softmax_bwd_vec", rows::threads_vectorized(p.cols, p.dtype)),
-        (other, _) => {
-            return Err(Error::NoVariant {
-                op: OP.into(),
-                msg: format!("no CUDA variant named `{other}`"),
-            })
-        }
+fn kernel_for(
+    p: &Problem,
+    backward: bool,
+    vectorized: bool,
+    chunks: usize,
+    dev: &Arc<CudaDevice>,
+) -> Result<Launch> {
+    let f = match (vectorized, backward) {
+        (false, false) => "softmax_fwd_naive",
+        (false, true) => "softmax_bwd_naive",
+        (true, false) => "softmax_fwd_vec",
+        (true, true) => "softmax_bwd_vec",
+    };
+    let threads = if vectorized {
+        rows::threads_for(p.cols, p.dtype, chunks)
+    } else {
+        rows::threads_scalar(p.cols)
+    };
+    let config = if vectorized {
+        format!("chunks={chunks} ({threads} threads/row), tuned")
+    } else {
+        format!("{threads} threads/row")
     };
     Ok(Launch {
-        kernel: dev.kernel(&program(p.dtype, rows::chunks(p.cols, p.dtype)), f)?,
+        kernel: dev.kernel(&program(p.dtype, chunks), f)?,
         threads,
+        config,
     })
+}
+
+/// The kernel of `variant` for the forward (`backward == false`) or backward pass; the
+/// vectorized one is tuned on these buffers (`ptrs`, as for `launch`) at first use.
+pub fn plan(
+    variant: &str,
+    p: &Problem,
+    backward: bool,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    ptrs: &[u64],
+    scale: f32,
+) -> Result<Launch> {
+    match variant {
+        "naive" => kernel_for(p, backward, false, 1, dev),
+        "vectorized" => {
+            let key = if backward {
+                "softmax_bwd"
+            } else {
+                "softmax_fwd"
+            };
+            let c = rows::tuned(dev, key, p.rows, p.cols, p.dtype, &[0], |c| {
+                let l = kernel_for(p, backward, true, c.chunks, dev)?;
+                rows::time_briefly(dev, stream, || launch(&l, p, ptrs, scale, stream))
+            })?;
+            kernel_for(p, backward, true, c.chunks, dev)
+        }
+        other => Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!("no CUDA variant named `{other}`"),
+        }),
+    }
 }
 
 /// Forward: `ptrs` = [y, x]; backward: [dx, dy, y].
@@ -97,13 +140,9 @@ pub(super) fn forward(
     opts: &SoftmaxOptions,
 ) -> Result<()> {
     let (dev, stream) = ctx(p, opts)?;
-    launch(
-        &plan(variant, p, false, &dev)?,
-        p,
-        &[y.device_ptr()?, x.device_ptr()?],
-        opts.scale,
-        &stream,
-    )
+    let ptrs = [y.device_ptr()?, x.device_ptr()?];
+    let l = plan(variant, p, false, &dev, &stream, &ptrs, opts.scale)?;
+    launch(&l, p, &ptrs, opts.scale, &stream)
 }
 
 pub(super) fn backward(
@@ -115,11 +154,7 @@ pub(super) fn backward(
     opts: &SoftmaxOptions,
 ) -> Result<()> {
     let (dev, stream) = ctx(p, opts)?;
-    launch(
-        &plan(variant, p, true, &dev)?,
-        p,
-        &[dx.device_ptr()?, dy.device_ptr()?, y.device_ptr()?],
-        opts.scale,
-        &stream,
-    )
+    let ptrs = [dx.device_ptr()?, dy.device_ptr()?, y.device_ptr()?];
+    let l = plan(variant, p, true, &dev, &stream, &ptrs, opts.scale)?;
+    launch(&l, p, &ptrs, opts.scale, &stream)
 }
