@@ -305,7 +305,10 @@ fn bench_run(
                 let src = vec![0x5Au8; bytes];
                 let mut dst = vec![0u8; bytes];
                 progress("copy cpu memcpy");
-                let s = time_cpu(Budget::cpu(), || dst.copy_from_slice(&src));
+                let s = time_cpu(Budget::cpu(), || {
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    std::hint::black_box(&mut dst);
+                });
                 let mut r = BenchRecord::new(
                     d,
                     &crate::ops::matmul::bench::cpu_name(),

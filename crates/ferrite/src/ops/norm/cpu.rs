@@ -1,102 +1,70 @@
-//! CPU norms. Both variants compute in fp32 on f32 copies of the rows (16-bit inputs are widened
-//! once) and round once on the way out.
-//! `naive`: one thread; three passes over each row (mean, variance, normalise).
-//! `parallel`: rows split across cores (rayon); the same arithmetic, so results match `naive`.
+//! CPU norms, in fp32 on f32 copies of the inputs (16-bit inputs are widened once), rounded once
+//! on the way out. Row sums accumulate in f64: a plain f32 sum over a long row drifts by ~√n ulps.
+//! `naive`: one thread, three passes over each row (mean, variance, normalise).
+//! `parallel`: the same arithmetic with rows split across cores (rayon), each thread writing its
+//! own rows of the outputs, so results are identical to `naive`.
 
 use super::{Bwd, BwdOut, Fwd, FwdOut, NormKind, Problem};
+use crate::core::cpu::{for_rows, sum_f64, with_f32, with_f32_out};
+use crate::core::dtype::DType;
 use crate::core::error::Result;
-use rayon::prelude::*;
 
-struct RowOut {
-    y: Vec<f32>,
-    h: Vec<f32>,
-    mean: f32,
-    rstd: f32,
-}
-
-fn forward_row(
-    kind: NormKind,
-    x: &[f32],
-    res: Option<&[f32]>,
-    w: Option<&[f32]>,
-    b: Option<&[f32]>,
-    eps: f32,
-    round: impl Fn(f32) -> f32,
-) -> RowOut {
-    let n = x.len() as f32;
-    let h: Vec<f32> = match res {
-        Some(r) => x.iter().zip(r).map(|(a, b)| round(a + b)).collect(),
-        None => x.to_vec(),
-    };
-    let mean = if kind == NormKind::Layer {
-        h.iter().sum::<f32>() / n
-    } else {
-        0.0
-    };
-    let var = h.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-    let rstd = 1.0 / (var + eps).sqrt();
-    let y = h
-        .iter()
-        .enumerate()
-        .map(|(c, v)| {
-            let mut o = (v - mean) * rstd;
-            if let Some(w) = w {
-                o *= w[c];
-            }
-            if let Some(b) = b {
-                o += b[c];
-            }
-            o
-        })
-        .collect();
-    RowOut { y, h, mean, rstd }
-}
-
-fn rounder(p: &Problem) -> fn(f32) -> f32 {
-    match p.dtype {
-        crate::DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
-        crate::DType::F16 => |v| half::f16::from_f32(v).to_f32(),
+fn rounder(dtype: DType) -> fn(f32) -> f32 {
+    match dtype {
+        DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+        DType::F16 => |v| half::f16::from_f32(v).to_f32(),
         _ => |v| v,
     }
 }
 
 pub fn forward(variant: &str, p: &Problem, i: &Fwd, o: &FwdOut, eps: f32) -> Result<()> {
-    let x = i.x.to_f32_vec()?;
     let res = i.residual.map(|t| t.to_f32_vec()).transpose()?;
     let w = i.weight.map(|t| t.to_f32_vec()).transpose()?;
     let b = i.bias.map(|t| t.to_f32_vec()).transpose()?;
-    let round = rounder(p);
-    let cols = p.cols;
-    let row = |r: usize| {
-        forward_row(
-            p.kind,
-            &x[r * cols..][..cols],
-            res.as_ref().map(|v| &v[r * cols..][..cols]),
-            w.as_deref(),
-            b.as_deref(),
-            eps,
-            round,
-        )
-    };
-    let rows: Vec<RowOut> = if variant == "parallel" {
-        (0..p.rows).into_par_iter().map(row).collect()
-    } else {
-        (0..p.rows).map(row).collect()
-    };
-    let mut y = Vec::with_capacity(p.rows * cols);
-    for r in &rows {
-        y.extend_from_slice(&r.y);
+    let (rows, cols) = (p.rows, p.cols);
+    let round = rounder(p.dtype);
+    let layer = p.kind == NormKind::Layer;
+    let mut stats = vec![(0f32, 0f32); rows];
+    with_f32(i.x, |x| -> Result<()> {
+        // h = x + residual, rounded to the storage type (what a separate add kernel would store).
+        let h: Option<Vec<f32>> = res
+            .as_ref()
+            .map(|rv| x.iter().zip(rv).map(|(a, b)| round(a + b)).collect());
+        let hv: &[f32] = h.as_deref().unwrap_or(x);
+        with_f32_out(o.y, |y| {
+            for_rows(variant == "parallel", cols, y, &mut stats, |r, yr, s| {
+                let hr = &hv[r * cols..][..cols];
+                let mean = if layer {
+                    (sum_f64(hr.iter().copied()) / cols as f64) as f32
+                } else {
+                    0.0
+                };
+                let var =
+                    (sum_f64(hr.iter().map(|&v| (v - mean) * (v - mean))) / cols as f64) as f32;
+                let rstd = 1.0 / (var + eps).sqrt();
+                for (c, (out, &v)) in yr.iter_mut().zip(hr).enumerate() {
+                    let mut t = (v - mean) * rstd;
+                    if let Some(w) = &w {
+                        t *= w[c];
+                    }
+                    if let Some(b) = &b {
+                        t += b[c];
+                    }
+                    *out = t;
+                }
+                *s = (mean, rstd);
+            })
+        })?;
+        if let (Some(t), Some(h)) = (o.h, &h) {
+            t.write_f32(h)?;
+        }
+        Ok(())
+    })??;
+    if let Some(t) = o.mean {
+        t.write_f32(&stats.iter().map(|s| s.0).collect::<Vec<_>>())?;
     }
-    o.y.write_f32(&y)?;
-    if let Some(h) = o.h {
-        let hv: Vec<f32> = rows.iter().flat_map(|r| r.h.iter().copied()).collect();
-        h.write_f32(&hv)?;
-    }
-    if let Some(m) = o.mean {
-        m.write_f32(&rows.iter().map(|r| r.mean).collect::<Vec<_>>())?;
-    }
-    if let Some(s) = o.rstd {
-        s.write_f32(&rows.iter().map(|r| r.rstd).collect::<Vec<_>>())?;
+    if let Some(t) = o.rstd {
+        t.write_f32(&stats.iter().map(|s| s.1).collect::<Vec<_>>())?;
     }
     Ok(())
 }
@@ -107,26 +75,31 @@ pub fn backward(variant: &str, p: &Problem, i: &Bwd, o: &BwdOut) -> Result<()> {
     let mean = i.mean.map(|t| t.to_f32_vec()).transpose()?;
     let rstd = i.rstd.to_f32_vec()?;
     let (rows, cols) = (p.rows, p.cols);
-    let n = cols as f32;
+    let n = cols as f64;
     let layer = p.kind == NormKind::Layer;
-    let row = |r: usize| -> Vec<f32> {
-        let (d, xr) = (&dy[r * cols..][..cols], &x[r * cols..][..cols]);
-        let (mu, rs) = (mean.as_ref().map_or(0.0, |m| m[r]), rstd[r]);
-        let g = |c: usize| d[c] * w.as_ref().map_or(1.0, |w| w[c]);
-        let xh = |c: usize| (xr[c] - mu) * rs;
-        let mg = if layer {
-            (0..cols).map(g).sum::<f32>() / n
-        } else {
-            0.0
-        };
-        let mgx = (0..cols).map(|c| g(c) * xh(c)).sum::<f32>() / n;
-        (0..cols).map(|c| rs * (g(c) - mg - xh(c) * mgx)).collect()
-    };
-    let dx: Vec<f32> = if variant == "parallel" {
-        (0..rows).into_par_iter().flat_map_iter(row).collect()
-    } else {
-        (0..rows).flat_map(row).collect()
-    };
+    let mut dx = vec![0f32; rows * cols];
+    let mut unit = vec![(); rows];
+    for_rows(
+        variant == "parallel",
+        cols,
+        &mut dx,
+        &mut unit,
+        |r, dxr, _| {
+            let (d, xr) = (&dy[r * cols..][..cols], &x[r * cols..][..cols]);
+            let (mu, rs) = (mean.as_ref().map_or(0.0, |m| m[r]), rstd[r]);
+            let g = |c: usize| d[c] * w.as_ref().map_or(1.0, |w| w[c]);
+            let xh = |c: usize| (xr[c] - mu) * rs;
+            let mg = if layer {
+                ((0..cols).map(|c| g(c) as f64).sum::<f64>() / n) as f32
+            } else {
+                0.0
+            };
+            let mgx = ((0..cols).map(|c| (g(c) * xh(c)) as f64).sum::<f64>() / n) as f32;
+            for (c, o) in dxr.iter_mut().enumerate() {
+                *o = rs * (g(c) - mg - xh(c) * mgx);
+            }
+        },
+    );
     o.dx.write_f32(&dx)?;
     // dw and db: column sums over rows, in row order (deterministic).
     if o.dweight.is_some() || o.dbias.is_some() {

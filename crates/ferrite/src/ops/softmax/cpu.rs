@@ -1,31 +1,28 @@
-//! CPU softmax in fp32 on f32 copies of the rows. `naive`: one thread; `parallel`: rows across
-//! cores (rayon), same arithmetic.
+//! CPU softmax in fp32 (16-bit inputs widened), sums in f64. `naive`: one thread; `parallel`:
+//! rows across cores (rayon), same arithmetic and so the same results. f32 tensors are read and
+//! written in place.
 
 use super::Problem;
+use crate::core::cpu::{for_rows, sum_f64, with_f32, with_f32_out};
 use crate::core::error::Result;
 use crate::core::tensor::Tensor;
-use rayon::prelude::*;
-
-fn rows_map(variant: &str, rows: usize, f: impl Fn(usize) -> Vec<f32> + Sync + Send) -> Vec<f32> {
-    if variant == "parallel" {
-        (0..rows).into_par_iter().flat_map_iter(f).collect()
-    } else {
-        (0..rows).flat_map(f).collect()
-    }
-}
 
 pub fn forward(variant: &str, p: &Problem, x: &Tensor, y: &Tensor, scale: f32) -> Result<()> {
-    let xv = x.to_f32_vec()?;
     let c = p.cols;
-    let out = rows_map(variant, p.rows, |r| {
-        let row = &xv[r * c..][..c];
-        let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-        let e: Vec<f32> = row.iter().map(|&v| (v * scale - m).exp()).collect();
-        // An f64 running sum: a plain f32 sum of 32k terms drifts by ~√n ulps.
-        let inv = (1.0 / e.iter().map(|&v| v as f64).sum::<f64>()) as f32;
-        e.into_iter().map(|v| v * inv).collect()
-    });
-    y.write_f32(&out)
+    let mut unit = vec![(); p.rows];
+    with_f32(x, |xv| {
+        with_f32_out(y, |out| {
+            for_rows(variant == "parallel", c, out, &mut unit, |r, o, _| {
+                let row = &xv[r * c..][..c];
+                let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+                for (oi, &v) in o.iter_mut().zip(row) {
+                    *oi = (v * scale - m).exp();
+                }
+                let inv = (1.0 / sum_f64(o.iter().copied())) as f32;
+                o.iter_mut().for_each(|v| *v *= inv);
+            })
+        })
+    })?
 }
 
 pub fn backward(
@@ -36,15 +33,19 @@ pub fn backward(
     dx: &Tensor,
     scale: f32,
 ) -> Result<()> {
-    let (g, yv) = (dy.to_f32_vec()?, y.to_f32_vec()?);
     let c = p.cols;
-    let out = rows_map(variant, p.rows, |r| {
-        let (gr, yr) = (&g[r * c..][..c], &yv[r * c..][..c]);
-        let d = gr.iter().zip(yr).map(|(a, b)| (a * b) as f64).sum::<f64>() as f32;
-        gr.iter()
-            .zip(yr)
-            .map(|(a, b)| scale * b * (a - d))
-            .collect()
-    });
-    dx.write_f32(&out)
+    let mut unit = vec![(); p.rows];
+    with_f32(dy, |g| {
+        with_f32(y, |yv| {
+            with_f32_out(dx, |out| {
+                for_rows(variant == "parallel", c, out, &mut unit, |r, o, _| {
+                    let (gr, yr) = (&g[r * c..][..c], &yv[r * c..][..c]);
+                    let d = sum_f64(gr.iter().zip(yr).map(|(a, b)| a * b)) as f32;
+                    for ((oi, a), b) in o.iter_mut().zip(gr).zip(yr) {
+                        *oi = scale * b * (a - d);
+                    }
+                })
+            })
+        })
+    })??
 }
