@@ -1,0 +1,458 @@
+//! `ferrite._native`: ferrite's ops for the Python package `ferrite` (python/ferrite).
+//!
+//! The functions here take tensors as plain descriptors built by the Python layer from torch
+//! tensors — `(data_ptr, shape, strides, dtype)` with strides in elements and dtype a name such
+//! as `"float32"` — plus the device index (-1 for the CPU) and, for CUDA, the raw `CUstream` of
+//! `torch.cuda.current_stream().cuda_stream`. There is no torch dependency on this side.
+//!
+//! **Trust boundary.** A descriptor's pointer cannot be checked from here: the Python layer
+//! (python/ferrite/_ops.py) builds every descriptor from a live torch tensor that it keeps alive
+//! for the call, and allocates every output itself. Everything else — shapes, strides, dtypes,
+//! devices, sizes — is checked by ferrite, and any failure (a panic included) comes back as a
+//! Python exception: `ValueError` for a bad argument, `RuntimeError` otherwise.
+//!
+//! **CUDA**: each descriptor is wrapped with `Tensor::from_device_ptr` (borrowed memory, never
+//! freed by ferrite) and the op runs on torch's stream (`CudaDevice::wrap_stream`): no copy, no
+//! synchronisation, outputs written straight into the torch-allocated tensors, so the caching
+//! allocator and CUDA-graph capture see ordinary stream-ordered work.
+//!
+//! **CPU**: copy in / copy out. ferrite's CPU storage owns its bytes (`Storage::Cpu(HostBytes)`),
+//! and wrapping torch's CPU memory without a copy would need a borrowed CPU storage in core (a
+//! `Tensor::from_host_ptr` next to `from_device_ptr`). Until that exists, each operand's span
+//! (every element its layout addresses) is copied into a ferrite tensor, viewed with the same
+//! strides, and each output's span is copied back after the op. Correct for any layout; costs one
+//! extra pass over the operands, which the demo's CPU timings include.
+
+use ferrite::core::cuda::{self as fcuda, CudaDevice, Stream};
+use ferrite::core::harness::Precision;
+use ferrite::ops::matmul::{self as fmatmul, MatmulOptions};
+use ferrite::ops::norm::{self as fnorm, Bwd, BwdOut, Fwd, FwdOut, NormKind, NormOptions};
+use ferrite::{DType, Element, Error, Tensor};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+/// A tensor as the Python layer describes it: (data pointer, shape, strides in elements, dtype).
+type Desc = (u64, Vec<usize>, Vec<usize>, String);
+
+/// Where the op runs: the CPU, or a GPU and the stream to run on.
+#[derive(Clone)]
+enum Target {
+    Cpu,
+    Cuda(Arc<CudaDevice>, Stream),
+}
+
+impl Target {
+    fn stream(&self) -> Option<Stream> {
+        match self {
+            Target::Cpu => None,
+            Target::Cuda(_, s) => Some(s.clone()),
+        }
+    }
+}
+
+fn target(op: &str, device: i64, stream: u64) -> ferrite::Result<Target> {
+    if device < 0 {
+        return Ok(Target::Cpu);
+    }
+    let dev = fcuda::device(device as usize).map_err(|e| match e {
+        Error::BadArg { expected, got, .. } => {
+            Error::bad_arg(op, "device", format!("a CUDA device index {expected}"), got)
+        }
+        other => other,
+    })?;
+    // SAFETY: `stream` is torch's current stream on this device (the Python layer reads it from
+    // `torch.cuda.current_stream(device).cuda_stream` right before the call; 0 is the legacy
+    // default stream). torch never destroys its streams while the process runs, and the handle
+    // is dropped when this call returns; ferrite never destroys a borrowed stream.
+    let s = unsafe { dev.wrap_stream(stream)? };
+    Ok(Target::Cuda(dev, s))
+}
+
+fn parse_dtype(op: &str, arg: &str, name: &str) -> ferrite::Result<DType> {
+    let n = name.strip_prefix("torch.").unwrap_or(name);
+    DType::parse(n).ok_or_else(|| {
+        Error::bad_arg(
+            op,
+            arg,
+            "dtype float32, float16 or bfloat16 (or int32/uint8/uint16/uint32)",
+            n,
+        )
+    })
+}
+
+/// A wrapped operand. For CPU tensors, `host` keeps the contiguous copy of the operand's span
+/// and where it came from, so an output can be copied back.
+struct Operand {
+    t: Tensor,
+    host: Option<HostSpan>,
+}
+
+struct HostSpan {
+    base: Tensor,
+    ptr: u64,
+    bytes: usize,
+}
+
+/// A CPU tensor holding a copy of `bytes` bytes at `ptr` as `span` elements of `T`.
+///
+/// # Safety
+/// `ptr..ptr+bytes` must be readable host memory (when `bytes > 0`).
+unsafe fn host_copy<T: Element>(ptr: u64, bytes: usize, span: usize) -> ferrite::Result<Tensor> {
+    let mut v = vec![T::zeroed(); span];
+    if bytes > 0 {
+        // SAFETY: forwarded to the caller's contract; `v` owns exactly `bytes` bytes
+        // (span · size_of::<T>()), and reading through u8 needs no alignment.
+        let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) };
+        bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(src);
+    }
+    Tensor::from_vec(v, &[span])
+}
+
+/// Wraps a descriptor on `tgt`. `op`/`arg` name it in errors.
+fn wrap(op: &str, arg: &str, d: &Desc, tgt: &Target) -> ferrite::Result<Operand> {
+    let (ptr, shape, strides, dtype) = d;
+    let dtype = parse_dtype(op, arg, dtype)?;
+    if shape.len() != strides.len() {
+        return Err(Error::bad_arg(
+            op,
+            arg,
+            format!("one stride per dim of shape {shape:?}"),
+            format!("strides {strides:?}"),
+        ));
+    }
+    let nonempty = !shape.contains(&0);
+    if nonempty && *ptr == 0 {
+        return Err(Error::bad_arg(
+            op,
+            arg,
+            "a non-null data pointer",
+            "a null pointer",
+        ));
+    }
+    match tgt {
+        Target::Cuda(dev, _) => {
+            // SAFETY: the Python layer built this descriptor from a live torch CUDA tensor on
+            // this device (checked there: same device index as every other operand), kept alive
+            // by the caller for the whole call; its shape and strides address only its storage.
+            let t = unsafe { Tensor::from_device_ptr(dev.clone(), *ptr, shape, strides, dtype)? };
+            Ok(Operand { t, host: None })
+        }
+        Target::Cpu => {
+            let layout = ferrite::core::layout::Layout::new(shape.clone(), strides.clone(), 0)?;
+            let span = layout.max_offset(op)?;
+            let bytes = ferrite::core::layout::checked_bytes(op, span, dtype.size_in_bytes())?;
+            // SAFETY: as for CUDA: a live torch CPU tensor whose layout addresses `span`
+            // elements from its data pointer, so `bytes` bytes from `ptr` are readable.
+            let base = unsafe {
+                match dtype {
+                    DType::F32 => host_copy::<f32>(*ptr, bytes, span),
+                    DType::F16 => host_copy::<half::f16>(*ptr, bytes, span),
+                    DType::BF16 => host_copy::<half::bf16>(*ptr, bytes, span),
+                    DType::I32 => host_copy::<i32>(*ptr, bytes, span),
+                    DType::U32 => host_copy::<u32>(*ptr, bytes, span),
+                    DType::U16 => host_copy::<u16>(*ptr, bytes, span),
+                    DType::U8 => host_copy::<u8>(*ptr, bytes, span),
+                }?
+            };
+            let t = base.as_strided(shape, strides, 0)?;
+            Ok(Operand {
+                t,
+                host: Some(HostSpan {
+                    base,
+                    ptr: *ptr,
+                    bytes,
+                }),
+            })
+        }
+    }
+}
+
+fn wrap_opt(
+    op: &str,
+    arg: &str,
+    d: &Option<Desc>,
+    tgt: &Target,
+) -> ferrite::Result<Option<Operand>> {
+    d.as_ref().map(|d| wrap(op, arg, d, tgt)).transpose()
+}
+
+impl Operand {
+    /// Copies a CPU output back into the caller's memory (nothing to do on CUDA).
+    fn write_back(&self) -> ferrite::Result<()> {
+        if let Some(h) = &self.host {
+            let bytes = h.base.to_bytes()?;
+            debug_assert_eq!(bytes.len(), h.bytes);
+            if h.bytes > 0 {
+                // SAFETY: `ptr..ptr+bytes` is the span of a live, writable torch CPU output
+                // tensor (allocated by the Python layer for this call; see `wrap`), and `bytes`
+                // is a separate Rust allocation, so the ranges do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h.ptr as *mut u8, h.bytes) };
+            }
+        }
+        Ok(())
+    }
+}
+
+fn opt_ref(o: &Option<Operand>) -> Option<&Tensor> {
+    o.as_ref().map(|o| &o.t)
+}
+
+/// Runs `f` without the GIL, turning a ferrite error into `ValueError` (a bad argument) or
+/// `RuntimeError` (anything else) and a panic into `RuntimeError`.
+fn run<F>(py: Python<'_>, op: &str, f: F) -> PyResult<()>
+where
+    F: FnOnce() -> ferrite::Result<()> + Send,
+{
+    let r = py.detach(move || catch_unwind(AssertUnwindSafe(f)));
+    match r {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(to_py(e)),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            Err(PyRuntimeError::new_err(format!(
+                "{op}: internal error in ferrite (a Rust panic): {msg}"
+            )))
+        }
+    }
+}
+
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::BadArg { .. } | Error::Overflow { .. } | Error::NoVariant { .. } => {
+            PyValueError::new_err(e.to_string())
+        }
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// out = alpha·a·b + beta·out (ferrite's `matmul_into`). a: [m, k] or [batch, m, k], b: [k, n]
+/// or [batch, k, n] (row-major or transposed views), out: [m, n] / [batch, m, n] row-major.
+/// `tf32`: let f32 inputs run on tensor cores as tf32 (CUDA). `variant`: a named variant, or the
+/// best that fits.
+#[pyfunction]
+#[pyo3(signature = (a, b, out, alpha=1.0, beta=0.0, tf32=false, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    py: Python<'_>,
+    a: Desc,
+    b: Desc,
+    out: Desc,
+    alpha: f32,
+    beta: f32,
+    tf32: bool,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<()> {
+    const OP: &str = "ferrite.matmul";
+    run(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let a = wrap(OP, "a", &a, &tgt)?;
+        let b = wrap(OP, "b", &b, &tgt)?;
+        let out = wrap(OP, "out", &out, &tgt)?;
+        let opts = MatmulOptions {
+            variant,
+            alpha,
+            beta,
+            precision: if tf32 {
+                Precision::Tf32
+            } else {
+                Precision::F32
+            },
+            stream: tgt.stream(),
+            threads: 0,
+        };
+        fmatmul::matmul_into(&a.t, &b.t, &out.t, &opts)?;
+        out.write_back()
+    })
+}
+
+fn norm_kind(op: &str, kind: &str) -> ferrite::Result<NormKind> {
+    match kind {
+        "layer_norm" => Ok(NormKind::Layer),
+        "rms_norm" => Ok(NormKind::Rms),
+        other => Err(Error::bad_arg(op, "kind", "layer_norm or rms_norm", other)),
+    }
+}
+
+/// Norm forward into caller-provided outputs (ferrite's `norm::forward_into`): y, and h = x +
+/// residual when a residual is given; mean (LayerNorm) and rstd are f32, one per row.
+#[pyfunction]
+#[pyo3(signature = (kind, x, y, residual=None, weight=None, bias=None, h=None, mean=None, rstd=None, eps=1e-5, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+fn norm_forward(
+    py: Python<'_>,
+    kind: String,
+    x: Desc,
+    y: Desc,
+    residual: Option<Desc>,
+    weight: Option<Desc>,
+    bias: Option<Desc>,
+    h: Option<Desc>,
+    mean: Option<Desc>,
+    rstd: Option<Desc>,
+    eps: f64,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<()> {
+    let op = format!("ferrite.{kind}");
+    run(py, &op.clone(), move || {
+        let op = op.as_str();
+        let k = norm_kind(op, &kind)?;
+        let tgt = target(op, device, stream)?;
+        let x = wrap(op, "x", &x, &tgt)?;
+        let y = wrap(op, "y", &y, &tgt)?;
+        let residual = wrap_opt(op, "residual", &residual, &tgt)?;
+        let weight = wrap_opt(op, "weight", &weight, &tgt)?;
+        let bias = wrap_opt(op, "bias", &bias, &tgt)?;
+        let h = wrap_opt(op, "h", &h, &tgt)?;
+        let mean = wrap_opt(op, "mean", &mean, &tgt)?;
+        let rstd = wrap_opt(op, "rstd", &rstd, &tgt)?;
+        let opts = NormOptions {
+            variant,
+            eps: eps as f32,
+            stream: tgt.stream(),
+        };
+        fnorm::forward_into(
+            k,
+            &Fwd {
+                x: &x.t,
+                residual: opt_ref(&residual),
+                weight: opt_ref(&weight),
+                bias: opt_ref(&bias),
+            },
+            &FwdOut {
+                y: &y.t,
+                h: opt_ref(&h),
+                mean: opt_ref(&mean),
+                rstd: opt_ref(&rstd),
+            },
+            &opts,
+        )?;
+        for o in [Some(&y), h.as_ref(), mean.as_ref(), rstd.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            o.write_back()?;
+        }
+        Ok(())
+    })
+}
+
+/// Norm backward into caller-provided outputs (ferrite's `norm::backward_into`): dx, and dweight
+/// / dbias (reduced deterministically) when given. `x` is the normalised input (h when the
+/// residual was fused); `mean` (LayerNorm only) and `rstd` are the forward's.
+#[pyfunction]
+#[pyo3(signature = (kind, dy, x, rstd, dx, weight=None, mean=None, dweight=None, dbias=None, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+fn norm_backward(
+    py: Python<'_>,
+    kind: String,
+    dy: Desc,
+    x: Desc,
+    rstd: Desc,
+    dx: Desc,
+    weight: Option<Desc>,
+    mean: Option<Desc>,
+    dweight: Option<Desc>,
+    dbias: Option<Desc>,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<()> {
+    let op = format!("ferrite.{kind}_backward");
+    run(py, &op.clone(), move || {
+        let op = op.as_str();
+        let k = norm_kind(op, &kind)?;
+        let tgt = target(op, device, stream)?;
+        let dy = wrap(op, "dy", &dy, &tgt)?;
+        let x = wrap(op, "x", &x, &tgt)?;
+        let rstd = wrap(op, "rstd", &rstd, &tgt)?;
+        let dx = wrap(op, "dx", &dx, &tgt)?;
+        let weight = wrap_opt(op, "weight", &weight, &tgt)?;
+        let mean = wrap_opt(op, "mean", &mean, &tgt)?;
+        let dweight = wrap_opt(op, "dweight", &dweight, &tgt)?;
+        let dbias = wrap_opt(op, "dbias", &dbias, &tgt)?;
+        let opts = NormOptions {
+            variant,
+            stream: tgt.stream(),
+            ..Default::default()
+        };
+        fnorm::backward_into(
+            k,
+            &Bwd {
+                dy: &dy.t,
+                x: &x.t,
+                weight: opt_ref(&weight),
+                mean: opt_ref(&mean),
+                rstd: &rstd.t,
+            },
+            &BwdOut {
+                dx: &dx.t,
+                dweight: opt_ref(&dweight),
+                dbias: opt_ref(&dbias),
+            },
+            &opts,
+        )?;
+        for o in [Some(&dx), dweight.as_ref(), dbias.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            o.write_back()?;
+        }
+        Ok(())
+    })
+}
+
+/// (number of CUDA devices ferrite can use, None) or (0, the reason it cannot).
+#[pyfunction]
+fn cuda_status() -> (usize, Option<String>) {
+    match catch_unwind(fcuda::availability) {
+        Ok(Ok(n)) => (n, None),
+        Ok(Err(e)) => (0, Some(e.to_string())),
+        Err(_) => (0, Some("probing the CUDA driver panicked".into())),
+    }
+}
+
+/// The variants of an op family ("matmul" or "norm") as (name, backend, dtypes, summary).
+#[pyfunction]
+fn variants(op: &str) -> PyResult<Vec<(String, String, Vec<String>, String)>> {
+    let vs = match op {
+        "matmul" => fmatmul::variants(),
+        "norm" => fnorm::variants(),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "ferrite.variants: argument `op`: expected matmul or norm, got {other}"
+            )))
+        }
+    };
+    Ok(vs
+        .into_iter()
+        .map(|v| {
+            (
+                v.name.to_string(),
+                format!("{:?}", v.backend).to_lowercase(),
+                v.dtypes.iter().map(|d| d.name().to_string()).collect(),
+                v.summary.to_string(),
+            )
+        })
+        .collect())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(norm_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(norm_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(variants, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,584 @@
+"""ferrite's ops as PyTorch custom ops (``torch.library.custom_op``).
+
+Each op checks its inputs (device, dtype, shapes) in Python, allocates its outputs with torch (so
+the caching allocator and CUDA-graph capture see ordinary allocations), and hands ferrite raw
+descriptors ``(data_ptr, shape, strides, dtype)`` plus the device index and torch's current CUDA
+stream, so the kernels run on torch's stream and write into torch's tensors.
+
+Ops (``torch.ops.ferrite.*``), each with a fake (meta) implementation and, for the forward ones,
+autograd whose backward is its own custom op:
+
+- ``matmul(a, b)``: ``a @ b`` for ``a [..., m, k]`` and ``b [k, n]`` or ``b [..., k, n]`` with the
+  same batch dims (or a 2-D ``a`` broadcast over them).  Backward: ``matmul_backward``, two matmuls.
+- ``linear(x, weight, bias)``: ``x @ weight.T + bias`` (``torch.nn.functional.linear``); the bias
+  is added by the GEMM itself (``out = bias; out = x·Wᵀ + 1·out``).  Backward: ``linear_backward``.
+- ``rms_norm(x, normalized_shape, weight, eps) -> (y, rstd)`` and
+  ``layer_norm(x, normalized_shape, weight, bias, eps) -> (y, mean, rstd)``: the saved statistics
+  are float32, one per row.  Backward: ``rms_norm_backward`` / ``layer_norm_backward`` (ferrite's
+  norm backward, with dweight/dbias reduced deterministically).
+
+The Python functions :func:`matmul`, :func:`linear`, :func:`rms_norm`, :func:`layer_norm` have the
+signatures of their ``torch`` / ``torch.nn.functional`` counterparts and return one tensor.
+
+Layout policy: inputs that the kernels cannot take as they are are **copied**
+(``.contiguous()``), as torch's own ops do: matmul takes row-major and transposed operands
+(stride 1 in one of the last two dims) without a copy and copies anything else; the norms copy
+any non-contiguous input.  The native layer itself never copies on CUDA and raises ``ValueError``
+on a layout it cannot take.
+
+Dtypes: float32, float16, bfloat16 on CUDA (sm_80+); on the CPU, matmul/linear run float32 only
+and the norms run all three.  float64 is not supported (gradcheck runs in float32).
+"""
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+_FLOATS = "float32, float16 or bfloat16"
+
+
+# ----------------------------------------------------------------------------------------------
+# checks (shared by the real and the fake implementations, so torch.compile fails early too)
+
+
+def _fail(op: str, arg: str, expected: str, got: str):
+    raise ValueError(f"{op}: argument `{arg}`: expected {expected}, got {got}")
+
+
+def _describe(t: Tensor) -> str:
+    s = f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device}"
+    if not t.is_contiguous():
+        s += f" (strides {list(t.stride())})"
+    return s
+
+
+def _check_tensors(op: str, named: Sequence[Tuple[str, Optional[Tensor]]]) -> None:
+    """All given tensors: torch tensors, float32/float16/bfloat16, one dtype, one device."""
+    first = None
+    for name, t in named:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            _fail(op, name, "a torch.Tensor", type(t).__name__)
+        if t.device.type not in ("cpu", "cuda"):
+            _fail(op, name, "a CPU or CUDA tensor", _describe(t))
+        if t.dtype not in _DTYPE_NAMES:
+            _fail(op, name, f"dtype {_FLOATS}", _describe(t))
+        if first is None:
+            first = (name, t)
+            continue
+        fname, f = first
+        if t.device != f.device:
+            _fail(op, name, f"a tensor on {f.device} (like `{fname}`)", _describe(t))
+        if t.dtype != f.dtype:
+            _fail(op, name, f"dtype {str(f.dtype).replace('torch.', '')} (like `{fname}`)", _describe(t))
+
+
+def _check_cpu_matmul_dtype(op: str, t: Tensor) -> None:
+    if t.device.type == "cpu" and t.dtype != torch.float32:
+        _fail(
+            op,
+            "a" if op.endswith("matmul") else "x",
+            "float32 on the CPU (ferrite's CPU GEMMs are fp32; CUDA runs float32/float16/bfloat16)",
+            _describe(t),
+        )
+
+
+def _matmul_shape(op: str, a: Tensor, b: Tensor) -> List[int]:
+    _check_tensors(op, [("a", a), ("b", b)])
+    _check_cpu_matmul_dtype(op, a)
+    if a.dim() < 2:
+        _fail(op, "a", "a tensor of rank ≥ 2 ([..., m, k])", _describe(a))
+    if b.dim() < 2:
+        _fail(op, "b", "a tensor of rank ≥ 2 ([k, n] or [..., k, n])", _describe(b))
+    m, k = a.shape[-2], a.shape[-1]
+    if b.shape[-2] != k:
+        _fail(op, "b", f"{k} rows (a is {list(a.shape)}: inner dims must match)", _describe(b))
+    n = b.shape[-1]
+    if b.dim() == 2:
+        return list(a.shape[:-1]) + [n]
+    if a.dim() == 2:
+        return list(b.shape[:-2]) + [m, n]
+    if a.shape[:-2] != b.shape[:-2]:
+        _fail(
+            op,
+            "b",
+            f"batch dims {list(a.shape[:-2])} (like a; only a 2-D a or b broadcasts)",
+            _describe(b),
+        )
+    return list(a.shape[:-2]) + [m, n]
+
+
+def _linear_shape(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> List[int]:
+    _check_tensors(op, [("input", x), ("weight", weight), ("bias", bias)])
+    _check_cpu_matmul_dtype(op, x)
+    if x.dim() < 1:
+        _fail(op, "input", "a tensor of rank ≥ 1 ([..., in_features])", _describe(x))
+    if weight.dim() != 2:
+        _fail(op, "weight", "a 2-D tensor [out_features, in_features]", _describe(weight))
+    if weight.shape[1] != x.shape[-1]:
+        _fail(op, "weight", f"[out_features, {x.shape[-1]}] (input is {list(x.shape)})", _describe(weight))
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        _fail(op, "bias", f"a 1-D tensor [{weight.shape[0]}] (out_features)", _describe(bias))
+    return list(x.shape[:-1]) + [weight.shape[0]]
+
+
+def _norm_shape(normalized_shape: Union[int, Sequence[int]]) -> List[int]:
+    if isinstance(normalized_shape, int):
+        return [normalized_shape]
+    return [int(d) for d in normalized_shape]
+
+
+def _norm_check(op, x, normalized_shape, weight, bias=None) -> Tuple[List[int], int]:
+    """Returns (leading shape, cols): x is normalised over its last len(normalized_shape) dims."""
+    _check_tensors(op, [("input", x), ("weight", weight), ("bias", bias)])
+    ns = list(normalized_shape)
+    if len(ns) == 0 or x.dim() < len(ns) or list(x.shape[x.dim() - len(ns):]) != ns:
+        _fail(op, "normalized_shape", f"the trailing dims of input {list(x.shape)}", str(ns))
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and list(t.shape) != ns:
+            _fail(op, name, f"shape {ns} (normalized_shape)", _describe(t))
+    cols = 1
+    for d in ns:
+        cols *= d
+    return list(x.shape[: x.dim() - len(ns)]), cols
+
+
+# ----------------------------------------------------------------------------------------------
+# calling the native module
+
+
+def _desc(t: Tensor):
+    return (t.data_ptr(), list(t.shape), list(t.stride()), _DTYPE_NAMES[t.dtype])
+
+
+def _native_call(fn, *args, **kwargs):
+    """Calls a native function, turning every tensor argument into its descriptor. The tensors
+    stay referenced by ``args``/``kwargs`` until ``fn`` returns, so the pointers stay valid even
+    for temporaries such as ``t.contiguous()`` written in the call (a descriptor alone would not
+    keep its tensor alive)."""
+
+    def conv(v):
+        return _desc(v) if isinstance(v, Tensor) else v
+
+    return fn(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+
+
+def _where(t: Tensor) -> Tuple[int, int]:
+    """(device index, raw CUDA stream) for the native call; (-1, 0) on the CPU."""
+    if t.device.type == "cuda":
+        return t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+    return -1, 0
+
+
+def _tf32(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+
+
+def _mm_operand(t: Tensor) -> Tensor:
+    """t itself if the GEMM can read it (row-major or transposed: stride 1 in one of the last two
+    dims, rows/cols apart by at least their length), else a contiguous copy."""
+    r, c = t.shape[-2], t.shape[-1]
+    sr, sc = t.stride(-2), t.stride(-1)
+    if (c <= 1 or sc == 1) and (r <= 1 or sr >= max(c, 1)):
+        return t
+    if (r <= 1 or sr == 1) and (c <= 1 or sc >= max(r, 1)):
+        return t
+    return t.contiguous()
+
+
+def _mm_into(a: Tensor, b: Tensor, out: Tensor, beta: float = 0.0) -> None:
+    """out = a @ b + beta·out with ferrite's GEMM; out is contiguous with the matmul shape."""
+    if out.numel() == 0:
+        return
+    k, n = a.shape[-1], b.shape[-1]
+    if k == 0:
+        if beta == 0.0:
+            out.zero_()
+        else:
+            out.mul_(beta)
+        return
+    if b.dim() == 2:
+        # [..., m, k] @ [k, n]: one GEMM over all rows (a copy only if the rows cannot be merged)
+        rows = math.prod(a.shape[:-1])
+        a2, b2, o2 = a.reshape(rows, k), b, out.view(rows, n)
+    elif a.dim() == 2:
+        m = a.shape[0]
+        a2, b2, o2 = a, b.reshape(-1, k, n), out.view(-1, m, n)
+    else:
+        m = a.shape[-2]
+        a2, b2, o2 = a.reshape(-1, m, k), b.reshape(-1, k, n), out.view(-1, m, n)
+    a2, b2 = _mm_operand(a2), _mm_operand(b2)
+    dev, stream = _where(out)
+    _native_call(_native.matmul, a2, b2, o2, 1.0, float(beta), _tf32(out), dev, stream)
+
+
+def _empty(t: Tensor) -> Tensor:
+    """A placeholder for a gradient that was not asked for."""
+    return t.new_empty((0,))
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul
+
+
+@torch.library.custom_op("ferrite::matmul", mutates_args=())
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    shape = _matmul_shape("ferrite.matmul", a, b)
+    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    _mm_into(a, b, out)
+    return out
+
+
+@_matmul.register_fake
+def _(a, b):
+    return a.new_empty(_matmul_shape("ferrite.matmul", a, b))
+
+
+def _matmul_grads(grad, a, b, need_a, need_b, fake):
+    """Shapes (fake) or values of (da, db) for c = a @ b."""
+    bt = b.transpose(-1, -2)
+    at = a.transpose(-1, -2)
+    da = db = None
+    if need_a:
+        if b.dim() > 2 and a.dim() == 2:
+            # a was broadcast over b's batch: da = Σ_batch grad·bᵀ
+            if fake:
+                da = a.new_empty(a.shape)
+            else:
+                full = grad.new_empty(list(grad.shape[:-1]) + [a.shape[-1]])
+                _mm_into(grad, bt, full)
+                da = full.reshape(math.prod(b.shape[:-2]), a.shape[0], a.shape[1]).sum(0)
+        else:
+            da = a.new_empty(a.shape)
+            if not fake:
+                _mm_into(grad, bt, da)
+    if need_b:
+        db = b.new_empty(b.shape)
+        if not fake:
+            if b.dim() == 2:
+                # Σ over every row of a: aᵀ [k, rows] @ grad [rows, n]
+                k, n = a.shape[-1], b.shape[-1]
+                rows = math.prod(a.shape[:-1])
+                _mm_into(a.reshape(rows, k).transpose(0, 1), grad.reshape(rows, n), db)
+            else:
+                _mm_into(at, grad, db)
+    return (da if need_a else _empty(a)), (db if need_b else _empty(b))
+
+
+@torch.library.custom_op("ferrite::matmul_backward", mutates_args=())
+def _matmul_backward(grad: Tensor, a: Tensor, b: Tensor, need_a: bool, need_b: bool) -> Tuple[Tensor, Tensor]:
+    _check_tensors("ferrite.matmul_backward", [("grad", grad), ("a", a), ("b", b)])
+    return _matmul_grads(grad, a, b, need_a, need_b, fake=False)
+
+
+@_matmul_backward.register_fake
+def _(grad, a, b, need_a, need_b):
+    _check_tensors("ferrite.matmul_backward", [("grad", grad), ("a", a), ("b", b)])
+    return _matmul_grads(grad, a, b, need_a, need_b, fake=True)
+
+
+def _matmul_setup(ctx, inputs, output):
+    a, b = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _matmul_bwd(ctx, grad):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    da, db = torch.ops.ferrite.matmul_backward(grad, a, b, need_a, need_b)
+    return (da if need_a else None), (db if need_b else None)
+
+
+_matmul.register_autograd(_matmul_bwd, setup_context=_matmul_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# linear
+
+
+@torch.library.custom_op("ferrite::linear", mutates_args=())
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    shape = _linear_shape("ferrite.linear", x, weight, bias)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    beta = 0.0
+    if bias is not None and out.numel() > 0:
+        out.copy_(bias)  # the GEMM's epilogue adds it: out = x·Wᵀ + 1·out
+        beta = 1.0
+    rows = math.prod(x.shape[:-1])
+    _mm_into(x.reshape(rows, x.shape[-1]), weight.t(), out.view(rows, weight.shape[0]), beta)
+    return out
+
+
+@_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(_linear_shape("ferrite.linear", x, weight, bias))
+
+
+@torch.library.custom_op("ferrite::linear_backward", mutates_args=())
+def _linear_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
+    _check_tensors("ferrite.linear_backward", [("grad", grad), ("input", x), ("weight", weight)])
+    n, k = weight.shape
+    rows = math.prod(x.shape[:-1])
+    g2 = grad.reshape(rows, n)
+    dx = dw = db = None
+    if need_x:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _mm_into(g2, weight, dx.view(rows, k))  # [rows, n] @ [n, k]
+    if need_w:
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        _mm_into(g2.t(), x.reshape(rows, k), dw)  # [n, rows] @ [rows, k]
+    if need_b:
+        db = g2.sum(0)
+    return (
+        dx if need_x else _empty(x),
+        dw if need_w else _empty(weight),
+        db if need_b else _empty(weight),
+    )
+
+
+@_linear_backward.register_fake
+def _(grad, x, weight, need_x, need_w, need_b):
+    _check_tensors("ferrite.linear_backward", [("grad", grad), ("input", x), ("weight", weight)])
+    return (
+        x.new_empty(x.shape) if need_x else _empty(x),
+        weight.new_empty(weight.shape) if need_w else _empty(weight),
+        weight.new_empty((weight.shape[0],)) if need_b else _empty(weight),
+    )
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_bwd(ctx, grad):
+    x, weight = ctx.saved_tensors
+    nx, nw, nb = ctx.needs_input_grad
+    nb = bool(nb) and ctx.has_bias
+    dx, dw, db = torch.ops.ferrite.linear_backward(grad, x, weight, nx, nw, nb)
+    return (dx if nx else None), (dw if nw else None), (db if nb else None)
+
+
+_linear.register_autograd(_linear_bwd, setup_context=_linear_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# norms
+
+
+def _norm_forward(kind, x, ns, weight, bias, eps):
+    op = f"ferrite.{kind}"
+    lead, cols = _norm_check(op, x, ns, weight, bias)
+    xc = x.contiguous()  # the norm kernels need contiguous rows: copy if not
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(lead, dtype=torch.float32, device=x.device) if kind == "layer_norm" else None
+    rstd = torch.empty(lead, dtype=torch.float32, device=x.device)
+    if x.numel() > 0:
+        shape2 = lead + [cols]
+        dev, stream = _where(x)
+        _native_call(
+            _native.norm_forward,
+            kind,
+            xc.view(shape2),
+            y.view(shape2),
+            weight=None if weight is None else weight.contiguous().view(cols),
+            bias=None if bias is None else bias.contiguous().view(cols),
+            mean=mean,
+            rstd=rstd,
+            eps=float(eps),
+            device=dev,
+            stream=stream,
+        )
+    return y, mean, rstd
+
+
+def _norm_backward(kind, grad, x, ns, weight, mean, rstd, need_w, need_b):
+    op = f"ferrite.{kind}_backward"
+    lead, cols = _norm_check(op, x, ns, weight)
+    _check_tensors(op, [("input", x), ("grad", grad)])
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw = torch.empty(ns, dtype=x.dtype, device=x.device) if need_w else None
+    db = torch.empty(ns, dtype=x.dtype, device=x.device) if need_b else None
+    if x.numel() > 0:
+        shape2 = lead + [cols]
+        dev, stream = _where(x)
+        _native_call(
+            _native.norm_backward,
+            kind,
+            grad.contiguous().view(shape2),
+            x.contiguous().view(shape2),
+            rstd.contiguous(),
+            dx.view(shape2),
+            weight=None if weight is None else weight.contiguous().view(cols),
+            mean=None if mean is None else mean.contiguous(),
+            dweight=None if dw is None else dw.view(cols),
+            dbias=None if db is None else db.view(cols),
+            device=dev,
+            stream=stream,
+        )
+    else:
+        if dw is not None:
+            dw.zero_()
+        if db is not None:
+            db.zero_()
+    return dx, (dw if need_w else _empty(x)), (db if need_b else _empty(x))
+
+
+def _norm_fake(kind, x, ns, weight, bias):
+    lead, _ = _norm_check(f"ferrite.{kind}", x, ns, weight, bias)
+    y = x.new_empty(x.shape)
+    rstd = x.new_empty(lead, dtype=torch.float32)
+    mean = x.new_empty(lead, dtype=torch.float32) if kind == "layer_norm" else None
+    return y, mean, rstd
+
+
+@torch.library.custom_op("ferrite::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor], eps: float) -> Tuple[Tensor, Tensor]:
+    y, _, rstd = _norm_forward("rms_norm", x, normalized_shape, weight, None, eps)
+    return y, rstd
+
+
+@_rms_norm.register_fake
+def _(x, normalized_shape, weight, eps):
+    y, _, rstd = _norm_fake("rms_norm", x, normalized_shape, weight, None)
+    return y, rstd
+
+
+@torch.library.custom_op("ferrite::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(
+    grad: Tensor, x: Tensor, normalized_shape: List[int], weight: Optional[Tensor], rstd: Tensor, need_w: bool
+) -> Tuple[Tensor, Tensor]:
+    dx, dw, _ = _norm_backward("rms_norm", grad, x, normalized_shape, weight, None, rstd, need_w, False)
+    return dx, dw
+
+
+@_rms_norm_backward.register_fake
+def _(grad, x, normalized_shape, weight, rstd, need_w):
+    _norm_check("ferrite.rms_norm_backward", x, normalized_shape, weight)
+    return x.new_empty(x.shape), (x.new_empty(normalized_shape) if need_w else _empty(x))
+
+
+def _rms_setup(ctx, inputs, output):
+    x, ns, weight, eps = inputs
+    ctx.ns = ns
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_bwd(ctx, grad, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[2]
+    dx, dw = torch.ops.ferrite.rms_norm_backward(grad, x, ctx.ns, weight, rstd, need_w)
+    return dx, None, (dw if need_w else None), None
+
+
+_rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
+
+
+@torch.library.custom_op("ferrite::layer_norm", mutates_args=())
+def _layer_norm(
+    x: Tensor, normalized_shape: List[int], weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _norm_forward("layer_norm", x, normalized_shape, weight, bias, eps)
+
+
+@_layer_norm.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    return _norm_fake("layer_norm", x, normalized_shape, weight, bias)
+
+
+@torch.library.custom_op("ferrite::layer_norm_backward", mutates_args=())
+def _layer_norm_backward(
+    grad: Tensor,
+    x: Tensor,
+    normalized_shape: List[int],
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    need_w: bool,
+    need_b: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _norm_backward("layer_norm", grad, x, normalized_shape, weight, mean, rstd, need_w, need_b)
+
+
+@_layer_norm_backward.register_fake
+def _(grad, x, normalized_shape, weight, mean, rstd, need_w, need_b):
+    _norm_check("ferrite.layer_norm_backward", x, normalized_shape, weight)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(normalized_shape) if need_w else _empty(x),
+        x.new_empty(normalized_shape) if need_b else _empty(x),
+    )
+
+
+def _ln_setup(ctx, inputs, output):
+    x, ns, weight, bias, eps = inputs
+    ctx.ns = ns
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, output[1], output[2])
+
+
+def _ln_bwd(ctx, grad, _grad_mean, _grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[2]
+    need_b = ctx.has_bias and ctx.needs_input_grad[3]
+    dx, dw, db = torch.ops.ferrite.layer_norm_backward(grad, x, ctx.ns, weight, mean, rstd, need_w, need_b)
+    return dx, None, (dw if need_w else None), (db if need_b else None), None
+
+
+_layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# the public functions (torch / torch.nn.functional signatures)
+
+
+def matmul(input: Tensor, other: Tensor) -> Tensor:
+    """``torch.matmul`` for ``input [..., m, k]`` and ``other [k, n]`` or ``[..., k, n]``."""
+    return torch.ops.ferrite.matmul(input, other)
+
+
+def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``torch.nn.functional.linear``: ``input @ weight.T + bias``."""
+    return torch.ops.ferrite.linear(input, weight, bias)
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[Tensor] = None,
+    eps: Optional[float] = None,
+) -> Tensor:
+    """``torch.nn.functional.rms_norm`` (eps None: ``torch.finfo(input.dtype).eps``, as torch)."""
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps if input.is_floating_point() else 1e-6
+    return torch.ops.ferrite.rms_norm(input, _norm_shape(normalized_shape), weight, float(eps))[0]
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``torch.nn.functional.layer_norm``."""
+    return torch.ops.ferrite.layer_norm(input, _norm_shape(normalized_shape), weight, bias, float(eps))[0]
+
+
+def cuda_status() -> Tuple[int, Optional[str]]:
+    """(CUDA devices ferrite can use, None) or (0, why not)."""
+    return _native.cuda_status()
+

@@ -1,0 +1,132 @@
+"""Bad input gives a Python exception with a clear message, never a crash."""
+
+import pytest
+import torch
+
+import ferrite
+from ferrite import _native
+
+from conftest import HAS_CUDA, requires_cuda
+
+ops = torch.ops.ferrite
+
+
+def test_wrong_dtype():
+    with pytest.raises(ValueError, match=r"ferrite.matmul: argument `a`: expected dtype float32, float16 or bfloat16, got float64\[3, 4\] on cpu"):
+        ferrite.matmul(torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="int32"):
+        ferrite.rms_norm(torch.ones(3, 4, dtype=torch.int32), [4])
+    with pytest.raises(ValueError, match=r"argument `b`: expected dtype float32 \(like `a`\), got float16"):
+        ferrite.matmul(torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"argument `weight`: expected dtype bfloat16 \(like `input`\)"):
+        ferrite.layer_norm(torch.randn(3, 4, dtype=torch.bfloat16), [4], torch.randn(4))
+    # CPU GEMMs are fp32 only
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        ferrite.linear(torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+def test_wrong_shapes():
+    with pytest.raises(ValueError, match=r"argument `b`: expected 4 rows .*inner dims must match.*got float32\[5, 2\]"):
+        ferrite.matmul(torch.randn(3, 4), torch.randn(5, 2))
+    with pytest.raises(ValueError, match="rank ≥ 2"):
+        ferrite.matmul(torch.randn(4), torch.randn(4, 2))
+    with pytest.raises(ValueError, match=r"batch dims \[2\]"):
+        ferrite.matmul(torch.randn(2, 3, 4), torch.randn(3, 4, 2))
+    with pytest.raises(ValueError, match=r"argument `weight`: expected \[out_features, 4\]"):
+        ferrite.linear(torch.randn(3, 4), torch.randn(2, 5))
+    with pytest.raises(ValueError, match=r"argument `bias`: expected a 1-D tensor \[2\]"):
+        ferrite.linear(torch.randn(3, 4), torch.randn(2, 4), torch.randn(3))
+    with pytest.raises(ValueError, match=r"argument `normalized_shape`: expected the trailing dims of input \[3, 4\], got \[5\]"):
+        ferrite.rms_norm(torch.randn(3, 4), [5])
+    with pytest.raises(ValueError, match=r"argument `weight`: expected shape \[4\]"):
+        ferrite.layer_norm(torch.randn(3, 4), [4], torch.randn(5))
+    with pytest.raises(ValueError, match=r"argument `bias`: expected shape \[4\]"):
+        ferrite.layer_norm(torch.randn(3, 4), [4], None, torch.randn(3))
+
+
+def test_shape_errors_surface_under_compile():
+    """The fake implementations check too: torch.compile fails at trace time with the message."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: ferrite.matmul(a, b), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="inner dims must match"):
+        f(torch.randn(3, 4), torch.randn(5, 2))
+
+
+def test_devices_mixed_cpu_meta():
+    """A device ferrite does not run on (meta stands in for any): a clear error."""
+    with pytest.raises(ValueError, match=r"argument `b`: expected a CPU or CUDA tensor, got float32\[4, 2\] on meta"):
+        ferrite.matmul(torch.randn(3, 4), torch.randn(4, 2, device="meta"))
+
+
+@requires_cuda
+def test_devices_mixed_cpu_cuda():
+    with pytest.raises(ValueError, match=r"argument `b`: expected a tensor on cpu \(like `a`\), got float32\[4, 2\] on cuda:0"):
+        ferrite.matmul(torch.randn(3, 4), torch.randn(4, 2, device="cuda"))
+    with pytest.raises(ValueError, match="like `input`"):
+        ferrite.rms_norm(torch.randn(3, 4, device="cuda"), [4], torch.randn(4))
+    with pytest.raises(ValueError, match="like `input`"):
+        ferrite.linear(torch.randn(3, 4, device="cuda"), torch.randn(2, 4))
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_devices_two_gpus():
+    with pytest.raises(ValueError, match="cuda:1"):
+        ferrite.matmul(torch.randn(3, 4, device="cuda:0"), torch.randn(4, 2, device="cuda:1"))
+
+
+def test_non_contiguous_policy():
+    """The ops copy layouts the kernels cannot read (see test_parity); the native layer, which
+    never copies, refuses them with a ValueError naming the op and the argument."""
+    x = torch.randn(6, 32).t()  # [32, 6], not contiguous
+    y = torch.empty(32, 6)
+    rstd = torch.empty(32)
+    d = lambda t: (t.data_ptr(), list(t.shape), list(t.stride()), "float32")  # noqa: E731
+    with pytest.raises(ValueError, match=r"rms_norm: argument `x`: expected a contiguous .*got f32\[32, 6\] on cpu \(strides \[1, 32\]\)"):
+        _native.norm_forward("rms_norm", d(x), d(y), rstd=d(rstd))
+    a = torch.randn(10, 14)[::2, ::2]  # no unit stride
+    b, c = torch.randn(7, 3), torch.empty(5, 3)
+    with pytest.raises(ValueError, match=r"matmul: argument `a`: expected stride 1 in one of the last two dims"):
+        _native.matmul(d(a), d(b), d(c))
+    # and through the op: a copy, right answer
+    torch.testing.assert_close(ferrite.matmul(a, b), a @ b)
+
+
+def test_native_rejects_bad_descriptors():
+    t = torch.randn(4, 4)
+    good = (t.data_ptr(), [4, 4], [4, 1], "float32")
+    with pytest.raises(ValueError, match="expected dtype float32, float16 or bfloat16.*got float64"):
+        _native.matmul(good, good[:3] + ("float64",), good)
+    with pytest.raises(ValueError, match="one stride per dim"):
+        _native.matmul(good, (t.data_ptr(), [4, 4], [4], "float32"), good)
+    with pytest.raises(ValueError, match="non-null data pointer"):
+        _native.matmul(good, (0, [4, 4], [4, 1], "float32"), good)
+    with pytest.raises(ValueError, match="overflow"):
+        _native.matmul(good, (t.data_ptr(), [1 << 62, 4], [1 << 62, 1], "float32"), good)
+    with pytest.raises(ValueError, match="`kind`: expected layer_norm or rms_norm"):
+        _native.norm_forward("batch_norm", good, good)
+    with pytest.raises(TypeError):
+        _native.matmul("not a tensor", good, good)
+    with pytest.raises(ValueError, match="ferrite.variants"):
+        ferrite.variants("conv")
+
+
+def test_native_cuda_request_without_cuda_is_runtime_error():
+    if HAS_CUDA:
+        pytest.skip("this machine has CUDA")
+    d = (1 << 20, [4, 4], [4, 1], "float32")  # never dereferenced: CUDA is checked first
+    with pytest.raises(RuntimeError, match="CUDA unavailable"):
+        _native.matmul(d, d, d, device=0, stream=0)
+
+
+def test_eps_must_be_positive():
+    with pytest.raises(ValueError, match="eps"):
+        ferrite.rms_norm(torch.randn(3, 4), [4], None, 0.0)
+    with pytest.raises(ValueError, match="eps"):
+        ferrite.layer_norm(torch.randn(3, 4), [4], eps=-1.0)
+
+
+def test_norm_backward_shape_errors():
+    x = torch.randn(4, 8)
+    y, rstd = ops.rms_norm(x, [8], None, 1e-5)
+    with pytest.raises(ValueError, match="rstd"):
+        ops.rms_norm_backward(torch.randn(4, 8), x, [8], None, torch.empty(3), False)
