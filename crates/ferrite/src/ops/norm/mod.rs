@@ -56,7 +56,7 @@ pub fn variants() -> Vec<VariantInfo> {
             backend: Backend::Cuda,
             dtypes: FLOATS,
             min_arch: Some(Arch::SM80),
-            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit); 16-byte aligned tensors",
+            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit), backward ≤ 8192; 16-byte aligned tensors",
             summary: "row in registers after one 16-byte-load pass; backward accumulates dw/db per block in registers",
             rank: 2,
         },
@@ -345,12 +345,32 @@ pub fn validate_bwd(kind: NormKind, i: &Bwd, o: &BwdOut) -> Result<Problem> {
     Ok(p)
 }
 
+/// Widest row the vectorized backward takes: it keeps five fp32 arrays of the row in registers,
+/// and beyond this a block of them no longer fits the SM's 64K registers.
+pub const VECTORIZED_BWD_MAX_COLS: usize = 8192;
+
 /// Whether the `vectorized` CUDA variant can take this problem, or why not.
 pub fn vectorized_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
     crate::core::cuda::rows::vectorized_unfit(p.cols, p.dtype, ptrs)
 }
 
-fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<VariantInfo> {
+/// The same for the backward pass.
+pub fn vectorized_bwd_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
+    if p.cols > VECTORIZED_BWD_MAX_COLS {
+        return Some(format!(
+            "backward needs cols ≤ {VECTORIZED_BWD_MAX_COLS} (got {})",
+            p.cols
+        ));
+    }
+    vectorized_fits(p, ptrs)
+}
+
+fn select(
+    p: &Problem,
+    requested: Option<&str>,
+    ptrs: &[u64],
+    backward: bool,
+) -> Result<VariantInfo> {
     let vs = variants();
     let arch = match p.device {
         Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
@@ -365,7 +385,13 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<VariantI
         arch,
         |v| {
             (v.backend == Backend::Cuda && v.name == "vectorized")
-                .then(|| vectorized_fits(p, ptrs))
+                .then(|| {
+                    if backward {
+                        vectorized_bwd_fits(p, ptrs)
+                    } else {
+                        vectorized_fits(p, ptrs)
+                    }
+                })
                 .flatten()
         },
     )?;
@@ -384,7 +410,7 @@ pub fn forward_into(kind: NormKind, i: &Fwd, o: &FwdOut, opts: &NormOptions) -> 
     } else {
         vec![]
     };
-    let v = select(&p, opts.variant.as_deref(), &ptrs)?;
+    let v = select(&p, opts.variant.as_deref(), &ptrs, false)?;
     match p.device {
         Device::Cpu => cpu::forward(v.name, &p, i, o, opts.eps),
         Device::Cuda(_) => cuda::forward(v.name, &p, i, o, opts),
@@ -399,7 +425,7 @@ pub fn backward_into(kind: NormKind, i: &Bwd, o: &BwdOut, opts: &NormOptions) ->
     } else {
         vec![]
     };
-    let v = select(&p, opts.variant.as_deref(), &ptrs)?;
+    let v = select(&p, opts.variant.as_deref(), &ptrs, true)?;
     match p.device {
         Device::Cpu => cpu::backward(v.name, &p, i, o),
         Device::Cuda(_) => cuda::backward(v.name, &p, i, o, opts),

@@ -3,7 +3,7 @@
 
 use super::cuda as sc;
 use super::{variants, Problem, SoftmaxOptions, OP};
-use crate::core::cuda::{device, rows, CudaDevice};
+use crate::core::cuda::{device, CudaDevice};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
@@ -142,7 +142,9 @@ fn bench_gpu(
                     .iter()
                     .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
                 {
-                    if v.name == "vectorized" && rows::vectorized_unfit(c, dtype, &[]).is_some() {
+                    if v.name == "vectorized"
+                        && super::vectorized_unfit(&p, &[], backward).is_some()
+                    {
                         continue;
                     }
                     let dir = if backward { "bwd" } else { "fwd" };

@@ -35,7 +35,7 @@ pub fn variants() -> Vec<VariantInfo> {
             backend: Backend::Cuda,
             dtypes: FLOATS,
             min_arch: Some(Arch::SM80),
-            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit); 16-byte aligned tensors",
+            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit), backward ≤ 16384; 16-byte aligned tensors",
             summary: "the row in registers after one 16-byte-load read: one read, one write",
             rank: 2,
         },
@@ -123,7 +123,27 @@ fn validate(
     })
 }
 
-fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static str> {
+/// Widest row the vectorized backward takes (dy and y both held in registers; wider blocks no
+/// longer fit the SM's 64K registers).
+pub const VECTORIZED_BWD_MAX_COLS: usize = 16384;
+
+/// Why the vectorized kernel cannot take this problem (forward or backward), if so.
+pub fn vectorized_unfit(p: &Problem, ptrs: &[u64], backward: bool) -> Option<String> {
+    if backward && p.cols > VECTORIZED_BWD_MAX_COLS {
+        return Some(format!(
+            "backward needs cols ≤ {VECTORIZED_BWD_MAX_COLS} (got {})",
+            p.cols
+        ));
+    }
+    rows::vectorized_unfit(p.cols, p.dtype, ptrs)
+}
+
+fn select(
+    p: &Problem,
+    requested: Option<&str>,
+    ptrs: &[u64],
+    backward: bool,
+) -> Result<&'static str> {
     let vs = variants();
     let arch = match p.device {
         Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
@@ -138,7 +158,7 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static
         arch,
         |v| {
             (v.backend == Backend::Cuda && v.name == "vectorized")
-                .then(|| rows::vectorized_unfit(p.cols, p.dtype, ptrs))
+                .then(|| vectorized_unfit(p, ptrs, backward))
                 .flatten()
         },
     )?;
@@ -156,7 +176,7 @@ fn ptrs(p: &Problem, ts: &[&Tensor]) -> Result<Vec<u64>> {
 /// y = softmax(scale·x) into a caller-provided y.
 pub fn softmax_into(x: &Tensor, y: &Tensor, opts: &SoftmaxOptions) -> Result<()> {
     let p = validate(OP, &[("x", x)], &[("y", y)], opts.scale)?;
-    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[x, y])?)?;
+    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[x, y])?, false)?;
     match p.device {
         Device::Cpu => cpu::forward(v, &p, x, y, opts.scale),
         Device::Cuda(_) => cuda::forward(v, &p, x, y, opts),
@@ -176,7 +196,7 @@ pub fn softmax_backward_into(
         &[("dx", dx)],
         opts.scale,
     )?;
-    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[dy, y, dx])?)?;
+    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[dy, y, dx])?, true)?;
     match p.device {
         Device::Cpu => cpu::backward(v, &p, dy, y, dx, opts.scale),
         Device::Cuda(_) => cuda::backward(v, &p, dy, y, dx, opts),
