@@ -19,6 +19,10 @@
 //!     `warptile` (warp tiles, register prefetch). `naive` also takes f16/bf16.
 //!   - tensor cores, sm_80+ (bf16, f16; f32 as tf32 only under `Precision::Tf32`): `mma`
 //!     (mma.sync + ldmatrix, one cp.async stage) → `mma_pipelined` (4-stage cp.async ring).
+//!   - Hopper, sm_90a (bf16, f16): `wgmma` (TMA into swizzled shared memory on an mbarrier
+//!     ring, warpgroup MMA, producer/consumer warpgroups, persistent grid, 2-block clusters
+//!     multicasting B). It needs 16-byte aligned operand rows (TMA) and declines other
+//!     layouts; `mma_pipelined` is the fallback.
 
 pub mod bench;
 pub mod check;
@@ -147,8 +151,26 @@ pub fn variants() -> Vec<VariantInfo> {
             "mma with a 4-stage cp.async ring: the copy of slice k+3 overlaps the math of slice k",
             9,
         ),
+        VariantInfo {
+            name: "wgmma",
+            backend: Backend::Cuda,
+            dtypes: HALVES,
+            min_arch: Some(crate::core::device::Arch::SM90),
+            constraints: WGMMA_CONSTRAINTS,
+            summary: "Hopper: TMA loads into 128B-swizzled smem (4-stage mbarrier ring), wgmma m64n256k16 \
+                from shared memory, 1 producer + 2 consumer warpgroups (setmaxnreg), persistent grid, \
+                clusters of 2 multicasting B",
+            rank: 10,
+        },
     ]
 }
+
+const HALVES: &[DType] = &[DType::F16, DType::BF16];
+const WGMMA_CONSTRAINTS: &str =
+    "sm_90a (Hopper only: compute capability 9.x); bf16/f16 only; any shape, any layout (NN/NT/TN/TT), \
+    batches and broadcast; A and B need 16-byte aligned rows for TMA: base 16-byte aligned, ld and \
+    batch stride multiples of 8 elements (declined otherwise; chosen by default, an unaligned base \
+    falls back to mma_pipelined)";
 
 const VEC_CONSTRAINTS: &str = "any shape, any layout; 128-bit loads where an operand's rows are \
     16-byte aligned (base, ld and batch stride), predicated scalar loads otherwise";
@@ -467,6 +489,14 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         arch,
         |v| {
             let tensor_core = v.backend == Backend::Cuda && cuda::tensor_core(v.name);
+            if v.backend == Backend::Cuda && v.name == "wgmma" {
+                if arch.is_some_and(|a| a.major != 9) {
+                    return Some(cuda::WGMMA_ARCH.to_string());
+                }
+                if let Some(why) = cuda::wgmma_declines(g) {
+                    return Some(why);
+                }
+            }
             match prec {
                 Precision::Tf32 if !tensor_core => {
                     Some("has no tf32 mode (tensor-core variants do)".to_string())

@@ -1,0 +1,391 @@
+// matmul/wgmma — step 10 of the CUDA ladder: Hopper warpgroup MMA fed by the tensor memory
+// accelerator (sm_90a only; bf16 and f16 in, fp32 accumulate).
+//
+// What changes vs `mma_pipelined` (mma.sync m16n8k16 + ldmatrix + 4-stage cp.async, 8 warps that
+// all both copy and compute):
+// - Copies: one thread issues `cp.async.bulk.tensor.3d` (TMA) per operand box; the copy engine
+//   computes the addresses, zero-fills everything outside the matrix (so any m, n, k works with
+//   no predicates in the loop) and writes the tile 128-byte swizzled, the layout wgmma reads
+//   without bank conflicts. Completion is counted in bytes on an mbarrier (`expect_tx`).
+// - Math: `wgmma.mma_async.m64n256k16` — one instruction per warpgroup (4 warps) multiplies a
+//   64×16 slice of A by a 16×256 slice of B straight out of shared memory (no ldmatrix, no
+//   fragment registers), asynchronously; the only registers are the 128 fp32 accumulators per
+//   thread. It runs at Hopper's full tensor rate, which mma.sync cannot reach (≈ 2× per SM).
+// - Warp specialisation: block = 3 warpgroups (384 threads). Warpgroup 0 is the producer: it
+//   gives registers back (`setmaxnreg.dec` 40) and one of its threads keeps a ring of FE_STAGES
+//   (4) stages of A 128×64 + B 64×256 (48 KiB each) full. Warpgroups 1 and 2 are consumers
+//   (`setmaxnreg.inc` 232): each owns 64 rows × 256 columns of the 128×256 C tile, waits on the
+//   stage's `full` barrier, issues 4 wgmmas (k = 64), commits, keeps one wgmma group in flight
+//   (`wgmma.wait_group 1`) and then releases the previous stage on its `empty` barrier.
+// - Persistent grid: one block per SM walks the C tiles (index += gridDim.x) in a grouped order
+//   (8 row tiles × all column tiles per group) so that the tiles in flight at once share A rows
+//   and B columns in L2. The producer runs ahead into the next tile while the consumers write
+//   the previous one (alpha/beta epilogue straight from the accumulators, predicated at edges,
+//   beta == 0 never reads C).
+// - Clusters (-DFE_CLUSTER=2, the default the host launches): two blocks on vertically adjacent
+//   tiles share every B tile; each loads half of it with `.multicast::cluster` into both blocks'
+//   rings, so B reads from L2 are halved. A stage is then free only when the consumers of both
+//   blocks released it: each consumer warp arrives on the `empty` barrier of every block of the
+//   cluster (`mapa` + remote arrive), and the `full` barrier of each block counts the bytes of
+//   its own A plus both halves of B.
+// Layouts (specialised by -DFE_A_TRANS / -DFE_B_TRANS): an operand whose contiguous dimension is k
+// is loaded as one box and read K-major; one whose contiguous dimension is m or n (A transposed,
+// B not) is loaded as 64-wide boxes and read MN-major (the wgmma transpose bit): all four
+// layouts NN/NT/TN/TT. Batches are the third tensor-map dimension (broadcast: extent 1).
+// TMA needs 16-byte aligned bases and leading dims / batch strides that are multiples of 16
+// bytes; the host declines anything else (mma_pipelined runs it).
+// Prediction (H100, 4096³ bf16): ≈ 2.5–3.5× mma_pipelined, 0.7–0.9× cuBLAS. Measured there
+// (2026-11-22): 3.2× mma_pipelined, 0.89–1.0× cuBLAS at 4096³ and 0.81–0.96× at 8192³ (medians
+// vary between runs; minimums match cuBLAS). Not done yet: an epilogue that overlaps the next
+// tile's math (TMA store or ping-pong consumers), last-wave balancing, autotuned tile shapes.
+
+#ifndef FE_A_TRANS
+#define FE_A_TRANS 0
+#endif
+#ifndef FE_B_TRANS
+#define FE_B_TRANS 0
+#endif
+#ifndef FE_STAGES
+#define FE_STAGES 4
+#endif
+// Blocks per cluster along m (1 or 2): with 2, the pair shares each B tile, every block loading
+// half of it and multicasting it into both blocks' shared memory.
+#ifndef FE_CLUSTER
+#define FE_CLUSTER 1
+#endif
+#ifndef FE_WGMMA_BF16
+#define FE_WGMMA_BF16 1
+#endif
+#if FE_WGMMA_BF16
+#define FE_WG_TY "bf16"
+#else
+#define FE_WG_TY "f16"
+#endif
+
+// The CUtensorMap the host encodes (cuTensorMapEncodeTiled), passed by value.
+struct alignas(64) TmaDesc {
+  unsigned long long v[16];
+};
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = FE_STAGES, CL = FE_CLUSTER;
+static_assert(CL == 1 || CL == 2, "cluster of 1 or 2 blocks");
+constexpr int NTHREADS = 384;
+constexpr int A_MN = FE_A_TRANS;      // A stored m-contiguous: MN-major smem operand
+constexpr int B_MN = FE_B_TRANS ? 0 : 1;  // B stored n-contiguous (not transposed): MN-major
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows: 8 KiB
+static_assert(sizeof(T) == 2, "wgmma kernel is for 16-bit inputs");
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, P1;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
+                                         int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// The same box into the same shared offset of every block in `mask`, completing on each one's
+// barrier at the same offset.
+__device__ __forceinline__ void tma_load_mc(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
+                                            int c1, int c2, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
+      : "memory");
+}
+// Arrives on the barrier at shared offset `bar` of cluster block `rank`.
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+               : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128B swizzle.
+__device__ __forceinline__ u64 smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+         ((u64)((sbo >> 4) & 0x3FFF) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
+__device__ __forceinline__ void acc_fence(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64×256 fp32, wgmma accumulator layout) += A(64×16, desc da) · B(16×256, desc db).
+__device__ __forceinline__ void wgmma_256(float (&d)[128], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+        "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+        "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+        "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+        "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+}
+
+// Tile t of the persistent walk: batch z, row tile tm, column tile tn (grouped order).
+__device__ __forceinline__ void tile_of(i64 t, i64 tiles_m, i64 tiles_n, i64 group_m, i64& z,
+                                        i64& tm, i64& tn) {
+  const i64 per = tiles_m * tiles_n;
+  z = t / per;
+  const i64 r = t - z * per;
+  const i64 group = group_m * tiles_n;
+  const i64 g = r / group;
+  const i64 first = g * group_m;
+  const i64 gm = min(group_m, tiles_m - first);
+  const i64 q = r - g * group;
+  tm = first + q % gm;
+  tn = q / gm;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+#if FE_CLUSTER > 1
+    __cluster_dims__(FE_CLUSTER, 1, 1)
+#endif
+    matmul_wgmma(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
+                 const __grid_constant__ TmaDesc tma_b, int group_m) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned raw = smem_u32(smem_raw);
+  const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
+  const unsigned full0 = base + STAGES * STAGE_BYTES;  // full[s] at full0 + 8s
+  const unsigned empty0 = full0 + STAGES * 8;          // empty[s] at empty0 + 8s
+
+  // The walk is over cluster tiles (CL·BM rows × BN): block `rank` of a cluster takes row tile
+  // CL·tm + rank (past the last row tile it computes zeros and writes nothing).
+  const i64 tiles_m = ceil_div(ceil_div(m, BM), CL), tiles_n = ceil_div(n, BN);
+  const i64 total = tiles_m * tiles_n * batch;
+  const unsigned rank = CL > 1 ? cluster_rank() : 0;
+  const i64 first_tile = blockIdx.x / CL, tile_step = gridDim.x / CL;
+  const int ktiles = (int)ceil_div(k, BK);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 8 * CL);  // one arrival per consumer warp of the cluster
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  if (CL > 1)
+    cluster_sync();  // the peer's barriers are initialised before anyone arrives on them
+  else
+    __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
+      int s = 0;
+      unsigned ph = 0;
+      for (i64 t = first_tile; t < total; t += tile_step) {
+        i64 z, tm, tn;
+        tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
+        tm = tm * CL + rank;
+        const int m0 = (int)(tm * BM), n0 = (int)(tn * BN);
+        const int za = stride_a ? (int)z : 0, zb = stride_b ? (int)z : 0;
+        for (int kt = 0; kt < ktiles; ++kt) {
+          mbar_wait(empty0 + 8 * s, ph ^ 1);
+          const unsigned bar = full0 + 8 * s;
+          mbar_expect_tx(bar, STAGE_BYTES);
+          const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
+          const int k0 = kt * BK;
+          if (A_MN) {
+            tma_load(sa, &tma_a, bar, m0, k0, za);
+            tma_load(sa + BOX64, &tma_a, bar, m0 + 64, k0, za);
+          } else {
+            tma_load(sa, &tma_a, bar, k0, m0, za);
+          }
+          if (CL == 1) {
+            if (B_MN) {
+#pragma unroll
+              for (int i = 0; i < BN / 64; ++i)
+                tma_load(sb + i * BOX64, &tma_b, bar, n0 + 64 * i, k0, zb);
+            } else {
+              tma_load(sb, &tma_b, bar, k0, n0, zb);
+            }
+          } else {
+            // This block's share of B (columns rank·BN/CL ...), multicast to the whole cluster.
+            constexpr unsigned short all = (1u << CL) - 1;
+            constexpr int bn = BN / CL;
+            if (B_MN) {
+#pragma unroll
+              for (int i = 0; i < bn / 64; ++i) {
+                const int col = (int)rank * bn + 64 * i;
+                tma_load_mc(sb + col / 64 * BOX64, &tma_b, bar, n0 + col, k0, zb, all);
+              }
+            } else {
+              tma_load_mc(sb + rank * (B_BYTES / CL), &tma_b, bar, k0, n0 + (int)rank * bn, zb, all);
+            }
+          }
+          if (++s == STAGES) {
+            s = 0;
+            ph ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int c = wg - 1;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const bool pair_ok = ((u64)C % 4 == 0) && (ldc % 2 == 0) && (stride_c % 2 == 0);
+    // A stage is free again once every consumer warp of the cluster is done with it (the
+    // peers' producers multicast into it too).
+    auto release = [](unsigned bar) {
+      if (CL == 1) {
+        mbar_arrive(bar);
+      } else {
+#pragma unroll
+        for (int r = 0; r < CL; ++r) mbar_arrive_cluster(bar, r);
+      }
+    };
+    float d[128];
+    int s = 0;
+    unsigned ph = 0;
+    for (i64 t = first_tile; t < total; t += tile_step) {
+      i64 z, tm, tn;
+      tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
+      tm = tm * CL + rank;
+#pragma unroll
+      for (int i = 0; i < 128; ++i) d[i] = 0.f;
+      acc_fence(d);
+      int prev = -1;
+      for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(full0 + 8 * s, ph);
+        const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          const u64 da = A_MN ? smem_desc(sa + c * BOX64 + kk * 2048, BOX64, 1024)
+                              : smem_desc(sa + c * BOX64 + kk * 32, 16, 1024);
+          const u64 db = B_MN ? smem_desc(sb + kk * 2048, BOX64, 1024)
+                              : smem_desc(sb + kk * 32, 16, 1024);
+          wgmma_256(d, da, db, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
+        prev = s;
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+      wgmma_wait<0>();
+      acc_fence(d);
+      if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
+
+      // Epilogue: thread holds rows r, r+8 and column pairs 8j + 2(lane%4) of its warp's 16 rows.
+      const i64 row0 = tm * BM + c * 64 + warp * 16 + lane / 4;
+      const i64 col0 = tn * BN + 2 * (lane % 4);
+      T* Cz = C + z * stride_c;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const i64 col = col0 + 8 * j;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const i64 row = row0 + 8 * i;
+          if (row < m && col < n) {
+            T* p = Cz + row * ldc + col;
+            const float a0 = d[4 * j + 2 * i], a1 = d[4 * j + 2 * i + 1];
+            if (pair_ok && col + 1 < n) {
+              float v0 = alpha * a0, v1 = alpha * a1;
+              if (beta != 0.f) {
+                v0 = fmaf(beta, to_float(p[0]), v0);
+                v1 = fmaf(beta, to_float(p[1]), v1);
+              }
+              struct alignas(4) Pair { T x, y; };
+              *reinterpret_cast<Pair*>(p) = Pair{from_float<T>(v0), from_float<T>(v1)};
+            } else {
+              fe_store(p, a0, alpha, beta);
+              if (col + 1 < n) fe_store(p + 1, a1, alpha, beta);
+            }
+          }
+        }
+      }
+    }
+  }
+  // No block leaves while its peer may still arrive on its barriers.
+  if (CL > 1) cluster_sync();
+}
