@@ -4,6 +4,8 @@
 # writes at most 8 files into $OUT: suite.log, check.{txt,json}, bench.{txt,json,svg},
 # data-bench.json, torch_peers.json.
 #   bash .gpu-bundle/run.sh [quick|full] [extra ferrite bench args...]
+# FERRITE_SANITIZE=1 adds a compute-sanitizer memcheck pass; FERRITE_SKIP_DATA=1 and
+# FERRITE_SKIP_PEERS=1 leave out the data bench and the PyTorch peers.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 mode=${1:-full}; shift || true
@@ -45,11 +47,13 @@ step "bench all"
 "$here/bin/ferrite" bench all "${quick[@]}" --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.svg" "$@" > "$OUT/bench.txt" 2>&1 || status=1
 cat "$OUT/bench.txt"
 
+if [ "${FERRITE_SKIP_DATA:-0}" != 1 ]; then
 step "data: raw read ceiling, loader to host and GPU, simulated training loop"
 data_dir=${FERRITE_DATA_DIR:-/tmp/ferrite-data}
 "$here/bin/ferrite" data bench "$data_dir" --synthetic "$([ "$mode" = quick ] && echo 2 || echo 8)" --device cuda:0 --json "$OUT/data-bench.json" 2>&1 | tee -a "$log" || status=1
+fi
 
-if [ "$mode" = full ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+if [ "$mode" = full ] && [ "${FERRITE_SKIP_PEERS:-0}" != 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   step "PyTorch peers (norm, softmax) vs ferrite's best, same machine, same run"
   python3 "$here/torch_peers.py" "$OUT/bench.json" "$OUT/torch_peers.json" 2>&1 | tee -a "$log" || status=1
 fi
