@@ -17,9 +17,11 @@ for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
-        print(m["target"]["name"] + "\t" + m["executable"])
+        # package-target: the library tests and the CLI binary tests share the name ferrite.
+        pkg = m["package_id"].split("#")[0].rstrip("/").split("/")[-1].split("@")[0]
+        print(pkg + "-" + m["target"]["name"] + "\t" + m["executable"])
 ' | while IFS=$'\t' read -r name exe; do cp "$exe" "$out/tests/$name"; done
-rm -f "$out/tests/cli"  # drives the CLI by its build path; covered by CI
+rm -f "$out"/tests/*-cli  # drives the CLI by its build path; covered by CI
 cp scripts/gpu-suite/run.sh scripts/gpu-suite/torch_peers.py "$out/"
 strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
 size=$(du -sm "$out" | cut -f1)
