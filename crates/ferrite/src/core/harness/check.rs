@@ -161,6 +161,46 @@ impl CheckRecord {
     }
 }
 
+/// Every device this process can run on: the CPU, and the first GPU when CUDA is available.
+pub fn devices_present() -> Vec<crate::core::device::Device> {
+    let mut d = vec![Device::Cpu];
+    match crate::core::cuda::availability() {
+        Ok(_) => d.push(Device::Cuda(0)),
+        Err(e) => eprintln!("GPU cases not run: {e}"),
+    }
+    d
+}
+
+/// The unit tests' use of a family's check: the quick case set on every device present with a
+/// fresh seed; panics with the table (and the seed, to reproduce) unless every case passed and
+/// at least `min_records` ran. Returns the records.
+pub fn assert_quick_check_passes(
+    run: impl Fn(&CheckConfig, &mut Vec<CheckRecord>) -> crate::core::error::Result<()>,
+    min_records: usize,
+) -> Vec<CheckRecord> {
+    let cfg = CheckConfig {
+        devices: devices_present(),
+        variants: vec![],
+        dtypes: vec![],
+        seed: crate::core::rng::Rng::fresh_seed(),
+        quick: true,
+    };
+    let mut recs = Vec::new();
+    run(&cfg, &mut recs).expect("check run");
+    assert!(
+        recs.len() >= min_records,
+        "only {} check records (expected ≥ {min_records})",
+        recs.len()
+    );
+    assert!(
+        recs.iter().all(|r| r.pass),
+        "failures (seed {}):\n{}",
+        cfg.seed,
+        super::report::check_table(&recs)
+    );
+    recs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,41 +1,16 @@
 //! matmul tests: the check harness on every device present, and every bad input.
 
 use super::*;
-use crate::core::harness::CheckConfig;
-use crate::core::rng::Rng;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Cpu];
-    if crate::core::cuda::availability().is_ok() {
-        d.push(Device::Cuda(0));
-    } else {
-        eprintln!("matmul tests: CUDA unavailable, GPU cases not run");
-    }
-    d
-}
 
 #[test]
 fn every_variant_passes_check() {
-    let cfg = CheckConfig {
-        devices: devices(),
-        variants: vec![],
-        dtypes: vec![],
-        seed: Rng::fresh_seed(),
-        quick: true,
-    };
-    let mut recs = Vec::new();
-    check::run(&cfg, &mut recs).unwrap();
-    let cpu_variants = variants()
-        .iter()
-        .filter(|v| v.backend == Backend::Cpu)
-        .count();
-    assert!(recs.len() >= cpu_variants * check::cases(true).len());
-    let bad: Vec<_> = recs.iter().filter(|r| !r.pass).collect();
-    assert!(
-        bad.is_empty(),
-        "failures (seed {}):\n{}",
-        cfg.seed,
-        crate::core::harness::report::check_table(&recs)
+    crate::core::harness::check::assert_quick_check_passes(
+        check::run,
+        variants()
+            .iter()
+            .filter(|v| v.backend == Backend::Cpu)
+            .count()
+            * check::cases(true).len(),
     );
 }
 

@@ -1,34 +1,12 @@
 //! norm tests: the check harness on every device present, determinism, and every bad input.
 
 use super::*;
-use crate::core::harness::CheckConfig;
-use crate::core::rng::Rng;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Cpu];
-    if crate::core::cuda::availability().is_ok() {
-        d.push(Device::Cuda(0));
-    }
-    d
-}
 
 #[test]
 fn every_variant_passes_check() {
-    let cfg = CheckConfig {
-        devices: devices(),
-        variants: vec![],
-        dtypes: vec![],
-        seed: Rng::fresh_seed(),
-        quick: true,
-    };
-    let mut recs = Vec::new();
-    check::run(&cfg, &mut recs).unwrap();
-    assert!(recs.len() >= 2 * 3 * check::cases(true).len());
-    assert!(
-        recs.iter().all(|r| r.pass),
-        "seed {}:\n{}",
-        cfg.seed,
-        crate::core::harness::report::check_table(&recs)
+    crate::core::harness::check::assert_quick_check_passes(
+        check::run,
+        2 * 3 * check::cases(true).len(),
     );
 }
 

@@ -1,30 +1,12 @@
 //! softmax tests: the check harness on every device present, and bad input.
 
 use super::*;
-use crate::core::harness::CheckConfig;
-use crate::core::rng::Rng;
 
 #[test]
 fn every_variant_passes_check() {
-    let mut devices = vec![Device::Cpu];
-    if crate::core::cuda::availability().is_ok() {
-        devices.push(Device::Cuda(0));
-    }
-    let cfg = CheckConfig {
-        devices,
-        variants: vec![],
-        dtypes: vec![],
-        seed: Rng::fresh_seed(),
-        quick: true,
-    };
-    let mut recs = Vec::new();
-    check::run(&cfg, &mut recs).unwrap();
-    assert!(recs.len() >= 2 * 3 * check::cases(true).len());
-    assert!(
-        recs.iter().all(|r| r.pass),
-        "seed {}:\n{}",
-        cfg.seed,
-        crate::core::harness::report::check_table(&recs)
+    crate::core::harness::check::assert_quick_check_passes(
+        check::run,
+        2 * 3 * check::cases(true).len(),
     );
 }
 
