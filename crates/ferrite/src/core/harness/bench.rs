@@ -82,6 +82,26 @@ pub fn time_cpu(budget: Budget, mut f: impl FnMut()) -> Stats {
     Stats::from_samples(samples)
 }
 
+/// Times an op that can fail on the CPU: the first error stops the measurement and is returned.
+pub fn time_cpu_op(budget: Budget, mut f: impl FnMut() -> Result<()>) -> Result<Stats> {
+    let mut err = None;
+    let stats = time_cpu(budget, || {
+        if err.is_none() {
+            err = f().err();
+        }
+    });
+    err.map_or(Ok(stats), Err)
+}
+
+/// The `config` column of a CPU record: how many threads the variant used.
+pub fn cpu_threads_note(parallel: bool) -> String {
+    if parallel {
+        format!("{} threads", rayon::current_num_threads())
+    } else {
+        "1 thread".into()
+    }
+}
+
 /// Times `f(rep)` on `stream` with an event pair per repeat; `rep` lets the caller rotate inputs.
 /// Repeats are queued in batches and read back after each batch, so host gaps don't count.
 pub fn time_gpu(

@@ -8,7 +8,9 @@ use crate::core::cuda::{device, CudaDevice};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
-use crate::core::harness::bench::{relate, time_cpu, time_gpu, BenchRecord, Budget};
+use crate::core::harness::bench::{
+    cpu_threads_note, relate, time_cpu_op, time_gpu, BenchRecord, Budget,
+};
 use crate::core::harness::{BenchConfig, Ceilings};
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
@@ -101,15 +103,7 @@ fn bench_cpu(
                     mean: None,
                     rstd: None,
                 };
-                let mut err = None;
-                let s = time_cpu(Budget::cpu(), || {
-                    if let Err(e) = super::forward_into(kind, &i, &o, &opts) {
-                        err = Some(e);
-                    }
-                });
-                if let Some(e) = err {
-                    return Err(e);
-                }
+                let s = time_cpu_op(Budget::cpu(), || super::forward_into(kind, &i, &o, &opts))?;
                 let mut r = BenchRecord::new(
                     Device::Cpu,
                     &name,
@@ -121,11 +115,7 @@ fn bench_cpu(
                     0.0,
                     bytes(&p, false),
                 );
-                r.config = if v.name == "parallel" {
-                    format!("{} threads", rayon::current_num_threads())
-                } else {
-                    "1 thread".into()
-                };
+                r.config = cpu_threads_note(v.name == "parallel");
                 group.push(r);
             }
             relate(&mut group, "naive", None);

@@ -7,7 +7,9 @@ use crate::core::cuda::{device, CudaDevice};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
-use crate::core::harness::bench::{relate, time_cpu, time_gpu, BenchRecord, Budget};
+use crate::core::harness::bench::{
+    cpu_threads_note, relate, time_cpu_op, time_gpu, BenchRecord, Budget,
+};
 use crate::core::harness::{BenchConfig, Ceilings};
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
@@ -65,13 +67,7 @@ fn bench_cpu(
                 variant: Some(v.name.into()),
                 ..Default::default()
             };
-            let mut err = None;
-            let s = time_cpu(Budget::cpu(), || {
-                err = super::softmax_into(&x, &y, &opts).err()
-            });
-            if let Some(e) = err {
-                return Err(e);
-            }
+            let s = time_cpu_op(Budget::cpu(), || super::softmax_into(&x, &y, &opts))?;
             let mut rec = BenchRecord::new(
                 Device::Cpu,
                 &crate::ops::matmul::bench::cpu_name(),
@@ -83,11 +79,7 @@ fn bench_cpu(
                 0.0,
                 8.0 * (r * c) as f64,
             );
-            rec.config = if v.name == "parallel" {
-                format!("{} threads", rayon::current_num_threads())
-            } else {
-                "1 thread".into()
-            };
+            rec.config = cpu_threads_note(v.name == "parallel");
             group.push(rec);
         }
         relate(&mut group, "naive", None);
