@@ -56,7 +56,7 @@ pub fn variants() -> Vec<VariantInfo> {
             backend: Backend::Cuda,
             dtypes: FLOATS,
             min_arch: Some(Arch::SM80),
-            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit), backward ≤ 8192; 16-byte aligned tensors",
+            constraints: "cols a multiple of 16 bytes, ≤ 16384 (f32) / 32768 (16-bit), backward ≤ 4096 (f32) / 8192 (16-bit); 16-byte aligned tensors",
             summary: "row in registers after one 16-byte-load pass; backward accumulates dw/db per block in registers",
             rank: 2,
         },
@@ -345,9 +345,15 @@ pub fn validate_bwd(kind: NormKind, i: &Bwd, o: &BwdOut) -> Result<Problem> {
     Ok(p)
 }
 
-/// Widest row the vectorized backward takes: it keeps five fp32 arrays of the row in registers,
-/// and beyond this a block of them no longer fits the SM's 64K registers.
-pub const VECTORIZED_BWD_MAX_COLS: usize = 8192;
+/// Widest row the vectorized backward takes: it keeps five fp32 arrays of the row (and the next
+/// row's raw vectors) in registers, and beyond this a block no longer fits the SM's 64K registers.
+pub fn vectorized_bwd_max_cols(dtype: DType) -> usize {
+    if dtype == DType::F32 {
+        4096
+    } else {
+        8192
+    }
+}
 
 /// Whether the `vectorized` CUDA variant can take this problem, or why not.
 pub fn vectorized_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
@@ -356,10 +362,11 @@ pub fn vectorized_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
 
 /// The same for the backward pass.
 pub fn vectorized_bwd_fits(p: &Problem, ptrs: &[u64]) -> Option<String> {
-    if p.cols > VECTORIZED_BWD_MAX_COLS {
+    let max = vectorized_bwd_max_cols(p.dtype);
+    if p.cols > max {
         return Some(format!(
-            "backward needs cols ≤ {VECTORIZED_BWD_MAX_COLS} (got {})",
-            p.cols
+            "backward needs cols ≤ {max} for {} (got {})",
+            p.dtype, p.cols
         ));
     }
     vectorized_fits(p, ptrs)

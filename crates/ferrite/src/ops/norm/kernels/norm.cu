@@ -19,6 +19,9 @@
 // backward, step 2 — norm_bwd_vec: a fixed grid of G blocks, each walking rows G apart with its
 //   columns' dw/db accumulated in registers; one G×cols partial per block, then the same fixed-order
 //   column sum. Deterministic (same bits every run on the same GPU) and ~one pass over dy, x, dx.
+//   The next row's dy and x are loaded before the current row's reduction (a two-row software
+//   pipeline): measured without it, bf16 reached 74–81% of copy with the loads idle during the
+//   barriers; prediction with it: ~90%.
 
 #include "ferrite.cuh"
 
@@ -208,21 +211,40 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
       dba[k][e] = 0.f;
     }
   }
+  // Software pipeline: the next row's dy and x are loaded (raw 16-byte vectors) before this
+  // row's reduction, so a block keeps loads in flight through its barriers.
+  Vec ca[FE_CHUNKS], cb[FE_CHUNKS];
+  float cmu = 0.f, crs = 0.f;
+  auto load_row = [&](i64 r, Vec* a, Vec* b, float& m_, float& s_) {
+    const Vec* dyr = reinterpret_cast<const Vec*>(dy + r * cols);
+    const Vec* xr = reinterpret_cast<const Vec*>(x + r * cols);
+#pragma unroll
+    for (int k = 0; k < FE_CHUNKS; ++k) {
+      const i64 i = threadIdx.x + (i64)k * blockDim.x;
+      if (i < nvec) {
+        a[k] = dyr[i];
+        b[k] = xr[i];
+      }
+    }
+    m_ = mean ? mean[r] : 0.f;
+    s_ = rstd[r];
+  };
+  if (blockIdx.x < rows) load_row(blockIdx.x, ca, cb, cmu, crs);
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const Vec* dyr = reinterpret_cast<const Vec*>(dy + row * cols);
-    const Vec* xr = reinterpret_cast<const Vec*>(x + row * cols);
-    const float mu = mean ? mean[row] : 0.f, rs = rstd[row];
+    Vec na[FE_CHUNKS], nb[FE_CHUNKS];
+    float nmu = 0.f, nrs = 0.f;
+    if (row + gridDim.x < rows) load_row(row + gridDim.x, na, nb, nmu, nrs);
+    const float mu = cmu, rs = crs;
     float d[FE_CHUNKS][VEC], xh[FE_CHUNKS][VEC];
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int k = 0; k < FE_CHUNKS; ++k) {
       const i64 i = threadIdx.x + (i64)k * blockDim.x;
       if (i < nvec) {
-        const Vec a = dyr[i], b = xr[i];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          d[k][e] = to_float(a.v[e]);
-          xh[k][e] = (to_float(b.v[e]) - mu) * rs;
+          d[k][e] = to_float(ca[k].v[e]);
+          xh[k][e] = (to_float(cb[k].v[e]) - mu) * rs;
           const float g = d[k][e] * wr[k][e];
           sg += g;
           sgx += g * xh[k][e];
@@ -249,6 +271,13 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
         dxr[i] = o;
       }
     }
+#pragma unroll
+    for (int k = 0; k < FE_CHUNKS; ++k) {
+      ca[k] = na[k];
+      cb[k] = nb[k];
+    }
+    cmu = nmu;
+    crs = nrs;
   }
 #pragma unroll
   for (int k = 0; k < FE_CHUNKS; ++k) {
