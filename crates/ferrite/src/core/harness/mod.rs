@@ -33,6 +33,22 @@ impl BenchConfig {
     pub fn wants_dtype(&self, d: DType) -> bool {
         self.dtypes.is_empty() || self.dtypes.contains(&d)
     }
+    /// The requested shapes as [rows, cols] (a single number means a square), or `default`.
+    pub fn shapes_2d(&self, default: [usize; 2]) -> Vec<[usize; 2]> {
+        if self.shapes.is_empty() {
+            return vec![default];
+        }
+        self.shapes
+            .iter()
+            .map(|s| {
+                if s.len() >= 2 {
+                    [s[0], s[1]]
+                } else {
+                    [s[0], s[0]]
+                }
+            })
+            .collect()
+    }
 }
 
 /// Machine ceilings measured at the start of a bench run.

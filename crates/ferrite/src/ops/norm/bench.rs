@@ -16,22 +16,6 @@ use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use std::sync::Arc;
 
-fn shapes(cfg: &BenchConfig, default: [usize; 2]) -> Vec<[usize; 2]> {
-    if cfg.shapes.is_empty() {
-        return vec![default];
-    }
-    cfg.shapes
-        .iter()
-        .map(|s| {
-            if s.len() >= 2 {
-                [s[0], s[1]]
-            } else {
-                [s[0], s[0]]
-            }
-        })
-        .collect()
-}
-
 pub fn run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,
@@ -69,7 +53,7 @@ fn bench_cpu(
         return Ok(());
     }
     let name = crate::ops::matmul::bench::cpu_name();
-    for [rows, cols] in shapes(cfg, if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
+    for [rows, cols] in cfg.shapes_2d(if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
         for kind in [NormKind::Rms, NormKind::Layer] {
             let p = Problem {
                 kind,
@@ -140,14 +124,11 @@ fn bench_gpu(
         .into_iter()
         .filter(|t| cfg.wants_dtype(*t))
     {
-        for [rows, cols] in shapes(
-            cfg,
-            if cfg.quick {
-                [4096, 4096]
-            } else {
-                [32768, 4096]
-            },
-        ) {
+        for [rows, cols] in cfg.shapes_2d(if cfg.quick {
+            [4096, 4096]
+        } else {
+            [32768, 4096]
+        }) {
             let x = Tensor::rand(&[rows, cols], dtype, d, 1, -1.0, 2.0)?;
             let dy = Tensor::rand(&[rows, cols], dtype, d, 2, -1.0, 1.0)?;
             let w = Tensor::rand(&[cols], dtype, d, 3, 0.5, 1.5)?;

@@ -15,22 +15,6 @@ use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use std::sync::Arc;
 
-fn shape(cfg: &BenchConfig, default: [usize; 2]) -> Vec<[usize; 2]> {
-    if cfg.shapes.is_empty() {
-        return vec![default];
-    }
-    cfg.shapes
-        .iter()
-        .map(|s| {
-            if s.len() >= 2 {
-                [s[0], s[1]]
-            } else {
-                [s[0], s[0]]
-            }
-        })
-        .collect()
-}
-
 pub fn run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,
@@ -54,7 +38,7 @@ fn bench_cpu(
     if !cfg.wants_dtype(DType::F32) {
         return Ok(());
     }
-    for [r, c] in shape(cfg, if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
+    for [r, c] in cfg.shapes_2d(if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
         let x = Tensor::rand(&[r, c], DType::F32, Device::Cpu, 1, -5.0, 5.0)?;
         let y = Tensor::empty(&[r, c], DType::F32, Device::Cpu)?;
         let mut group = Vec::new();
@@ -103,14 +87,11 @@ fn bench_gpu(
         .into_iter()
         .filter(|t| cfg.wants_dtype(*t))
     {
-        for [r, c] in shape(
-            cfg,
-            if cfg.quick {
-                [4096, 4096]
-            } else {
-                [32768, 4096]
-            },
-        ) {
+        for [r, c] in cfg.shapes_2d(if cfg.quick {
+            [4096, 4096]
+        } else {
+            [32768, 4096]
+        }) {
             let p = Problem {
                 rows: r,
                 cols: c,
