@@ -1,0 +1,681 @@
+// attention/flash — the `flash` rung: FlashAttention-2-style forward and backward on tensor cores
+// through mma.sync (sm_80+; runs on Hopper too, where the `hopper` rung is the faster one).
+//
+// Specialised by -DFE_ELEM (__half or __nv_bfloat16) and -DFE_HEAD_DIM (64, 96 or 128).
+//
+// Forward (`flash_fwd`): a block of 8 warps owns 128 query rows of one (sequence, head); each warp
+// owns 16 rows and keeps its Q fragments, its 16×D output accumulator and the running row max and
+// sum in registers. Key/value tiles of 64 rows stream through a 2-stage cp.async ring in shared
+// memory; per tile a warp computes S = Q·Kᵀ (mma m16n8k16, fp32 accumulate), applies scale,
+// soft-cap and the mask, rescales its output by exp(m_old − m_new) (online softmax), converts P
+// to 16-bit straight from the accumulator registers (an m16n8 accumulator pair is exactly an
+// m16n8k16 A-fragment half) and accumulates O += P·V with V fragments from ldmatrix.trans.
+// S is never written anywhere: memory O(S·D) instead of the naive rung's O(S²), and K/V are read
+// once per 128 queries instead of once per query.
+//
+// Backward (deterministic by construction, no atomics: two kernels instead of FA2's atomic dQ):
+// - `flash_bwd_dot`: Δ_i = Σ_d dO_i·O_i (fp32), one warp per row.
+// - `flash_bwd_dkdv`: a block of 4 warps owns 64 keys of one (sequence, kv head), 16 per warp,
+//   and loops over every query head of the group and every 32-query tile: it recomputes Sᵀ = K·Qᵀ
+//   and Pᵀ = exp(Sᵀ − lse), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − Δ), and accumulates dV += Pᵀ·dO and
+//   dK += dSᵀ·Q in registers (transposed products, so the accumulators of Pᵀ and dSᵀ are again
+//   A fragments). GQA's sum over the group happens in registers, in a fixed order.
+// - `flash_bwd_dq`: a block of 4 warps owns 64 query rows, 16 per warp, loops over 32-key tiles:
+//   recomputes S, P, dP = dO·Vᵀ, dS and accumulates dQ += dS·K.
+//   The price of determinism: QKᵀ and dO·Vᵀ are computed twice (7 GEMMs instead of 5).
+//
+// Edges: tiles are zero-filled past the end of a sequence (cp.async with src-size 0), masked
+// scores are −inf, a row that sees no key has l = 0 and gets o = 0 and lse = −inf. Index math is
+// 64-bit. Shared rows are padded by 16 bytes, which makes every ldmatrix bank-conflict-free.
+
+#include "ferrite.cuh"
+using namespace ferrite;
+
+#ifndef FE_ELEM
+#define FE_ELEM __nv_bfloat16
+#endif
+#ifndef FE_HEAD_DIM
+#define FE_HEAD_DIM 128
+#endif
+typedef FE_ELEM T;
+constexpr int D = FE_HEAD_DIM;
+constexpr int LDS = D + 8;  // padded shared row (elements)
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+constexpr bool IS_BF16 = IsBf16<T>::value;
+static_assert(D % 32 == 0 && D <= 128, "head dim 32, 64, 96 or 128");
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// ---- small PTX wrappers -----------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+// 16-byte global → shared copy; with valid == false nothing is read and 16 zero bytes are written.
+__device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(g),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+// d += a·b for one m16n8k16 tile, fp32 accumulate.
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (IS_BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// Two floats → one register of two 16-bit values (low half = x).
+__device__ __forceinline__ unsigned pack2(float x, float y) {
+  if constexpr (IS_BF16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<unsigned*>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+}
+__device__ __forceinline__ float2 unpack2(unsigned u) {
+  if constexpr (IS_BF16) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+}
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- problem geometry ---------------------------------------------------------------------------
+
+// Element strides (batch, seq, head) of one tensor; the head dim is contiguous.
+struct Strides {
+  i64 b, s, h;
+};
+
+// Where one sequence of the batch lives: first row in the (packed or padded) seq dimension, its
+// length, and the batch offset in elements for padded layouts.
+struct Seq {
+  i64 start, len;
+};
+__device__ __forceinline__ Seq seq_of(const int* cu, int b, int max_len) {
+  if (cu == nullptr) return Seq{0, max_len};
+  const int s0 = cu[b], s1 = cu[b + 1];
+  return Seq{s0, s1 - s0};
+}
+
+// Visible key range [lo, hi) for the query rows [r0, r1) of a sequence with lengths (sq, sk):
+// query i sits at position i + sk − sq (bottom-right alignment) and sees keys in
+// [pos − wl, pos + wr] (−1 = unbounded).
+__device__ __forceinline__ void key_range(i64 r0, i64 r1, i64 sq, i64 sk, i64 wl, i64 wr, i64& lo,
+                                          i64& hi) {
+  const i64 off = sk - sq;
+  lo = wl >= 0 ? max((i64)0, r0 + off - wl) : 0;
+  hi = wr >= 0 ? min(sk, r1 - 1 + off + wr + 1) : sk;
+}
+__device__ __forceinline__ bool visible(i64 i, i64 j, i64 off, i64 sk, i64 wl, i64 wr) {
+  const i64 pos = i + off;
+  return j < sk && (wl < 0 || j >= pos - wl) && (wr < 0 || j <= pos + wr);
+}
+
+// Copies rows [row0, row0 + R) of a [len, D] slab (row stride `ld` elements) into s[R][LDS],
+// zero-filling rows at or past `len`. NT threads.
+template <int R, int NT>
+__device__ __forceinline__ void load_rows(T* s, const T* __restrict__ g, i64 ld, i64 row0, i64 len) {
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  static_assert((R * CPR) % NT == 0, "whole chunks per thread");
+#pragma unroll
+  for (int q = 0; q < R * CPR / NT; ++q) {
+    const int e = threadIdx.x + q * NT;
+    const int r = e / CPR, c = (e % CPR) * 8;
+    const bool ok = row0 + r < len;
+    cp_async16(s + r * LDS + c, ok ? g + (row0 + r) * ld + c : g, ok);
+  }
+}
+
+// The scaled score in the log2 domain: s·scale·log2(e), or softcap·tanh(s·scale/softcap)·log2(e).
+struct ScoreMap {
+  float scale_log2, cap_in, cap_out_log2;
+  int capped;
+  __device__ __forceinline__ float operator()(float s) const {
+    return capped ? cap_out_log2 * tanh_fast(s * cap_in) : s * scale_log2;
+  }
+};
+
+// ---- forward ------------------------------------------------------------------------------------
+
+constexpr int F_BM = 128, F_BN = 64, F_WARPS = 8, F_NT = F_WARPS * 32;
+constexpr int F_SMEM = (F_BM + 4 * F_BN) * LDS * (int)sizeof(T);
+
+extern "C" __global__ void __launch_bounds__(F_NT, 1)
+flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+          T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ cu_q,
+          const int* __restrict__ cu_k, int hq, int hkv, int max_sq, int max_sk, Strides qs,
+          Strides ks, Strides vs, Strides os, i64 lse_rows, i64 wl, i64 wr, ScoreMap smap) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + F_BM * LDS;      // [2][F_BN][LDS]
+  T* sV = sK + 2 * F_BN * LDS;  // [2][F_BN][LDS]
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int hk = h / (hq / hkv);
+  const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
+  // Longest blocks first under a causal mask (the last query tiles see the most keys).
+  const i64 m0 = (i64)(gridDim.x - 1 - blockIdx.x) * F_BM;
+  if (m0 >= sq.len) return;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)h * qs.h;
+  const T* kb = k + (cu_k ? 0 : (i64)b * ks.b) + sk.start * ks.s + (i64)hk * ks.h;
+  const T* vb = v + (cu_k ? 0 : (i64)b * vs.b) + sk.start * vs.s + (i64)hk * vs.h;
+  T* ob = o + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)h * os.h;
+  const i64 off = sk.len - sq.len;
+
+  i64 lo, hi;
+  key_range(m0, min(m0 + F_BM, sq.len), sq.len, sk.len, wl, wr, lo, hi);
+  const i64 nb_lo = lo / F_BN, nb_hi = hi > lo ? (hi + F_BN - 1) / F_BN : nb_lo;
+
+  load_rows<F_BM, F_NT>(sQ, qb, qs.s, m0, sq.len);
+  cp_async_commit();
+  if (nb_lo < nb_hi) {
+    load_rows<F_BN, F_NT>(sK, kb, ks.s, nb_lo * F_BN, sk.len);
+    load_rows<F_BN, F_NT>(sV, vb, vs.s, nb_lo * F_BN, sk.len);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  // Q fragments of this warp's 16 rows, all of D.
+  unsigned qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldsm_x4(qf[kk], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const i64 row_g = m0 + warp * 16 + g;  // this thread's rows: row_g and row_g + 8
+
+  for (i64 nb = nb_lo; nb < nb_hi; ++nb) {
+    const int st = (int)((nb - nb_lo) & 1);
+    if (nb + 1 < nb_hi) {
+      load_rows<F_BN, F_NT>(sK + (st ^ 1) * F_BN * LDS, kb, ks.s, (nb + 1) * F_BN, sk.len);
+      load_rows<F_BN, F_NT>(sV + (st ^ 1) * F_BN * LDS, vb, vs.s, (nb + 1) * F_BN, sk.len);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile's K and V have landed
+    __syncthreads();
+    const T* cK = sK + st * F_BN * LDS;
+    const T* cV = sV + st * F_BN * LDS;
+
+    // S = Q·Kᵀ for 16 rows × 64 keys.
+    float s[F_BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < F_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < F_BN / 16; ++np) {
+        unsigned r[4];
+        ldsm_x4(r, cK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 +
+                       ((lane >> 3) & 1) * 8);
+        mma(s[2 * np], qf[kk], r[0], r[1]);
+        mma(s[2 * np + 1], qf[kk], r[2], r[3]);
+      }
+    }
+
+    // Scale (+ soft-cap) into the log2 domain and mask. A tile needs the per-element mask only
+    // where it crosses the end of the keys or a window edge for some row of the block.
+    const i64 n0 = nb * F_BN;
+    const i64 pos_min = m0 + off, pos_max = min(m0 + F_BM, sq.len) - 1 + off;
+    const bool full = n0 + F_BN <= sk.len && (wl < 0 || n0 >= pos_max - wl) &&
+                      (wr < 0 || n0 + F_BN - 1 <= pos_min + wr);
+#pragma unroll
+    for (int nt = 0; nt < F_BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = smap(s[nt][e]);
+        if (!full) {
+          const i64 i = row_g + (e >> 1) * 8, j = n0 + nt * 8 + 2 * t + (e & 1);
+          if (!visible(i, j, off, sk.len, wl, wr)) x = -INFINITY;
+        }
+        s[nt][e] = x;
+      }
+
+    // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is shared by a quad of lanes.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m_run[r];
+#pragma unroll
+      for (int nt = 0; nt < F_BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays 0
+      const float alpha = exp2f(m_run[r] - base);
+      m_run[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < F_BN / 8; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      l_run[r] = l_run[r] * alpha + sum;  // per-lane partial; the quad is summed at the end
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        acc[dt][2 * r] *= alpha;
+        acc[dt][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P·V: P's accumulator pairs are the A fragments; V through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < F_BN / 16; ++kk) {
+      const unsigned a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                             pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned r[4];
+        ldsm_x4_t(r, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 +
+                         (lane >> 4) * 8);
+        mma(acc[2 * dp], a, r[0], r[1]);
+        mma(acc[2 * dp + 1], a, r[2], r[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+  }
+
+  // Normalise and store: rows row_g, row_g + 8; columns 8·dt + 2t, +1 (one 32-bit store each).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const i64 row = row_g + r * 8;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (row < sq.len) {
+      T* orow = ob + row * os.s;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<unsigned*>(orow + dt * 8 + 2 * t) =
+            pack2(acc[dt][2 * r] * inv, acc[dt][2 * r + 1] * inv);
+      if (t == 0) {
+        const float val = l > 0.f ? (m_run[r] + log2f(l)) * LN2 : -INFINITY;
+        const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + row
+                             : ((i64)b * hq + h) * (i64)max_sq + row;
+        lse[idx] = val;
+      }
+    }
+  }
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+// Δ_i = Σ_d dO_i·O_i for every (row, head); one warp per row, stored like lse.
+extern "C" __global__ void flash_bwd_dot(const T* __restrict__ dout, const T* __restrict__ o,
+                                         float* __restrict__ delta, const int* __restrict__ cu_q,
+                                         int batch, int hq, int max_sq, Strides os, i64 lse_rows) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const i64 gw = (i64)blockIdx.x * (blockDim.x >> 5) + warp;  // over (b, h, i) of the padded grid
+  const i64 total = (i64)batch * hq * max_sq;
+  if (gw >= total) return;
+  const int b = (int)(gw / ((i64)hq * max_sq));
+  const int h = (int)((gw / max_sq) % hq);
+  const i64 i = gw % max_sq;
+  const Seq sq = seq_of(cu_q, b, max_sq);
+  if (i >= sq.len) return;
+  const i64 base = (cu_q ? 0 : (i64)b * os.b) + (sq.start + i) * os.s + (i64)h * os.h;
+  float acc = 0.f;
+  for (int d = lane * 2; d < D; d += 64) {
+    const float2 x = unpack2(*reinterpret_cast<const unsigned*>(dout + base + d));
+    const float2 y = unpack2(*reinterpret_cast<const unsigned*>(o + base + d));
+    acc += x.x * y.x + x.y * y.y;
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) {
+    const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + i : ((i64)b * hq + h) * (i64)max_sq + i;
+    delta[idx] = acc;
+  }
+}
+
+constexpr int B_WARPS = 4, B_NT = B_WARPS * 32;
+constexpr int KV_BN = 64;  // keys per dK/dV block (16 per warp)
+constexpr int KV_BM = 32;  // queries per inner tile
+constexpr int KV_SMEM = (2 * KV_BN + 2 * 2 * KV_BM) * LDS * (int)sizeof(T) + 2 * 2 * KV_BM * 4;
+
+// Stores a 16×D accumulator of a warp (rows r0 + g, r0 + g + 8) scaled by `mul` into g[row·ld + d],
+// rows at or past `len` skipped.
+__device__ __forceinline__ void store_acc(T* __restrict__ gp, i64 ld, i64 r0, i64 len,
+                                          const float (&acc)[D / 8][4], float mul) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 row = r0 + g + r * 8;
+    if (row >= len) continue;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<unsigned*>(gp + row * ld + dt * 8 + 2 * t) =
+          pack2(acc[dt][2 * r] * mul, acc[dt][2 * r + 1] * mul);
+  }
+}
+
+// The scores of one (query i, key j) after scale/soft-cap in the log2 domain, and the factor the
+// soft-cap's derivative puts on dS (1 − tanh²; 1 without soft-cap).
+__device__ __forceinline__ float capped_grad(const ScoreMap& m, float x_log2) {
+  if (!m.capped) return 1.f;
+  const float th = x_log2 / m.cap_out_log2;
+  return 1.f - th * th;
+}
+
+extern "C" __global__ void __launch_bounds__(B_NT, 1)
+flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               const T* __restrict__ dout, const float* __restrict__ lse,
+               const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+               const int* __restrict__ cu_q, const int* __restrict__ cu_k, int hq, int hkv,
+               int max_sq, int max_sk, Strides qs, Strides ks, Strides vs, Strides os,
+               Strides dks, Strides dvs, i64 lse_rows, i64 wl, i64 wr, ScoreMap smap,
+               float scale) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);  // [KV_BN][LDS]
+  T* sV = sK + KV_BN * LDS;                // [KV_BN][LDS]
+  T* sQ = sV + KV_BN * LDS;                // [2][KV_BM][LDS]
+  T* sdO = sQ + 2 * KV_BM * LDS;           // [2][KV_BM][LDS]
+  float* sL = reinterpret_cast<float*>(sdO + 2 * KV_BM * LDS);  // [2][KV_BM] lse·log2(e)
+  float* sD = sL + 2 * KV_BM;                                     // [2][KV_BM] Δ
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int group = hq / hkv;
+  const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
+  const i64 n0 = (i64)blockIdx.x * KV_BN;
+  if (n0 >= sk.len) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const i64 off = sk.len - sq.len;
+
+  const T* kb = k + (cu_k ? 0 : (i64)b * ks.b) + sk.start * ks.s + (i64)hk * ks.h;
+  const T* vb = v + (cu_k ? 0 : (i64)b * vs.b) + sk.start * vs.s + (i64)hk * vs.h;
+  load_rows<KV_BN, B_NT>(sK, kb, ks.s, n0, sk.len);
+  load_rows<KV_BN, B_NT>(sV, vb, vs.s, n0, sk.len);
+  cp_async_commit();
+
+  // Query rows that can see any of the keys [n0, n0 + KV_BN): i + off − wl ≤ j ≤ i + off + wr.
+  const i64 n1 = min(n0 + KV_BN, sk.len);
+  i64 q_lo = wr >= 0 ? max((i64)0, n0 - off - wr) : 0;
+  i64 q_hi = wl >= 0 ? min(sq.len, n1 - 1 - off + wl + 1) : sq.len;
+  const i64 mb_lo = q_lo / KV_BM, mb_hi = q_hi > q_lo ? (q_hi + KV_BM - 1) / KV_BM : mb_lo;
+  const i64 tiles = mb_hi - mb_lo, steps = tiles * group;
+
+  float dK[D / 8][4], dV[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dK[i][e] = dV[i][e] = 0.f;
+
+  // Loads step `st` (query tile × head of the group) into ring slot st & 1.
+  auto load_step = [&](i64 st) {
+    const int hh = hk * group + (int)(st / tiles);
+    const i64 m0 = (mb_lo + st % tiles) * KV_BM;
+    const int slot = (int)(st & 1);
+    const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)hh * qs.h;
+    const T* db = dout + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)hh * os.h;
+    load_rows<KV_BM, B_NT>(sQ + slot * KV_BM * LDS, qb, qs.s, m0, sq.len);
+    load_rows<KV_BM, B_NT>(sdO + slot * KV_BM * LDS, db, os.s, m0, sq.len);
+    if (threadIdx.x < KV_BM) {
+      const i64 i = m0 + threadIdx.x;
+      float l = INFINITY, dl = 0.f;  // rows past the end: P = exp(−inf) = 0
+      if (i < sq.len) {
+        const i64 idx = cu_q ? (i64)hh * lse_rows + sq.start + i : ((i64)b * hq + hh) * (i64)max_sq + i;
+        l = lse[idx] * LOG2E;
+        dl = delta[idx];
+        if (l == -INFINITY) l = INFINITY;  // a row that saw nothing has P = 0 everywhere
+      }
+      sL[slot * KV_BM + threadIdx.x] = l;
+      sD[slot * KV_BM + threadIdx.x] = dl;
+    }
+  };
+  if (steps > 0) load_step(0);
+  cp_async_commit();
+
+  const i64 key_w = n0 + warp * 16;  // this warp's keys: key_w + g and key_w + g + 8
+  for (i64 st = 0; st < steps; ++st) {
+    const int slot = (int)(st & 1);
+    if (st + 1 < steps) load_step(st + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* cQ = sQ + slot * KV_BM * LDS;
+    const T* cdO = sdO + slot * KV_BM * LDS;
+    const float* cL = sL + slot * KV_BM;
+    const float* cD = sD + slot * KV_BM;
+    const i64 m0 = (mb_lo + st % tiles) * KV_BM;
+
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 16 keys × 32 queries per warp.
+    float s[KV_BM / 8][4], dp[KV_BM / 8][4];
+#pragma unroll
+    for (int i = 0; i < KV_BM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned ak[4], av[4];
+      ldsm_x4(ak, sK + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(av, sV + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < KV_BM / 16; ++np) {
+        unsigned r[4];
+        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+        ldsm_x4(r, cQ + row * LDS + col);
+        mma(s[2 * np], ak, r[0], r[1]);
+        mma(s[2 * np + 1], ak, r[2], r[3]);
+        ldsm_x4(r, cdO + row * LDS + col);
+        mma(dp[2 * np], av, r[0], r[1]);
+        mma(dp[2 * np + 1], av, r[2], r[3]);
+      }
+    }
+    // Pᵀ and dSᵀ in place. Element (key key_w + g + 8·(e>>1), query m0 + 8·nt + 2t + (e&1)).
+#pragma unroll
+    for (int nt = 0; nt < KV_BM / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + 2 * t + (e & 1);
+        const i64 i = m0 + qi, j = key_w + g + (e >> 1) * 8;
+        const float x = smap(s[nt][e]);
+        float p = exp2f(x - cL[qi]);
+        if (!visible(i, j, off, sk.len, wl, wr) || i >= sq.len) p = 0.f;
+        s[nt][e] = p;
+        dp[nt][e] = p * (dp[nt][e] - cD[qi]) * capped_grad(smap, x);
+      }
+    // dV += Pᵀ·dO and dK += dSᵀ·Q: the k dim is the query tile; dO and Q through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < KV_BM / 16; ++kk) {
+      const unsigned ap[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const unsigned ad[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
+                              pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (int dq = 0; dq < D / 16; ++dq) {
+        unsigned r[4];
+        const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int col = dq * 16 + (lane >> 4) * 8;
+        ldsm_x4_t(r, cdO + row * LDS + col);
+        mma(dV[2 * dq], ap, r[0], r[1]);
+        mma(dV[2 * dq + 1], ap, r[2], r[3]);
+        ldsm_x4_t(r, cQ + row * LDS + col);
+        mma(dK[2 * dq], ad, r[0], r[1]);
+        mma(dK[2 * dq + 1], ad, r[2], r[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  T* dkb = dk + (cu_k ? 0 : (i64)b * dks.b) + sk.start * dks.s + (i64)hk * dks.h;
+  T* dvb = dv + (cu_k ? 0 : (i64)b * dvs.b) + sk.start * dvs.s + (i64)hk * dvs.h;
+  store_acc(dkb, dks.s, key_w, sk.len, dK, scale);
+  store_acc(dvb, dvs.s, key_w, sk.len, dV, 1.f);
+}
+
+constexpr int Q_BM = 64;  // queries per dQ block (16 per warp)
+constexpr int Q_BN = 32;  // keys per inner tile
+constexpr int Q_SMEM = (2 * Q_BM + 2 * 2 * Q_BN) * LDS * (int)sizeof(T);
+
+extern "C" __global__ void __launch_bounds__(B_NT, 1)
+flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             const T* __restrict__ dout, const float* __restrict__ lse,
+             const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ cu_q,
+             const int* __restrict__ cu_k, int hq, int hkv, int max_sq, int max_sk, Strides qs,
+             Strides ks, Strides vs, Strides os, Strides dqs, i64 lse_rows, i64 wl, i64 wr,
+             ScoreMap smap, float scale) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [Q_BM][LDS]
+  T* sdO = sQ + Q_BM * LDS;                // [Q_BM][LDS]
+  T* sK = sdO + Q_BM * LDS;                // [2][Q_BN][LDS]
+  T* sV = sK + 2 * Q_BN * LDS;             // [2][Q_BN][LDS]
+
+  const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
+  const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
+  const i64 m0 = (i64)(gridDim.x - 1 - blockIdx.x) * Q_BM;
+  if (m0 >= sq.len) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const i64 off = sk.len - sq.len;
+
+  const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)h * qs.h;
+  const T* db = dout + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)h * os.h;
+  const T* kb = k + (cu_k ? 0 : (i64)b * ks.b) + sk.start * ks.s + (i64)hk * ks.h;
+  const T* vb = v + (cu_k ? 0 : (i64)b * vs.b) + sk.start * vs.s + (i64)hk * vs.h;
+
+  i64 lo, hi;
+  key_range(m0, min(m0 + Q_BM, sq.len), sq.len, sk.len, wl, wr, lo, hi);
+  const i64 nb_lo = lo / Q_BN, nb_hi = hi > lo ? (hi + Q_BN - 1) / Q_BN : nb_lo;
+
+  load_rows<Q_BM, B_NT>(sQ, qb, qs.s, m0, sq.len);
+  load_rows<Q_BM, B_NT>(sdO, db, os.s, m0, sq.len);
+  cp_async_commit();
+  if (nb_lo < nb_hi) {
+    load_rows<Q_BN, B_NT>(sK, kb, ks.s, nb_lo * Q_BN, sk.len);
+    load_rows<Q_BN, B_NT>(sV, vb, vs.s, nb_lo * Q_BN, sk.len);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  const i64 row_g = m0 + warp * 16 + g;
+  float lrow[2], drow[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 i = row_g + 8 * r;
+    lrow[r] = INFINITY;
+    drow[r] = 0.f;
+    if (i < sq.len) {
+      const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + i : ((i64)b * hq + h) * (i64)max_sq + i;
+      const float l = lse[idx];
+      lrow[r] = l == -INFINITY ? INFINITY : l * LOG2E;
+      drow[r] = delta[idx];
+    }
+  }
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  for (i64 nb = nb_lo; nb < nb_hi; ++nb) {
+    const int st = (int)((nb - nb_lo) & 1);
+    if (nb + 1 < nb_hi) {
+      load_rows<Q_BN, B_NT>(sK + (st ^ 1) * Q_BN * LDS, kb, ks.s, (nb + 1) * Q_BN, sk.len);
+      load_rows<Q_BN, B_NT>(sV + (st ^ 1) * Q_BN * LDS, vb, vs.s, (nb + 1) * Q_BN, sk.len);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* cK = sK + st * Q_BN * LDS;
+    const T* cV = sV + st * Q_BN * LDS;
+
+    float s[Q_BN / 8][4], dp[Q_BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < Q_BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned aq[4], ad[4];
+      ldsm_x4(aq, sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(ad, sdO + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < Q_BN / 16; ++np) {
+        unsigned r[4];
+        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+        ldsm_x4(r, cK + row * LDS + col);
+        mma(s[2 * np], aq, r[0], r[1]);
+        mma(s[2 * np + 1], aq, r[2], r[3]);
+        ldsm_x4(r, cV + row * LDS + col);
+        mma(dp[2 * np], ad, r[0], r[1]);
+        mma(dp[2 * np + 1], ad, r[2], r[3]);
+      }
+    }
+    const i64 n0 = nb * Q_BN;
+#pragma unroll
+    for (int nt = 0; nt < Q_BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const i64 i = row_g + 8 * r, j = n0 + nt * 8 + 2 * t + (e & 1);
+        const float x = smap(s[nt][e]);
+        float p = exp2f(x - lrow[r]);
+        if (!visible(i, j, off, sk.len, wl, wr)) p = 0.f;
+        dp[nt][e] = p * (dp[nt][e] - drow[r]) * capped_grad(smap, x);
+      }
+    // dQ += dS·K: K through ldmatrix.trans (k dim = keys).
+#pragma unroll
+    for (int kk = 0; kk < Q_BN / 16; ++kk) {
+      const unsigned a[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
+                             pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                             pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (int dd = 0; dd < D / 16; ++dd) {
+        unsigned r[4];
+        ldsm_x4_t(r, cK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dd * 16 +
+                         (lane >> 4) * 8);
+        mma(acc[2 * dd], a, r[0], r[1]);
+        mma(acc[2 * dd + 1], a, r[2], r[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  T* dqb = dq + (cu_q ? 0 : (i64)b * dqs.b) + sq.start * dqs.s + (i64)h * dqs.h;
+  store_acc(dqb, dqs.s, m0 + warp * 16, sq.len, acc, scale);
+}
