@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite runner: on any CUDA machine, from the bundle made by bundle.sh, runs the GPU tests,
 # `ferrite check all` and `ferrite bench all` (and PyTorch peers where torch is installed), and
-# writes at most 8 files into $OUT: suite.log, check.{txt,json}, bench.{txt,json,svg},
-# data-bench.json, torch_peers.json.
+# writes into $OUT: suite.log, check.txt, bench.txt and results.tgz (check.json, bench.{json,svg},
+# data-bench.json, torch_peers.json, attention_peers.json) — few files, as the device tool returns ≤ 8.
 #   bash .gpu-bundle/run.sh [quick|full] [extra ferrite bench args...]
 # FERRITE_SANITIZE=1 adds a compute-sanitizer memcheck pass; FERRITE_SKIP_DATA=1 and
 # FERRITE_SKIP_PEERS=1 leave out the data bench and the PyTorch peers.
@@ -56,6 +56,9 @@ fi
 if [ "$mode" = full ] && [ "${FERRITE_SKIP_PEERS:-0}" != 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   step "PyTorch peers (norm, softmax) vs ferrite's best, same machine, same run"
   python3 "$here/torch_peers.py" "$OUT/bench.json" "$OUT/torch_peers.json" 2>&1 | tee -a "$log" || status=1
+  step "PyTorch SDPA peers (attention: cuDNN and flash backends; decode from a contiguous cache)"
+  python3 "$here/attention_peers.py" "$OUT/bench.json" "$OUT/attention_peers.json" 2>&1 | tee -a "$log" || status=1
 fi
+(cd "$OUT" && tar czf results.tgz $(ls *.json *.svg 2>/dev/null) && rm -f *.json *.svg)
 echo "suite status: $status" | tee -a "$log"
 exit $status
