@@ -1,0 +1,395 @@
+// attention/hopper — the `hopper` rung: attention forward on Hopper warpgroup MMA fed by TMA
+// (sm_90a only; bf16 and f16, head dim 64 or 128) — the FlashAttention-3 design, first steps.
+//
+// What changes vs `flash` (mma.sync, 8 warps that all copy and compute, ldmatrix fragments):
+// - Copies: one producer thread issues TMA box copies (`cp.async.bulk.tensor.4d`, coordinates
+//   (d, row, head, batch) in a 4-D tensor map of each of q, k, v — any strides) into 128-byte
+//   swizzled shared memory, counted in bytes on mbarriers; K and V of a tile land on separate
+//   barriers, so S = Q·Kᵀ starts before V has arrived. A 2-stage ring of (K, V) tiles of 128 keys.
+// - Math: `wgmma.mma_async` — S = Q·Kᵀ as m64n128k16 with both operands from shared memory
+//   (K-major), then O += P·V as m64nDk16 with P taken straight from registers (the accumulator
+//   of S, rounded to 16 bits, is already the register A-fragment layout) and V read MN-major
+//   (the transpose bit). No ldmatrix, no fragment loads: the tensor cores read shared memory.
+// - Warp specialisation: block = 3 warpgroups (384 threads), 128 query rows. Warpgroup 0 is the
+//   producer (`setmaxnreg.dec`), warpgroups 1 and 2 are consumers (`setmaxnreg.inc` 240), 64 query
+//   rows each, holding S (64 fp32), O (D/2 fp32) and P (32 registers) per thread. While one
+//   consumer warpgroup runs its softmax on the CUDA cores, the other's wgmmas keep the tensor
+//   cores busy.
+// - Consumers release a stage (one arrival per warp on its `empty` barrier) after their P·V
+//   wgmma completed; the producer refills it.
+// Not done yet (FA3's further steps): intra-warpgroup overlap of softmax(j) with Q·Kᵀ(j+1),
+// explicit ping-pong scheduling of the two consumer warpgroups with named barriers, a TMA-store
+// epilogue, FP8, the backward on wgmma.
+// Masking, soft-cap, GQA, varlen and the lse follow kernels/flash.cu exactly (same host Problem).
+
+#include "ferrite.cuh"
+using namespace ferrite;
+
+#ifndef FE_ELEM
+#define FE_ELEM __nv_bfloat16
+#endif
+#ifndef FE_HEAD_DIM
+#define FE_HEAD_DIM 128
+#endif
+#ifndef FE_WGMMA_BF16
+#define FE_WGMMA_BF16 1
+#endif
+#if FE_WGMMA_BF16
+#define FE_WG_TY "bf16"
+#else
+#define FE_WG_TY "f16"
+#endif
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+typedef FE_ELEM T;
+constexpr int D = FE_HEAD_DIM;
+static_assert(D == 64 || D == 128, "head dim 64 or 128");
+constexpr int BM = 128, BN = 128, STAGES = 2, NTHREADS = 384;
+constexpr int DB = D / 64;  // d-boxes per tile: a box is 64 elements (128 B) of d wide
+constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+constexpr int STAGE_BYTES = 2 * KV_BYTES;  // K then V
+constexpr float LN2 = 0.6931471805599453f;
+
+struct alignas(64) TmaDesc {
+  unsigned long long v[16];
+};
+// Which tensor-map coordinate (1..3) carries the row, the head and the batch (the host orders a
+// map's dims by stride).
+struct MapOrder {
+  int row, head, batch, pad;
+};
+struct ScoreMap {
+  float scale_log2, cap_in, cap_out_log2;
+  int capped;
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, P1;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void tma_load4(unsigned dst, const TmaDesc* map, unsigned bar, int d0,
+                                          const int (&c)[3]) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(d0), "r"(c[0]), "r"(c[1]), "r"(c[2])
+      : "memory");
+}
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128B swizzle.
+__device__ __forceinline__ u64 smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+         ((u64)((sbo >> 4) & 0x3FFF) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+__device__ __forceinline__ unsigned pack2(float x, float y) {
+  if constexpr (IsBf16<T>::value) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<unsigned*>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+}
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// d (64×128 fp32) (+)= A(64×16, smem desc da) · B(16×128, smem desc db, K-major); scale_d 0 zeroes d first.
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d (64×128 fp32) += A(64×16, registers: the m16n8k16 A fragment of each warp's 16 rows) · B(16×128, smem desc db, MN-major).
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const unsigned (&a)[4], u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// d (64×64 fp32) += A(64×16, registers: the m16n8k16 A fragment of each warp's 16 rows) · B(16×64, smem desc db, MN-major).
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const unsigned (&a)[4], u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+
+constexpr int O_REGS = D / 2;
+__device__ __forceinline__ void wgmma_pv(float (&o)[O_REGS], const unsigned (&a)[4], u64 db) {
+#if FE_HEAD_DIM == 128
+  wgmma_rs_n128(o, a, db);
+#else
+  wgmma_rs_n64(o, a, db);
+#endif
+}
+
+struct Seq {
+  i64 start, len;
+};
+__device__ __forceinline__ Seq seq_of(const int* cu, int b, int max_len) {
+  if (cu == nullptr) return Seq{0, max_len};
+  const int s0 = cu[b], s1 = cu[b + 1];
+  return Seq{s0, s1 - s0};
+}
+__device__ __forceinline__ bool visible(i64 i, i64 j, i64 off, i64 sk, i64 wl, i64 wr) {
+  const i64 pos = i + off;
+  return j < sk && (wl < 0 || j >= pos - wl) && (wr < 0 || j <= pos + wr);
+}
+// Tensor-map coordinates (row, head, batch) placed in the map's dim order.
+__device__ __forceinline__ void coords(const MapOrder& o, int row, int head, int batch, int (&c)[3]) {
+  c[o.row - 1] = row;
+  c[o.head - 1] = head;
+  c[o.batch - 1] = batch;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
+                const __grid_constant__ TmaDesc tv, MapOrder oq, MapOrder okv, T* __restrict__ o,
+                float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                int hq, int hkv, int max_sq, int max_sk, i64 os_b, i64 os_s, i64 os_h,
+                i64 lse_rows, i64 wl, i64 wr, ScoreMap smap) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned raw = smem_u32(smem_raw);
+  const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
+  const unsigned sq_s = base;                   // Q: DB boxes of [BM][64]
+  const unsigned kv0 = base + Q_BYTES;          // stage s: K at kv0 + s·STAGE_BYTES, V after it
+  const unsigned bars = kv0 + STAGES * STAGE_BYTES;
+  const unsigned qbar = bars;                   // then kfull[s], vfull[s], empty[s]
+  auto kfull = [&](int s) { return bars + 8 + 8 * s; };
+  auto vfull = [&](int s) { return bars + 8 + 8 * STAGES + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 + 16 * STAGES + 8 * s; };
+
+  const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
+  const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
+  const i64 m0 = (i64)(gridDim.x - 1 - blockIdx.x) * BM;  // longest (causal) blocks first
+  if (m0 >= sq.len) return;
+  const i64 off = sk.len - sq.len;
+  i64 lo = wl >= 0 ? max((i64)0, m0 + off - wl) : 0;
+  i64 hi = wr >= 0 ? min(sk.len, min(m0 + BM, sq.len) - 1 + off + wr + 1) : sk.len;
+  const int nb_lo = (int)(lo / BN);
+  const int ntiles = hi > lo ? (int)((hi + BN - 1) / BN) - nb_lo : 0;
+
+  if (threadIdx.x == 0) {
+    mbar_init(qbar, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(kfull(s), 1);
+      mbar_init(vfull(s), 1);
+      mbar_init(empty(s), 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) {
+      // Padded batches index rows within the sequence and pick the batch by coordinate; varlen
+      // rows are absolute in the packed dim (batch coordinate 0).
+      const int qb = cu_q ? 0 : b, kb = cu_k ? 0 : b;
+      int c[3];
+      coords(oq, (int)(sq.start + m0), h, qb, c);
+      mbar_expect_tx(qbar, Q_BYTES);
+#pragma unroll
+      for (int db = 0; db < DB; ++db) tma_load4(sq_s + db * BM * 128, &tq, qbar, db * 64, c);
+      int s = 0;
+      unsigned ph = 0;
+      for (int it = 0; it < ntiles; ++it) {
+        mbar_wait(empty(s), ph ^ 1);
+        const unsigned ks = kv0 + s * STAGE_BYTES, vs = ks + KV_BYTES;
+        coords(okv, (int)(sk.start + (i64)(nb_lo + it) * BN), hk, kb, c);
+        mbar_expect_tx(kfull(s), KV_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) tma_load4(ks + db * BN * 128, &tk, kfull(s), db * 64, c);
+        mbar_expect_tx(vfull(s), KV_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) tma_load4(vs + db * BN * 128, &tv, vfull(s), db * 64, c);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup c owns query rows 64c..64c+63 of the block ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int c = wg - 1;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const i64 row_g = m0 + c * 64 + warp * 16 + g;  // this thread's rows: row_g, row_g + 8
+
+  float acc[O_REGS];
+#pragma unroll
+  for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const i64 pos_min = m0 + off, pos_max = min(m0 + BM, sq.len) - 1 + off;
+  mbar_wait(qbar, 0);
+
+  int s = 0;
+  unsigned ph = 0;
+  for (int it = 0; it < ntiles; ++it) {
+    const unsigned ks = kv0 + s * STAGE_BYTES, vs = ks + KV_BYTES;
+    // S = Q·Kᵀ: 64 rows × 128 keys, k = D in steps of 16 (32 bytes inside a 128-byte box row).
+    float sc[64];
+    mbar_wait(kfull(s), ph);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const u64 da = smem_desc(sq_s + (kk / 4) * BM * 128 + c * 64 * 128 + (kk % 4) * 32, 16, 1024);
+      const u64 db = smem_desc(ks + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+      wgmma_ss_n128(sc, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(sc);
+
+    // Scale (+ soft-cap) into the log2 domain and mask; element 4j + e sits at row
+    // row_g + 8(e>>1), key n0 + 8j + 2t + (e&1).
+    const i64 n0 = (i64)(nb_lo + it) * BN;
+    const bool full = n0 + BN <= sk.len && (wl < 0 || n0 >= pos_max - wl) &&
+                      (wr < 0 || n0 + BN - 1 <= pos_min + wr);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = smap.capped ? smap.cap_out_log2 * tanh_fast(sc[4 * j + e] * smap.cap_in)
+                              : sc[4 * j + e] * smap.scale_log2;
+        if (!full) {
+          const i64 i = row_g + (e >> 1) * 8, jj = n0 + 8 * j + 2 * t + (e & 1);
+          if (!visible(i, jj, off, sk.len, wl, wr)) x = -INFINITY;
+        }
+        sc[4 * j + e] = x;
+      }
+    // Online softmax per row (a row is spread over the 4 lanes of a quad).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m_run[r];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float bse = mx == -INFINITY ? 0.f : mx;
+      const float alpha = exp2f(m_run[r] - bse);
+      m_run[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        sc[4 * j + 2 * r] = exp2f(sc[4 * j + 2 * r] - bse);
+        sc[4 * j + 2 * r + 1] = exp2f(sc[4 * j + 2 * r + 1] - bse);
+        sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+      }
+      l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < O_REGS / 4; ++j) {
+        acc[4 * j + 2 * r] *= alpha;
+        acc[4 * j + 2 * r + 1] *= alpha;
+      }
+    }
+    // P as register A fragments: k-step kk covers keys 16kk..16kk+15 = accumulator chunks 2kk, 2kk+1.
+    unsigned pa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      pa[kk][0] = pack2(sc[8 * kk + 0], sc[8 * kk + 1]);
+      pa[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
+      pa[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+    // O += P·V: V [keys][d] is MN-major for this product (n = d contiguous): 16 key rows per
+    // k-step (2048 bytes), d-boxes BN·128 bytes apart.
+    mbar_wait(vfull(s), ph);
+    reg_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_pv(acc, pa[kk], smem_desc(vs + kk * 2048, BN * 128, 1024));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    if (lane == 0) mbar_arrive(empty(s));
+    if (++s == STAGES) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+
+  // Normalise and store (32-bit stores of column pairs), lse by the quad's lane 0.
+  const i64 obase = (cu_q ? 0 : (i64)b * os_b) + sq.start * os_s + (i64)h * os_h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const i64 row = row_g + r * 8;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (row < sq.len) {
+      T* orow = o + obase + row * os_s;
+#pragma unroll
+      for (int j = 0; j < O_REGS / 4; ++j)
+        *reinterpret_cast<unsigned*>(orow + 8 * j + 2 * t) =
+            pack2(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
+      if (t == 0) {
+        const float val = l > 0.f ? (m_run[r] + log2f(l)) * LN2 : -INFINITY;
+        const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + row
+                             : ((i64)b * hq + h) * (i64)max_sq + row;
+        lse[idx] = val;
+      }
+    }
+  }
+}
