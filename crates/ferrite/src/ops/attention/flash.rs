@@ -500,13 +500,20 @@ mod gpu_smoke {
                     for t in [&o, &lse] {
                         t.poison(None).unwrap();
                     }
-                    super::super::hopper::forward(&dev, &stream, &p, &q, &k, &v, &o, &lse, None)
+                    for cfg in super::super::hopper::Config::ALL {
+                        for t in [&o, &lse] {
+                            t.poison(None).unwrap();
+                        }
+                        super::super::hopper::forward_with(
+                            cfg, &dev, &stream, &p, &q, &k, &v, &o, &lse, None,
+                        )
                         .unwrap();
-                    dev.synchronize(&stream, "hopper smoke").unwrap();
-                    let errs = [("o", rel(&f(&o), &ro)), ("lse", rel(&f(&lse), &rl))];
-                    eprintln!("case {n} {dt} hopper: {errs:?}");
-                    for (name, e) in errs {
-                        assert!(e < 2e-2, "case {n} {dt} hopper: {name} rel error {e}");
+                        dev.synchronize(&stream, "hopper smoke").unwrap();
+                        let errs = [("o", rel(&f(&o), &ro)), ("lse", rel(&f(&lse), &rl))];
+                        eprintln!("case {n} {dt} hopper {cfg:?}: {errs:?}");
+                        for (name, e) in errs {
+                            assert!(e < 2e-2, "case {n} {dt} hopper {cfg:?}: {name} rel error {e}");
+                        }
                     }
                 }
             }
@@ -561,15 +568,19 @@ mod gpu_speed {
                     forward(&dev, &stream, &p, &q, &k, &v, &o, &lse, None)
                 })
                 .unwrap();
-                let hf = time_gpu(&dev, &stream, Budget::gpu(), |_| {
-                    super::super::hopper::forward(&dev, &stream, &p, &q, &k, &v, &o, &lse, None)
-                })
-                .unwrap();
-                eprintln!(
-                    "D{d} causal={causal}: hopper fwd {:.3} ms {:.0} TFLOP/s",
-                    hf.median_ms,
-                    flops / hf.median_ms / 1e9
-                );
+                for cfg in super::super::hopper::Config::ALL {
+                    let hf = time_gpu(&dev, &stream, Budget::gpu(), |_| {
+                        super::super::hopper::forward_with(
+                            cfg, &dev, &stream, &p, &q, &k, &v, &o, &lse, None,
+                        )
+                    })
+                    .unwrap();
+                    eprintln!(
+                        "D{d} causal={causal}: hopper {cfg:?} fwd {:.3} ms {:.0} TFLOP/s",
+                        hf.median_ms,
+                        flops / hf.median_ms / 1e9
+                    );
+                }
                 let bw = time_gpu(&dev, &stream, Budget::gpu(), |_| {
                     backward(&dev, &stream, &p, &dout, &q, &k, &v, &o, &lse, &dq, &dk, &dvv, None)
                 })

@@ -45,7 +45,19 @@ using namespace ferrite;
 typedef FE_ELEM T;
 constexpr int D = FE_HEAD_DIM;
 static_assert(D == 64 || D == 128, "head dim 64 or 128");
-constexpr int BM = 128, BN = 128, STAGES = 2, NTHREADS = 384;
+#ifndef FE_STAGES
+#define FE_STAGES 2
+#endif
+// 1: overlap the softmax of tile j+1 with P(j)·V(j) inside a warpgroup (FA3's intra-warpgroup
+// pipelining); 0: one tile at a time per warpgroup (the two warpgroups still overlap each other).
+#ifndef FE_PIPE
+#define FE_PIPE 0
+#endif
+// Soft-capping compiled in (1) or out (0): the host picks the specialisation.
+#ifndef FE_SOFTCAP
+#define FE_SOFTCAP 0
+#endif
+constexpr int BM = 128, BN = 128, STAGES = FE_STAGES, NTHREADS = 384;
 constexpr int DB = D / 64;  // d-boxes per tile: a box is 64 elements (128 B) of d wide
 constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
 constexpr int STAGE_BYTES = 2 * KV_BYTES;  // K then V
@@ -127,6 +139,13 @@ __device__ __forceinline__ unsigned pack2(float x, float y) {
     __half2 h = __floats2half2_rn(x, y);
     return *reinterpret_cast<unsigned*>(&h);
   }
+}
+// 2^x in one MUFU.EX2 (exp2f adds a denormal-range fix-up of three instructions around it; the
+// probabilities here need no denormals: they are rounded to 16 bits next).
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ float tanh_fast(float x) {
   float y;
@@ -283,13 +302,14 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   const i64 pos_min = m0 + off, pos_max = min(m0 + BM, sq.len) - 1 + off;
   mbar_wait(qbar, 0);
 
-  int s = 0;
-  unsigned ph = 0;
-  for (int it = 0; it < ntiles; ++it) {
-    const unsigned ks = kv0 + s * STAGE_BYTES, vs = ks + KV_BYTES;
-    // S = Q·Kᵀ: 64 rows × 128 keys, k = D in steps of 16 (32 bytes inside a 128-byte box row).
-    float sc[64];
-    mbar_wait(kfull(s), ph);
+  // Pipelined over key tiles (FA3's intra-warpgroup overlap): while the tensor cores run
+  // O += P(j)·V(j) and S(j+1) = Q·K(j+1)ᵀ, this warpgroup runs the softmax of S(j+1) on the CUDA
+  // cores; O is rescaled once P(j)·V(j) has completed.
+  auto stage_k = [&](int it) { return kv0 + (it % STAGES) * STAGE_BYTES; };
+  auto parity = [&](int it) { return (unsigned)((it / STAGES) & 1); };
+  auto issue_s = [&](float (&sc)[64], int it) {
+    const unsigned ks = stage_k(it);
+    mbar_wait(kfull(it % STAGES), parity(it));
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -298,53 +318,56 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       wgmma_ss_n128(sc, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(sc);
-
-    // Scale (+ soft-cap) into the log2 domain and mask; element 4j + e sits at row
-    // row_g + 8(e>>1), key n0 + 8j + 2t + (e&1).
+  };
+  auto issue_pv = [&](const unsigned (&pa)[8][4], int it) {
+    const unsigned vs = stage_k(it) + KV_BYTES;
+    mbar_wait(vfull(it % STAGES), parity(it));
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_pv(acc, pa[kk], smem_desc(vs + kk * 2048, BN * 128, 1024));
+    wgmma_commit();
+  };
+  // Softmax of tile `it` in place: masks, updates the running max and sum, writes P as register
+  // A fragments into pa and the factor the output must be rescaled by into alpha.
+  auto softmax = [&](float (&sc)[64], int it, unsigned (&pa)[8][4], float (&alpha)[2]) {
     const i64 n0 = (i64)(nb_lo + it) * BN;
     const bool full = n0 + BN <= sk.len && (wl < 0 || n0 >= pos_max - wl) &&
                       (wr < 0 || n0 + BN - 1 <= pos_min + wr);
+    // Without soft-cap the scale is folded into the exponent: p = 2^(s·c − max·c), one FFMA.
+    const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = smap.capped ? smap.cap_out_log2 * tanh_fast(sc[4 * j + e] * smap.cap_in)
-                              : sc[4 * j + e] * smap.scale_log2;
+        float x = sc[4 * j + e];
+        if (FE_SOFTCAP) x = smap.cap_out_log2 * tanh_fast(x * smap.cap_in);
         if (!full) {
           const i64 i = row_g + (e >> 1) * 8, jj = n0 + 8 * j + 2 * t + (e & 1);
           if (!visible(i, jj, off, sk.len, wl, wr)) x = -INFINITY;
         }
         sc[4 * j + e] = x;
       }
-    // Online softmax per row (a row is spread over the 4 lanes of a quad).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = m_run[r];
+      float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float bse = mx == -INFINITY ? 0.f : mx;
-      const float alpha = exp2f(m_run[r] - bse);
+      mx = fmaxf(mx * mul, m_run[r]);                // running max, log2 domain
+      const float bse = mx == -INFINITY ? 0.f : mx;  // nothing visible yet: P = 0, keep O
+      alpha[r] = exp2_fast(m_run[r] - bse);
       m_run[r] = mx;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        sc[4 * j + 2 * r] = exp2f(sc[4 * j + 2 * r] - bse);
-        sc[4 * j + 2 * r + 1] = exp2f(sc[4 * j + 2 * r + 1] - bse);
+        sc[4 * j + 2 * r] = exp2_fast(fmaf(sc[4 * j + 2 * r], mul, -bse));
+        sc[4 * j + 2 * r + 1] = exp2_fast(fmaf(sc[4 * j + 2 * r + 1], mul, -bse));
         sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
       }
-      l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-      for (int j = 0; j < O_REGS / 4; ++j) {
-        acc[4 * j + 2 * r] *= alpha;
-        acc[4 * j + 2 * r + 1] *= alpha;
-      }
+      l_run[r] = l_run[r] * alpha[r] + sum;
     }
-    // P as register A fragments: k-step kk covers keys 16kk..16kk+15 = accumulator chunks 2kk, 2kk+1.
-    unsigned pa[8][4];
+    // k-step kk covers keys 16kk..16kk+15 = accumulator chunks 2kk, 2kk+1.
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       pa[kk][0] = pack2(sc[8 * kk + 0], sc[8 * kk + 1]);
@@ -352,22 +375,85 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       pa[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
       pa[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
     }
-    // O += P·V: V [keys][d] is MN-major for this product (n = d contiguous): 16 key rows per
-    // k-step (2048 bytes), d-boxes BN·128 bytes apart.
-    mbar_wait(vfull(s), ph);
-    reg_fence(acc);
-    wgmma_fence();
+  };
+  // Skipped when no row of the warp saw its max grow (common once the max has settled).
+  auto rescale = [&](const float (&alpha)[2]) {
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) wgmma_pv(acc, pa[kk], smem_desc(vs + kk * 2048, BN * 128, 1024));
-    wgmma_commit();
+    for (int j = 0; j < O_REGS / 4; ++j) {
+      acc[4 * j + 0] *= alpha[0];
+      acc[4 * j + 1] *= alpha[0];
+      acc[4 * j + 2] *= alpha[1];
+      acc[4 * j + 3] *= alpha[1];
+    }
+  };
+
+#if !FE_PIPE
+  // Plain order per tile: S = Q·Kᵀ, wait, softmax, rescale O, O += P·V, wait, release.
+  for (int it = 0; it < ntiles; ++it) {
+    float sc[64];
+    unsigned pa[8][4];
+    float alpha[2];
+    issue_s(sc, it);
+    wgmma_wait<0>();
+    reg_fence(sc);
+    softmax(sc, it, pa, alpha);
+    rescale(alpha);
+    issue_pv(pa, it);
     wgmma_wait<0>();
     reg_fence(acc);
-    if (lane == 0) mbar_arrive(empty(s));
-    if (++s == STAGES) {
-      s = 0;
-      ph ^= 1;
-    }
+    if (lane == 0) mbar_arrive(empty(it % STAGES));
   }
+#else
+  if (ntiles > 0) {
+    float sc[64];
+    unsigned pa[8][4], pn[8][4];
+    float alpha[2];
+    // Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (named
+    // barriers 1 and 2), so one's softmax runs while the other's GEMMs hold the tensor cores.
+    // Warpgroup 0 goes first; each hands the turn over after issuing.
+    auto turn_begin = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory"); };
+    auto turn_end = [&](bool hand_over) {
+      if (hand_over) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
+    };
+    if (c == 1) turn_end(true);
+    turn_begin();
+    issue_s(sc, 0);
+    turn_end(true);
+    wgmma_wait<0>();
+    reg_fence(sc);
+    softmax(sc, 0, pa, alpha);  // O is still 0: no rescale needed
+    // One step: S(it) and P(it−1)·V(it−1) in flight, softmax(it) into `next` while `cur` is
+    // still being read by the tensor cores — so P is double-buffered, never overwritten in flight.
+    auto step = [&](int it, const unsigned (&cur)[8][4], unsigned (&next)[8][4]) {
+      turn_begin();
+      issue_s(sc, it);
+      issue_pv(cur, it - 1);
+      turn_end(true);
+      wgmma_wait<1>();  // S(it) has landed; P(it−1)·V(it−1) may still run
+      reg_fence(sc);
+      softmax(sc, it, next, alpha);
+      wgmma_wait<0>();
+      reg_fence(acc);
+      if (lane == 0) mbar_arrive(empty((it - 1) % STAGES));
+      rescale(alpha);
+    };
+    for (int it = 1; it < ntiles; it += 2) {
+      step(it, pa, pn);
+      if (it + 1 < ntiles) step(it + 1, pn, pa);
+    }
+    // P of the last tile is in pa when its index is even.
+    turn_begin();
+    if ((ntiles - 1) % 2 == 0)
+      issue_pv(pa, ntiles - 1);
+    else
+      issue_pv(pn, ntiles - 1);
+    turn_end(c == 0);  // warpgroup 1 takes the last turn: nobody waits for its hand-over
+    wgmma_wait<0>();
+    reg_fence(acc);
+    if (lane == 0) mbar_arrive(empty((ntiles - 1) % STAGES));
+  }
+#endif
 
   // Normalise and store (32-bit stores of column pairs), lse by the quad's lane 0.
   const i64 obase = (cu_q ? 0 : (i64)b * os_b) + sq.start * os_s + (i64)h * os_h;
