@@ -19,9 +19,6 @@ const FUNCS: [&str; 4] = ["flash_fwd", "flash_bwd_dot", "flash_bwd_dkdv", "flash
 pub const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
 
 // Tile geometry, as in flash.cu.
-const F_BM: usize = 128;
-const F_BN: usize = 64;
-const F_THREADS: u32 = 256;
 const KV_BN: usize = 64;
 const KV_BM: usize = 32;
 const Q_BM: usize = 64;
@@ -64,10 +61,25 @@ fn score_map(p: &Problem) -> ScoreMap {
     }
 }
 
-pub fn program(dtype: DType, head_dim: usize) -> Program {
+pub fn program(dtype: DType, head_dim: usize, softcap: bool, fwd_mt: usize) -> Program {
     Program::new(SRC)
         .define("FE_ELEM", dtype.cuda_name())
         .define("FE_HEAD_DIM", head_dim)
+        .define("FE_SOFTCAP", softcap as u32)
+        .define("FE_FWD_MT", fwd_mt)
+}
+
+/// m16 row tiles per warp in the forward (FE_FWD_MT): 2 halves the shared-memory traffic per
+/// FLOP; 1 is the earlier 8-warp shape.
+pub fn default_fwd_mt(head_dim: usize) -> usize {
+    let _ = head_dim;
+    2
+}
+
+/// Forward tile: (query rows, keys, threads) for a head dim and FE_FWD_MT.
+fn fwd_tile(head_dim: usize, mt: usize) -> (usize, usize, u32) {
+    let bn = if mt == 2 && head_dim > 64 { 32 } else { 64 };
+    (128, bn, (128 / (16 * mt) * 32) as u32)
 }
 
 pub fn kernel_specs() -> Vec<KernelSpec> {
@@ -75,7 +87,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     for d in [DType::BF16, DType::F16] {
         for hd in HEAD_DIMS {
             v.push(KernelSpec {
-                program: program(d, hd),
+                program: program(d, hd, false, default_fwd_mt(hd)),
                 functions: FUNCS.iter().map(|s| s.to_string()).collect(),
                 min_arch: Arch::SM80,
             });
@@ -84,11 +96,12 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     v
 }
 
-fn smem_bytes(head_dim: usize, dtype: DType) -> [u32; 3] {
+fn smem_bytes(head_dim: usize, dtype: DType, fwd_mt: usize) -> [u32; 3] {
     let lds = head_dim + 8;
     let es = dtype.size_in_bytes();
+    let (bm, bn, _) = fwd_tile(head_dim, fwd_mt);
     [
-        ((F_BM + 4 * F_BN) * lds * es) as u32,
+        ((bm + 4 * bn) * lds * es) as u32,
         ((2 * KV_BN + 4 * KV_BM) * lds * es + 4 * KV_BM * 4) as u32,
         ((2 * Q_BM + 4 * Q_BN) * lds * es) as u32,
     ]
@@ -116,8 +129,8 @@ pub fn unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
     None
 }
 
-fn kernel(dev: &Arc<CudaDevice>, p: &Problem, name: &str, smem: u32) -> Result<Kernel> {
-    let k = dev.kernel(&program(p.dtype, p.head_dim), name)?;
+fn kernel(dev: &Arc<CudaDevice>, p: &Problem, name: &str, smem: u32, mt: usize) -> Result<Kernel> {
+    let k = dev.kernel(&program(p.dtype, p.head_dim, p.softcap > 0.0, mt), name)?;
     if smem > 48 * 1024 {
         k.set_max_dynamic_smem(smem)?;
     }
@@ -155,8 +168,25 @@ pub(super) fn forward(
     lse: &Tensor,
     varlen: Option<&Varlen>,
 ) -> Result<()> {
-    let [smem, _, _] = smem_bytes(p.head_dim, p.dtype);
-    let kern = kernel(dev, p, "flash_fwd", smem)?;
+    forward_with(default_fwd_mt(p.head_dim), dev, stream, p, q, k, v, o, lse, varlen)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward_with(
+    mt: usize,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    varlen: Option<&Varlen>,
+) -> Result<()> {
+    let [smem, _, _] = smem_bytes(p.head_dim, p.dtype, mt);
+    let (bm, _, threads) = fwd_tile(p.head_dim, mt);
+    let kern = kernel(dev, p, "flash_fwd", smem, mt)?;
     let (cu_q, cu_k, lse_rows) = varlen_args(varlen, p, lse)?;
     let mut a = KernelArgs::new();
     a.push(q.device_ptr()?)
@@ -179,11 +209,11 @@ pub(super) fn forward(
         .push(p.window_right)
         .push(score_map(p));
     let grid = (
-        grid_dim(p.seqlen_q.div_ceil(F_BM), "seqlen_q")?,
+        grid_dim(p.seqlen_q.div_ceil(bm), "seqlen_q")?,
         grid_dim(p.heads_q, "heads_q")?,
         grid_dim(p.batch, "batch")?,
     );
-    kern.launch(stream, grid, (F_THREADS, 1, 1), smem, &mut a)
+    kern.launch(stream, grid, (threads, 1, 1), smem, &mut a)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -202,12 +232,13 @@ pub(super) fn backward(
     dv: &Tensor,
     varlen: Option<&Varlen>,
 ) -> Result<()> {
-    let [_, smem_kv, smem_q] = smem_bytes(p.head_dim, p.dtype);
+    let mt = default_fwd_mt(p.head_dim);
+    let [_, smem_kv, smem_q] = smem_bytes(p.head_dim, p.dtype, mt);
     let (cu_q, cu_k, lse_rows) = varlen_args(varlen, p, lse)?;
     // Δ has lse's shape.
     let delta = dev.alloc(lse.numel() * 4, stream)?;
 
-    let dot = kernel(dev, p, "flash_bwd_dot", 0)?;
+    let dot = kernel(dev, p, "flash_bwd_dot", 0, mt)?;
     let rows = p.batch * p.heads_q * p.seqlen_q;
     let mut a = KernelArgs::new();
     a.push(dout.device_ptr()?)
@@ -221,7 +252,7 @@ pub(super) fn backward(
         .push(lse_rows);
     dot.launch(stream, (grid_dim(rows.div_ceil(8), "rows")?, 1, 1), (256, 1, 1), 0, &mut a)?;
 
-    let dkdv = kernel(dev, p, "flash_bwd_dkdv", smem_kv)?;
+    let dkdv = kernel(dev, p, "flash_bwd_dkdv", smem_kv, mt)?;
     let mut a = KernelArgs::new();
     a.push(q.device_ptr()?)
         .push(k.device_ptr()?)
@@ -255,7 +286,7 @@ pub(super) fn backward(
     );
     dkdv.launch(stream, grid, (B_THREADS, 1, 1), smem_kv, &mut a)?;
 
-    let dqk = kernel(dev, p, "flash_bwd_dq", smem_q)?;
+    let dqk = kernel(dev, p, "flash_bwd_dq", smem_q, mt)?;
     let mut a = KernelArgs::new();
     a.push(q.device_ptr()?)
         .push(k.device_ptr()?)
@@ -476,6 +507,11 @@ mod gpu_smoke {
                     v_stride: st(c.sk, c.hkv),
                     o_stride: st(c.sq, c.hq),
                 };
+                forward_with(3 - default_fwd_mt(c.d), &dev, &stream, &p, &q, &k, &v, &o, &lse, None)
+                    .unwrap();
+                dev.synchronize(&stream, "flash smoke").unwrap();
+                let o_other = o.to_f32_vec().unwrap();
+                o.poison(None).unwrap();
                 forward(&dev, &stream, &p, &q, &k, &v, &o, &lse, None).unwrap();
                 backward(&dev, &stream, &p, &dout, &q, &k, &v, &o, &lse, &dq, &dk, &dvv, None)
                     .unwrap();
@@ -484,6 +520,7 @@ mod gpu_smoke {
                 let (ro, rl, rdq, rdk, rdv) =
                     reference(c, scale as f64, &f(&q), &f(&k), &f(&v), &f(&dout));
                 let errs = [
+                    ("o (other fwd shape)", rel(&o_other, &ro)),
                     ("o", rel(&f(&o), &ro)),
                     ("lse", rel(&f(&lse), &rl)),
                     ("dq", rel(&f(&dq), &rdq)),
@@ -564,6 +601,17 @@ mod gpu_speed {
                     o_stride: st,
                 };
                 let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+                for mt in [1, 2] {
+                    let f = time_gpu(&dev, &stream, Budget::gpu(), |_| {
+                        forward_with(mt, &dev, &stream, &p, &q, &k, &v, &o, &lse, None)
+                    })
+                    .unwrap();
+                    eprintln!(
+                        "D{d} causal={causal}: flash fwd mt={mt} {:.3} ms {:.0} TFLOP/s",
+                        f.median_ms,
+                        flops / f.median_ms / 1e9
+                    );
+                }
                 let f = time_gpu(&dev, &stream, Budget::gpu(), |_| {
                     forward(&dev, &stream, &p, &q, &k, &v, &o, &lse, None)
                 })

@@ -172,17 +172,32 @@ __device__ __forceinline__ void load_rows(T* s, const T* __restrict__ g, i64 ld,
 }
 
 // The scaled score in the log2 domain: s·scale·log2(e), or softcap·tanh(s·scale/softcap)·log2(e).
+// Soft-capping compiled in (1) or out (0): the host picks the specialisation.
+#ifndef FE_SOFTCAP
+#define FE_SOFTCAP 0
+#endif
 struct ScoreMap {
   float scale_log2, cap_in, cap_out_log2;
   int capped;
   __device__ __forceinline__ float operator()(float s) const {
-    return capped ? cap_out_log2 * tanh_fast(s * cap_in) : s * scale_log2;
+    return FE_SOFTCAP ? cap_out_log2 * tanh_fast(s * cap_in) : s * scale_log2;
   }
 };
 
 // ---- forward ------------------------------------------------------------------------------------
 
-constexpr int F_BM = 128, F_BN = 64, F_WARPS = 8, F_NT = F_WARPS * 32;
+// 4 warps × 32 query rows (two m16 tiles per warp, FE_FWD_MT = 2): every K/V fragment a warp loads from shared
+// memory feeds two MMAs, which halves the shared-memory traffic per FLOP compared with 16 rows
+// per warp (at 16 rows the kernel was bound by ldmatrix bandwidth on the H100). Q fragments are
+// re-read from shared memory per k-step instead of being held (registers go to the accumulators).
+// FE_FWD_MT = 1 keeps the earlier shape (8 warps × 16 rows, 64-key tiles) for comparison; with 2
+// and head dim 128 the key tile shrinks to 32 so the two accumulator sets fit in 255 registers.
+#ifndef FE_FWD_MT
+#define FE_FWD_MT 2
+#endif
+constexpr int F_MT = FE_FWD_MT;  // m16 tiles per warp
+constexpr int F_BM = 128, F_WARPS = F_BM / (16 * F_MT), F_NT = F_WARPS * 32;
+constexpr int F_BN = (F_MT == 2 && D > 64) ? 32 : 64;
 
 extern "C" __global__ void __launch_bounds__(F_NT, 1)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -220,20 +235,24 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     load_rows<F_BN, F_NT>(sV, vb, vs.s, nb_lo * F_BN, sk.len);
   }
   cp_async_commit();
-  cp_async_wait<1>();
-  __syncthreads();
 
-  // Q fragments of this warp's 16 rows, all of D.
-  unsigned qf[D / 16][4];
+  float acc[F_MT][D / 8][4];
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    ldsm_x4(qf[kk], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
-
-  float acc[D / 8][4];
+  for (int mt = 0; mt < F_MT; ++mt)
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  const i64 row_g = m0 + warp * 16 + g;  // this thread's rows: row_g and row_g + 8
+    for (int i = 0; i < D / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+  float m_run[F_MT][2], l_run[F_MT][2];
+#pragma unroll
+  for (int mt = 0; mt < F_MT; ++mt) m_run[mt][0] = m_run[mt][1] = -INFINITY, l_run[mt][0] = l_run[mt][1] = 0.f;
+  const i64 row_w = m0 + warp * 16 * F_MT + g;  // rows row_w + 16·mt + 8·r
+  // Without soft-cap the scale is folded into the exponent: p = 2^(s·c − max·c), one FFMA.
+  const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
+  // The mask in 32-bit arithmetic (positions < 2³¹; windows wider than that are unbounded):
+  // fewer live registers than the 64-bit form, which this kernel is short of at head dim 128.
+  const int off32 = (int)off, sk32 = (int)sk.len;
+  const int wl32 = (wl < 0 || wl > 0x7fffffff) ? -1 : (int)wl;
+  const int wr32 = (wr < 0 || wr > 0x7fffffff) ? -1 : (int)wr;
+  const int row32 = (int)row_w;
 
   for (i64 nb = nb_lo; nb < nb_hi; ++nb) {
     const int st = (int)((nb - nb_lo) & 1);
@@ -242,111 +261,144 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
       load_rows<F_BN, F_NT>(sV + (st ^ 1) * F_BN * LDS, vb, vs.s, (nb + 1) * F_BN, sk.len);
     }
     cp_async_commit();
-    cp_async_wait<1>();  // this tile's K and V have landed
+    cp_async_wait<1>();  // this tile's K and V (and Q, the first time) have landed
     __syncthreads();
     const T* cK = sK + st * F_BN * LDS;
     const T* cV = sV + st * F_BN * LDS;
 
-    // S = Q·Kᵀ for 16 rows × 64 keys.
-    float s[F_BN / 8][4];
+    // S = Q·Kᵀ for 32 rows × 64 keys per warp.
+    float s[F_MT][F_BN / 8][4];
 #pragma unroll
-    for (int i = 0; i < F_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int mt = 0; mt < F_MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < F_BN / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned qf[F_MT][4];
+#pragma unroll
+      for (int mt = 0; mt < F_MT; ++mt)
+        ldsm_x4(qf[mt], sQ + (warp * 16 * F_MT + mt * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int np = 0; np < F_BN / 16; ++np) {
         unsigned r[4];
         ldsm_x4(r, cK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 +
                        ((lane >> 3) & 1) * 8);
-        mma(s[2 * np], qf[kk], r[0], r[1]);
-        mma(s[2 * np + 1], qf[kk], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < F_MT; ++mt) {
+          mma(s[mt][2 * np], qf[mt], r[0], r[1]);
+          mma(s[mt][2 * np + 1], qf[mt], r[2], r[3]);
+        }
       }
     }
 
-    // Scale (+ soft-cap) into the log2 domain and mask. A tile needs the per-element mask only
-    // where it crosses the end of the keys or a window edge for some row of the block.
+    // Soft-cap and mask. A tile needs the per-element mask only where it crosses the end of the
+    // keys or a window edge for some row of the block.
     const i64 n0 = nb * F_BN;
     const i64 pos_min = m0 + off, pos_max = min(m0 + F_BM, sq.len) - 1 + off;
     const bool full = n0 + F_BN <= sk.len && (wl < 0 || n0 >= pos_max - wl) &&
                       (wr < 0 || n0 + F_BN - 1 <= pos_min + wr);
 #pragma unroll
-    for (int nt = 0; nt < F_BN / 8; ++nt)
+    for (int mt = 0; mt < F_MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = smap(s[nt][e]);
-        if (!full) {
-          const i64 i = row_g + (e >> 1) * 8, j = n0 + nt * 8 + 2 * t + (e & 1);
-          if (!visible(i, j, off, sk.len, wl, wr)) x = -INFINITY;
+      for (int nt = 0; nt < F_BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][nt][e];
+          if (FE_SOFTCAP) x = smap.cap_out_log2 * tanh_fast(x * smap.cap_in);
+          if (!full) {
+            // Visible keys of this row, relative to the tile: [jlo, jhi].
+            const int pos = row32 + 16 * mt + (e >> 1) * 8 + off32 - (int)n0;
+            const int jlo = wl32 >= 0 ? pos - wl32 : -0x7fffffff;
+            const int jhi = min(sk32 - 1 - (int)n0, wr32 >= 0 ? pos + wr32 : 0x7fffffff);
+            const int j = nt * 8 + 2 * t + (e & 1);
+            if (j < jlo || j > jhi) x = -INFINITY;
+          }
+          s[mt][nt][e] = x;
         }
-        s[nt][e] = x;
+
+    // Online softmax, per m16 tile rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is shared by a
+    // quad of lanes.
+#pragma unroll
+    for (int mt = 0; mt < F_MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < F_BN / 8; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx * mul, m_run[mt][r]);            // running max, log2 domain
+        const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays 0
+        const float alpha = exp2_fast(m_run[mt][r] - base);
+        m_run[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < F_BN / 8; ++nt) {
+          s[mt][nt][2 * r] = exp2_fast(fmaf(s[mt][nt][2 * r], mul, -base));
+          s[mt][nt][2 * r + 1] = exp2_fast(fmaf(s[mt][nt][2 * r + 1], mul, -base));
+          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+        }
+        l_run[mt][r] = l_run[mt][r] * alpha + sum;  // per-lane partial; the quad is summed at the end
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          acc[mt][dt][2 * r] *= alpha;
+          acc[mt][dt][2 * r + 1] *= alpha;
+        }
       }
 
-    // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is shared by a quad of lanes.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m_run[r];
-#pragma unroll
-      for (int nt = 0; nt < F_BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays 0
-      const float alpha = exp2_fast(m_run[r] - base);
-      m_run[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < F_BN / 8; ++nt) {
-        s[nt][2 * r] = exp2_fast(s[nt][2 * r] - base);
-        s[nt][2 * r + 1] = exp2_fast(s[nt][2 * r + 1] - base);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      l_run[r] = l_run[r] * alpha + sum;  // per-lane partial; the quad is summed at the end
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        acc[dt][2 * r] *= alpha;
-        acc[dt][2 * r + 1] *= alpha;
-      }
-    }
-
-    // O += P·V: P's accumulator pairs are the A fragments; V through ldmatrix.trans.
+    // O += P·V: P's accumulator pairs are the A fragments; V through ldmatrix.trans, each
+    // fragment feeding both m16 tiles.
 #pragma unroll
     for (int kk = 0; kk < F_BN / 16; ++kk) {
-      const unsigned a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                             pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      unsigned a[F_MT][4];
+#pragma unroll
+      for (int mt = 0; mt < F_MT; ++mt) {
+        a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned r[4];
         ldsm_x4_t(r, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 +
                          (lane >> 4) * 8);
-        mma(acc[2 * dp], a, r[0], r[1]);
-        mma(acc[2 * dp + 1], a, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < F_MT; ++mt) {
+          mma(acc[mt][2 * dp], a[mt], r[0], r[1]);
+          mma(acc[mt][2 * dp + 1], a[mt], r[2], r[3]);
+        }
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
+  cp_async_wait<0>();
 
-  // Normalise and store: rows row_g, row_g + 8; columns 8·dt + 2t, +1 (one 32-bit store each).
+  // Normalise and store: rows row_w + 16·mt + 8·r; columns 8·dt + 2t, +1 (one 32-bit store each).
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const i64 row = row_g + r * 8;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (row < sq.len) {
-      T* orow = ob + row * os.s;
+  for (int mt = 0; mt < F_MT; ++mt)
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<unsigned*>(orow + dt * 8 + 2 * t) =
-            pack2(acc[dt][2 * r] * inv, acc[dt][2 * r + 1] * inv);
-      if (t == 0) {
-        const float val = l > 0.f ? (m_run[r] + log2f(l)) * LN2 : -INFINITY;
-        const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + row
-                             : ((i64)b * hq + h) * (i64)max_sq + row;
-        lse[idx] = val;
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const i64 row = row_w + 16 * mt + r * 8;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      if (row < sq.len) {
+        T* orow = ob + row * os.s;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+          *reinterpret_cast<unsigned*>(orow + dt * 8 + 2 * t) =
+              pack2(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
+        if (t == 0) {
+          const float val = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : -INFINITY;
+          const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + row
+                               : ((i64)b * hq + h) * (i64)max_sq + row;
+          lse[idx] = val;
+        }
       }
     }
-  }
 }
 
 // ---- backward -----------------------------------------------------------------------------------
