@@ -291,7 +291,7 @@ fn bench_gpu(
                             set.forward(&opts)
                         }
                     };
-                    let peak = peak_of(dev, set.bytes(), || call())?;
+                    let peak = peak_of(dev, set.bytes(), call)?;
                     // The naive variant takes seconds per call at S4096: fewer repeats.
                     let budget = if v.name == "naive" {
                         Budget {

@@ -6,6 +6,9 @@
 //! The reference below is its own plain code on host f64 copies, nested per (sequence, head,
 //! row): no indexing or arithmetic is shared with the variants.
 
+// The reference reads as the formulas do, with explicit indices.
+#![allow(clippy::needless_range_loop)]
+
 use super::{
     attention_backward_into, attention_forward_into, variants, AttentionOptions, Layout, Varlen, OP,
 };
