@@ -65,6 +65,9 @@ pub struct Params {
     pub softcap: f32,
 }
 
+// The C side asserts the same size.
+const _: () = assert!(std::mem::size_of::<Params>() == 192);
+
 impl Params {
     pub fn new(p: &Problem, seqs: &Seqs, cu: Option<(u64, u64)>) -> Params {
         let (cu_q, cu_k) = cu.unwrap_or((0, 0));

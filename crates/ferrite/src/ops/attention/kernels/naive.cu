@@ -39,6 +39,7 @@ struct Params {
   const int* cu_k;
   float scale, softcap;
 };
+static_assert(sizeof(Params) == 192, "Params layout differs from cuda.rs");
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
