@@ -280,6 +280,55 @@ impl CudaDevice {
         })
     }
 
+    /// The stream-ordered memory pool `alloc` (cuMemAllocAsync) draws from: the device's current
+    /// pool (its default pool unless somebody replaced it).
+    fn mem_pool(&self) -> Result<sys::CUmemoryPool> {
+        self.bind()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer; the device handle is this context's device.
+        unsafe { sys::cuDeviceGetMemPool(&mut pool, self.ctx.cu_device()).result() }
+            .map_err(|e| Error::cuda("cuDeviceGetMemPool", e))?;
+        Ok(pool)
+    }
+
+    /// Bytes of the memory pool in use now and its high-water mark since the last
+    /// `reset_pool_peak` (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT` / `_HIGH`). Synchronize first to
+    /// see the effect of queued allocations and frees.
+    pub fn pool_usage(&self) -> Result<(u64, u64)> {
+        let pool = self.mem_pool()?;
+        let get = |attr: sys::CUmemPool_attribute| -> Result<u64> {
+            let mut v: u64 = 0;
+            // SAFETY: both attributes are cuuint64_t values written to `v`.
+            unsafe {
+                sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut c_void).result()
+            }
+            .map_err(|e| Error::cuda("cuMemPoolGetAttribute", e))?;
+            Ok(v)
+        };
+        use sys::CUmemPool_attribute::*;
+        Ok((
+            get(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            get(CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        ))
+    }
+
+    /// Resets the pool's high-water mark (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`; the driver only
+    /// accepts 0), so the next `pool_usage` reports the peak of what ran since.
+    pub fn reset_pool_peak(&self) -> Result<()> {
+        let pool = self.mem_pool()?;
+        let mut zero: u64 = 0;
+        // SAFETY: USED_MEM_HIGH takes a cuuint64_t, and 0 is the only value it accepts.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut c_void,
+            )
+            .result()
+        }
+        .map_err(|e| Error::cuda("cuMemPoolSetAttribute(USED_MEM_HIGH)", e))
+    }
+
     /// Page-locked host memory that the CPU may read fast (not write-combined).
     pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
         self.bind()?;

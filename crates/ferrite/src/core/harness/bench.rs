@@ -178,6 +178,10 @@ pub struct BenchRecord {
     pub occupancy: Option<f64>,
     pub config: String,
     pub note: String,
+    /// Peak device memory one call needed (inputs, outputs and workspaces), from the
+    /// stream-ordered pool's high-water mark; ops that measure it set it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
 }
 
 impl BenchRecord {
