@@ -254,6 +254,9 @@ fn bench_gpu(
                     .iter()
                     .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
                 {
+                    if backward && v.name == "hopper" {
+                        continue; // its backward is flash's
+                    }
                     let label = format!("{} {dir}", s.label());
                     let workspaces = if backward { 2 } else { 1 };
                     if v.name == "naive" && s.score_bytes() * workspaces > NAIVE_WORKSPACE_CAP {

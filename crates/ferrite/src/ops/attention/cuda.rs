@@ -36,6 +36,8 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             functions: NAIVE_FUNCS.iter().map(|s| s.to_string()).collect(),
             min_arch: Arch::SM80,
         })
+        .chain(super::flash::kernel_specs())
+        .chain(super::hopper::kernel_specs())
         .collect()
 }
 
@@ -139,6 +141,8 @@ pub(super) fn forward(
             [o.device_ptr()?, lse.device_ptr()?],
             [q.device_ptr()?, k.device_ptr()?, v.device_ptr()?],
         ),
+        "flash" => super::flash::forward(&dev, &stream, p, q, k, v, o, lse, varlen),
+        "hopper" => super::hopper::forward(&dev, &stream, p, q, k, v, o, lse, varlen),
         other => Err(no_variant(OP, other)),
     }
 }
@@ -155,6 +159,10 @@ pub(super) fn backward(
     let prm = Params::new(p, seqs, cu_ptrs(varlen)?);
     match variant {
         "naive" => naive_backward(&dev, &stream, &prm, p.dtype, t),
+        // hopper's backward is flash's (deterministic, no atomics).
+        "flash" | "hopper" => super::flash::backward(
+            &dev, &stream, p, t.dout, t.q, t.k, t.v, t.o, t.lse, t.dq, t.dk, t.dv, varlen,
+        ),
         other => Err(no_variant(OP_BWD, other)),
     }
 }

@@ -24,6 +24,8 @@ pub mod bench;
 pub mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod flash;
+pub mod hopper;
 
 use crate::core::cuda::Stream;
 use crate::core::device::{Arch, Device};
@@ -39,11 +41,31 @@ pub const OP: &str = "attention";
 pub const OP_BWD: &str = "attention_backward";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
+const HALVES: &[DType] = &[DType::F16, DType::BF16];
+
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any head dim", summary: "S and P materialised per (batch, head), one thread", rank: 1 },
         VariantInfo { name: "tiled", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any head dim", summary: "online softmax over key tiles (S never materialised), masked tiles skipped, query blocks across cores", rank: 2 },
         VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any head dim; B·Hq·Sq·Sk f32 workspace (two in the backward)", summary: "S = scale·QKᵀ and P in global f32 buffers, a softmax kernel, then P·V; a thread per element", rank: 1 },
+        VariantInfo {
+            name: "flash",
+            backend: Backend::Cuda,
+            dtypes: HALVES,
+            min_arch: Some(Arch::SM80),
+            constraints: "bf16/f16; head dim 32, 64, 96 or 128; 16-byte aligned tensors, strides multiples of 8 elements",
+            summary: "FlashAttention-2 on mma.sync: Q·Kᵀ and P·V on tensor cores, online softmax in registers, K/V tiles through a cp.async ring (S never leaves the SM); deterministic two-kernel backward without atomics",
+            rank: 2,
+        },
+        VariantInfo {
+            name: "hopper",
+            backend: Backend::Cuda,
+            dtypes: HALVES,
+            min_arch: Some(Arch::SM90),
+            constraints: "Hopper (compute capability 9.x) only; bf16/f16; head dim 64 or 128 (forward; the backward runs flash's kernels); 16-byte aligned tensors, strides multiples of 8 elements",
+            summary: "FlashAttention-3 steps: TMA loads into swizzled shared memory, wgmma (P from registers), producer/consumer warpgroups, softmax overlapped with the other warpgroup's GEMMs (ping-pong) and with its own P·V",
+            rank: 3,
+        },
     ]
 }
 
@@ -520,8 +542,25 @@ fn validate(
 
 /// Why `v` cannot take this problem, if so. Head-dim and shape limits of each variant live here
 /// (the tensor-core variants take a fixed set of head dims).
-pub fn unfit(v: &VariantInfo, p: &Problem, _backward: bool) -> Option<String> {
+/// Why variant `v` cannot run `p` (None when it can). `ptrs` are the device addresses of the
+/// call's q/k/v/o-like tensors (empty on the CPU).
+pub fn unfit(v: &VariantInfo, p: &Problem, backward: bool, ptrs: &[u64]) -> Option<String> {
     match (v.backend, v.name) {
+        (Backend::Cuda, "flash") => flash::unfit(p, ptrs),
+        (Backend::Cuda, "hopper") => {
+            let arch = match p.device {
+                Device::Cuda(i) => crate::core::cuda::device(i).ok().map(|d| d.arch()),
+                Device::Cpu => None,
+            };
+            if arch.map(|a| a.major) != Some(9) {
+                return Some("needs a Hopper GPU (compute capability 9.x: wgmma, TMA)".into());
+            }
+            if backward {
+                flash::unfit(p, ptrs)
+            } else {
+                hopper::unfit(p, ptrs)
+            }
+        }
         (Backend::Cuda, "naive") => {
             let n = (p.batch as u128)
                 * (p.heads_q as u128)
@@ -535,7 +574,12 @@ pub fn unfit(v: &VariantInfo, p: &Problem, _backward: bool) -> Option<String> {
     }
 }
 
-fn select(p: &Problem, requested: Option<&str>, backward: bool) -> Result<&'static str> {
+fn select(
+    p: &Problem,
+    requested: Option<&str>,
+    backward: bool,
+    ptrs: &[u64],
+) -> Result<&'static str> {
     let vs = variants();
     let arch = match p.device {
         Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
@@ -548,9 +592,18 @@ fn select(p: &Problem, requested: Option<&str>, backward: bool) -> Result<&'stat
         Backend::of(p.device),
         p.dtype,
         arch,
-        |v| unfit(v, p, backward),
+        |v| unfit(v, p, backward, ptrs),
     )?;
     Ok(v.name)
+}
+
+/// Device addresses of `ts` on a GPU problem (empty on the CPU), for the variants' alignment checks.
+fn device_ptrs(p: &Problem, ts: &[&Tensor]) -> Result<Vec<u64>> {
+    if p.device.is_cuda() {
+        ts.iter().map(|t| t.device_ptr()).collect()
+    } else {
+        Ok(vec![])
+    }
 }
 
 /// Forward into caller-provided `o` (like q) and `lse` (f32 `[B, Hq, Sq]` or `[Hq, total_q]`).
@@ -570,7 +623,8 @@ pub fn attention_forward_into(
         ins.extend([vl.cu_seqlens_q, vl.cu_seqlens_k]);
     }
     check_distinct(OP, &[("o", o), ("lse", lse)], &ins)?;
-    let name = select(&c.p, opts.variant.as_deref(), false)?;
+    let ptrs = device_ptrs(&c.p, &[q, k, v, o])?;
+    let name = select(&c.p, opts.variant.as_deref(), false, &ptrs)?;
     match c.p.device {
         Device::Cpu => cpu::forward(name, &c.p, &c.seqs, q, k, v, o, lse),
         Device::Cuda(_) => cuda::forward(name, &c.p, &c.seqs, q, k, v, o, lse, varlen, opts),
@@ -606,7 +660,8 @@ pub fn attention_backward_into(
         ins.extend([vl.cu_seqlens_q, vl.cu_seqlens_k]);
     }
     check_distinct(op, &[("dq", dq), ("dk", dk), ("dv", dv)], &ins)?;
-    let name = select(&c.p, opts.variant.as_deref(), true)?;
+    let ptrs = device_ptrs(&c.p, &[dout, q, k, v, o, dq, dk, dv])?;
+    let name = select(&c.p, opts.variant.as_deref(), true, &ptrs)?;
     let t = BwdTensors {
         dout,
         q,
