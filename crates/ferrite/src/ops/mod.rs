@@ -1,6 +1,7 @@
 //! The op families, one folder each, and what runs across all of them: the registry, the machine
 //! ceilings measured before a bench, and the kernel build check.
 
+pub mod activation;
 pub mod copy;
 pub mod matmul;
 pub mod norm;
@@ -16,7 +17,13 @@ use crate::core::tensor::Tensor;
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
-    vec![&copy::Copy, &matmul::Matmul, &norm::Norm, &softmax::Softmax]
+    vec![
+        &copy::Copy,
+        &matmul::Matmul,
+        &norm::Norm,
+        &softmax::Softmax,
+        &activation::ActivationFamily,
+    ]
 }
 
 /// The family called `name`, or an error listing the families.
