@@ -87,7 +87,11 @@ mod tests {
     #[test]
     fn known_answers() {
         let kat: [([u32; 4], [u32; 2], [u32; 4]); 3] = [
-            ([0; 4], [0; 2], [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]),
+            (
+                [0; 4],
+                [0; 2],
+                [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8],
+            ),
             (
                 [u32::MAX; 4],
                 [u32::MAX; 2],

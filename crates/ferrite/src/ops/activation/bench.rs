@@ -181,11 +181,21 @@ fn bench_gpu(
                     if v.name == "fused" && super::fused_unfit(&p, &[]).is_some() {
                         continue;
                     }
-                    progress(&format!("activation {d} {} {dtype} {r}×{c} {label}", v.name));
+                    progress(&format!(
+                        "activation {d} {} {dtype} {r}×{c} {label}",
+                        v.name
+                    ));
                     let s = time_gpu(dev, &stream, Budget::gpu(), |_| match pi {
                         0 => ac::run_act_fwd(v.name, &p, dev, q_fwd, &DROPOUT, &stream),
                         1 => ac::run_act_bwd(v.name, &p, dev, q_bwd, &DROPOUT, &stream),
-                        2 => ac::run_glu_fwd(v.name, &p, dev, y.device_ptr()?, inp.device_ptr()?, &stream),
+                        2 => ac::run_glu_fwd(
+                            v.name,
+                            &p,
+                            dev,
+                            y.device_ptr()?,
+                            inp.device_ptr()?,
+                            &stream,
+                        ),
                         _ => ac::run_glu_bwd(
                             v.name,
                             &p,
@@ -208,9 +218,18 @@ fn bench_gpu(
                         tensors * n * es,
                     );
                     if v.name == "fused" {
-                        let g = ac::fused_geom(dev, &p, pi % 2 == 1 && !glu)?;
-                        let f = ["act_fwd_fused", "act_bwd_fused", "glu_fwd_fused", "glu_bwd_fused"][pi];
+                        let f = [
+                            "act_fwd_fused",
+                            "act_bwd_fused",
+                            "glu_fwd_fused",
+                            "glu_bwd_fused",
+                        ][pi];
                         let k = dev.kernel(&ac::program(dtype, p.act), f)?;
+                        let mut g = ac::fused_geom(dev, &p, None)?;
+                        if pi == 1 {
+                            let b = ac::blocks_per_sm(dev, &k, g.threads)?;
+                            g = ac::fused_geom(dev, &p, Some(b))?;
+                        }
                         rec = rec.with_kernel(&k, g.threads, 0)?;
                         rec.config = g.describe();
                     } else {

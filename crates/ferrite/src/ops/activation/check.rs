@@ -144,7 +144,14 @@ fn check_act(
     let x = Tensor::rand(&[rows, cols], dtype, dev, rng.next_u64(), -3.0, 3.0)?;
     let dy = Tensor::rand(&[rows, cols], dtype, dev, rng.next_u64(), -1.0, 1.0)?;
     let b = if with_bias {
-        Some(Tensor::rand(&[cols], dtype, dev, rng.next_u64(), -1.0, 1.0)?)
+        Some(Tensor::rand(
+            &[cols],
+            dtype,
+            dev,
+            rng.next_u64(),
+            -1.0,
+            1.0,
+        )?)
     } else {
         None
     };
@@ -215,7 +222,11 @@ fn check_glu(
     glu_into(&inp, &out, &opts)?;
     glu_backward_into(&dout, &inp, &din, &opts)?;
     let (iv, gv) = (inp.to_f64_vec()?, dout.to_f64_vec()?);
-    let (mut ro, mut rdg, mut rdu) = (vec![0.0; rows * n], vec![0.0; rows * n], vec![0.0; rows * n]);
+    let (mut ro, mut rdg, mut rdu) = (
+        vec![0.0; rows * n],
+        vec![0.0; rows * n],
+        vec![0.0; rows * n],
+    );
     for r in 0..rows {
         for j in 0..n {
             let (gate, up) = (iv[r * 2 * n + j], iv[r * 2 * n + n + j]);
@@ -233,7 +244,10 @@ fn check_glu(
         du.extend_from_slice(&dv[r * 2 * n + n..][..n]);
     }
     let mut worst = (rel_error(&out.to_f64_vec()?, &ro), "out");
-    for (e, what) in [(rel_error(&dg, &rdg), "d(gate)"), (rel_error(&du, &rdu), "d(up)")] {
+    for (e, what) in [
+        (rel_error(&dg, &rdg), "d(gate)"),
+        (rel_error(&du, &rdu), "d(up)"),
+    ] {
         if e > worst.0 || e.is_nan() {
             worst = (e, what);
         }
@@ -372,7 +386,8 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                             let n = (shape.0 * shape.1) as f64;
                             let q = 1.0 - p as f64;
                             let sigma = (q * (1.0 - q) / n).sqrt();
-                            r.shape = format!("dropout kept fraction p={p} {}×{}", shape.0, shape.1);
+                            r.shape =
+                                format!("dropout kept fraction p={p} {}×{}", shape.0, shape.1);
                             r.precision = Precision::of(dtype);
                             r.error = (kept - q).abs() / sigma;
                             r.tolerance = 5.0;

@@ -80,26 +80,34 @@ impl FusedGeom {
     }
 }
 
+/// Blocks of `k` resident per SM at `threads` threads (from the driver's occupancy calculator).
+pub fn blocks_per_sm(dev: &CudaDevice, k: &Kernel, threads: u32) -> Result<usize> {
+    let occ = k.occupancy(threads, 0)?;
+    let per_sm = occ * dev.props().max_threads_per_sm as f64 / threads as f64;
+    Ok((per_sm.round() as usize).max(1))
+}
+
 /// The forward takes one block row per UNROLL rows (the kernel loops beyond 65535); the backward
-/// a fixed grid of about one resident wave, so the db partials are few (gy × cols fp32) and their
-/// order depends only on the device and shape (deterministic).
-pub fn fused_geom(dev: &CudaDevice, p: &Problem, backward: bool) -> Result<FusedGeom> {
+/// (`resident_per_sm` = Some(blocks of the kernel an SM holds)) a fixed grid of one resident wave,
+/// so the db partials are few (gy × cols fp32) and their order depends only on the device, the
+/// kernel build and the shape (deterministic).
+pub fn fused_geom(
+    dev: &CudaDevice,
+    p: &Problem,
+    resident_per_sm: Option<usize>,
+) -> Result<FusedGeom> {
     let nvec = p.cols / rows::vec_width(p.dtype);
     let threads = (nvec.min(FUSED_THREADS).div_ceil(32) * 32).max(32);
     let gx = nvec.div_ceil(threads);
     let gx = u32::try_from(gx)
         .ok()
         .filter(|&g| g <= i32::MAX as u32)
-        .ok_or_else(|| {
-            Error::bad_arg(OP, "x", "a last dim below 2³¹ vectors", p.cols)
-        })?;
-    let gy = if backward {
-        let props = dev.props();
-        let resident =
-            props.sm_count as usize * (props.max_threads_per_sm as usize / threads).max(1);
-        resident.div_ceil(gx as usize).min(p.rows)
-    } else {
-        p.rows.div_ceil(UNROLL)
+        .ok_or_else(|| Error::bad_arg(OP, "x", "a last dim below 2³¹ vectors", p.cols))?;
+    let gy = match resident_per_sm {
+        Some(b) => (dev.props().sm_count as usize * b)
+            .div_ceil(gx as usize)
+            .min(p.rows),
+        None => p.rows.div_ceil(UNROLL),
     };
     Ok(FusedGeom {
         threads: threads as u32,
@@ -153,7 +161,13 @@ fn apply(
         .push(inp.1 as i64)
         .push(rows as i64)
         .push(n as i64);
-    launch_scalar(dev, &kernel(dev, p, "act_apply_naive")?, rows * n, &mut a, stream)
+    launch_scalar(
+        dev,
+        &kernel(dev, p, "act_apply_naive")?,
+        rows * n,
+        &mut a,
+        stream,
+    )
 }
 
 /// out[r, j] = a[r, j] · b[r, j] (`f` = act_mul_naive) or a · act'(b) (`f` = act_grad_naive).
@@ -199,7 +213,13 @@ fn dropout_naive(
         .push(d.offset)
         .push(thr)
         .push(scale);
-    launch_scalar(dev, &kernel(dev, p, "act_dropout_naive")?, n, &mut a, stream)
+    launch_scalar(
+        dev,
+        &kernel(dev, p, "act_dropout_naive")?,
+        n,
+        &mut a,
+        stream,
+    )
 }
 
 /// h = x + b into a temporary, or x itself without a bias.
@@ -269,7 +289,7 @@ pub fn run_act_fwd(
             Ok(())
         }
         "fused" => {
-            let g = fused_geom(dev, p, false)?;
+            let g = fused_geom(dev, p, None)?;
             let mut a = KernelArgs::new();
             a.push(q.out)
                 .push(q.x)
@@ -277,13 +297,7 @@ pub fn run_act_fwd(
                 .push(p.rows as i64)
                 .push(p.cols as i64);
             dropout_args(&mut a, d);
-            kernel(dev, p, "act_fwd_fused")?.launch(
-                stream,
-                g.grid,
-                (g.threads, 1, 1),
-                0,
-                &mut a,
-            )
+            kernel(dev, p, "act_fwd_fused")?.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)
         }
         other => no_variant(other),
     }
@@ -319,7 +333,17 @@ pub fn run_act_bwd(
                 None => None,
             };
             let g = g_buf.as_ref().map_or(q.g, |b| b.ptr());
-            binary(dev, p, "act_grad_naive", (q.out, c), (g, c), (h, c), p.rows, c, stream)?;
+            binary(
+                dev,
+                p,
+                "act_grad_naive",
+                (q.out, c),
+                (g, c),
+                (h, c),
+                p.rows,
+                c,
+                stream,
+            )?;
             if q.db != 0 {
                 let mut a = KernelArgs::new();
                 a.push(q.db).push(q.out).push(p.rows as i64).push(c as i64);
@@ -334,7 +358,9 @@ pub fn run_act_bwd(
             Ok(())
         }
         "fused" => {
-            let g = fused_geom(dev, p, true)?;
+            let k = kernel(dev, p, "act_bwd_fused")?;
+            let threads = fused_geom(dev, p, None)?.threads;
+            let g = fused_geom(dev, p, Some(blocks_per_sm(dev, &k, threads)?))?;
             let parts = g.grid.1 as usize;
             let scratch = if q.db != 0 {
                 Some(dev.alloc(parts * c * 4, stream)?)
@@ -351,13 +377,7 @@ pub fn run_act_bwd(
                 .push(p.rows as i64)
                 .push(c as i64);
             dropout_args(&mut a, d);
-            kernel(dev, p, "act_bwd_fused")?.launch(
-                stream,
-                g.grid,
-                (g.threads, 1, 1),
-                0,
-                &mut a,
-            )?;
+            k.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)?;
             if q.db != 0 {
                 let mut a = KernelArgs::new();
                 a.push(q.db).push(part).push(parts as i64).push(c as i64);
@@ -393,10 +413,20 @@ pub fn run_glu_fwd(
         "naive" => {
             let a = temp(dev, p, p.rows * n, stream)?;
             apply(dev, p, (a.ptr(), n), (inp, 2 * n), p.rows, n, stream)?;
-            binary(dev, p, "act_mul_naive", (out, n), (a.ptr(), n), (up, 2 * n), p.rows, n, stream)
+            binary(
+                dev,
+                p,
+                "act_mul_naive",
+                (out, n),
+                (a.ptr(), n),
+                (up, 2 * n),
+                p.rows,
+                n,
+                stream,
+            )
         }
         "fused" => {
-            let g = fused_geom(dev, p, false)?;
+            let g = fused_geom(dev, p, None)?;
             let mut a = KernelArgs::new();
             a.push(out).push(inp).push(p.rows as i64).push(n as i64);
             kernel(dev, p, "glu_fwd_fused")?.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)
@@ -427,13 +457,43 @@ pub fn run_glu_bwd(
             let r = p.rows;
             let a = temp(dev, p, r * n, stream)?;
             apply(dev, p, (a.ptr(), n), (inp, 2 * n), r, n, stream)?;
-            binary(dev, p, "act_mul_naive", (dup, 2 * n), (dout, n), (a.ptr(), n), r, n, stream)?;
+            binary(
+                dev,
+                p,
+                "act_mul_naive",
+                (dup, 2 * n),
+                (dout, n),
+                (a.ptr(), n),
+                r,
+                n,
+                stream,
+            )?;
             let t = temp(dev, p, r * n, stream)?;
-            binary(dev, p, "act_mul_naive", (t.ptr(), n), (dout, n), (up, 2 * n), r, n, stream)?;
-            binary(dev, p, "act_grad_naive", (din, 2 * n), (t.ptr(), n), (inp, 2 * n), r, n, stream)
+            binary(
+                dev,
+                p,
+                "act_mul_naive",
+                (t.ptr(), n),
+                (dout, n),
+                (up, 2 * n),
+                r,
+                n,
+                stream,
+            )?;
+            binary(
+                dev,
+                p,
+                "act_grad_naive",
+                (din, 2 * n),
+                (t.ptr(), n),
+                (inp, 2 * n),
+                r,
+                n,
+                stream,
+            )
         }
         "fused" => {
-            let g = fused_geom(dev, p, false)?;
+            let g = fused_geom(dev, p, None)?;
             let mut a = KernelArgs::new();
             a.push(din)
                 .push(dout)
@@ -515,7 +575,14 @@ pub(super) fn glu_forward(
     opts: &GluOptions,
 ) -> Result<()> {
     let (dev, stream) = ctx(p, &opts.stream)?;
-    run_glu_fwd(variant, p, &dev, out.device_ptr()?, input.device_ptr()?, &stream)
+    run_glu_fwd(
+        variant,
+        p,
+        &dev,
+        out.device_ptr()?,
+        input.device_ptr()?,
+        &stream,
+    )
 }
 
 pub(super) fn glu_backward(

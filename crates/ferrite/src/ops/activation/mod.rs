@@ -96,12 +96,7 @@ impl Activation {
             .into_iter()
             .find(|a| a.name() == s)
             .ok_or_else(|| {
-                Error::bad_arg(
-                    OP,
-                    "act",
-                    "one of none, relu, gelu_tanh, gelu_erf, silu",
-                    s,
-                )
+                Error::bad_arg(OP, "act", "one of none, relu, gelu_tanh, gelu_erf, silu", s)
             })
     }
 
@@ -173,11 +168,21 @@ fn expect_like(op: &str, arg: &str, t: &Tensor, like: &Tensor, shape: &[usize]) 
     Ok(())
 }
 
-fn check_distinct(op: &str, outs: &[(&str, Option<&Tensor>)], ins: &[Option<&Tensor>]) -> Result<()> {
+fn check_distinct(
+    op: &str,
+    outs: &[(&str, Option<&Tensor>)],
+    ins: &[Option<&Tensor>],
+) -> Result<()> {
     for (i, (name, o)) in outs.iter().enumerate() {
         let Some(o) = o else { continue };
         let others = outs[..i].iter().filter_map(|(_, t)| *t);
-        if ins.iter().flatten().copied().chain(others).any(|i| o.shares_storage(i)) {
+        if ins
+            .iter()
+            .flatten()
+            .copied()
+            .chain(others)
+            .any(|i| o.shares_storage(i))
+        {
             return Err(Error::bad_arg(
                 op,
                 *name,
@@ -272,7 +277,11 @@ fn validate_glu(
     if let Some(g) = g {
         expect_like(op, "dout", g, input, &half)?;
     }
-    let out_shape = if g.is_some() { input.shape().to_vec() } else { half };
+    let out_shape = if g.is_some() {
+        input.shape().to_vec()
+    } else {
+        half
+    };
     expect_like(op, out.0, out.1, input, &out_shape)?;
     check_distinct(op, &[(out.0, Some(out.1))], &[Some(input), g])?;
     Ok((n, out_shape))
@@ -282,7 +291,11 @@ fn validate_glu(
 pub fn fused_unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
     let vec = rows::vec_width(p.dtype);
     if !p.cols.is_multiple_of(vec) {
-        let what = if p.glu { "n (half the last dim)" } else { "the last dim" };
+        let what = if p.glu {
+            "n (half the last dim)"
+        } else {
+            "the last dim"
+        };
         return Some(format!(
             "needs {what} a multiple of {vec} for {} (got {})",
             p.dtype, p.cols
@@ -332,7 +345,11 @@ pub fn bias_act_dropout_into(
     opts: &ActOptions,
 ) -> Result<()> {
     let p = validate_act("bias_act_dropout", x, bias, None, &[("y", Some(y))], opts)?;
-    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[Some(x), bias, Some(y)])?)?;
+    let v = select(
+        &p,
+        opts.variant.as_deref(),
+        &ptrs(&p, &[Some(x), bias, Some(y)])?,
+    )?;
     match p.device {
         Device::Cpu => cpu::act_forward(v, &p, x, bias, y, &opts.dropout),
         Device::Cuda(_) => cuda::act_forward(v, &p, x, bias, y, opts),
@@ -358,8 +375,19 @@ pub fn bias_act_dropout_backward_into(
             "a tensor (but bias is None)",
         ));
     }
-    let p = validate_act(op, x, bias, Some(dy), &[("dx", Some(dx)), ("dbias", dbias)], opts)?;
-    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[Some(dy), Some(x), bias, Some(dx), dbias])?)?;
+    let p = validate_act(
+        op,
+        x,
+        bias,
+        Some(dy),
+        &[("dx", Some(dx)), ("dbias", dbias)],
+        opts,
+    )?;
+    let v = select(
+        &p,
+        opts.variant.as_deref(),
+        &ptrs(&p, &[Some(dy), Some(x), bias, Some(dx), dbias])?,
+    )?;
     match p.device {
         Device::Cpu => cpu::act_backward(v, &p, dy, x, bias, dx, dbias, &opts.dropout),
         Device::Cuda(_) => cuda::act_backward(v, &p, dy, x, bias, dx, dbias, opts),
@@ -385,7 +413,11 @@ pub fn glu_into(input: &Tensor, out: &Tensor, opts: &GluOptions) -> Result<()> {
         act: opts.act,
         glu: true,
     };
-    let v = select(&p, opts.variant.as_deref(), &ptrs(&p, &[Some(input), Some(out)])?)?;
+    let v = select(
+        &p,
+        opts.variant.as_deref(),
+        &ptrs(&p, &[Some(input), Some(out)])?,
+    )?;
     match p.device {
         Device::Cpu => cpu::glu_forward(v, &p, input, out),
         Device::Cuda(_) => cuda::glu_forward(v, &p, input, out, opts),
