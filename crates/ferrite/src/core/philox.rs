@@ -117,6 +117,26 @@ mod tests {
         );
     }
 
+    /// The CUDA twin's stream: these words came from `core/cuda/kernels/philox.cuh` compiled
+    /// for the host (g++, `__umulhi` as a 64-bit product), at a 64-bit seed and an offset that
+    /// carries into counter word 1 after 3 blocks. `ferrite check activation` compares the
+    /// device's own masks against this generator on every run.
+    #[test]
+    fn same_stream_as_the_cuda_header() {
+        let (seed, off) = (0x1234_5678_9abc_def0u64, (1u64 << 32) - 3);
+        let want: [[u32; 4]; 6] = [
+            [0x35385faf, 0xa254e034, 0xeff860fa, 0x86cec999],
+            [0xb6fe34d9, 0xffcf87ec, 0x12ad8b61, 0xd44f2839],
+            [0x9b6a0c32, 0x93de441a, 0x08a5fbbe, 0xb12902fc],
+            [0xab4806df, 0x6e8135ce, 0xbbca5391, 0xf37870f0],
+            [0x8a2ae2a3, 0x89f08fa8, 0xadd06b30, 0xf9f9adeb],
+            [0xd75cfe3e, 0xf25b6e4b, 0xfd77eff2, 0x8471bd47],
+        ];
+        for (b, w) in want.iter().enumerate() {
+            assert_eq!(&block(seed, off, b as u64), w, "block {b}");
+        }
+    }
+
     #[test]
     fn addressing_and_threshold() {
         // Element i ↔ counter offset + i/4, word i%4; the counter is 64-bit and wraps.
