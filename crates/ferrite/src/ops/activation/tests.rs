@@ -281,3 +281,44 @@ fn empty_rows_are_fine() {
         .unwrap();
     assert!(db.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0));
 }
+
+#[test]
+fn gpu_backward_is_deterministic_and_matches_the_cpu_mask() {
+    if crate::core::cuda::availability().is_err() {
+        return;
+    }
+    let d = Device::Cuda(0);
+    let (rows, cols) = (3000, 1024);
+    let x = Tensor::rand(&[rows, cols], DType::BF16, d, 1, -2.0, 2.0).unwrap();
+    let dy = Tensor::rand(&[rows, cols], DType::BF16, d, 2, -1.0, 1.0).unwrap();
+    let b = Tensor::rand(&[cols], DType::BF16, d, 3, -1.0, 1.0).unwrap();
+    let opts = ActOptions {
+        act: Activation::GeluTanh,
+        dropout: Dropout {
+            p: 0.25,
+            seed: 11,
+            offset: 5,
+        },
+        ..Default::default()
+    };
+    let run = || {
+        let dx = Tensor::empty(&[rows, cols], DType::BF16, d).unwrap();
+        let db = Tensor::empty(&[cols], DType::BF16, d).unwrap();
+        bias_act_dropout_backward_into(&dy, &x, Some(&b), &dx, Some(&db), &opts).unwrap();
+        (dx.to_bytes().unwrap(), db.to_bytes().unwrap())
+    };
+    let first = run();
+    for _ in 0..3 {
+        assert!(run() == first, "backward bits changed between runs");
+    }
+    // The GPU forward's zeros are exactly the CPU forward's zeros.
+    let zeros =
+        |t: Tensor| -> Vec<bool> { t.to_f64_vec().unwrap().iter().map(|&v| v == 0.0).collect() };
+    let gpu = zeros(bias_act_dropout(&x, Some(&b), &opts).unwrap());
+    let (xc, bc) = (
+        x.to_device(Device::Cpu).unwrap(),
+        b.to_device(Device::Cpu).unwrap(),
+    );
+    let cpu = zeros(bias_act_dropout(&xc, Some(&bc), &opts).unwrap());
+    assert!(gpu == cpu, "GPU and CPU dropout masks differ");
+}
