@@ -219,19 +219,15 @@ fn bench_gpu(
                     );
                     if v.name == "fused" {
                         let f = [
-                            "act_fwd_fused",
-                            "act_bwd_fused",
-                            "glu_fwd_fused",
-                            "glu_bwd_fused",
+                            ac::Fused::ActFwd,
+                            ac::Fused::ActBwd,
+                            ac::Fused::GluFwd,
+                            ac::Fused::GluBwd,
                         ][pi];
-                        let k = dev.kernel(&ac::program(dtype, p.act), f)?;
-                        let mut g = ac::fused_geom(dev, &p, None)?;
-                        if pi == 1 {
-                            let b = ac::blocks_per_sm(dev, &k, g.threads)?;
-                            g = ac::fused_geom(dev, &p, Some(b))?;
+                        if let Some((k, g, u)) = ac::fused_choice(dev, &p, f)? {
+                            rec = rec.with_kernel(&k, g.threads, 0)?;
+                            rec.config = format!("{}, {u} rows in flight, tuned", g.describe());
                         }
-                        rec = rec.with_kernel(&k, g.threads, 0)?;
-                        rec.config = g.describe();
                     } else {
                         rec.config = "one scalar kernel per op".into();
                         rec.note = format!(

@@ -60,11 +60,13 @@ pub fn act_fg(act: Activation, h: f32) -> (f32, f32) {
             }
         }
         Activation::GeluTanh => {
+            // 0.5·(1 + tanh(u)) = σ(2u), as the kernels compute it (the f64 reference keeps tanh).
             let (k, c) = (SQRT_2_OVER_PI as f32, GELU_C as f32);
-            let t = (k * (h + c * h * h * h)).tanh();
+            let u = k * (h + c * h * h * h);
+            let s = 1.0 / (1.0 + (-2.0 * u).exp());
             (
-                0.5 * h * (1.0 + t),
-                0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3.0 * c * h * h),
+                h * s,
+                s + 2.0 * h * s * (1.0 - s) * k * (1.0 + 3.0 * c * h * h),
             )
         }
         Activation::GeluErf => {

@@ -13,22 +13,31 @@ use crate::kernel_source;
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("activation", "kernels/activation.cu");
-const FUNCS: [&str; 11] = [
+const FUNCS: [&str; 19] = [
     "act_bias_add_naive",
     "act_apply_naive",
     "act_grad_naive",
     "act_mul_naive",
     "act_dropout_naive",
     "act_col_sum_naive",
-    "act_fwd_fused",
-    "act_bwd_fused",
     "act_col_sum",
-    "glu_fwd_fused",
-    "glu_bwd_fused",
+    "act_fwd_fused_u1",
+    "act_fwd_fused_u2",
+    "act_fwd_fused_u4",
+    "act_bwd_fused_u1",
+    "act_bwd_fused_u2",
+    "act_bwd_fused_u4",
+    "glu_fwd_fused_u1",
+    "glu_fwd_fused_u2",
+    "glu_fwd_fused_u4",
+    "glu_bwd_fused_u1",
+    "glu_bwd_fused_u2",
+    "glu_bwd_fused_u4",
 ];
 
-/// Rows a fused thread loads before computing (UNROLL in the kernel).
-const UNROLL: usize = 4;
+/// Rows a fused thread loads before computing (the kernels' UNROLL): each compiled as an entry
+/// `<kernel>_u<U>`, the fastest timed at first use per (device, kernel, dtype, act, shape class).
+pub const UNROLLS: [usize; 3] = [1, 2, 4];
 /// Threads per block of the scalar (naive) kernels.
 const SCALAR_THREADS: u32 = 256;
 /// Most threads per block of the fused kernels.
@@ -87,13 +96,14 @@ pub fn blocks_per_sm(dev: &CudaDevice, k: &Kernel, threads: u32) -> Result<usize
     Ok((per_sm.round() as usize).max(1))
 }
 
-/// The forward takes one block row per UNROLL rows (the kernel loops beyond 65535); the backward
+/// The forward takes one block row per `unroll` rows (the kernel loops beyond 65535); the backward
 /// (`resident_per_sm` = Some(blocks of the kernel an SM holds)) a fixed grid of one resident wave,
 /// so the db partials are few (gy × cols fp32) and their order depends only on the device, the
 /// kernel build and the shape (deterministic).
 pub fn fused_geom(
     dev: &CudaDevice,
     p: &Problem,
+    unroll: usize,
     resident_per_sm: Option<usize>,
 ) -> Result<FusedGeom> {
     let nvec = p.cols / rows::vec_width(p.dtype);
@@ -107,12 +117,90 @@ pub fn fused_geom(
         Some(b) => (dev.props().sm_count as usize * b)
             .div_ceil(gx as usize)
             .min(p.rows),
-        None => p.rows.div_ceil(UNROLL),
+        None => p.rows.div_ceil(unroll),
     };
     Ok(FusedGeom {
         threads: threads as u32,
         grid: (gx, gy.clamp(1, 65535) as u32, 1),
     })
+}
+
+/// The fused kernels, for tuning keys and reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fused {
+    ActFwd,
+    ActBwd,
+    GluFwd,
+    GluBwd,
+}
+
+impl Fused {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fused::ActFwd => "act_fwd_fused",
+            Fused::ActBwd => "act_bwd_fused",
+            Fused::GluFwd => "glu_fwd_fused",
+            Fused::GluBwd => "glu_bwd_fused",
+        }
+    }
+}
+
+fn tune_key(dev: &CudaDevice, p: &Problem, f: Fused) -> String {
+    format!(
+        "{}/{}/{}/{}/rows~{}/cols={}",
+        dev.props().name,
+        f.name(),
+        p.dtype,
+        p.act.name(),
+        crate::core::tune::shape_class(&[p.rows]),
+        p.cols
+    )
+}
+
+/// The unroll of fused kernel `f` for this problem: remembered, or timed now with `run` (on the
+/// caller's buffers; the kernels are idempotent, so re-running them is harmless).
+fn tuned_unroll(
+    dev: &Arc<CudaDevice>,
+    p: &Problem,
+    f: Fused,
+    stream: &Stream,
+    run: &dyn Fn(usize) -> Result<()>,
+) -> Result<usize> {
+    crate::core::tune::pick(&tune_key(dev, p, f), &UNROLLS, |&u| {
+        rows::time_briefly(dev, stream, || run(u))
+    })
+    .map(|(u, _)| u)
+}
+
+/// The backward kernel with unroll `u` and its fixed grid (one resident wave).
+fn bwd_plan(dev: &Arc<CudaDevice>, p: &Problem, u: usize) -> Result<(Kernel, FusedGeom)> {
+    let k = kernel(dev, p, &format!("act_bwd_fused_u{u}"))?;
+    let threads = fused_geom(dev, p, u, None)?.threads;
+    let g = fused_geom(dev, p, u, Some(blocks_per_sm(dev, &k, threads)?))?;
+    Ok((k, g))
+}
+
+/// For reports: the kernel, launch shape and unroll the fused path uses for `f` — the tuned
+/// choice if one is remembered (None before the first run).
+pub fn fused_choice(
+    dev: &Arc<CudaDevice>,
+    p: &Problem,
+    f: Fused,
+) -> Result<Option<(Kernel, FusedGeom, usize)>> {
+    let Ok((u, _)) = crate::core::tune::pick(&tune_key(dev, p, f), &UNROLLS, |_| {
+        Err(Error::Other("not tuned yet".into()))
+    }) else {
+        return Ok(None);
+    };
+    let (k, g) = if f == Fused::ActBwd {
+        bwd_plan(dev, p, u)?
+    } else {
+        (
+            kernel(dev, p, &format!("{}_u{u}", f.name()))?,
+            fused_geom(dev, p, u, None)?,
+        )
+    };
+    Ok(Some((k, g, u)))
 }
 
 fn dropout_args(a: &mut KernelArgs, d: &Dropout) {
@@ -289,15 +377,24 @@ pub fn run_act_fwd(
             Ok(())
         }
         "fused" => {
-            let g = fused_geom(dev, p, None)?;
-            let mut a = KernelArgs::new();
-            a.push(q.out)
-                .push(q.x)
-                .push(q.b)
-                .push(p.rows as i64)
-                .push(p.cols as i64);
-            dropout_args(&mut a, d);
-            kernel(dev, p, "act_fwd_fused")?.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)
+            let run = |u: usize| -> Result<()> {
+                let g = fused_geom(dev, p, u, None)?;
+                let mut a = KernelArgs::new();
+                a.push(q.out)
+                    .push(q.x)
+                    .push(q.b)
+                    .push(p.rows as i64)
+                    .push(p.cols as i64);
+                dropout_args(&mut a, d);
+                kernel(dev, p, &format!("act_fwd_fused_u{u}"))?.launch(
+                    stream,
+                    g.grid,
+                    (g.threads, 1, 1),
+                    0,
+                    &mut a,
+                )
+            };
+            run(tuned_unroll(dev, p, Fused::ActFwd, stream, &run)?)
         }
         other => no_variant(other),
     }
@@ -358,38 +455,39 @@ pub fn run_act_bwd(
             Ok(())
         }
         "fused" => {
-            let k = kernel(dev, p, "act_bwd_fused")?;
-            let threads = fused_geom(dev, p, None)?.threads;
-            let g = fused_geom(dev, p, Some(blocks_per_sm(dev, &k, threads)?))?;
-            let parts = g.grid.1 as usize;
-            let scratch = if q.db != 0 {
-                Some(dev.alloc(parts * c * 4, stream)?)
-            } else {
-                None
-            };
-            let part = scratch.as_ref().map_or(0, |s| s.ptr());
-            let mut a = KernelArgs::new();
-            a.push(q.out)
-                .push(part)
-                .push(q.g)
-                .push(q.x)
-                .push(q.b)
-                .push(p.rows as i64)
-                .push(c as i64);
-            dropout_args(&mut a, d);
-            k.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)?;
-            if q.db != 0 {
+            let run = |u: usize| -> Result<()> {
+                let (k, g) = bwd_plan(dev, p, u)?;
+                let parts = g.grid.1 as usize;
+                let scratch = if q.db != 0 {
+                    Some(dev.alloc(parts * c * 4, stream)?)
+                } else {
+                    None
+                };
+                let part = scratch.as_ref().map_or(0, |s| s.ptr());
                 let mut a = KernelArgs::new();
-                a.push(q.db).push(part).push(parts as i64).push(c as i64);
-                kernel(dev, p, "act_col_sum")?.launch(
-                    stream,
-                    (c.div_ceil(32) as u32, 1, 1),
-                    (32, 8, 1),
-                    0,
-                    &mut a,
-                )?;
-            }
-            Ok(())
+                a.push(q.out)
+                    .push(part)
+                    .push(q.g)
+                    .push(q.x)
+                    .push(q.b)
+                    .push(p.rows as i64)
+                    .push(c as i64);
+                dropout_args(&mut a, d);
+                k.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)?;
+                if q.db != 0 {
+                    let mut a = KernelArgs::new();
+                    a.push(q.db).push(part).push(parts as i64).push(c as i64);
+                    kernel(dev, p, "act_col_sum")?.launch(
+                        stream,
+                        (c.div_ceil(32) as u32, 1, 1),
+                        (32, 8, 1),
+                        0,
+                        &mut a,
+                    )?;
+                }
+                Ok(())
+            };
+            run(tuned_unroll(dev, p, Fused::ActBwd, stream, &run)?)
         }
         other => no_variant(other),
     }
@@ -426,10 +524,19 @@ pub fn run_glu_fwd(
             )
         }
         "fused" => {
-            let g = fused_geom(dev, p, None)?;
-            let mut a = KernelArgs::new();
-            a.push(out).push(inp).push(p.rows as i64).push(n as i64);
-            kernel(dev, p, "glu_fwd_fused")?.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)
+            let run = |u: usize| -> Result<()> {
+                let g = fused_geom(dev, p, u, None)?;
+                let mut a = KernelArgs::new();
+                a.push(out).push(inp).push(p.rows as i64).push(n as i64);
+                kernel(dev, p, &format!("glu_fwd_fused_u{u}"))?.launch(
+                    stream,
+                    g.grid,
+                    (g.threads, 1, 1),
+                    0,
+                    &mut a,
+                )
+            };
+            run(tuned_unroll(dev, p, Fused::GluFwd, stream, &run)?)
         }
         other => no_variant(other),
     }
@@ -493,14 +600,23 @@ pub fn run_glu_bwd(
             )
         }
         "fused" => {
-            let g = fused_geom(dev, p, None)?;
-            let mut a = KernelArgs::new();
-            a.push(din)
-                .push(dout)
-                .push(inp)
-                .push(p.rows as i64)
-                .push(n as i64);
-            kernel(dev, p, "glu_bwd_fused")?.launch(stream, g.grid, (g.threads, 1, 1), 0, &mut a)
+            let run = |u: usize| -> Result<()> {
+                let g = fused_geom(dev, p, u, None)?;
+                let mut a = KernelArgs::new();
+                a.push(din)
+                    .push(dout)
+                    .push(inp)
+                    .push(p.rows as i64)
+                    .push(n as i64);
+                kernel(dev, p, &format!("glu_bwd_fused_u{u}"))?.launch(
+                    stream,
+                    g.grid,
+                    (g.threads, 1, 1),
+                    0,
+                    &mut a,
+                )
+            };
+            run(tuned_unroll(dev, p, Fused::GluBwd, stream, &run)?)
         }
         other => no_variant(other),
     }

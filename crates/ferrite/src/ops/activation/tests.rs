@@ -52,6 +52,11 @@ fn derivatives_match_finite_differences() {
             assert!((a32 as f64 - check::act_ref(act, h).0).abs() < 1e-6);
             assert!((d32 as f64 - d).abs() < 1e-6);
         }
+        // Saturated inputs: no inf/NaN from the exponentials.
+        for h in [-100.0f32, -30.0, 30.0, 100.0] {
+            let (a, d) = cpu::act_fg(act, h);
+            assert!(a.is_finite() && d.is_finite(), "{} at {h}", act.name());
+        }
     }
 }
 

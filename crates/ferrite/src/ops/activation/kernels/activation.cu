@@ -12,7 +12,9 @@
 //   full tensor in the storage dtype. Forward bias+act+dropout moves ~6 tensors' worth of bytes
 //   for a 2-tensor job (x→h, h→a, a→y); the backward ~8 plus a column sum for db.
 // step 2 — fused: one pass. A thread owns one 16-byte column vector (its bias vector stays in
-//   registers) and walks rows gridDim.y apart, four rows' loads in flight before any compute;
+//   registers) and walks rows gridDim.y apart, UNROLL rows' loads in flight before any compute
+//   (entries _u1, _u2, _u4; the host times them at first use: more rows in flight hide more
+//   latency but cost registers, and so resident blocks);
 //   the dropout mask comes from one Philox block per 4 elements (a 16-byte vector holds 4 or 8
 //   elements, always whole blocks). Forward moves x in, y out: a copy's traffic. The backward
 //   adds db: each block accumulates its column vector over its rows in registers and writes one
@@ -34,8 +36,6 @@ using namespace ferrite;
 typedef FE_ELEM T;
 typedef Vec16<T> Vec;
 constexpr int VEC = Vec::N;
-// Rows whose loads a fused thread issues before computing any of them.
-constexpr int UNROLL = 4;
 
 #define SQRT_2_OVER_PI 0.7978845608028654f
 #define GELU_C 0.044715f
@@ -51,9 +51,12 @@ __device__ __forceinline__ void act_fg(float h, float& a, float& d) {
   a = h > 0.f ? h : 0.f;
   d = h > 0.f ? 1.f : 0.f;
 #elif FE_ACT == 2
-  const float t = tanhf(SQRT_2_OVER_PI * (h + GELU_C * h * h * h));
-  a = 0.5f * h * (1.f + t);
-  d = 0.5f * (1.f + t) + 0.5f * h * (1.f - t * t) * SQRT_2_OVER_PI * (1.f + 3.f * GELU_C * h * h);
+  // 0.5·(1 + tanh(u)) = σ(2u): one expf instead of tanhf, and no cancellation where tanh → −1.
+  // Then a = h·σ(2u), d = σ + 2h·σ(1 − σ)·u'.
+  const float u = SQRT_2_OVER_PI * (h + GELU_C * h * h * h);
+  const float s = 1.f / (1.f + expf(-2.f * u));
+  a = h * s;
+  d = s + 2.f * h * s * (1.f - s) * SQRT_2_OVER_PI * (1.f + 3.f * GELU_C * h * h);
 #elif FE_ACT == 3
   const float e = erff(h * INV_SQRT2);
   a = 0.5f * h * (1.f + e);
@@ -177,7 +180,8 @@ __device__ __forceinline__ void load_bias(float (&bias)[VEC], const T* b, i64 v)
 
 // y = dropout(act(x + b)). Requires cols % VEC == 0 and 16-byte aligned x, y, b. Grid: x over
 // column vectors (blockDim.x each), y over row groups; `dropout` = 0 skips the RNG (p = 0).
-extern "C" __global__ void act_fwd_fused(T* __restrict__ y, const T* __restrict__ x,
+template <int UNROLL>
+__device__ __forceinline__ void act_fwd_fused_body(T* __restrict__ y, const T* __restrict__ x,
                                          const T* __restrict__ b, i64 rows, i64 cols, u64 seed,
                                          u64 offset, unsigned int thr, float scale, int dropout) {
   const i64 nvec = cols / VEC;
@@ -209,10 +213,20 @@ extern "C" __global__ void act_fwd_fused(T* __restrict__ y, const T* __restrict_
     }
   }
 }
+extern "C" __global__ void act_fwd_fused_u1(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ b, i64 rows, i64 cols, u64 seed, u64 offset, unsigned int thr, float scale, int dropout) {
+  act_fwd_fused_body<1>(y, x, b, rows, cols, seed, offset, thr, scale, dropout);
+}
+extern "C" __global__ void act_fwd_fused_u2(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ b, i64 rows, i64 cols, u64 seed, u64 offset, unsigned int thr, float scale, int dropout) {
+  act_fwd_fused_body<2>(y, x, b, rows, cols, seed, offset, thr, scale, dropout);
+}
+extern "C" __global__ void act_fwd_fused_u4(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ b, i64 rows, i64 cols, u64 seed, u64 offset, unsigned int thr, float scale, int dropout) {
+  act_fwd_fused_body<4>(y, x, b, rows, cols, seed, offset, thr, scale, dropout);
+}
 
 // dx = dy · mask·scale · act'(x + b); db partials: db_part[blockIdx.y, c] = Σ over this block's
 // rows of dx[r, c] (unrounded fp32), or nothing when db_part is null.
-extern "C" __global__ void act_bwd_fused(T* __restrict__ dx, float* __restrict__ db_part,
+template <int UNROLL>
+__device__ __forceinline__ void act_bwd_fused_body(T* __restrict__ dx, float* __restrict__ db_part,
                                          const T* __restrict__ dy, const T* __restrict__ x,
                                          const T* __restrict__ b, i64 rows, i64 cols, u64 seed,
                                          u64 offset, unsigned int thr, float scale, int dropout) {
@@ -258,6 +272,15 @@ extern "C" __global__ void act_bwd_fused(T* __restrict__ dx, float* __restrict__
     for (int e = 0; e < VEC; ++e) db_part[blockIdx.y * cols + v * VEC + e] = acc[e];
   }
 }
+extern "C" __global__ void act_bwd_fused_u1(T* __restrict__ dx, float* __restrict__ db_part, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ b, i64 rows, i64 cols, u64 seed, u64 offset, unsigned int thr, float scale, int dropout) {
+  act_bwd_fused_body<1>(dx, db_part, dy, x, b, rows, cols, seed, offset, thr, scale, dropout);
+}
+extern "C" __global__ void act_bwd_fused_u2(T* __restrict__ dx, float* __restrict__ db_part, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ b, i64 rows, i64 cols, u64 seed, u64 offset, unsigned int thr, float scale, int dropout) {
+  act_bwd_fused_body<2>(dx, db_part, dy, x, b, rows, cols, seed, offset, thr, scale, dropout);
+}
+extern "C" __global__ void act_bwd_fused_u4(T* __restrict__ dx, float* __restrict__ db_part, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ b, i64 rows, i64 cols, u64 seed, u64 offset, unsigned int thr, float scale, int dropout) {
+  act_bwd_fused_body<4>(dx, db_part, dy, x, b, rows, cols, seed, offset, thr, scale, dropout);
+}
 
 // db[c] = Σ_p part[p, c] over `parts` partial rows, in a fixed order: block (32, 8) owns 32
 // columns; thread row ty sums parts ty, ty+8, ... in order, then the 8 sums are added in ty order.
@@ -280,7 +303,8 @@ extern "C" __global__ void act_col_sum(T* __restrict__ db, const float* __restri
 
 // GLU: in [rows, 2n] = (gate | up), out [rows, n] = act(gate) ⊙ up. Requires n % VEC == 0 and
 // 16-byte aligned in, out. Same grid as act_fwd_fused.
-extern "C" __global__ void glu_fwd_fused(T* __restrict__ out, const T* __restrict__ in, i64 rows,
+template <int UNROLL>
+__device__ __forceinline__ void glu_fwd_fused_body(T* __restrict__ out, const T* __restrict__ in, i64 rows,
                                          i64 n) {
   const i64 nvec = n / VEC;
   const i64 v = global_thread();
@@ -309,9 +333,19 @@ extern "C" __global__ void glu_fwd_fused(T* __restrict__ out, const T* __restric
     }
   }
 }
+extern "C" __global__ void glu_fwd_fused_u1(T* __restrict__ out, const T* __restrict__ in, i64 rows, i64 n) {
+  glu_fwd_fused_body<1>(out, in, rows, n);
+}
+extern "C" __global__ void glu_fwd_fused_u2(T* __restrict__ out, const T* __restrict__ in, i64 rows, i64 n) {
+  glu_fwd_fused_body<2>(out, in, rows, n);
+}
+extern "C" __global__ void glu_fwd_fused_u4(T* __restrict__ out, const T* __restrict__ in, i64 rows, i64 n) {
+  glu_fwd_fused_body<4>(out, in, rows, n);
+}
 
 // d(gate) = dout · up · act'(gate), d(up) = dout · act(gate), into din [rows, 2n].
-extern "C" __global__ void glu_bwd_fused(T* __restrict__ din, const T* __restrict__ dout,
+template <int UNROLL>
+__device__ __forceinline__ void glu_bwd_fused_body(T* __restrict__ din, const T* __restrict__ dout,
                                          const T* __restrict__ in, i64 rows, i64 n) {
   const i64 nvec = n / VEC;
   const i64 v = global_thread();
@@ -346,4 +380,13 @@ extern "C" __global__ void glu_bwd_fused(T* __restrict__ din, const T* __restric
       }
     }
   }
+}
+extern "C" __global__ void glu_bwd_fused_u1(T* __restrict__ din, const T* __restrict__ dout, const T* __restrict__ in, i64 rows, i64 n) {
+  glu_bwd_fused_body<1>(din, dout, in, rows, n);
+}
+extern "C" __global__ void glu_bwd_fused_u2(T* __restrict__ din, const T* __restrict__ dout, const T* __restrict__ in, i64 rows, i64 n) {
+  glu_bwd_fused_body<2>(din, dout, in, rows, n);
+}
+extern "C" __global__ void glu_bwd_fused_u4(T* __restrict__ din, const T* __restrict__ dout, const T* __restrict__ in, i64 rows, i64 n) {
+  glu_bwd_fused_body<4>(din, dout, in, rows, n);
 }
