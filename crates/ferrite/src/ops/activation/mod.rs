@@ -9,7 +9,9 @@
 //! redraws the mask instead of storing it; a call consumes `core::philox::blocks_used(numel)`
 //! counters, so the next call passes `offset + blocks_used(numel)`.
 //! Backward: `dx = dy · mask/(1 − p) · act'(x + b)` from x (pre-bias) and b, and optionally
-//! `db = Σ_rows dx`, reduced deterministically (fixed-order two-stage sum, no atomics).
+//! `db = Σ_rows dx`, reduced deterministically (fixed-order two-stage sum, no atomics; on the GPU
+//! the order depends on the device and the fused kernel's tuned launch shape, which `tune.json`
+//! remembers, so the bits repeat run after run).
 //!
 //! **glu**: input `[..., 2n]` read as (gate | up) halves — **gate = the first n columns**, up = the
 //! last n (Liger's and llm.c's convention) — output `[..., n]` = `act(gate) ⊙ up`. SwiGLU is
