@@ -42,12 +42,14 @@ pub fn run(
     Ok(())
 }
 
-/// The four measured passes: (label, tensors' worth of bytes fused, unfused).
-const PASSES: [(&str, f64, f64); 4] = [
+/// The measured passes: (label, tensors' worth of bytes fused, unfused). The last one, without
+/// dropout, shows what drawing the mask costs.
+const PASSES: [(&str, f64, f64); 5] = [
     ("bias+gelu_tanh+dropout0.1 fwd", 2.0, 6.0),
     ("bias+gelu_tanh+dropout0.1 bwd", 3.0, 8.0),
     ("swiglu fwd", 3.0, 5.0),
     ("swiglu bwd", 5.0, 11.0),
+    ("bias+gelu_tanh fwd (p=0)", 2.0, 4.0),
 ];
 
 fn bench_cpu(
@@ -95,7 +97,16 @@ fn bench_cpu(
                     0 => bias_act_dropout_into(&x, Some(&b), &y, &ao),
                     1 => bias_act_dropout_backward_into(&dy, &x, Some(&b), &dx, Some(&db), &ao),
                     2 => glu_into(&inp, &o, &go),
-                    _ => glu_backward_into(&dy, &inp, &din, &go),
+                    3 => glu_backward_into(&dy, &inp, &din, &go),
+                    _ => bias_act_dropout_into(
+                        &x,
+                        Some(&b),
+                        &y,
+                        &ActOptions {
+                            dropout: Dropout::default(),
+                            ..ao.clone()
+                        },
+                    ),
                 })?;
                 let mut rec = BenchRecord::new(
                     d,
@@ -164,7 +175,7 @@ fn bench_gpu(
                 b: b.device_ptr()?,
             };
             for (pi, (label, tensors, unfused)) in PASSES.iter().enumerate() {
-                let glu = pi >= 2;
+                let glu = pi == 2 || pi == 3;
                 let p = Problem {
                     rows: r,
                     cols: c,
@@ -196,6 +207,7 @@ fn bench_gpu(
                             inp.device_ptr()?,
                             &stream,
                         ),
+                        4 => ac::run_act_fwd(v.name, &p, dev, q_fwd, &Dropout::default(), &stream),
                         _ => ac::run_glu_bwd(
                             v.name,
                             &p,
@@ -223,8 +235,9 @@ fn bench_gpu(
                             ac::Fused::ActBwd,
                             ac::Fused::GluFwd,
                             ac::Fused::GluBwd,
+                            ac::Fused::ActFwd,
                         ][pi];
-                        if let Some((k, g, u)) = ac::fused_choice(dev, &p, f)? {
+                        if let Some((k, g, u)) = ac::fused_choice(dev, &p, f, pi < 2)? {
                             rec = rec.with_kernel(&k, g.threads, 0)?;
                             rec.config = format!("{}, {u} rows in flight, tuned", g.describe());
                         }

@@ -145,11 +145,13 @@ impl Fused {
     }
 }
 
-fn tune_key(dev: &CudaDevice, p: &Problem, f: Fused) -> String {
+/// `dropout`: whether the kernel draws a mask (a different instruction mix, tuned apart).
+fn tune_key(dev: &CudaDevice, p: &Problem, f: Fused, dropout: bool) -> String {
     format!(
-        "{}/{}/{}/{}/rows~{}/cols={}",
+        "{}/{}{}/{}/{}/rows~{}/cols={}",
         dev.props().name,
         f.name(),
+        if dropout { "+dropout" } else { "" },
         p.dtype,
         p.act.name(),
         crate::core::tune::shape_class(&[p.rows]),
@@ -163,10 +165,11 @@ fn tuned_unroll(
     dev: &Arc<CudaDevice>,
     p: &Problem,
     f: Fused,
+    dropout: bool,
     stream: &Stream,
     run: &dyn Fn(usize) -> Result<()>,
 ) -> Result<usize> {
-    crate::core::tune::pick(&tune_key(dev, p, f), &UNROLLS, |&u| {
+    crate::core::tune::pick(&tune_key(dev, p, f, dropout), &UNROLLS, |&u| {
         rows::time_briefly(dev, stream, || run(u))
     })
     .map(|(u, _)| u)
@@ -186,8 +189,9 @@ pub fn fused_choice(
     dev: &Arc<CudaDevice>,
     p: &Problem,
     f: Fused,
+    dropout: bool,
 ) -> Result<Option<(Kernel, FusedGeom, usize)>> {
-    let Ok((u, _)) = crate::core::tune::pick(&tune_key(dev, p, f), &UNROLLS, |_| {
+    let Ok((u, _)) = crate::core::tune::pick(&tune_key(dev, p, f, dropout), &UNROLLS, |_| {
         Err(Error::Other("not tuned yet".into()))
     }) else {
         return Ok(None);
@@ -394,7 +398,14 @@ pub fn run_act_fwd(
                     &mut a,
                 )
             };
-            run(tuned_unroll(dev, p, Fused::ActFwd, stream, &run)?)
+            run(tuned_unroll(
+                dev,
+                p,
+                Fused::ActFwd,
+                d.params().is_some(),
+                stream,
+                &run,
+            )?)
         }
         other => no_variant(other),
     }
@@ -487,7 +498,14 @@ pub fn run_act_bwd(
                 }
                 Ok(())
             };
-            run(tuned_unroll(dev, p, Fused::ActBwd, stream, &run)?)
+            run(tuned_unroll(
+                dev,
+                p,
+                Fused::ActBwd,
+                d.params().is_some(),
+                stream,
+                &run,
+            )?)
         }
         other => no_variant(other),
     }
@@ -536,7 +554,7 @@ pub fn run_glu_fwd(
                     &mut a,
                 )
             };
-            run(tuned_unroll(dev, p, Fused::GluFwd, stream, &run)?)
+            run(tuned_unroll(dev, p, Fused::GluFwd, false, stream, &run)?)
         }
         other => no_variant(other),
     }
@@ -616,7 +634,7 @@ pub fn run_glu_bwd(
                     &mut a,
                 )
             };
-            run(tuned_unroll(dev, p, Fused::GluBwd, stream, &run)?)
+            run(tuned_unroll(dev, p, Fused::GluBwd, false, stream, &run)?)
         }
         other => no_variant(other),
     }
