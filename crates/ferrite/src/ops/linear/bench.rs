@@ -185,12 +185,23 @@ fn bench_gpu(
                 ..Default::default()
             };
             let gemm_variant = matmul::select(&g, &mm_opts)?.name;
-            progress(&format!("linear {d} gemm ({gemm_variant}) {label} {shape_s}"));
+            progress(&format!(
+                "linear {d} gemm ({gemm_variant}) {label} {shape_s}"
+            ));
             let gl = mmc::plan(gemm_variant, &g, dev)?;
             let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
                 mmc::launch(&gl, &g, ptrs, 1.0, 0.0, &stream)
             })?;
-            let mut r = record(d, &name, "gemm", dtype, shape_s.clone(), s, flops, fwd_bytes(shape, es) - (es * n) as f64);
+            let mut r = record(
+                d,
+                &name,
+                "gemm",
+                dtype,
+                shape_s.clone(),
+                s,
+                flops,
+                fwd_bytes(shape, es) - (es * n) as f64,
+            );
             r.dtype = label.into();
             r.config = format!("bare GEMM, matmul `{gemm_variant}` ({})", gl.config);
             let gemm_ms = r.median_ms;
@@ -199,15 +210,23 @@ fn bench_gpu(
             let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
                 mmc::cublas(dev, &g, ptrs, 1.0, 0.0, prec, &stream)
             })?;
-            let mut r = record(d, &name, "cublas", dtype, shape_s.clone(), s, flops, fwd_bytes(shape, es) - (es * n) as f64);
+            let mut r = record(
+                d,
+                &name,
+                "cublas",
+                dtype,
+                shape_s.clone(),
+                s,
+                flops,
+                fwd_bytes(shape, es) - (es * n) as f64,
+            );
             r.dtype = label.into();
             r.is_peer = true;
             r.config = "bare GEMM, cublasGemmStridedBatchedEx".into();
             group.push(r);
-            for v in variants()
-                .iter()
-                .filter(|v| v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name))
-            {
+            for v in variants().iter().filter(|v| {
+                v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name)
+            }) {
                 let opts = LinearOptions {
                     variant: Some(v.name.into()),
                     activation: ACT,
@@ -220,13 +239,26 @@ fn bench_gpu(
                     Err(crate::core::error::Error::NoVariant { .. }) => continue,
                     Err(e) => return Err(e),
                 };
-                let mut r = record(d, &name, v.name, dtype, shape_s.clone(), s, flops, fwd_bytes(shape, es));
+                let mut r = record(
+                    d,
+                    &name,
+                    v.name,
+                    dtype,
+                    shape_s.clone(),
+                    s,
+                    flops,
+                    fwd_bytes(shape, es),
+                );
                 r.dtype = label.into();
                 r.note = format!("{:.3}× the bare GEMM's speed", gemm_ms / r.median_ms);
                 r.config = v.summary.split(':').next().unwrap_or("").into();
                 group.push(r);
             }
-            relate(&mut group, "naive", ceilings.gpu_gemm(label).map(|c| ("cuBLAS 4096³", c, true)));
+            relate(
+                &mut group,
+                "naive",
+                ceilings.gpu_gemm(label).map(|c| ("cuBLAS 4096³", c, true)),
+            );
             out.extend(group);
 
             // Backward: dZ + db kernel and two GEMMs vs the two cuBLAS GEMMs alone.
@@ -239,9 +271,19 @@ fn bench_gpu(
             };
             progress(&format!("linear {d} backward {label} {shape_b}"));
             let s = time_gpu(dev, &stream, Budget::gpu(), |_| l.backward(&opts))?;
-            let mut r = record(d, &name, "backward", dtype, shape_b.clone(), s, 2.0 * flops, bwd_bytes(shape, es));
+            let mut r = record(
+                d,
+                &name,
+                "backward",
+                dtype,
+                shape_b.clone(),
+                s,
+                2.0 * flops,
+                bwd_bytes(shape, es),
+            );
             r.dtype = label.into();
-            r.config = "dZ+db kernel (fixed-order chunks), dX and dW through matmul's default pick".into();
+            r.config =
+                "dZ+db kernel (fixed-order chunks), dX and dW through matmul's default pick".into();
             group.push(r);
             let gx = matmul::validate(&l.dy, &l.w, &l.dx)?;
             let gw = matmul::validate(&l.dy.t()?, &l.x, &l.dw)?;
@@ -260,7 +302,16 @@ fn bench_gpu(
                 mmc::cublas(dev, &gx, px, 1.0, 0.0, prec, &stream)?;
                 mmc::cublas(dev, &gw, pw, 1.0, 0.0, prec, &stream)
             })?;
-            let mut r = record(d, &name, "cublas dX+dW", dtype, shape_b, s, 2.0 * flops, bwd_bytes(shape, es));
+            let mut r = record(
+                d,
+                &name,
+                "cublas dX+dW",
+                dtype,
+                shape_b,
+                s,
+                2.0 * flops,
+                bwd_bytes(shape, es),
+            );
             r.dtype = label.into();
             r.is_peer = true;
             r.config = "two cublasGemmStridedBatchedEx (no activation backward, no db)".into();

@@ -2,7 +2,9 @@
 //! reference, for every activation × bias × residual × dtype on odd shapes (outputs poisoned
 //! first), and the bias gradient's determinism (two backward runs, same bits).
 
-use super::{backward_into, forward_into, variants, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, OP};
+use super::{
+    backward_into, forward_into, variants, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, OP,
+};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -140,7 +142,9 @@ impl Rec<'_> {
                 err,
                 String::new(),
             ),
-            Err(e) => CheckRecord::errored(OP, self.variant, self.dev, self.dtype, label, e.to_string()),
+            Err(e) => {
+                CheckRecord::errored(OP, self.variant, self.dev, self.dtype, label, e.to_string())
+            }
         });
     }
 }
@@ -152,12 +156,7 @@ fn declined(e: &Error) -> bool {
 
 /// Forward of one case on one variant, every combination; returns false when the variant
 /// declined the case.
-fn check_forward(
-    c: &Case,
-    rec: &Rec,
-    seed: u64,
-    out: &mut Vec<CheckRecord>,
-) -> Result<bool> {
+fn check_forward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) -> Result<bool> {
     let (m, n, k) = (c.m(), c.n, c.k);
     let (dev, dtype) = (rec.dev, rec.dtype);
     let mut xs = c.lead.clone();
@@ -220,9 +219,17 @@ fn check_forward(
         let yref: Vec<f64> = (0..m * n)
             .map(|e| act.apply_f64(zref[e]) + if has_r { rv[e] } else { 0.0 })
             .collect();
-        rec.push(out, format!("{label} Y"), Ok(rel_error(&y.to_f64_vec()?, &yref)));
+        rec.push(
+            out,
+            format!("{label} Y"),
+            Ok(rel_error(&y.to_f64_vec()?, &yref)),
+        );
         if let Some(z) = z {
-            rec.push(out, format!("{label} Z"), Ok(rel_error(&z.to_f64_vec()?, &zref)));
+            rec.push(
+                out,
+                format!("{label} Z"),
+                Ok(rel_error(&z.to_f64_vec()?, &zref)),
+            );
         }
     }
     Ok(true)
@@ -240,7 +247,12 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
     let w = rand(&[n, k], dtype, dev, seed ^ 1, -1.0, 1.0)?;
     let dy = rand(&ys, dtype, dev, seed ^ 4, -1.0, 1.0)?;
     let z = rand(&ys, dtype, dev, seed ^ 5, -3.0, 3.0)?;
-    let (xv, wv, dyv, zv) = (x.to_f64_vec()?, w.to_f64_vec()?, dy.to_f64_vec()?, z.to_f64_vec()?);
+    let (xv, wv, dyv, zv) = (
+        x.to_f64_vec()?,
+        w.to_f64_vec()?,
+        dy.to_f64_vec()?,
+        z.to_f64_vec()?,
+    );
     let acts: Vec<Activation> = if c.all_combos {
         Activation::ALL.to_vec()
     } else {
@@ -251,24 +263,32 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
         let dz: Vec<f64> = (0..m * n).map(|e| dyv[e] * act.grad_f64(zv[e])).collect();
         // dX = dZ·W, dW = dZᵀ·X, db = Σ rows dZ.
         let mut dx_ref = vec![0f64; m * k];
-        dx_ref.par_chunks_mut(k.max(1)).enumerate().for_each(|(i, o)| {
-            for j in 0..n {
-                let g = dz[i * n + j];
-                for (p, op) in o.iter_mut().enumerate() {
-                    *op += g * wv[j * k + p];
+        dx_ref
+            .par_chunks_mut(k.max(1))
+            .enumerate()
+            .for_each(|(i, o)| {
+                for j in 0..n {
+                    let g = dz[i * n + j];
+                    for (p, op) in o.iter_mut().enumerate() {
+                        *op += g * wv[j * k + p];
+                    }
                 }
-            }
-        });
+            });
         let mut dw_ref = vec![0f64; n * k];
-        dw_ref.par_chunks_mut(k.max(1)).enumerate().for_each(|(j, o)| {
-            for i in 0..m {
-                let g = dz[i * n + j];
-                for (p, op) in o.iter_mut().enumerate() {
-                    *op += g * xv[i * k + p];
+        dw_ref
+            .par_chunks_mut(k.max(1))
+            .enumerate()
+            .for_each(|(j, o)| {
+                for i in 0..m {
+                    let g = dz[i * n + j];
+                    for (p, op) in o.iter_mut().enumerate() {
+                        *op += g * xv[i * k + p];
+                    }
                 }
-            }
-        });
-        let db_ref: Vec<f64> = (0..n).map(|j| (0..m).map(|i| dz[i * n + j]).sum()).collect();
+            });
+        let db_ref: Vec<f64> = (0..n)
+            .map(|j| (0..m).map(|i| dz[i * n + j]).sum())
+            .collect();
         let dx = Tensor::empty(&xs, dtype, dev)?;
         let dw = Tensor::empty(&[n, k], dtype, dev)?;
         let db = Tensor::empty(&[n], dtype, dev)?;
@@ -302,12 +322,27 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
             rec.push(out, label, Err(e));
             continue;
         }
-        rec.push(out, format!("{label} dX"), Ok(rel_error(&dx.to_f64_vec()?, &dx_ref)));
-        rec.push(out, format!("{label} dW"), Ok(rel_error(&dw.to_f64_vec()?, &dw_ref)));
-        rec.push(out, format!("{label} db"), Ok(rel_error(&db.to_f64_vec()?, &db_ref)));
+        rec.push(
+            out,
+            format!("{label} dX"),
+            Ok(rel_error(&dx.to_f64_vec()?, &dx_ref)),
+        );
+        rec.push(
+            out,
+            format!("{label} dW"),
+            Ok(rel_error(&dw.to_f64_vec()?, &dw_ref)),
+        );
+        rec.push(
+            out,
+            format!("{label} db"),
+            Ok(rel_error(&db.to_f64_vec()?, &db_ref)),
+        );
         // Determinism: a second run on the same inputs gives the same db and dW bits.
         if act == Activation::GeluTanh || c.all_combos && act == Activation::None {
-            let (db2, dw2) = (Tensor::empty(&[n], dtype, dev)?, Tensor::empty(&[n, k], dtype, dev)?);
+            let (db2, dw2) = (
+                Tensor::empty(&[n], dtype, dev)?,
+                Tensor::empty(&[n, k], dtype, dev)?,
+            );
             let dx2 = Tensor::empty(&xs, dtype, dev)?;
             let same = run(&dx2, &dw2, &db2).and_then(|_| {
                 Ok(db2.to_bytes()? == db.to_bytes()? && dw2.to_bytes()? == dw.to_bytes()?)

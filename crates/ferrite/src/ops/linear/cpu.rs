@@ -87,7 +87,21 @@ pub fn forward(
         with_f32(i.w, |ws| {
             with_f32_out(o.y, |ys| {
                 if parallel {
-                    gemm(true, opts.threads, m, n, k, xs, k, false, ws, k, true, ys, n);
+                    gemm(
+                        true,
+                        opts.threads,
+                        m,
+                        n,
+                        k,
+                        xs,
+                        k,
+                        false,
+                        ws,
+                        k,
+                        true,
+                        ys,
+                        n,
+                    );
                 } else {
                     gemm_rows_naive(xs, ws, ys, m, n, k);
                 }
@@ -185,7 +199,9 @@ pub fn backward(
         // dW [n, k] = dZᵀ [n, m] · X [m, k]
         let x2 = rows_view(OP_BWD, "x", i.x)?;
         with_f32(&x2, |xs| {
-            with_f32_out(dw, |d| gemm(parallel, th, n, k, m, &dz, n, true, xs, k, false, d, k))
+            with_f32_out(dw, |d| {
+                gemm(parallel, th, n, k, m, &dz, n, true, xs, k, false, d, k)
+            })
         })??;
     }
     Ok(())

@@ -56,7 +56,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: FLOATS,
             min_arch: None,
             constraints: "any shape",
-            summary: "reference loops: one f32 dot product per output, then bias, activation, residual",
+            summary:
+                "reference loops: one f32 dot product per output, then bias, activation, residual",
             rank: 1,
         },
         VariantInfo {
@@ -65,7 +66,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: FLOATS,
             min_arch: None,
             constraints: "any shape",
-            summary: "matmul's packed SIMD GEMM on all cores (bf16/f16 widened to f32), then one fused \
+            summary:
+                "matmul's packed SIMD GEMM on all cores (bf16/f16 widened to f32), then one fused \
                 epilogue pass over the rows while they are warm",
             rank: 2,
         },
@@ -75,7 +77,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: FLOATS,
             min_arch: Some(Arch::SM80),
             constraints: "any shape",
-            summary: "unfused: ferrite's best plain GEMM, then separate bias, activation and residual \
+            summary:
+                "unfused: ferrite's best plain GEMM, then separate bias, activation and residual \
                 kernels (each one more read and write of Y)",
             rank: 1,
         },
@@ -85,7 +88,8 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: FLOATS,
             min_arch: Some(Arch::SM80),
             constraints: "sm_80+; any shape; f32 only as tf32 (Precision::Tf32)",
-            summary: "bias, Z, activation and residual applied to mma_pipelined's fp32 accumulators \
+            summary:
+                "bias, Z, activation and residual applied to mma_pipelined's fp32 accumulators \
                 in its store step: Y written once, never re-read",
             rank: 2,
         },
@@ -230,11 +234,18 @@ fn expect_contiguous(op: &str, arg: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-fn check_distinct(op: &str, outs: &[(&str, Option<&Tensor>)], ins: &[Option<&Tensor>]) -> Result<()> {
+fn check_distinct(
+    op: &str,
+    outs: &[(&str, Option<&Tensor>)],
+    ins: &[Option<&Tensor>],
+) -> Result<()> {
     for (i, (name, o)) in outs.iter().enumerate() {
         let Some(o) = o else { continue };
         let clash_in = ins.iter().flatten().any(|t| o.shares_storage(t));
-        let clash_out = outs[..i].iter().filter_map(|(_, t)| *t).any(|t| o.shares_storage(t));
+        let clash_out = outs[..i]
+            .iter()
+            .filter_map(|(_, t)| *t)
+            .any(|t| o.shares_storage(t));
         if clash_in || clash_out {
             return Err(Error::bad_arg(
                 op,
@@ -262,7 +273,11 @@ fn xw(op: &str, x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize, Vec<usiz
         return Err(Error::bad_arg(
             op,
             "w",
-            format!("a {}[out, {k}] tensor on {} (like x)", x.dtype(), x.device()),
+            format!(
+                "a {}[out, {k}] tensor on {} (like x)",
+                x.dtype(),
+                x.device()
+            ),
             describe(w),
         ));
     }
@@ -472,7 +487,12 @@ fn out_shape(x: &Tensor, w: &Tensor) -> Result<Vec<usize>> {
 }
 
 /// Y = act(X·Wᵀ + b) into a new tensor (activation and variant from `opts`).
-pub fn linear_with(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, opts: &LinearOptions) -> Result<Tensor> {
+pub fn linear_with(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    opts: &LinearOptions,
+) -> Result<Tensor> {
     let y = Tensor::empty(&out_shape(x, w)?, x.dtype(), x.device())?;
     forward_into(
         &Fwd {
@@ -516,7 +536,10 @@ pub fn linear_qkv(
         return Err(Error::bad_arg(
             OP,
             "w",
-            format!("[3·{heads}·{head_dim} = {}, in] (q, k, v rows stacked)", 3 * hd),
+            format!(
+                "[3·{heads}·{head_dim} = {}, in] (q, k, v rows stacked)",
+                3 * hd
+            ),
             describe(w),
         ));
     }

@@ -84,7 +84,9 @@ impl Activation {
                 let u = SQRT_2_OVER_PI as f32 * (v + GELU_A as f32 * v * v * v);
                 0.5 * v * (1.0 + u.tanh())
             }
-            Activation::GeluErf => 0.5 * v * (1.0 + libm::erff(v * std::f32::consts::FRAC_1_SQRT_2)),
+            Activation::GeluErf => {
+                0.5 * v * (1.0 + libm::erff(v * std::f32::consts::FRAC_1_SQRT_2))
+            }
             Activation::Silu => v / (1.0 + (-v).exp()),
         }
     }
@@ -129,7 +131,8 @@ impl Activation {
             Activation::GeluTanh => {
                 let u = SQRT_2_OVER_PI * (v + GELU_A * v * v * v);
                 let t = u.tanh();
-                0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * v * v)
+                0.5 * (1.0 + t)
+                    + 0.5 * v * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * v * v)
             }
             Activation::GeluErf => {
                 let cdf = 0.5 * (1.0 + libm::erf(v * std::f64::consts::FRAC_1_SQRT_2));
@@ -241,8 +244,15 @@ mod tests {
             for &v in &[-3.1, -0.7, -0.01, 0.3, 1.2, 2.9] {
                 let h = 1e-6;
                 let fd = (a.apply_f64(v + h) - a.apply_f64(v - h)) / (2.0 * h);
-                assert!((fd - a.grad_f64(v)).abs() < 1e-6, "{a} at {v}: {fd} vs {}", a.grad_f64(v));
-                assert!((a.apply(v as f32) as f64 - a.apply_f64(v)).abs() < 1e-6, "{a} f32 at {v}");
+                assert!(
+                    (fd - a.grad_f64(v)).abs() < 1e-6,
+                    "{a} at {v}: {fd} vs {}",
+                    a.grad_f64(v)
+                );
+                assert!(
+                    (a.apply(v as f32) as f64 - a.apply_f64(v)).abs() < 1e-6,
+                    "{a} f32 at {v}"
+                );
             }
         }
     }
@@ -254,7 +264,17 @@ mod tests {
         let bias = [0.5, 0.5, -1.0];
         let mut z = vec![f32::NAN; 6];
         let r = [1.0, 2.0, 3.0, 0.0, 0.0, 10.0, 20.0, 30.0, 0.0, 0.0];
-        apply_rows(&mut c, 4, 2, 3, Some(&bias), Activation::Relu, Some((&mut z, 3)), Some((&r, 5)), false);
+        apply_rows(
+            &mut c,
+            4,
+            2,
+            3,
+            Some(&bias),
+            Activation::Relu,
+            Some((&mut z, 3)),
+            Some((&r, 5)),
+            false,
+        );
         assert_eq!(z, vec![1.5, -1.5, -0.5, -0.5, 3.5, -1.0]);
         assert_eq!(&c[..3], &[2.5, 2.0, 3.0]);
         assert_eq!(c[3], 9.0, "padding untouched");
