@@ -154,6 +154,31 @@ fn declined(e: &Error) -> bool {
     matches!(e, Error::NoVariant { msg, .. } if msg.contains("cannot run this request"))
 }
 
+/// The record name of matmul's `naive` kernel with the fused epilogue (no linear variant uses it;
+/// checked here so that every epilogue kernel runs on the GPU).
+pub const GEMM_NAIVE_EPI: &str = "matmul_naive+epilogue";
+
+/// `forward_into`, or for GEMM_NAIVE_EPI the epilogue hook on matmul's naive kernel directly.
+fn run_forward(i: &Fwd, o: &FwdOut, opts: &LinearOptions) -> Result<()> {
+    if opts.variant.as_deref() != Some(GEMM_NAIVE_EPI) {
+        return forward_into(i, o, opts);
+    }
+    let p = super::validate_fwd(i, o)?;
+    if p.m == 0 || p.n == 0 {
+        return Ok(());
+    }
+    let g = super::gemm_of(i, o.y)?;
+    let dev = i.x.cuda_device()?;
+    let l = crate::ops::matmul::cuda::plan_epilogue("naive", &g, &dev, opts.activation)?;
+    let ptrs = crate::ops::matmul::cuda::Ptrs {
+        a: i.x.device_ptr()?,
+        b: i.w.device_ptr()?,
+        c: o.y.device_ptr()?,
+    };
+    let e = super::cuda::epi_ptrs(&p, i, o)?;
+    crate::ops::matmul::cuda::launch_with_epilogue(&l, &g, ptrs, 1.0, 0.0, e, dev.stream())
+}
+
 /// Forward of one case on one variant, every combination; returns false when the variant
 /// declined the case.
 fn check_forward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) -> Result<bool> {
@@ -191,7 +216,7 @@ fn check_forward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) -> 
             precision: rec.precision,
             ..Default::default()
         };
-        let run = forward_into(
+        let run = run_forward(
             &Fwd {
                 x: &x,
                 w: &w,
@@ -385,6 +410,22 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                     if ran && bwd {
                         check_backward(&c, &rec, rng.next_u64(), out)?;
                     }
+                }
+            }
+        }
+        if backend == Backend::Cuda && cfg.wants_variant(GEMM_NAIVE_EPI) {
+            for dtype in [DType::F32, DType::F16, DType::BF16]
+                .into_iter()
+                .filter(|d| cfg.wants_dtype(*d))
+            {
+                let rec = Rec {
+                    variant: GEMM_NAIVE_EPI,
+                    dev,
+                    dtype,
+                    precision: Precision::of(dtype),
+                };
+                for c in cases(true) {
+                    check_forward(&c, &rec, rng.next_u64(), out)?;
                 }
             }
         }

@@ -88,7 +88,7 @@ fn blocks_for(total: usize) -> u32 {
 }
 
 /// The epilogue operands of a forward call.
-fn epi_ptrs(p: &Problem, i: &Fwd, o: &FwdOut) -> Result<EpiPtrs> {
+pub(super) fn epi_ptrs(p: &Problem, i: &Fwd, o: &FwdOut) -> Result<EpiPtrs> {
     let (r, ldr) = match i.residual {
         Some(r) => {
             let r2 = rows_view(OP, "residual", r)?;

@@ -228,6 +228,35 @@ __device__ __forceinline__ float fe_epilogue(const FeEpi& e, float v, i64 zb, i6
   return v;
 }
 
+// The epilogue's pointers advanced to one output row, for store loops that walk rows: the
+// per-element work is then bias[col], z[col], r[col], with no 64-bit index products live.
+struct FeEpiRow {
+#if FE_EPI
+  const T* bias;
+  T* z;
+  const T* r;
+#endif
+};
+
+__device__ __forceinline__ FeEpiRow fe_epi_row(const FeEpi& e, i64 zb, i64 row) {
+#if FE_EPI
+  return FeEpiRow{e.bias, e.z ? e.z + zb * e.stride_z + row * e.ldz : nullptr,
+                  e.r ? e.r + zb * e.stride_r + row * e.ldr : nullptr};
+#else
+  return FeEpiRow{};
+#endif
+}
+
+__device__ __forceinline__ float fe_epilogue_row(const FeEpiRow& e, float v, i64 col) {
+#if FE_EPI
+  if (e.bias) v += to_float(e.bias[col]);
+  if (e.z) e.z[col] = from_float<T>(v);
+  v = fe_act(v);
+  if (e.r) v += to_float(e.r[col]);
+#endif
+  return v;
+}
+
 // fe_store followed by the epilogue (the element-wise store path of the epilogue kernels).
 __device__ __forceinline__ void fe_store_epi(T* c, float acc, float alpha, float beta,
                                              const FeEpi& e, i64 zb, i64 row, i64 col) {

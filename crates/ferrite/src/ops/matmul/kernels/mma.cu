@@ -302,6 +302,9 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
         const i64 i = m0 + wm * WM + mt * 16 + g + h * 8;
         if (i >= m) continue;
         T* crow = Cz + i * ldc;
+#if FE_EPI
+        const FeEpiRow er = fe_epi_row(epi, z, i);
+#endif
 #pragma unroll
         for (int nt = 0; nt < NTL; ++nt) {
           const i64 j = n0 + wn * WN + nt * 8 + 2 * tq;
@@ -314,12 +317,16 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
               v0 = fmaf(beta, to_float(crow[j]), v0);
               v1 = fmaf(beta, to_float(crow[j + 1]), v1);
             }
-            store_pair(crow + j, fe_epilogue(epi, v0, z, i, j), fe_epilogue(epi, v1, z, i, j + 1),
-                       0.f);
+            store_pair(crow + j, fe_epilogue_row(er, v0, j), fe_epilogue_row(er, v1, j + 1), 0.f);
           } else {
-            if (j < n) fe_store_epi(crow + j, acc[mt][nt][2 * h], alpha, beta, epi, z, i, j);
-            if (j + 1 < n)
-              fe_store_epi(crow + j + 1, acc[mt][nt][2 * h + 1], alpha, beta, epi, z, i, j + 1);
+            if (j < n) {
+              if (beta != 0.f) v0 = fmaf(beta, to_float(crow[j]), v0);
+              crow[j] = from_float<T>(fe_epilogue_row(er, v0, j));
+            }
+            if (j + 1 < n) {
+              if (beta != 0.f) v1 = fmaf(beta, to_float(crow[j + 1]), v1);
+              crow[j + 1] = from_float<T>(fe_epilogue_row(er, v1, j + 1));
+            }
           }
 #else
           if (pair_ok && j + 1 < n) {
