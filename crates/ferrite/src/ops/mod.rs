@@ -3,6 +3,7 @@
 
 pub mod activation;
 pub mod copy;
+pub mod linear;
 pub mod matmul;
 pub mod norm;
 pub mod softmax;
@@ -20,6 +21,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
     vec![
         &copy::Copy,
         &matmul::Matmul,
+        &linear::Linear,
         &norm::Norm,
         &softmax::Softmax,
         &activation::ActivationFamily,
