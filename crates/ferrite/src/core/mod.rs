@@ -8,6 +8,7 @@ pub mod dtype;
 pub mod error;
 pub mod harness;
 pub mod layout;
+pub mod philox;
 pub mod rng;
 pub mod tensor;
 pub mod tune;

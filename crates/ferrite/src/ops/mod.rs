@@ -1,8 +1,10 @@
 //! The op families, one folder each, and what runs across all of them: the registry, the machine
 //! ceilings measured before a bench, and the kernel build check.
 
+pub mod activation;
 pub mod attention;
 pub mod copy;
+pub mod linear;
 pub mod matmul;
 pub mod norm;
 pub mod softmax;
@@ -20,8 +22,10 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
     vec![
         &copy::Copy,
         &matmul::Matmul,
+        &linear::Linear,
         &norm::Norm,
         &softmax::Softmax,
+        &activation::ActivationFamily,
         &attention::Attention,
     ]
 }

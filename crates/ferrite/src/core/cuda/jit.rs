@@ -34,7 +34,10 @@ macro_rules! kernel_source {
 }
 
 /// Shared device helpers every kernel may include.
-const HEADERS: &[(&str, &str)] = &[("ferrite.cuh", include_str!("kernels/ferrite.cuh"))];
+const HEADERS: &[(&str, &str)] = &[
+    ("ferrite.cuh", include_str!("kernels/ferrite.cuh")),
+    ("philox.cuh", include_str!("kernels/philox.cuh")),
+];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).
 #[derive(Clone, Debug)]

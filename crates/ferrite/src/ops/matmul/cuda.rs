@@ -1,5 +1,6 @@
 //! CUDA host code of the matmul family: launching each variant's kernel, and cuBLAS as the peer.
 
+use super::epilogue::{Activation, EpiPtrs};
 use super::{Gemm, MatmulOptions, OP};
 use crate::core::cuda::jit::KernelSource;
 use crate::core::cuda::jit::Program;
@@ -9,10 +10,7 @@ use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::harness::{KernelSpec, Precision};
 use crate::core::tensor::Tensor;
-use crate::kernel_source;
 use std::sync::Arc;
-
-const NAIVE: KernelSource = kernel_source!("matmul/naive", "kernels/naive.cu");
 
 /// A tiled kernel: `kernels/common.cuh` (launch conventions, layout dispatch, tile loaders)
 /// followed by the kernel's own file.
@@ -25,6 +23,7 @@ macro_rules! tiled_source {
     };
 }
 
+const NAIVE: KernelSource = tiled_source!("naive", "kernels/naive.cu");
 const COALESCED: KernelSource = tiled_source!("coalesced", "kernels/coalesced.cu");
 const SMEM_TILED: KernelSource = tiled_source!("smem_tiled", "kernels/smem_tiled.cu");
 const BLOCKTILE_1D: KernelSource = tiled_source!("blocktile_1d", "kernels/blocktile_1d.cu");
@@ -297,14 +296,30 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
     Ok((a, b))
 }
 
-fn wgmma_program(dtype: DType, a_trans: bool, b_trans: bool, cluster: u32) -> Program {
-    Program::new(WGMMA)
+/// The `FE_EPI` define of an epilogue kernel (absent for the plain GEMM, so its module, cache key
+/// and code are exactly the plain kernel's).
+fn with_epilogue(p: Program, epi: Option<Activation>) -> Program {
+    match epi {
+        Some(a) => p.define("FE_EPI", 1 + a.code()),
+        None => p,
+    }
+}
+
+fn wgmma_program(
+    dtype: DType,
+    a_trans: bool,
+    b_trans: bool,
+    cluster: u32,
+    epi: Option<Activation>,
+) -> Program {
+    let p = Program::new(WGMMA)
         .define("FE_ELEM", dtype.cuda_name())
         .define("FE_WGMMA_BF16", (dtype == DType::BF16) as u32)
         .define("FE_A_TRANS", a_trans as u32)
         .define("FE_B_TRANS", b_trans as u32)
         .define("FE_STAGES", WG_STAGES)
-        .define("FE_CLUSTER", cluster)
+        .define("FE_CLUSTER", cluster);
+    with_epilogue(p, epi)
 }
 
 /// Device pointers of the three operands (first element of each view).
@@ -315,21 +330,27 @@ pub struct Ptrs {
     pub c: u64,
 }
 
-fn naive_program(dtype: DType) -> Program {
-    Program::new(NAIVE).define("FE_ELEM", dtype.cuda_name())
+fn naive_program(dtype: DType, epi: Option<Activation>) -> Program {
+    with_epilogue(
+        Program::new(NAIVE).define("FE_ELEM", dtype.cuda_name()),
+        epi,
+    )
 }
 
 /// The mma kernel for `dtype` (f32 = tf32 inputs) with `stages` cp.async stages.
-fn mma_program(dtype: DType, stages: u32) -> Program {
+fn mma_program(dtype: DType, stages: u32, epi: Option<Activation>) -> Program {
     let kind = match dtype {
         DType::BF16 => 1,
         DType::F32 => 2,
         _ => 0,
     };
-    Program::new(MMA)
-        .define("FE_ELEM", dtype.cuda_name())
-        .define("FE_MMA_KIND", kind)
-        .define("FE_STAGES", stages)
+    with_epilogue(
+        Program::new(MMA)
+            .define("FE_ELEM", dtype.cuda_name())
+            .define("FE_MMA_KIND", kind)
+            .define("FE_STAGES", stages),
+        epi,
+    )
 }
 
 /// Every module and specialisation this family compiles (for `ferrite kernels`).
@@ -341,23 +362,53 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     };
     let mut v: Vec<KernelSpec> = [DType::F32, DType::F16, DType::BF16]
         .into_iter()
-        .map(|d| spec(naive_program(d), "matmul_naive"))
+        .map(|d| spec(naive_program(d, None), "matmul_naive"))
         .collect();
     v.extend(SIMT.iter().map(|r| spec(Program::new(r.source), r.func)));
     for stages in [1, MMA_STAGES] {
         for d in [DType::F16, DType::BF16, DType::F32] {
-            v.push(spec(mma_program(d, stages), "matmul_mma"));
+            v.push(spec(mma_program(d, stages, None), "matmul_mma"));
         }
     }
     for d in [DType::F16, DType::BF16] {
         for (at, bt) in [(false, false), (false, true), (true, false), (true, true)] {
             for cluster in WG_CLUSTERS {
                 v.push(KernelSpec {
-                    program: wgmma_program(d, at, bt, cluster),
+                    program: wgmma_program(d, at, bt, cluster, None),
                     functions: vec!["matmul_wgmma".into()],
                     min_arch: Arch::SM90,
                 });
             }
+        }
+    }
+    v.extend(epilogue_specs());
+    v
+}
+
+/// The epilogue specialisations a linear layer launches: every activation for `naive` and
+/// `mma_pipelined` (f32 = tf32, f16, bf16) and for `wgmma` in the layer's layout (X row-major,
+/// W `[out, in]` row-major = B transposed) with the cluster it runs.
+pub fn epilogue_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for act in Activation::ALL {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            v.push(KernelSpec {
+                program: naive_program(d, Some(act)),
+                functions: vec!["matmul_naive".into()],
+                min_arch: Arch::SM80,
+            });
+            v.push(KernelSpec {
+                program: mma_program(d, MMA_STAGES, Some(act)),
+                functions: vec!["matmul_mma".into()],
+                min_arch: Arch::SM80,
+            });
+        }
+        for d in [DType::F16, DType::BF16] {
+            v.push(KernelSpec {
+                program: wgmma_program(d, false, true, WG_CLUSTER, Some(act)),
+                functions: vec!["matmul_wgmma".into()],
+                min_arch: Arch::SM90,
+            });
         }
     }
     v
@@ -374,9 +425,43 @@ pub struct Launch {
     /// `wgmma`: a persistent grid walking all tiles (x only), A/B tensor maps and the tile
     /// order appended to the parameters; None: the common grid.
     pub persistent: Option<Persistent>,
+    /// Compiled with the fused epilogue of this activation: its parameters follow the others.
+    pub epilogue: Option<Activation>,
 }
 
 pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
+    plan_inner(variant, g, dev, None)
+}
+
+/// The variants that have the fused epilogue.
+pub const EPILOGUE_VARIANTS: [&str; 3] = ["naive", "mma_pipelined", "wgmma"];
+
+/// `plan` for a kernel with the fused epilogue (bias, `act`, Z, residual; see `epilogue.rs`):
+/// `naive`, `mma_pipelined` or `wgmma`. Launch it with `launch_with_epilogue`.
+pub fn plan_epilogue(
+    variant: &str,
+    g: &Gemm,
+    dev: &Arc<CudaDevice>,
+    act: Activation,
+) -> Result<Launch> {
+    if !EPILOGUE_VARIANTS.contains(&variant) {
+        return Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!(
+                "CUDA variant `{variant}` has no fused epilogue (those that do: {})",
+                EPILOGUE_VARIANTS.join(", ")
+            ),
+        });
+    }
+    plan_inner(variant, g, dev, Some(act))
+}
+
+fn plan_inner(
+    variant: &str,
+    g: &Gemm,
+    dev: &Arc<CudaDevice>,
+    epi: Option<Activation>,
+) -> Result<Launch> {
     let refuse = |why: &str| Error::NoVariant {
         op: OP.into(),
         msg: format!("CUDA variant `{variant}` {why}"),
@@ -392,20 +477,22 @@ pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
             tile: r.tile,
             config: r.config.into(),
             persistent: None,
+            epilogue: None,
         });
     }
     match variant {
         "naive" => Ok(Launch {
-            kernel: dev.kernel(&naive_program(g.dtype), "matmul_naive")?,
+            kernel: dev.kernel(&naive_program(g.dtype, epi), "matmul_naive")?,
             block: (32, 8, 1),
             smem: 0,
             tile: (8, 32),
             config: "block 32×8, 1 output/thread".into(),
             persistent: None,
+            epilogue: epi,
         }),
         "mma" | "mma_pipelined" => {
             let stages = if variant == "mma" { 1 } else { MMA_STAGES };
-            let kernel = dev.kernel(&mma_program(g.dtype, stages), "matmul_mma")?;
+            let kernel = dev.kernel(&mma_program(g.dtype, stages, epi), "matmul_mma")?;
             let smem = stages * MMA_STAGE_BYTES;
             if smem > 48 * 1024 {
                 kernel.set_max_dynamic_smem(smem)?;
@@ -426,6 +513,7 @@ pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
                     if stages > 1 { "s" } else { "" }
                 ),
                 persistent: None,
+                epilogue: epi,
             })
         }
         "wgmma" => {
@@ -437,7 +525,7 @@ pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
             }
             let cluster = WG_CLUSTER;
             let kernel = dev.kernel(
-                &wgmma_program(g.dtype, g.a.trans, g.b.trans, cluster),
+                &wgmma_program(g.dtype, g.a.trans, g.b.trans, cluster, epi),
                 "matmul_wgmma",
             )?;
             kernel.set_max_dynamic_smem(WG_SMEM)?;
@@ -457,6 +545,7 @@ pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
                     group_m,
                     cluster,
                 }),
+                epilogue: epi,
             })
         }
         _ => Err(refuse("does not exist")),
@@ -465,6 +554,40 @@ pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
 
 /// Queues the planned kernel on `stream` for operands at `p`.
 pub fn launch(l: &Launch, g: &Gemm, p: Ptrs, alpha: f32, beta: f32, stream: &Stream) -> Result<()> {
+    launch_inner(l, g, p, alpha, beta, EpiPtrs::default(), stream)
+}
+
+/// Queues a kernel planned by `plan_epilogue`; `e` holds the bias / Z / residual addresses (0 =
+/// absent) and the layouts of Z and R (indexed like C). The caller guarantees that each present
+/// pointer addresses a live buffer of `g.dtype` covering the batch × m × n elements it indexes
+/// (bias: n elements).
+pub fn launch_with_epilogue(
+    l: &Launch,
+    g: &Gemm,
+    p: Ptrs,
+    alpha: f32,
+    beta: f32,
+    e: EpiPtrs,
+    stream: &Stream,
+) -> Result<()> {
+    if l.epilogue.is_none() {
+        return Err(Error::Other(format!(
+            "matmul: launch_with_epilogue on a plain kernel ({}); plan it with plan_epilogue",
+            l.kernel.name
+        )));
+    }
+    launch_inner(l, g, p, alpha, beta, e, stream)
+}
+
+fn launch_inner(
+    l: &Launch,
+    g: &Gemm,
+    p: Ptrs,
+    alpha: f32,
+    beta: f32,
+    e: EpiPtrs,
+    stream: &Stream,
+) -> Result<()> {
     // Kernels stride over row tiles and batches beyond the y/z limits.
     let grid = match l.persistent {
         Some(Persistent { ctas, cluster, .. }) => {
@@ -503,6 +626,15 @@ pub fn launch(l: &Launch, g: &Gemm, p: Ptrs, alpha: f32, beta: f32, stream: &Str
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
         args.push(ta).push(tb).push(pp.group_m.max(1) as i32);
     }
+    if l.epilogue.is_some() {
+        args.push(e.bias)
+            .push(e.z)
+            .push(e.ldz as i64)
+            .push(e.stride_z as i64)
+            .push(e.r)
+            .push(e.ldr as i64)
+            .push(e.stride_r as i64);
+    }
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
 }
 
@@ -514,16 +646,32 @@ pub(super) fn run(
     c: &Tensor,
     opts: &MatmulOptions,
 ) -> Result<()> {
-    let Device::Cuda(i) = g.device else {
-        unreachable!("cuda::run on a CPU problem")
-    };
-    let dev = device(i)?;
-    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
     let p = Ptrs {
         a: a.device_ptr()?,
         b: b.device_ptr()?,
         c: c.device_ptr()?,
     };
+    run_ptrs(variant, g, p, opts)
+}
+
+/// `matmul_into` on raw device pointers (operands that are not tensors, e.g. another op's
+/// stream-ordered scratch): picks the variant as `matmul_into` does and launches it on
+/// `opts.stream`. The caller guarantees that `p` addresses live buffers of `g.dtype` on `g`'s
+/// device laid out as `g` says.
+pub fn gemm_ptrs(g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()> {
+    let v = super::select(g, opts)?;
+    if g.batch == 0 || g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    run_ptrs(v.name, g, p, opts)
+}
+
+fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()> {
+    let Device::Cuda(i) = g.device else {
+        unreachable!("cuda::run on a CPU problem")
+    };
+    let dev = device(i)?;
+    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
     // `wgmma` chosen by default on views whose base is not 16-byte aligned (TMA cannot address
     // them): the next rung runs them instead. Asked for by name, it declines (wgmma_maps).
     let variant = if variant == "wgmma"

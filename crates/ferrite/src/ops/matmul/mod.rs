@@ -28,6 +28,7 @@ pub mod bench;
 pub mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod epilogue;
 
 use crate::core::cuda::Stream;
 use crate::core::device::Device;

@@ -170,3 +170,97 @@ __device__ __forceinline__ void fe_store4(float* c, i64 j, i64 n, float4 acc, fl
     if (j + 3 < n) fe_store(c + 3, acc.w, alpha, beta);
   }
 }
+
+// ---- fused epilogue (linear layers) -----------------------------------------------------------
+// -DFE_EPI=0 (or absent): the plain GEMM; FeEpi is empty, FE_EPI_PARAMS adds no parameter and
+// fe_epilogue returns its argument, so nothing below costs the plain kernels anything.
+// -DFE_EPI=1+act (act: 0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf, 4 silu): the kernel takes seven
+// more parameters after its own (bias, Z, ldz, stride_z, R, ldr, stride_r; null pointers = absent)
+// and every stored element v = alpha*acc (+ beta*C) becomes
+//   v += bias[col];  Z[b][row][col] = v;  v = act(v);  v += R[b][row][col]
+// in fp32, with one rounding to T at the store (and one for Z).
+#ifndef FE_EPI
+#define FE_EPI 0
+#endif
+
+__device__ __forceinline__ float fe_act(float v) {
+#if FE_EPI == 2
+  return v > 0.f ? v : 0.f;
+#elif FE_EPI == 3
+  const float u = 0.7978845608028654f * fmaf(0.044715f * v, v * v, v);
+  return 0.5f * v * (1.f + tanhf(u));
+#elif FE_EPI == 4
+  return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+#elif FE_EPI == 5
+  return v / (1.f + expf(-v));
+#else
+  return v;
+#endif
+}
+
+struct FeEpi {
+#if FE_EPI
+  const T* bias;
+  T* z;
+  const T* r;
+  i64 ldz, stride_z, ldr, stride_r;
+#endif
+};
+
+#if FE_EPI
+#define FE_EPI_PARAMS                                                                     \
+  , const T *__restrict__ epi_bias, T *__restrict__ epi_z, i64 epi_ldz, i64 epi_stride_z, \
+      const T *__restrict__ epi_r, i64 epi_ldr, i64 epi_stride_r
+#define FE_EPI_MAKE FeEpi{epi_bias, epi_z, epi_r, epi_ldz, epi_stride_z, epi_ldr, epi_stride_r}
+#else
+#define FE_EPI_PARAMS
+#define FE_EPI_MAKE FeEpi{}
+#endif
+
+// The epilogue of element (row, col) of batch zb, whose GEMM value is v; returns what to store.
+__device__ __forceinline__ float fe_epilogue(const FeEpi& e, float v, i64 zb, i64 row, i64 col) {
+#if FE_EPI
+  if (e.bias) v += to_float(e.bias[col]);
+  if (e.z) e.z[zb * e.stride_z + row * e.ldz + col] = from_float<T>(v);
+  v = fe_act(v);
+  if (e.r) v += to_float(e.r[zb * e.stride_r + row * e.ldr + col]);
+#endif
+  return v;
+}
+
+// The epilogue's pointers advanced to one output row, for store loops that walk rows: the
+// per-element work is then bias[col], z[col], r[col], with no 64-bit index products live.
+struct FeEpiRow {
+#if FE_EPI
+  const T* bias;
+  T* z;
+  const T* r;
+#endif
+};
+
+__device__ __forceinline__ FeEpiRow fe_epi_row(const FeEpi& e, i64 zb, i64 row) {
+#if FE_EPI
+  return FeEpiRow{e.bias, e.z ? e.z + zb * e.stride_z + row * e.ldz : nullptr,
+                  e.r ? e.r + zb * e.stride_r + row * e.ldr : nullptr};
+#else
+  return FeEpiRow{};
+#endif
+}
+
+__device__ __forceinline__ float fe_epilogue_row(const FeEpiRow& e, float v, i64 col) {
+#if FE_EPI
+  if (e.bias) v += to_float(e.bias[col]);
+  if (e.z) e.z[col] = from_float<T>(v);
+  v = fe_act(v);
+  if (e.r) v += to_float(e.r[col]);
+#endif
+  return v;
+}
+
+// fe_store followed by the epilogue (the element-wise store path of the epilogue kernels).
+__device__ __forceinline__ void fe_store_epi(T* c, float acc, float alpha, float beta,
+                                             const FeEpi& e, i64 zb, i64 row, i64 col) {
+  float v = alpha * acc;
+  if (beta != 0.f) v = fmaf(beta, to_float(*c), v);
+  *c = from_float<T>(fe_epilogue(e, v, zb, row, col));
+}

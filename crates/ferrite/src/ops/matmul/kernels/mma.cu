@@ -241,7 +241,7 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* c, float v0, float v1,
 }
 
 template <bool AT, bool BT>
-__device__ __forceinline__ void mma_body(char* smem, FE_MATMUL_PARAMS) {
+__device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_PARAMS) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp / (BN / WN), wn = warp % (BN / WN);
   const int g = lane / 4, tq = lane % 4;
@@ -302,16 +302,40 @@ __device__ __forceinline__ void mma_body(char* smem, FE_MATMUL_PARAMS) {
         const i64 i = m0 + wm * WM + mt * 16 + g + h * 8;
         if (i >= m) continue;
         T* crow = Cz + i * ldc;
+#if FE_EPI
+        const FeEpiRow er = fe_epi_row(epi, z, i);
+#endif
 #pragma unroll
         for (int nt = 0; nt < NTL; ++nt) {
           const i64 j = n0 + wn * WN + nt * 8 + 2 * tq;
-          const float v0 = alpha * acc[mt][nt][2 * h], v1 = alpha * acc[mt][nt][2 * h + 1];
+          float v0 = alpha * acc[mt][nt][2 * h], v1 = alpha * acc[mt][nt][2 * h + 1];
+#if FE_EPI
+          // Fused epilogue: beta*C first, then bias / Z / activation / residual per element,
+          // stored as a pair with beta already applied.
+          if (pair_ok && j + 1 < n) {
+            if (beta != 0.f) {
+              v0 = fmaf(beta, to_float(crow[j]), v0);
+              v1 = fmaf(beta, to_float(crow[j + 1]), v1);
+            }
+            store_pair(crow + j, fe_epilogue_row(er, v0, j), fe_epilogue_row(er, v1, j + 1), 0.f);
+          } else {
+            if (j < n) {
+              if (beta != 0.f) v0 = fmaf(beta, to_float(crow[j]), v0);
+              crow[j] = from_float<T>(fe_epilogue_row(er, v0, j));
+            }
+            if (j + 1 < n) {
+              if (beta != 0.f) v1 = fmaf(beta, to_float(crow[j + 1]), v1);
+              crow[j + 1] = from_float<T>(fe_epilogue_row(er, v1, j + 1));
+            }
+          }
+#else
           if (pair_ok && j + 1 < n) {
             store_pair(crow + j, v0, v1, beta);
           } else {
             if (j < n) fe_store(crow + j, acc[mt][nt][2 * h], alpha, beta);
             if (j + 1 < n) fe_store(crow + j + 1, acc[mt][nt][2 * h + 1], alpha, beta);
           }
+#endif
         }
       }
   }
@@ -319,9 +343,11 @@ __device__ __forceinline__ void mma_body(char* smem, FE_MATMUL_PARAMS) {
 
 // No register cap: capping at 128 (two blocks per SM) made NVRTC spill a few bytes even for one
 // stage, so both configurations run one 8-warp block per SM (~150–245 registers).
-extern "C" __global__ void __launch_bounds__(NT) matmul_mma(FE_MATMUL_PARAMS) {
+// With -DFE_EPI the stores apply the fused epilogue (common.cuh), its parameters after the common ones.
+extern "C" __global__ void __launch_bounds__(NT) matmul_mma(FE_MATMUL_PARAMS FE_EPI_PARAMS) {
   // The tile code assumes exactly NT threads: a host/kernel mismatch must fail loudly.
   if (blockDim.x * blockDim.y * blockDim.z != NT) __trap();
   extern __shared__ __align__(128) char smem[];
-  FE_LAYOUT_DISPATCH(mma_body, smem, );
+  const FeEpi epi = FE_EPI_MAKE;
+  FE_LAYOUT_DISPATCH(mma_body, smem, epi, );
 }

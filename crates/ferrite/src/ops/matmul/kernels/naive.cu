@@ -11,20 +11,11 @@
 // Supports any m, n, k, both transposes, strided batches (stride 0 broadcasts) and alpha/beta;
 // the grid loops over rows and batches beyond the launch's y/z limits.
 
-#include "ferrite.cuh"
+// With -DFE_EPI the store applies the fused epilogue (bias, activation, residual; common.cuh).
+// cuda.rs prepends common.cuh (FE_MATMUL_PARAMS, T, the epilogue).
 
-using namespace ferrite;
-
-#ifndef FE_ELEM
-#define FE_ELEM float
-#endif
-typedef FE_ELEM T;
-
-extern "C" __global__ void matmul_naive(T* __restrict__ C, const T* __restrict__ A,
-                                        const T* __restrict__ B, i64 m, i64 n, i64 k, i64 lda,
-                                        i64 ldb, i64 ldc, int a_trans, int b_trans, i64 stride_a,
-                                        i64 stride_b, i64 stride_c, i64 batch, float alpha,
-                                        float beta) {
+extern "C" __global__ void matmul_naive(FE_MATMUL_PARAMS FE_EPI_PARAMS) {
+  const FeEpi epi = FE_EPI_MAKE;
   const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= n) return;
   // Element strides of op(A) along p and op(B) along p.
@@ -47,7 +38,7 @@ extern "C" __global__ void matmul_naive(T* __restrict__ C, const T* __restrict__
       // beta == 0 never reads C, so an uninitialised (NaN) output cannot leak in.
       float v = alpha * acc;
       if (beta != 0.f) v = fmaf(beta, to_float(*c), v);
-      *c = from_float<T>(v);
+      *c = from_float<T>(fe_epilogue(epi, v, z, row, col));
     }
   }
 }

@@ -36,7 +36,9 @@
 // bytes; the host declines anything else (mma_pipelined runs it).
 // Prediction (H100, 4096³ bf16): ≈ 2.5–3.5× mma_pipelined, 0.7–0.9× cuBLAS. Measured there
 // (2026-11-22): 3.2× mma_pipelined, 0.89–1.0× cuBLAS at 4096³ and 0.81–0.96× at 8192³ (medians
-// vary between runs; minimums match cuBLAS). Not done yet: an epilogue that overlaps the next
+// vary between runs; minimums match cuBLAS). With -DFE_EPI the consumers' stores apply the fused
+// epilogue of common.cuh (bias per column, pre-activation Z, activation, residual), its seven
+// parameters after group_m. Not done yet: an epilogue that overlaps the next
 // tile's math (TMA store or ping-pong consumers), last-wave balancing, autotuned tile shapes.
 
 #ifndef FE_A_TRANS
@@ -220,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     __cluster_dims__(FE_CLUSTER, 1, 1)
 #endif
     matmul_wgmma(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
-                 const __grid_constant__ TmaDesc tma_b, int group_m) {
+                 const __grid_constant__ TmaDesc tma_b, int group_m FE_EPI_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -310,6 +312,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     const int c = wg - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const bool pair_ok = ((u64)C % 4 == 0) && (ldc % 2 == 0) && (stride_c % 2 == 0);
+#if FE_EPI
+    // The epilogue (bias, Z, activation, residual; common.cuh) needs each element's global row
+    // and column, which the store loop below has: col is the thread's fragment column
+    // tn·BN + 8j + 2(lane%4) (+1), row its fragment row.
+    const FeEpi epi = FE_EPI_MAKE;
+#endif
     // A stage is free again once every consumer warp of the cluster is done with it (the
     // peers' producers multicast into it too).
     auto release = [](unsigned bar) {
@@ -375,11 +383,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                 v0 = fmaf(beta, to_float(p[0]), v0);
                 v1 = fmaf(beta, to_float(p[1]), v1);
               }
+#if FE_EPI
+              v0 = fe_epilogue(epi, v0, z, row, col);
+              v1 = fe_epilogue(epi, v1, z, row, col + 1);
+#endif
               struct alignas(4) Pair { T x, y; };
               *reinterpret_cast<Pair*>(p) = Pair{from_float<T>(v0), from_float<T>(v1)};
             } else {
+#if FE_EPI
+              fe_store_epi(p, a0, alpha, beta, epi, z, row, col);
+              if (col + 1 < n) fe_store_epi(p + 1, a1, alpha, beta, epi, z, row, col + 1);
+#else
               fe_store(p, a0, alpha, beta);
               if (col + 1 < n) fe_store(p + 1, a1, alpha, beta);
+#endif
             }
           }
         }

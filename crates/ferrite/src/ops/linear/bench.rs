@@ -1,0 +1,418 @@
+//! `ferrite bench linear`: per shape (tokens × out ← in), the bare GEMM (ferrite's best and
+//! cuBLAS), the unfused `naive`, `fused` and `persistent` with bias + GELU, each as a ratio of the
+//! bare GEMM's speed (target ≥ 0.95); the backward dX + dW + db against the two cuBLAS GEMMs alone
+//! (target ≥ 0.9); and the CPU against the GPU on a ~1M-parameter layer.
+
+use super::{
+    backward_into, forward_into, variants, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, OP,
+};
+use crate::core::cuda::{device, CudaDevice};
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use crate::core::harness::bench::{relate, time_cpu_op, time_gpu, BenchRecord, Budget, Stats};
+use crate::core::harness::{BenchConfig, Ceilings, Precision};
+use crate::core::tensor::Tensor;
+use crate::core::variant::Backend;
+use crate::ops::matmul::{self, cuda as mmc};
+use std::sync::Arc;
+
+/// The epilogue the forward rows are timed with.
+const ACT: Activation = Activation::GeluTanh;
+
+/// [tokens, out, in] from the config, or the defaults.
+fn shapes(cfg: &BenchConfig, defaults: &[[usize; 3]]) -> Vec<[usize; 3]> {
+    if cfg.shapes.is_empty() {
+        return defaults.to_vec();
+    }
+    cfg.shapes
+        .iter()
+        .map(|s| match s.as_slice() {
+            [m, n, k] => [*m, *n, *k],
+            [m, n] => [*m, *n, *n],
+            other => [other[0]; 3],
+        })
+        .collect()
+}
+
+pub fn run(
+    cfg: &BenchConfig,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    for &dev in &cfg.devices {
+        if let Device::Cuda(i) = dev {
+            bench_gpu(cfg, &device(i)?, ceilings, progress, out)?;
+        }
+    }
+    bench_cpu_vs_gpu(cfg, progress, out)
+}
+
+/// A layer's tensors: x [m, k], w [n, k], b [n], y and z [m, n], dy [m, n], dx, dw, db.
+struct Layer {
+    x: Tensor,
+    w: Tensor,
+    b: Tensor,
+    y: Tensor,
+    z: Tensor,
+    dy: Tensor,
+    dx: Tensor,
+    dw: Tensor,
+    db: Tensor,
+}
+
+impl Layer {
+    fn new(d: Device, dtype: DType, [m, n, k]: [usize; 3]) -> Result<Layer> {
+        let r = |s: &[usize], seed| Tensor::rand(s, dtype, d, seed, -1.0, 1.0);
+        Ok(Layer {
+            x: r(&[m, k], 1)?,
+            w: r(&[n, k], 2)?,
+            b: r(&[n], 3)?,
+            y: Tensor::empty(&[m, n], dtype, d)?,
+            z: r(&[m, n], 4)?,
+            dy: r(&[m, n], 5)?,
+            dx: Tensor::empty(&[m, k], dtype, d)?,
+            dw: Tensor::empty(&[n, k], dtype, d)?,
+            db: Tensor::empty(&[n], dtype, d)?,
+        })
+    }
+    fn forward(&self, opts: &LinearOptions) -> Result<()> {
+        forward_into(
+            &Fwd {
+                x: &self.x,
+                w: &self.w,
+                bias: Some(&self.b),
+                residual: None,
+            },
+            &FwdOut {
+                y: &self.y,
+                z: None,
+            },
+            opts,
+        )
+    }
+    fn backward(&self, opts: &LinearOptions) -> Result<()> {
+        backward_into(
+            &Bwd {
+                dy: &self.dy,
+                x: &self.x,
+                w: &self.w,
+                z: Some(&self.z),
+            },
+            &BwdOut {
+                dx: Some(&self.dx),
+                dw: Some(&self.dw),
+                db: Some(&self.db),
+            },
+            opts,
+        )
+    }
+}
+
+/// Bytes a forward with bias moves at the least: X, W, b read, Y written.
+fn fwd_bytes([m, n, k]: [usize; 3], es: usize) -> f64 {
+    (es * (m * k + n * k + n + m * n)) as f64
+}
+/// Backward: dY and Z read, dX, dW, db written, X and W read (dZ kept on chip in the ideal).
+fn bwd_bytes([m, n, k]: [usize; 3], es: usize) -> f64 {
+    (es * (2 * m * n + 2 * m * k + 2 * n * k + n)) as f64
+}
+
+fn record(
+    d: Device,
+    name: &str,
+    variant: &str,
+    dtype: DType,
+    shape: String,
+    stats: Stats,
+    flops: f64,
+    bytes: f64,
+) -> BenchRecord {
+    BenchRecord::new(d, name, OP, variant, dtype, shape, stats, flops, bytes)
+}
+
+fn bench_gpu(
+    cfg: &BenchConfig,
+    dev: &Arc<CudaDevice>,
+    ceilings: &Ceilings,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    let d = Device::Cuda(dev.ordinal());
+    let name = dev.props().name.clone();
+    let stream = dev.stream().clone();
+    let defaults: &[[usize; 3]] = if cfg.quick {
+        &[[4096, 4096, 4096]]
+    } else {
+        &[[8192, 4096, 4096], [8192, 14336, 4096], [8192, 4096, 14336]]
+    };
+    let dtypes: Vec<DType> = if cfg.dtypes.is_empty() {
+        vec![DType::BF16]
+    } else {
+        cfg.dtypes.clone()
+    };
+    for dtype in dtypes {
+        let (prec, label) = match dtype {
+            DType::F32 => (Precision::Tf32, "tf32"),
+            DType::F16 => (Precision::F16, "f16"),
+            _ => (Precision::Bf16, "bf16"),
+        };
+        for shape in shapes(cfg, defaults) {
+            let [m, n, k] = shape;
+            let l = Layer::new(d, dtype, shape)?;
+            let flops = 2.0 * (m * n * k) as f64;
+            let es = dtype.size_in_bytes();
+            let shape_s = format!("{m}×{n}←{k} bias+{ACT}");
+            let mut group = Vec::new();
+            // The bare GEMMs: ferrite's default pick, and cuBLAS.
+            let g = super::gemm_of(
+                &Fwd {
+                    x: &l.x,
+                    w: &l.w,
+                    bias: None,
+                    residual: None,
+                },
+                &l.y,
+            )?;
+            let ptrs = mmc::Ptrs {
+                a: l.x.device_ptr()?,
+                b: l.w.device_ptr()?,
+                c: l.y.device_ptr()?,
+            };
+            let mm_opts = matmul::MatmulOptions {
+                precision: prec,
+                ..Default::default()
+            };
+            let gemm_variant = matmul::select(&g, &mm_opts)?.name;
+            progress(&format!(
+                "linear {d} gemm ({gemm_variant}) {label} {shape_s}"
+            ));
+            let gl = mmc::plan(gemm_variant, &g, dev)?;
+            let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                mmc::launch(&gl, &g, ptrs, 1.0, 0.0, &stream)
+            })?;
+            let mut r = record(
+                d,
+                &name,
+                "gemm",
+                dtype,
+                shape_s.clone(),
+                s,
+                flops,
+                fwd_bytes(shape, es) - (es * n) as f64,
+            );
+            r.dtype = label.into();
+            r.config = format!("bare GEMM, matmul `{gemm_variant}` ({})", gl.config);
+            let gemm_ms = r.median_ms;
+            group.push(r);
+            progress(&format!("linear {d} cublas {label} {shape_s}"));
+            let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                mmc::cublas(dev, &g, ptrs, 1.0, 0.0, prec, &stream)
+            })?;
+            let mut r = record(
+                d,
+                &name,
+                "cublas",
+                dtype,
+                shape_s.clone(),
+                s,
+                flops,
+                fwd_bytes(shape, es) - (es * n) as f64,
+            );
+            r.dtype = label.into();
+            r.is_peer = true;
+            r.config = "bare GEMM, cublasGemmStridedBatchedEx".into();
+            group.push(r);
+            for v in variants().iter().filter(|v| {
+                v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name)
+            }) {
+                let opts = LinearOptions {
+                    variant: Some(v.name.into()),
+                    activation: ACT,
+                    precision: prec,
+                    ..Default::default()
+                };
+                progress(&format!("linear {d} {} {label} {shape_s}", v.name));
+                let s = match time_gpu(dev, &stream, Budget::gpu(), |_| l.forward(&opts)) {
+                    Ok(s) => s,
+                    Err(crate::core::error::Error::NoVariant { .. }) => continue,
+                    Err(e) => return Err(e),
+                };
+                let mut r = record(
+                    d,
+                    &name,
+                    v.name,
+                    dtype,
+                    shape_s.clone(),
+                    s,
+                    flops,
+                    fwd_bytes(shape, es),
+                );
+                r.dtype = label.into();
+                r.note = format!("{:.3}× the bare GEMM's speed", gemm_ms / r.median_ms);
+                r.config = v.summary.split(':').next().unwrap_or("").into();
+                group.push(r);
+            }
+            relate(
+                &mut group,
+                "naive",
+                ceilings.gpu_gemm(label).map(|c| ("cuBLAS 4096³", c, true)),
+            );
+            out.extend(group);
+
+            // Backward: dZ + db kernel and two GEMMs vs the two cuBLAS GEMMs alone.
+            let shape_b = format!("{m}×{n}←{k} backward {ACT}");
+            let mut group = Vec::new();
+            let opts = LinearOptions {
+                activation: ACT,
+                precision: prec,
+                ..Default::default()
+            };
+            progress(&format!("linear {d} backward {label} {shape_b}"));
+            let s = time_gpu(dev, &stream, Budget::gpu(), |_| l.backward(&opts))?;
+            let mut r = record(
+                d,
+                &name,
+                "backward",
+                dtype,
+                shape_b.clone(),
+                s,
+                2.0 * flops,
+                bwd_bytes(shape, es),
+            );
+            r.dtype = label.into();
+            r.config =
+                "dZ+db kernel (fixed-order chunks), dX and dW through matmul's default pick".into();
+            group.push(r);
+            let gx = matmul::validate(&l.dy, &l.w, &l.dx)?;
+            let gw = matmul::validate(&l.dy.t()?, &l.x, &l.dw)?;
+            let px = mmc::Ptrs {
+                a: l.dy.device_ptr()?,
+                b: l.w.device_ptr()?,
+                c: l.dx.device_ptr()?,
+            };
+            let pw = mmc::Ptrs {
+                a: l.dy.device_ptr()?,
+                b: l.x.device_ptr()?,
+                c: l.dw.device_ptr()?,
+            };
+            progress(&format!("linear {d} cublas dX+dW {label} {shape_b}"));
+            let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                mmc::cublas(dev, &gx, px, 1.0, 0.0, prec, &stream)?;
+                mmc::cublas(dev, &gw, pw, 1.0, 0.0, prec, &stream)
+            })?;
+            let mut r = record(
+                d,
+                &name,
+                "cublas dX+dW",
+                dtype,
+                shape_b,
+                s,
+                2.0 * flops,
+                bwd_bytes(shape, es),
+            );
+            r.dtype = label.into();
+            r.is_peer = true;
+            r.config = "two cublasGemmStridedBatchedEx (no activation backward, no db)".into();
+            group.push(r);
+            relate(&mut group, "backward", None);
+            out.extend(group);
+        }
+    }
+    Ok(())
+}
+
+/// The seed's comparison: a ~1M-parameter layer (1024 → 1024, 4096 tokens, bias + GELU, f32) on
+/// the CPU (`parallel`) and on the GPU (default pick, true fp32; and bf16), in one group with
+/// the CPU as the baseline.
+fn bench_cpu_vs_gpu(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    let shape = if cfg.quick {
+        [1024, 1024, 1024]
+    } else {
+        [4096, 1024, 1024]
+    };
+    let [m, n, k] = shape;
+    let flops = 2.0 * (m * n * k) as f64;
+    let label = format!("{m}×{n}←{k} bias+{ACT} (1M params)");
+    let mut group = Vec::new();
+    for &dev in &cfg.devices {
+        let dtypes: &[DType] = if dev.is_cuda() {
+            &[DType::F32, DType::BF16]
+        } else {
+            &[DType::F32]
+        };
+        for &dtype in dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
+            let l = Layer::new(dev, dtype, shape)?;
+            let opts = LinearOptions {
+                activation: ACT,
+                ..Default::default()
+            };
+            let p = super::validate_fwd(
+                &Fwd {
+                    x: &l.x,
+                    w: &l.w,
+                    bias: Some(&l.b),
+                    residual: None,
+                },
+                &FwdOut { y: &l.y, z: None },
+            )?;
+            let (g, ptrs) = if dev.is_cuda() {
+                (
+                    Some(super::gemm_of(
+                        &Fwd {
+                            x: &l.x,
+                            w: &l.w,
+                            bias: None,
+                            residual: None,
+                        },
+                        &l.y,
+                    )?),
+                    vec![l.x.device_ptr()?, l.w.device_ptr()?],
+                )
+            } else {
+                (None, vec![])
+            };
+            let v = super::select(&p, g.as_ref(), &opts, &ptrs)?.name;
+            progress(&format!("linear {dev} {v} {dtype} {label}"));
+            let stats = match dev {
+                Device::Cpu => time_cpu_op(Budget::cpu(), || l.forward(&opts))?,
+                Device::Cuda(i) => {
+                    let cd = device(i)?;
+                    let s = cd.stream().clone();
+                    time_gpu(&cd, &s, Budget::gpu(), |_| l.forward(&opts))?
+                }
+            };
+            let name = match dev {
+                Device::Cpu => crate::ops::matmul::bench::cpu_name(),
+                Device::Cuda(i) => device(i)?.props().name.clone(),
+            };
+            let mut r = record(
+                dev,
+                &name,
+                &format!("{dev} {v}"),
+                dtype,
+                label.clone(),
+                stats,
+                flops,
+                fwd_bytes(shape, dtype.size_in_bytes()),
+            );
+            r.config = if dev.is_cuda() {
+                format!("{v}, default pick")
+            } else {
+                format!("{v}, {} threads", rayon::current_num_threads())
+            };
+            group.push(r);
+        }
+    }
+    if group.len() > 1 {
+        let base = group[0].variant.clone();
+        relate(&mut group, &base, None);
+    }
+    out.extend(group);
+    Ok(())
+}

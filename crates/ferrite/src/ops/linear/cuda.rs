@@ -1,0 +1,317 @@
+//! CUDA host code of the linear family: the unfused baseline (plain GEMM + element-wise kernels),
+//! the fused variants (matmul's epilogue hook in `mma_pipelined` and `wgmma`), and the backward
+//! (dZ + deterministic db kernel, then matmul's GEMMs on views and stream-ordered scratch).
+
+use super::{rows_view, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, Problem, OP, OP_BWD};
+use crate::core::cuda::jit::{KernelSource, Program};
+use crate::core::cuda::{device, CudaDevice, KernelArgs, Stream};
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::KernelSpec;
+use crate::core::tensor::Tensor;
+use crate::kernel_source;
+use crate::ops::matmul::cuda::{self as mmc, Ptrs};
+use crate::ops::matmul::epilogue::EpiPtrs;
+use crate::ops::matmul::{self, Gemm, Operand};
+use std::sync::Arc;
+
+const SRC: KernelSource = kernel_source!("linear", "kernels/linear.cu");
+const FUNCS: [&str; 5] = [
+    "linear_bias",
+    "linear_act",
+    "linear_add",
+    "linear_bwd_dz",
+    "linear_db",
+];
+/// Threads per block of the element-wise and backward kernels.
+const THREADS: u32 = 256;
+
+pub fn program(dtype: DType, act: Activation) -> Program {
+    Program::new(SRC)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_ACT", act.code())
+}
+
+/// This family's own modules. The fused GEMMs it launches are matmul's epilogue specialisations,
+/// listed (and build-checked) by matmul's `kernel_specs` (`matmul::cuda::epilogue_specs`).
+pub fn kernel_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for act in Activation::ALL {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            v.push(KernelSpec {
+                program: program(d, act),
+                functions: FUNCS.iter().map(|s| s.to_string()).collect(),
+                min_arch: Arch::SM80,
+            });
+        }
+    }
+    v
+}
+
+/// Why `persistent` (the wgmma epilogue kernel) cannot run `g`, or None.
+pub fn persistent_declines(g: &Gemm, arch: Option<Arch>, ptrs: &[u64]) -> Option<String> {
+    if arch.is_some_and(|a| a.major != 9) {
+        return Some(mmc::WGMMA_ARCH.to_string());
+    }
+    if let Some(why) = mmc::wgmma_declines(g) {
+        return Some(why);
+    }
+    if g.k > 0 && ptrs.iter().any(|p| p % 16 != 0) {
+        return Some("needs 16-byte aligned X and W (TMA)".into());
+    }
+    None
+}
+
+fn ctx(p: &Problem, stream: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)> {
+    let Device::Cuda(i) = p.device else {
+        unreachable!("linear cuda path on {}", p.device)
+    };
+    let dev = device(i)?;
+    let s = stream.clone().unwrap_or_else(|| dev.stream().clone());
+    Ok((dev, s))
+}
+
+/// Row pitch of a 2-D row view (any value serves a single row).
+fn ld_of(t2: &Tensor) -> usize {
+    let cols = t2.shape()[1].max(1);
+    if t2.shape()[0] <= 1 {
+        cols
+    } else {
+        t2.strides()[0]
+    }
+}
+
+/// Blocks for a grid-stride pass over `total` elements.
+fn blocks_for(total: usize) -> u32 {
+    total.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32
+}
+
+/// The epilogue operands of a forward call.
+pub(super) fn epi_ptrs(p: &Problem, i: &Fwd, o: &FwdOut) -> Result<EpiPtrs> {
+    let (r, ldr) = match i.residual {
+        Some(r) => {
+            let r2 = rows_view(OP, "residual", r)?;
+            (r2.device_ptr()?, ld_of(&r2))
+        }
+        None => (0, p.n.max(1)),
+    };
+    Ok(EpiPtrs {
+        bias: i.bias.map(|b| b.device_ptr()).transpose()?.unwrap_or(0),
+        z: o.z.map(|z| z.device_ptr()).transpose()?.unwrap_or(0),
+        ldz: p.n.max(1),
+        stride_z: 0,
+        r,
+        ldr,
+        stride_r: 0,
+    })
+}
+
+pub fn forward(
+    variant: &str,
+    p: &Problem,
+    g: &Gemm,
+    i: &Fwd,
+    o: &FwdOut,
+    opts: &LinearOptions,
+) -> Result<()> {
+    let (dev, stream) = ctx(p, &opts.stream)?;
+    let e = epi_ptrs(p, i, o)?;
+    let ptrs = Ptrs {
+        a: i.x.device_ptr()?,
+        b: i.w.device_ptr()?,
+        c: o.y.device_ptr()?,
+    };
+    match variant {
+        "naive" => forward_unfused(p, g, ptrs, e, opts, &dev, &stream),
+        "fused" | "persistent" => {
+            let gemm = if variant == "fused" {
+                "mma_pipelined"
+            } else {
+                "wgmma"
+            };
+            let l = mmc::plan_epilogue(gemm, g, &dev, opts.activation)?;
+            mmc::launch_with_epilogue(&l, g, ptrs, 1.0, 0.0, e, &stream)
+        }
+        other => Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!("no CUDA variant named `{other}`"),
+        }),
+    }
+}
+
+/// The unfused baseline: the plain GEMM matmul would pick, then one kernel per epilogue step.
+fn forward_unfused(
+    p: &Problem,
+    g: &Gemm,
+    ptrs: Ptrs,
+    e: EpiPtrs,
+    opts: &LinearOptions,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+) -> Result<()> {
+    let mm_opts = matmul::MatmulOptions {
+        stream: Some(stream.clone()),
+        ..opts.matmul()
+    };
+    mmc::gemm_ptrs(g, ptrs, &mm_opts)?;
+    let (m, n) = (p.m as i64, p.n as i64);
+    let grid = (blocks_for(p.m * p.n), 1, 1);
+    let block = (THREADS, 1, 1);
+    let prog = program(p.dtype, opts.activation);
+    if e.bias != 0 || e.z != 0 {
+        let k = dev.kernel(&prog, "linear_bias")?;
+        let mut a = KernelArgs::new();
+        a.push(ptrs.c)
+            .push(n)
+            .push(e.bias)
+            .push(e.z)
+            .push(e.ldz as i64)
+            .push(m)
+            .push(n);
+        k.launch(stream, grid, block, 0, &mut a)?;
+    }
+    if opts.activation != Activation::None {
+        let k = dev.kernel(&prog, "linear_act")?;
+        let mut a = KernelArgs::new();
+        a.push(ptrs.c).push(n).push(m).push(n);
+        k.launch(stream, grid, block, 0, &mut a)?;
+    }
+    if e.r != 0 {
+        let k = dev.kernel(&prog, "linear_add")?;
+        let mut a = KernelArgs::new();
+        a.push(ptrs.c)
+            .push(n)
+            .push(e.r)
+            .push(e.ldr as i64)
+            .push(m)
+            .push(n);
+        k.launch(stream, grid, block, 0, &mut a)?;
+    }
+    Ok(())
+}
+
+/// Rows per block of the dZ/db kernel: 64, more when m would need over 65535 chunks (grid y).
+pub fn rows_per_chunk(m: usize) -> usize {
+    64usize.max(m.div_ceil(65535))
+}
+
+/// A plain row-major operand of a GEMM.
+fn operand(ld: usize, trans: bool) -> Operand {
+    Operand {
+        ld: ld.max(1),
+        trans,
+        batch_stride: 0,
+    }
+}
+
+pub fn backward(p: &Problem, i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Result<()> {
+    let (dev, stream) = ctx(p, &opts.stream)?;
+    let (m, n, k) = (p.m, p.n, p.k);
+    let act = opts.activation;
+    let es = p.dtype.size_in_bytes();
+    let dy2 = rows_view(OP_BWD, "dy", i.dy)?;
+    let x2 = rows_view(OP_BWD, "x", i.x)?;
+    let (dy_ptr, lddy) = (dy2.device_ptr()?, ld_of(&dy2));
+    let (z_ptr, ldz) = match (act, i.z) {
+        (Activation::None, _) | (_, None) => (0, n.max(1)),
+        (_, Some(z)) => {
+            let z2 = rows_view(OP_BWD, "z", z)?;
+            (z2.device_ptr()?, ld_of(&z2))
+        }
+    };
+    let need_dz = act != Activation::None && (o.dx.is_some() || o.dw.is_some());
+    // Scratch on the op's stream: freed there, after the work queued on it.
+    let dz_buf = if need_dz && m * n > 0 {
+        Some(dev.alloc(m * n * es, &stream)?)
+    } else {
+        None
+    };
+    let (dz_ptr, lddz) = match &dz_buf {
+        Some(b) => (b.ptr(), n.max(1)),
+        None => (dy_ptr, lddy),
+    };
+    let prog = program(p.dtype, act);
+    let block = (THREADS, 1, 1);
+    let col_blocks = (n as u32).div_ceil(THREADS).max(1);
+    let rpc = rows_per_chunk(m);
+    let chunks = m.div_ceil(rpc);
+    let partial = match o.db {
+        Some(_) if m * n > 0 => Some(dev.alloc(chunks * n * 4, &stream)?),
+        _ => None,
+    };
+    if m * n > 0 && (dz_buf.is_some() || partial.is_some()) {
+        let kern = dev.kernel(&prog, "linear_bwd_dz")?;
+        let mut a = KernelArgs::new();
+        a.push(dy_ptr)
+            .push(lddy as i64)
+            .push(z_ptr)
+            .push(ldz as i64)
+            .push(dz_buf.as_ref().map_or(0, |b| b.ptr()))
+            .push(lddz as i64)
+            .push(partial.as_ref().map_or(0, |b| b.ptr()))
+            .push(m as i64)
+            .push(n as i64)
+            .push(rpc as i64);
+        kern.launch(&stream, (col_blocks, chunks as u32, 1), block, 0, &mut a)?;
+    }
+    if let Some(db) = o.db {
+        if n > 0 {
+            // With m = 0 no chunk exists and every db[j] is the empty sum, 0.
+            let kern = dev.kernel(&prog, "linear_db")?;
+            let mut a = KernelArgs::new();
+            a.push(partial.as_ref().map_or(0, |b| b.ptr()))
+                .push(if m == 0 { 0i64 } else { chunks as i64 })
+                .push(n as i64)
+                .push(db.device_ptr()?);
+            kern.launch(&stream, (col_blocks, 1, 1), block, 0, &mut a)?;
+        }
+    }
+    let mm_opts = matmul::MatmulOptions {
+        stream: Some(stream.clone()),
+        ..opts.matmul()
+    };
+    if let Some(dx) = o.dx {
+        // dX [m, k] = dZ [m, n] · W [n, k]
+        let g = Gemm {
+            batch: 1,
+            m,
+            n: k,
+            k: n,
+            a: operand(lddz, false),
+            b: operand(ld_of(i.w), false),
+            c: operand(k, false),
+            dtype: p.dtype,
+            device: p.device,
+        };
+        let ptrs = Ptrs {
+            a: dz_ptr,
+            b: i.w.device_ptr()?,
+            c: dx.device_ptr()?,
+        };
+        mmc::gemm_ptrs(&g, ptrs, &mm_opts)?;
+    }
+    if let Some(dw) = o.dw {
+        // dW [n, k] = dZᵀ [n, m] (dZ read transposed in place) · X [m, k]
+        let g = Gemm {
+            batch: 1,
+            m: n,
+            n: k,
+            k: m,
+            a: operand(lddz, true),
+            b: operand(ld_of(&x2), false),
+            c: operand(k, false),
+            dtype: p.dtype,
+            device: p.device,
+        };
+        let ptrs = Ptrs {
+            a: dz_ptr,
+            b: x2.device_ptr()?,
+            c: dw.device_ptr()?,
+        };
+        mmc::gemm_ptrs(&g, ptrs, &mm_opts)?;
+    }
+    // The scratch buffers drop here: their frees are queued on `stream` after the GEMMs.
+    drop((dz_buf, partial));
+    Ok(())
+}

@@ -1,0 +1,599 @@
+//! # linear — Y = act(X·Wᵀ + b) (+ R), forward and backward, and the fused QKV projection
+//!
+//! X is `[..., in]` (contiguous, or 2-D with stride 1 in its last dim), W is `[out, in]` (the
+//! torch layout: stride 1 in its last dim, any row pitch), b is `[out]`, the residual R has Y's
+//! shape (same layout rules as X), Y and the optional pre-activation Z (`X·Wᵀ + b`, saved for the
+//! backward) are contiguous `[..., out]`. One float dtype (f32, bf16, f16) for all of them; the
+//! math is fp32 with one rounding per output. On the GPU f32 runs as true fp32 (SIMT GEMM) or,
+//! under `Precision::Tf32`, on tensor cores, as in matmul.
+//!
+//! Activations: none, ReLU, GELU (tanh approximation and exact erf), SiLU (`Activation`).
+//!
+//! **Backward** (given dY, X, W and Z): dZ = dY ⊙ act'(Z) fused with the bias gradient
+//! db = Σ_rows dZ, reduced deterministically (per-block partial sums over fixed row chunks, then a
+//! fixed-order sum: the same bits on every run, no atomics); dX = dZ·W and dW = dZᵀ·X through
+//! ferrite's matmul on views (dZᵀ is a transposed view, nothing is copied). With no activation dZ
+//! is dY itself.
+//!
+//! **Variants** (the ladder, docs/linear.md):
+//! - CPU: `naive` (reference loops) → `parallel` (matmul's packed multi-core GEMM, then one fused
+//!   epilogue pass over the rows).
+//! - CUDA: `naive` (ferrite's best plain GEMM, then separate bias, activation and residual
+//!   kernels: the unfused baseline, three more passes over Y) → `fused` (the epilogue inside
+//!   `mma_pipelined`'s store step, sm_80+) → `persistent` (the epilogue inside the Hopper `wgmma`
+//!   persistent kernel, sm_90a). The epilogue is matmul's hook (`matmul::epilogue`).
+//!
+//! **QKV**: [`linear_qkv`] runs one GEMM with W `[3·H·D, in]` into a `[..., 3, H, D]` buffer and
+//! returns q, k, v as strided views of it (no copy; last dim contiguous).
+
+pub mod bench;
+pub mod check;
+pub mod cpu;
+pub mod cuda;
+
+pub use crate::ops::matmul::epilogue::Activation;
+
+use crate::core::cuda::Stream;
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::{
+    BenchConfig, BenchRecord, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily, Precision,
+};
+use crate::core::tensor::{describe, Tensor};
+use crate::core::variant::{self, Backend, VariantInfo};
+use crate::ops::matmul;
+
+pub const OP: &str = "linear";
+const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+const HALVES: &[DType] = &[DType::F16, DType::BF16];
+
+pub fn variants() -> Vec<VariantInfo> {
+    vec![
+        VariantInfo {
+            name: "naive",
+            backend: Backend::Cpu,
+            dtypes: FLOATS,
+            min_arch: None,
+            constraints: "any shape",
+            summary:
+                "reference loops: one f32 dot product per output, then bias, activation, residual",
+            rank: 1,
+        },
+        VariantInfo {
+            name: "parallel",
+            backend: Backend::Cpu,
+            dtypes: FLOATS,
+            min_arch: None,
+            constraints: "any shape",
+            summary:
+                "matmul's packed SIMD GEMM on all cores (bf16/f16 widened to f32), then one fused \
+                epilogue pass over the rows while they are warm",
+            rank: 2,
+        },
+        VariantInfo {
+            name: "naive",
+            backend: Backend::Cuda,
+            dtypes: FLOATS,
+            min_arch: Some(Arch::SM80),
+            constraints: "any shape",
+            summary:
+                "unfused: ferrite's best plain GEMM, then separate bias, activation and residual \
+                kernels (each one more read and write of Y)",
+            rank: 1,
+        },
+        VariantInfo {
+            name: "fused",
+            backend: Backend::Cuda,
+            dtypes: FLOATS,
+            min_arch: Some(Arch::SM80),
+            constraints: "sm_80+; any shape; f32 only as tf32 (Precision::Tf32)",
+            summary:
+                "bias, Z, activation and residual applied to mma_pipelined's fp32 accumulators \
+                in its store step: Y written once, never re-read",
+            rank: 2,
+        },
+        VariantInfo {
+            name: "persistent",
+            backend: Backend::Cuda,
+            dtypes: HALVES,
+            min_arch: Some(Arch::SM90),
+            constraints: "sm_90a (Hopper); bf16/f16; in and X's/W's row pitch multiples of 8 \
+                elements, 16-byte aligned X and W (TMA); else `fused` runs it",
+            summary: "the same epilogue inside the Hopper wgmma kernel (TMA, warp-specialised, \
+                persistent grid, 2-block clusters)",
+            rank: 3,
+        },
+    ]
+}
+
+/// Options of one call. `Default`: best variant, no activation, fp32 precision for f32, the
+/// device's own stream, all CPU cores.
+#[derive(Clone, Debug)]
+pub struct LinearOptions {
+    pub variant: Option<String>,
+    pub activation: Activation,
+    /// For f32 inputs on the GPU: `F32` (true fp32) or `Tf32` (tensor cores). Ignored otherwise.
+    pub precision: Precision,
+    pub stream: Option<Stream>,
+    /// CPU threads for `parallel` (0 = all cores).
+    pub threads: usize,
+}
+
+impl Default for LinearOptions {
+    fn default() -> Self {
+        LinearOptions {
+            variant: None,
+            activation: Activation::None,
+            precision: Precision::F32,
+            stream: None,
+            threads: 0,
+        }
+    }
+}
+
+impl LinearOptions {
+    fn matmul(&self) -> matmul::MatmulOptions {
+        matmul::MatmulOptions {
+            precision: self.precision,
+            stream: self.stream.clone(),
+            threads: self.threads,
+            ..Default::default()
+        }
+    }
+}
+
+/// Forward inputs.
+#[derive(Clone, Copy)]
+pub struct Fwd<'a> {
+    pub x: &'a Tensor,
+    pub w: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+    pub residual: Option<&'a Tensor>,
+}
+
+/// Forward outputs (caller-provided): Y and, when wanted, the pre-activation Z.
+#[derive(Clone, Copy)]
+pub struct FwdOut<'a> {
+    pub y: &'a Tensor,
+    pub z: Option<&'a Tensor>,
+}
+
+/// Backward inputs: Z is required unless the activation is none.
+#[derive(Clone, Copy)]
+pub struct Bwd<'a> {
+    pub dy: &'a Tensor,
+    pub x: &'a Tensor,
+    pub w: &'a Tensor,
+    pub z: Option<&'a Tensor>,
+}
+
+/// Backward outputs; any may be left out.
+#[derive(Clone, Copy)]
+pub struct BwdOut<'a> {
+    pub dx: Option<&'a Tensor>,
+    pub dw: Option<&'a Tensor>,
+    pub db: Option<&'a Tensor>,
+}
+
+/// A validated problem: m rows (tokens), n = out, k = in.
+#[derive(Clone, Copy, Debug)]
+pub struct Problem {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Problem {
+    pub fn label(&self) -> String {
+        format!("{}×{}←{}", self.m, self.n, self.k)
+    }
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+/// The `[rows, cols]` view of a tensor whose last dim is `cols`: itself when 2-D with stride 1 in
+/// its last dim, a reshape when contiguous; anything else is refused.
+pub fn rows_view(op: &str, arg: &str, t: &Tensor) -> Result<Tensor> {
+    let r = t.rank();
+    let cols = t.shape().last().copied().unwrap_or(0);
+    if r == 2 && (t.strides()[1] == 1 || cols <= 1) && t.strides()[0] >= cols {
+        return Ok(t.clone());
+    }
+    if r >= 1 && t.is_contiguous() {
+        let rows: usize = t.shape()[..r - 1].iter().product();
+        return t.reshape(&[rows, cols]);
+    }
+    Err(Error::bad_arg(
+        op,
+        arg,
+        "a contiguous tensor, or 2-D with stride 1 in its last dim",
+        describe(t),
+    ))
+}
+
+fn expect_same(op: &str, arg: &str, t: &Tensor, like: &Tensor, shape: &[usize]) -> Result<()> {
+    if t.device() != like.device() || t.dtype() != like.dtype() || t.shape() != shape {
+        return Err(Error::bad_arg(
+            op,
+            arg,
+            format!("a {}{shape:?} tensor on {}", like.dtype(), like.device()),
+            describe(t),
+        ));
+    }
+    Ok(())
+}
+
+fn expect_contiguous(op: &str, arg: &str, t: &Tensor) -> Result<()> {
+    if !t.is_contiguous() {
+        return Err(Error::bad_arg(op, arg, "a contiguous tensor", describe(t)));
+    }
+    Ok(())
+}
+
+fn check_distinct(
+    op: &str,
+    outs: &[(&str, Option<&Tensor>)],
+    ins: &[Option<&Tensor>],
+) -> Result<()> {
+    for (i, (name, o)) in outs.iter().enumerate() {
+        let Some(o) = o else { continue };
+        let clash_in = ins.iter().flatten().any(|t| o.shares_storage(t));
+        let clash_out = outs[..i]
+            .iter()
+            .filter_map(|(_, t)| *t)
+            .any(|t| o.shares_storage(t));
+        if clash_in || clash_out {
+            return Err(Error::bad_arg(
+                op,
+                *name,
+                "a buffer distinct from the inputs and the other outputs",
+                "a view of another argument",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// X and W against each other: (m, n, k, the out shape `[..., n]`).
+fn xw(op: &str, x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize, Vec<usize>)> {
+    if x.rank() == 0 || !FLOATS.contains(&x.dtype()) {
+        return Err(Error::bad_arg(
+            op,
+            "x",
+            "an f32/f16/bf16 tensor [..., in]",
+            describe(x),
+        ));
+    }
+    let k = *x.shape().last().unwrap();
+    if w.rank() != 2 || w.device() != x.device() || w.dtype() != x.dtype() || w.shape()[1] != k {
+        return Err(Error::bad_arg(
+            op,
+            "w",
+            format!(
+                "a {}[out, {k}] tensor on {} (like x)",
+                x.dtype(),
+                x.device()
+            ),
+            describe(w),
+        ));
+    }
+    if !(w.strides()[1] == 1 || k <= 1) {
+        return Err(Error::bad_arg(
+            op,
+            "w",
+            "stride 1 in its last dim (torch layout [out, in])",
+            describe(w),
+        ));
+    }
+    let n = w.shape()[0];
+    let m: usize = x.shape()[..x.rank() - 1].iter().product();
+    let mut out = x.shape().to_vec();
+    *out.last_mut().unwrap() = n;
+    Ok((m, n, k, out))
+}
+
+pub fn validate_fwd(i: &Fwd, o: &FwdOut) -> Result<Problem> {
+    let (m, n, k, out_shape) = xw(OP, i.x, i.w)?;
+    rows_view(OP, "x", i.x)?;
+    if let Some(b) = i.bias {
+        expect_same(OP, "bias", b, i.x, &[n])?;
+        expect_contiguous(OP, "bias", b)?;
+    }
+    if let Some(r) = i.residual {
+        expect_same(OP, "residual", r, i.x, &out_shape)?;
+        rows_view(OP, "residual", r)?;
+    }
+    expect_same(OP, "y", o.y, i.x, &out_shape)?;
+    expect_contiguous(OP, "y", o.y)?;
+    if let Some(z) = o.z {
+        expect_same(OP, "z", z, i.x, &out_shape)?;
+        expect_contiguous(OP, "z", z)?;
+    }
+    check_distinct(
+        OP,
+        &[("y", Some(o.y)), ("z", o.z)],
+        &[Some(i.x), Some(i.w), i.bias, i.residual],
+    )?;
+    for (name, v) in [("rows", m), ("out", n), ("in", k)] {
+        if v > i32::MAX as usize {
+            return Err(Error::bad_arg(OP, name, format!("≤ {}", i32::MAX), v));
+        }
+    }
+    Ok(Problem {
+        m,
+        n,
+        k,
+        dtype: i.x.dtype(),
+        device: i.x.device(),
+    })
+}
+
+pub const OP_BWD: &str = "linear_backward";
+
+pub fn validate_bwd(i: &Bwd, o: &BwdOut, act: Activation) -> Result<Problem> {
+    let op = OP_BWD;
+    let (m, n, k, out_shape) = xw(op, i.x, i.w)?;
+    rows_view(op, "x", i.x)?;
+    expect_same(op, "dy", i.dy, i.x, &out_shape)?;
+    rows_view(op, "dy", i.dy)?;
+    match (act, i.z) {
+        (Activation::None, _) => {}
+        (_, None) => {
+            return Err(Error::bad_arg(
+                op,
+                "z",
+                format!("the pre-activation saved by the forward ({act} needs it)"),
+                "None",
+            ))
+        }
+        (_, Some(z)) => {
+            expect_same(op, "z", z, i.x, &out_shape)?;
+            rows_view(op, "z", z)?;
+        }
+    }
+    if let Some(dx) = o.dx {
+        expect_same(op, "dx", dx, i.x, i.x.shape())?;
+        expect_contiguous(op, "dx", dx)?;
+    }
+    if let Some(dw) = o.dw {
+        expect_same(op, "dw", dw, i.x, &[n, k])?;
+        expect_contiguous(op, "dw", dw)?;
+    }
+    if let Some(db) = o.db {
+        expect_same(op, "db", db, i.x, &[n])?;
+        expect_contiguous(op, "db", db)?;
+    }
+    check_distinct(
+        op,
+        &[("dx", o.dx), ("dw", o.dw), ("db", o.db)],
+        &[Some(i.dy), Some(i.x), Some(i.w), i.z],
+    )?;
+    for (name, v) in [("rows", m), ("out", n), ("in", k)] {
+        if v > i32::MAX as usize {
+            return Err(Error::bad_arg(op, name, format!("≤ {}", i32::MAX), v));
+        }
+    }
+    Ok(Problem {
+        m,
+        n,
+        k,
+        dtype: i.x.dtype(),
+        device: i.x.device(),
+    })
+}
+
+/// The GEMM of the forward: X `[m, k]` · Wᵀ (W's transposed view) into Y `[m, n]`.
+pub fn gemm_of(i: &Fwd, y: &Tensor) -> Result<matmul::Gemm> {
+    let x2 = rows_view(OP, "x", i.x)?;
+    let y2 = rows_view(OP, "y", y)?;
+    matmul::validate(&x2, &i.w.t()?, &y2)
+}
+
+fn precision_of(dtype: DType, opts: &LinearOptions) -> Precision {
+    match dtype {
+        DType::F32 => opts.precision,
+        d => Precision::of(d),
+    }
+}
+
+/// Picks the variant for a forward problem; `ptrs` (GPU) are X's and W's addresses, for the TMA
+/// alignment rule of `persistent`.
+pub fn select(
+    p: &Problem,
+    g: Option<&matmul::Gemm>,
+    opts: &LinearOptions,
+    ptrs: &[u64],
+) -> Result<VariantInfo> {
+    let vs = variants();
+    let arch = match p.device {
+        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
+        Device::Cpu => None,
+    };
+    let prec = precision_of(p.dtype, opts);
+    let v = variant::select(
+        OP,
+        &vs,
+        opts.variant.as_deref(),
+        Backend::of(p.device),
+        p.dtype,
+        arch,
+        |v| {
+            if v.backend != Backend::Cuda {
+                return None;
+            }
+            match v.name {
+                "fused" if prec == Precision::F32 => Some(
+                    "runs f32 only as tf32 (ask for Precision::Tf32); `naive` is true fp32"
+                        .to_string(),
+                ),
+                "persistent" => cuda::persistent_declines(g?, arch, ptrs),
+                _ => None,
+            }
+        },
+    )?;
+    Ok(v.clone())
+}
+
+/// Y = act(X·Wᵀ + b) (+ residual), Z = X·Wᵀ + b when asked for, into caller-provided outputs.
+pub fn forward_into(i: &Fwd, o: &FwdOut, opts: &LinearOptions) -> Result<()> {
+    let p = validate_fwd(i, o)?;
+    let (g, ptrs) = if p.device.is_cuda() {
+        (
+            Some(gemm_of(i, o.y)?),
+            vec![i.x.device_ptr()?, i.w.device_ptr()?],
+        )
+    } else {
+        (None, vec![])
+    };
+    let v = select(&p, g.as_ref(), opts, &ptrs)?;
+    if p.m == 0 || p.n == 0 {
+        return Ok(());
+    }
+    match p.device {
+        Device::Cpu => cpu::forward(v.name, &p, i, o, opts),
+        Device::Cuda(_) => cuda::forward(v.name, &p, &g.unwrap(), i, o, opts),
+    }
+}
+
+/// dX, dW, db from dY (and Z for an activation), into caller-provided outputs. The variant in
+/// `opts` names the CPU path (`naive` or `parallel`); on the GPU every variant shares one backward
+/// (the dZ + db kernel, then matmul's best GEMMs).
+pub fn backward_into(i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Result<()> {
+    let act = opts.activation;
+    let p = validate_bwd(i, o, act)?;
+    let vs = variants();
+    let v = variant::select(
+        OP_BWD,
+        &vs,
+        opts.variant.as_deref(),
+        Backend::of(p.device),
+        p.dtype,
+        None,
+        |_| None,
+    )?;
+    match p.device {
+        Device::Cpu => cpu::backward(v.name, &p, i, o, opts),
+        Device::Cuda(_) => cuda::backward(&p, i, o, opts),
+    }
+}
+
+/// The out shape `[..., out]` for X `[..., in]` and W `[out, in]`.
+fn out_shape(x: &Tensor, w: &Tensor) -> Result<Vec<usize>> {
+    Ok(xw(OP, x, w)?.3)
+}
+
+/// Y = act(X·Wᵀ + b) into a new tensor (activation and variant from `opts`).
+pub fn linear_with(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    opts: &LinearOptions,
+) -> Result<Tensor> {
+    let y = Tensor::empty(&out_shape(x, w)?, x.dtype(), x.device())?;
+    forward_into(
+        &Fwd {
+            x,
+            w,
+            bias,
+            residual: None,
+        },
+        &FwdOut { y: &y, z: None },
+        opts,
+    )?;
+    Ok(y)
+}
+
+/// X·Wᵀ + b with the best variant.
+pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    linear_with(x, w, bias, &LinearOptions::default())
+}
+
+/// The QKV projection as one GEMM: W is `[3·heads·head_dim, in]` (q rows, then k, then v), the
+/// output a `[..., 3, heads, head_dim]` buffer; returns q, k, v as `[..., heads, head_dim]` views
+/// of it (strided over the token dims, last dim contiguous; nothing is copied).
+pub fn linear_qkv(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    heads: usize,
+    head_dim: usize,
+    opts: &LinearOptions,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let hd = heads * head_dim;
+    if heads == 0 || head_dim == 0 {
+        return Err(Error::bad_arg(
+            OP,
+            "heads/head_dim",
+            "both ≥ 1",
+            format!("{heads}/{head_dim}"),
+        ));
+    }
+    if w.rank() != 2 || w.shape()[0] != 3 * hd {
+        return Err(Error::bad_arg(
+            OP,
+            "w",
+            format!(
+                "[3·{heads}·{head_dim} = {}, in] (q, k, v rows stacked)",
+                3 * hd
+            ),
+            describe(w),
+        ));
+    }
+    let flat = out_shape(x, w)?;
+    let lead = &flat[..flat.len() - 1];
+    let mut shape = lead.to_vec();
+    shape.extend([3, heads, head_dim]);
+    let buf = Tensor::empty(&shape, x.dtype(), x.device())?;
+    let y = buf.reshape(&flat)?;
+    forward_into(
+        &Fwd {
+            x,
+            w,
+            bias,
+            residual: None,
+        },
+        &FwdOut { y: &y, z: None },
+        opts,
+    )?;
+    let mut vshape = lead.to_vec();
+    vshape.extend([heads, head_dim]);
+    let st = buf.strides();
+    let mut vstrides = st[..lead.len()].to_vec();
+    vstrides.extend([head_dim, 1]);
+    let base = buf.layout().offset();
+    let view = |i: usize| buf.as_strided(&vshape, &vstrides, base + i * hd);
+    Ok((view(0)?, view(1)?, view(2)?))
+}
+
+pub struct Linear;
+
+impl OpFamily for Linear {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn variants(&self) -> Vec<VariantInfo> {
+        variants()
+    }
+    fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
+        check::run(cfg, out)
+    }
+    fn bench(
+        &self,
+        cfg: &BenchConfig,
+        ceilings: &Ceilings,
+        progress: &mut dyn FnMut(&str),
+        out: &mut Vec<BenchRecord>,
+    ) -> Result<()> {
+        bench::run(cfg, ceilings, progress, out)
+    }
+    fn kernels(&self) -> Vec<KernelSpec> {
+        cuda::kernel_specs()
+    }
+}
+
+#[cfg(test)]
+mod tests;

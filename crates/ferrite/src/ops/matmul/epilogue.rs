@@ -1,0 +1,283 @@
+//! The epilogue hook: what a GEMM may do to each output element on its way out, so that a linear
+//! layer's bias, activation and residual cost no extra pass over memory.
+//!
+//! For C(i, j) = α·acc + β·C(i, j) (the plain GEMM value, fp32), the epilogue computes
+//!
+//! ```text
+//! v = C(i, j) + bias[j]          (bias: one value per output column, optional)
+//! Z(i, j) = v                    (pre-activation, optional: what the backward needs)
+//! C(i, j) = act(v) + R(i, j)     (R: residual, optional)
+//! ```
+//!
+//! all in fp32 with one rounding to the output dtype (Z is rounded to it once too). The CUDA
+//! kernels `naive`, `mma`/`mma_pipelined` and `wgmma` apply it in their store step when compiled
+//! with `-DFE_EPI=1+activation` (`cuda::plan_epilogue` / `cuda::launch_with_epilogue`); without the
+//! define the code is compiled out and the plain GEMM is unchanged. On the CPU, [`apply_rows`] is
+//! a pass over the output after the GEMM (the tile is still in cache for small outputs).
+
+use rayon::prelude::*;
+
+/// The pointwise function of the epilogue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Activation {
+    #[default]
+    None,
+    Relu,
+    /// GELU, tanh approximation: ½v(1 + tanh(√(2/π)(v + 0.044715v³))).
+    GeluTanh,
+    /// GELU, exact: ½v(1 + erf(v/√2)).
+    GeluErf,
+    /// SiLU / swish: v·σ(v).
+    Silu,
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_A: f64 = 0.044715;
+
+impl Activation {
+    pub const ALL: [Activation; 5] = [
+        Activation::None,
+        Activation::Relu,
+        Activation::GeluTanh,
+        Activation::GeluErf,
+        Activation::Silu,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::None => "none",
+            Activation::Relu => "relu",
+            Activation::GeluTanh => "gelu_tanh",
+            Activation::GeluErf => "gelu_erf",
+            Activation::Silu => "silu",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Activation> {
+        Activation::ALL.into_iter().find(|a| a.name() == s)
+    }
+
+    /// The kernels' `FE_EPI` / `FE_ACT` code (0 = none ... 4 = silu).
+    pub fn code(self) -> u32 {
+        match self {
+            Activation::None => 0,
+            Activation::Relu => 1,
+            Activation::GeluTanh => 2,
+            Activation::GeluErf => 3,
+            Activation::Silu => 4,
+        }
+    }
+
+    /// act(v) in fp32, the same formulas as the kernels.
+    #[inline]
+    pub fn apply(self, v: f32) -> f32 {
+        match self {
+            Activation::None => v,
+            Activation::Relu => {
+                if v > 0.0 {
+                    v
+                } else {
+                    0.0
+                }
+            }
+            Activation::GeluTanh => {
+                let u = SQRT_2_OVER_PI as f32 * (v + GELU_A as f32 * v * v * v);
+                0.5 * v * (1.0 + u.tanh())
+            }
+            Activation::GeluErf => {
+                0.5 * v * (1.0 + libm::erff(v * std::f32::consts::FRAC_1_SQRT_2))
+            }
+            Activation::Silu => v / (1.0 + (-v).exp()),
+        }
+    }
+
+    /// act'(v) in fp32 (the backward's dZ = dY·act'(Z)).
+    #[inline]
+    pub fn grad(self, v: f32) -> f32 {
+        self.grad_f64(v as f64) as f32
+    }
+
+    /// act(v) in f64 (the references).
+    pub fn apply_f64(self, v: f64) -> f64 {
+        match self {
+            Activation::None => v,
+            Activation::Relu => {
+                if v > 0.0 {
+                    v
+                } else {
+                    0.0
+                }
+            }
+            Activation::GeluTanh => {
+                let u = SQRT_2_OVER_PI * (v + GELU_A * v * v * v);
+                0.5 * v * (1.0 + u.tanh())
+            }
+            Activation::GeluErf => 0.5 * v * (1.0 + libm::erf(v * std::f64::consts::FRAC_1_SQRT_2)),
+            Activation::Silu => v / (1.0 + (-v).exp()),
+        }
+    }
+
+    /// act'(v) in f64.
+    pub fn grad_f64(self, v: f64) -> f64 {
+        match self {
+            Activation::None => 1.0,
+            Activation::Relu => {
+                if v > 0.0 {
+                    1.0
+                } else {
+                    0.0
+                }
+            }
+            Activation::GeluTanh => {
+                let u = SQRT_2_OVER_PI * (v + GELU_A * v * v * v);
+                let t = u.tanh();
+                0.5 * (1.0 + t)
+                    + 0.5 * v * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * v * v)
+            }
+            Activation::GeluErf => {
+                let cdf = 0.5 * (1.0 + libm::erf(v * std::f64::consts::FRAC_1_SQRT_2));
+                let pdf = (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                cdf + v * pdf
+            }
+            Activation::Silu => {
+                let s = 1.0 / (1.0 + (-v).exp());
+                s * (1.0 + v * (1.0 - s))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Activation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Device addresses and layouts of the epilogue's tensors (0 = absent). Z and R are indexed like
+/// C: element (batch b, row i, column j) at `b·stride + i·ld + j`; the bias at `j` for every batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EpiPtrs {
+    pub bias: u64,
+    pub z: u64,
+    pub ldz: usize,
+    pub stride_z: usize,
+    pub r: u64,
+    pub ldr: usize,
+    pub stride_r: usize,
+}
+
+/// The CPU epilogue over an m×n f32 output `c` (rows `ldc` apart, already holding the GEMM
+/// value): bias, optional Z (rows `ldz` apart), activation, optional residual (rows `ldr` apart).
+/// Rows run in parallel when `parallel`; every row is computed by the same code either way.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_rows(
+    c: &mut [f32],
+    ldc: usize,
+    m: usize,
+    n: usize,
+    bias: Option<&[f32]>,
+    act: Activation,
+    z: Option<(&mut [f32], usize)>,
+    r: Option<(&[f32], usize)>,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let row = |i: usize, crow: &mut [f32], zrow: Option<&mut [f32]>| {
+        let rrow = r.map(|(r, ldr)| &r[i * ldr..i * ldr + n]);
+        let mut zrow = zrow;
+        for j in 0..n {
+            let mut v = crow[j];
+            if let Some(b) = bias {
+                v += b[j];
+            }
+            if let Some(zr) = zrow.as_deref_mut() {
+                zr[j] = v;
+            }
+            v = act.apply(v);
+            if let Some(rr) = rrow {
+                v += rr[j];
+            }
+            crow[j] = v;
+        }
+    };
+    let ldc = ldc.max(n);
+    let c = &mut c[..(m - 1) * ldc + n];
+    match z {
+        Some((z, ldz)) => {
+            let ldz = ldz.max(n);
+            let z = &mut z[..(m - 1) * ldz + n];
+            if parallel {
+                c.par_chunks_mut(ldc)
+                    .zip(z.par_chunks_mut(ldz))
+                    .enumerate()
+                    .for_each(|(i, (cr, zr))| row(i, &mut cr[..n], Some(&mut zr[..n])));
+            } else {
+                c.chunks_mut(ldc)
+                    .zip(z.chunks_mut(ldz))
+                    .enumerate()
+                    .for_each(|(i, (cr, zr))| row(i, &mut cr[..n], Some(&mut zr[..n])));
+            }
+        }
+        None => {
+            if parallel {
+                c.par_chunks_mut(ldc)
+                    .enumerate()
+                    .for_each(|(i, cr)| row(i, &mut cr[..n], None));
+            } else {
+                c.chunks_mut(ldc)
+                    .enumerate()
+                    .for_each(|(i, cr)| row(i, &mut cr[..n], None));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grads_match_finite_differences() {
+        for a in Activation::ALL {
+            for &v in &[-3.1, -0.7, -0.01, 0.3, 1.2, 2.9] {
+                let h = 1e-6;
+                let fd = (a.apply_f64(v + h) - a.apply_f64(v - h)) / (2.0 * h);
+                assert!(
+                    (fd - a.grad_f64(v)).abs() < 1e-6,
+                    "{a} at {v}: {fd} vs {}",
+                    a.grad_f64(v)
+                );
+                assert!(
+                    (a.apply(v as f32) as f64 - a.apply_f64(v)).abs() < 1e-6,
+                    "{a} f32 at {v}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_pass_applies_bias_z_act_residual() {
+        // 2×3 output with row pitch 4, Z pitch 3, residual pitch 5.
+        let mut c = vec![1.0, -2.0, 0.5, 9.0, -1.0, 3.0, 0.0, 9.0];
+        let bias = [0.5, 0.5, -1.0];
+        let mut z = vec![f32::NAN; 6];
+        let r = [1.0, 2.0, 3.0, 0.0, 0.0, 10.0, 20.0, 30.0, 0.0, 0.0];
+        apply_rows(
+            &mut c,
+            4,
+            2,
+            3,
+            Some(&bias),
+            Activation::Relu,
+            Some((&mut z, 3)),
+            Some((&r, 5)),
+            false,
+        );
+        assert_eq!(z, vec![1.5, -1.5, -0.5, -0.5, 3.5, -1.0]);
+        assert_eq!(&c[..3], &[2.5, 2.0, 3.0]);
+        assert_eq!(c[3], 9.0, "padding untouched");
+        assert_eq!(&c[4..7], &[10.0, 23.5, 30.0]);
+    }
+}
