@@ -75,8 +75,13 @@ pub fn unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
     if !HEAD_DIMS.contains(&p.head_dim) {
         return Some(format!("needs head dim 64 or 128 (got {})", p.head_dim));
     }
+    // A packed varlen batch has no batch stride (the map gives it extent 1).
+    let first = if p.varlen { 1 } else { 0 };
     let strides = [p.q_stride, p.k_stride, p.v_stride, p.o_stride];
-    if strides.iter().flatten().any(|s| s % 8 != 0 || *s <= 0) {
+    if strides
+        .iter()
+        .any(|s| s[first..].iter().any(|&x| x % 8 != 0 || x <= 0))
+    {
         return Some("needs positive batch/seq/head strides, multiples of 8 elements (TMA: 16-byte strides)".into());
     }
     if ptrs.iter().any(|a| a % 16 != 0) {
@@ -227,12 +232,20 @@ pub(super) fn forward_with(
         ),
         None => (p.seqlen_q, p.seqlen_k, p.batch, 0, 0, p.seqlen_q as i64),
     };
+    // Varlen: the batch dim has extent 1; give it a valid stride past the whole tensor.
+    let batch_stride = |s: [i64; 3], rows: usize| {
+        if varlen.is_some() {
+            [s[1].max(s[2]) * rows.max(1) as i64, s[1], s[2]]
+        } else {
+            s
+        }
+    };
     let (tq, oq) = tensor_map(
         p.dtype,
         q.device_ptr()?,
         p.head_dim,
         (q_rows, p.heads_q, batch),
-        p.q_stride,
+        batch_stride(p.q_stride, q_rows),
         BM as u32,
     )?;
     let (tk, okv) = tensor_map(
@@ -240,7 +253,7 @@ pub(super) fn forward_with(
         k.device_ptr()?,
         p.head_dim,
         (k_rows, p.heads_kv, batch),
-        p.k_stride,
+        batch_stride(p.k_stride, k_rows),
         BN as u32,
     )?;
     let (tv, ov) = tensor_map(
@@ -248,7 +261,7 @@ pub(super) fn forward_with(
         v.device_ptr()?,
         p.head_dim,
         (k_rows, p.heads_kv, batch),
-        p.v_stride,
+        batch_stride(p.v_stride, k_rows),
         BN as u32,
     )?;
     if (ov.row, ov.head, ov.batch) != (okv.row, okv.head, okv.batch) {
