@@ -17,7 +17,13 @@ use crate::core::tensor::Tensor;
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
-    vec![&copy::Copy, &decode::Decode, &matmul::Matmul, &norm::Norm, &softmax::Softmax]
+    vec![
+        &copy::Copy,
+        &decode::Decode,
+        &matmul::Matmul,
+        &norm::Norm,
+        &softmax::Softmax,
+    ]
 }
 
 /// The family called `name`, or an error listing the families.

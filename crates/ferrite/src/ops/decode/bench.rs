@@ -39,7 +39,16 @@ fn shapes(cfg: &BenchConfig, defaults: &[Shape]) -> Vec<Shape> {
     cfg.shapes
         .iter()
         .filter(|s| s.len() >= 5)
-        .map(|s| (s[0], s[1], s[2], s[3], s[4], s.get(5).copied().unwrap_or(16)))
+        .map(|s| {
+            (
+                s[0],
+                s[1],
+                s[2],
+                s[3],
+                s[4],
+                s.get(5).copied().unwrap_or(16),
+            )
+        })
         .collect()
 }
 

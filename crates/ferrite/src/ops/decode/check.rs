@@ -140,7 +140,11 @@ pub fn shuffled(n: usize, rng: &mut Rng) -> Vec<usize> {
 pub fn make_inputs(c: &Case, dtype: DType, dev: Device, seed: u64, spare: usize) -> Result<Inputs> {
     let mut rng = Rng::new(seed);
     let bs = c.block_size;
-    let need: Vec<usize> = c.lens.iter().map(|&l| (l.max(0) as usize).div_ceil(bs)).collect();
+    let need: Vec<usize> = c
+        .lens
+        .iter()
+        .map(|&l| (l.max(0) as usize).div_ceil(bs))
+        .collect();
     let num_blocks = need.iter().sum::<usize>() + spare;
     let max_blocks = need.iter().copied().max().unwrap_or(0) + 1;
     let pool = shuffled(num_blocks, &mut rng);
@@ -184,7 +188,10 @@ pub fn reference(c: &Case, x: &Inputs) -> Result<(Vec<f64>, Vec<f64>)> {
     let (d, hkv, bs) = (c.d, c.hkv, c.block_size);
     let scale = c.scale.map_or(1.0 / (d as f64).sqrt(), |s| s as f64);
     let b_n = c.lens.len();
-    let (mut o, mut lse) = (vec![0.0; b_n * c.hq * d], vec![f64::NEG_INFINITY; b_n * c.hq]);
+    let (mut o, mut lse) = (
+        vec![0.0; b_n * c.hq * d],
+        vec![f64::NEG_INFINITY; b_n * c.hq],
+    );
     for (b, &len) in c.lens.iter().enumerate() {
         let len = len as usize;
         let lo = if c.window >= 0 {
@@ -307,16 +314,42 @@ fn refused(dev: Device, dtype: DType, variant: &str, bad_len: bool, seed: u64) -
 
 /// append_kv on poisoned caches: written slots bit-equal to k/v, the others still poison.
 /// Returns (mismatched elements / cache elements).
-fn check_append(dev: Device, dtype: DType, shape: [usize; 4], tokens: usize, seed: u64) -> Result<f64> {
+fn check_append(
+    dev: Device,
+    dtype: DType,
+    shape: [usize; 4],
+    tokens: usize,
+    seed: u64,
+) -> Result<f64> {
     let mut rng = Rng::new(seed);
     let cap = shape[0] * shape[1];
     let row = shape[2] * shape[3];
     let perm = shuffled(cap, &mut rng);
     let slots: Vec<i32> = (0..tokens)
-        .map(|t| if rng.below(4) == 0 { -1 } else { perm[t] as i32 })
+        .map(|t| {
+            if rng.below(4) == 0 {
+                -1
+            } else {
+                perm[t] as i32
+            }
+        })
         .collect();
-    let k = Tensor::rand(&[tokens, shape[2], shape[3]], dtype, dev, rng.next_u64(), -3.0, 3.0)?;
-    let v = Tensor::rand(&[tokens, shape[2], shape[3]], dtype, dev, rng.next_u64(), -3.0, 3.0)?;
+    let k = Tensor::rand(
+        &[tokens, shape[2], shape[3]],
+        dtype,
+        dev,
+        rng.next_u64(),
+        -3.0,
+        3.0,
+    )?;
+    let v = Tensor::rand(
+        &[tokens, shape[2], shape[3]],
+        dtype,
+        dev,
+        rng.next_u64(),
+        -3.0,
+        3.0,
+    )?;
     let kc = Tensor::empty(&shape, dtype, dev)?;
     let vc = Tensor::empty(&shape, dtype, dev)?;
     kc.poison(None)?;
@@ -353,14 +386,27 @@ fn append_refused(dev: Device, dtype: DType) -> Result<String> {
     let vc = Tensor::empty(&[2, 4, 1, 8], dtype, dev)?;
     let k = Tensor::rand(&[2, 1, 8], dtype, dev, 1, -1.0, 1.0)?;
     let sm = Tensor::from_vec(vec![3i32, 8], &[2])?.to_device(dev)?;
-    match append_kv(&k, &k.deep_copy()?, &kc, &vc, &sm, &AppendOptions::default()) {
+    match append_kv(
+        &k,
+        &k.deep_copy()?,
+        &kc,
+        &vc,
+        &sm,
+        &AppendOptions::default(),
+    ) {
         Err(e) if e.to_string().contains("`slot_mapping`") => Ok(e.to_string()),
         Err(e) => Ok(format!("WRONG ERROR: {e}")),
         Ok(()) => Ok("accepted".into()),
     }
 }
 
-fn refusal_record(dev: Device, dtype: DType, variant: &str, label: &str, r: Result<String>) -> CheckRecord {
+fn refusal_record(
+    dev: Device,
+    dtype: DType,
+    variant: &str,
+    label: &str,
+    r: Result<String>,
+) -> CheckRecord {
     match r {
         Ok(note) => {
             let ok = !(note.starts_with("WRONG ERROR") || note == "accepted");
@@ -400,7 +446,9 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                             e,
                             format!("worst: {worst}"),
                         ),
-                        Err(e) => CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string()),
+                        Err(e) => {
+                            CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string())
+                        }
                     });
                 }
             }

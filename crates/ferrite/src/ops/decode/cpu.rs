@@ -85,7 +85,10 @@ fn naive(p: &Problem, x: &In, out: &mut [f32], lse: &mut [f32]) {
         let (lo, hi) = p.visible(x.lens[b] as usize);
         let n = hi - lo;
         // The gather: this sequence's visible keys/values, [n, Hkv, D] contiguous.
-        let (mut kb, mut vb) = (Vec::with_capacity(n * hkv * d), Vec::with_capacity(n * hkv * d));
+        let (mut kb, mut vb) = (
+            Vec::with_capacity(n * hkv * d),
+            Vec::with_capacity(n * hkv * d),
+        );
         for j in lo..hi {
             let r = row(p, x.table, b, j);
             kb.extend_from_slice(&x.k[r..r + hkv * d]);

@@ -51,10 +51,23 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
         });
     }
     for d in [DType::F16, DType::BF16] {
-        for (hd, g) in [(64, 1), (64, 8), (128, 1), (128, 4), (128, 8), (256, 4), (256, 8), (96, 3)] {
+        for (hd, g) in [
+            (64, 1),
+            (64, 8),
+            (128, 1),
+            (128, 4),
+            (128, 8),
+            (256, 4),
+            (256, 8),
+            (96, 3),
+        ] {
             v.push(KernelSpec {
                 program: gqa_program(d, hd, g),
-                functions: vec!["decode_naive".into(), "decode_gqa".into(), "decode_reduce".into()],
+                functions: vec![
+                    "decode_naive".into(),
+                    "decode_gqa".into(),
+                    "decode_reduce".into(),
+                ],
                 min_arch: Arch::SM80,
             });
         }
@@ -147,7 +160,7 @@ pub fn prepare(
         "naive" => (
             dev.kernel(&naive_program(p.dtype), "decode_naive")?,
             None,
-            (grid_x((p.batch * p.heads_q).min(1 << 30), "naive")?, 1, 1),
+            (grid_x(p.batch * p.heads_q, "naive")?, 1, 1),
             NAIVE_THREADS,
             0,
             1,
@@ -235,6 +248,11 @@ impl Prepared {
             .push(p.max_blocks as i64)
             .push(p.scale)
             .push(p.softcap)
+            .push(if p.softcap > 0.0 {
+                1.0 / p.softcap
+            } else {
+                0.0
+            })
             .push(p.window_left);
         if self.gqa {
             a.push(self.part_size as i64).push(self.parts as i64);

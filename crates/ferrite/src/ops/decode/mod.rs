@@ -52,6 +52,10 @@ const HALVES: &[DType] = &[DType::F16, DType::BF16];
 /// the gqa kernel holds one 16-byte vector of the row per lane, ≤ 32 lanes per key).
 pub const GPU_MAX_HEAD_DIM: usize = 256;
 
+/// Longest context a block table may address: i32 lengths, with headroom so the kernels' 32-bit
+/// key indices never overflow while stepping past the end.
+pub const MAX_CAPACITY: usize = (i32::MAX as usize) - 65536;
+
 /// Bits of the device error flag (mirrored in kernels/decode.cu and kernels/append.cu).
 pub const ERR_SEQ_LEN: i32 = 1;
 pub const ERR_BLOCK: i32 = 2;
@@ -228,7 +232,9 @@ pub fn validate(
     }
     let ins = [q, kc, kv.value_cache, bt, kv.seq_lens];
     for (name, out) in std::iter::once(("o", o)).chain(lse.map(|l| ("lse", l))) {
-        if ins.iter().any(|i| out.shares_storage(i)) || lse.is_some_and(|l| name == "o" && o.shares_storage(l)) {
+        if ins.iter().any(|i| out.shares_storage(i))
+            || lse.is_some_and(|l| name == "o" && o.shares_storage(l))
+        {
             return Err(Error::bad_arg(
                 OP,
                 name,
@@ -241,7 +247,7 @@ pub fn validate(
     if !scale.is_finite() {
         return Err(Error::bad_arg(OP, "scale", "a finite number", scale));
     }
-    if !(opts.softcap.is_finite() && opts.softcap >= 0.0) {
+    if !(opts.softcap == 0.0 || (opts.softcap.is_normal() && opts.softcap > 0.0)) {
         return Err(Error::bad_arg(
             OP,
             "softcap",
@@ -255,6 +261,17 @@ pub fn validate(
             "window_left",
             "≥ 0, or −1 for no window",
             opts.window_left,
+        ));
+    }
+    if max_blocks
+        .checked_mul(block_size)
+        .is_none_or(|c| c > MAX_CAPACITY)
+    {
+        return Err(Error::bad_arg(
+            OP,
+            "block_table",
+            format!("max_blocks_per_seq · block_size ≤ {MAX_CAPACITY} (lengths are i32)"),
+            format!("{max_blocks} · {block_size}"),
         ));
     }
     if opts.num_splits == Some(0) {
@@ -328,10 +345,14 @@ pub fn device_error(op: &str, bits: i32) -> Result<()> {
     }
     let mut what = Vec::new();
     if bits & ERR_SEQ_LEN != 0 {
-        what.push("a seq_len outside 0..=max_blocks_per_seq·block_size (its row was computed as empty)");
+        what.push(
+            "a seq_len outside 0..=max_blocks_per_seq·block_size (its row was computed as empty)",
+        );
     }
     if bits & ERR_BLOCK != 0 {
-        what.push("a block_table entry outside 0..num_blocks for a visible key (those keys were skipped)");
+        what.push(
+            "a block_table entry outside 0..num_blocks for a visible key (those keys were skipped)",
+        );
     }
     if bits & ERR_SLOT != 0 {
         what.push("a slot outside −1..num_blocks·block_size (those tokens were not written)");
@@ -359,7 +380,13 @@ pub fn device_error(op: &str, bits: i32) -> Result<()> {
 
 /// Why a CUDA variant cannot take this problem (beyond dtype/arch), if so. `auto` marks a default
 /// pick (not requested by name): split_kv then declines when it would use one partition.
-pub fn unfit(v: &str, p: &Problem, sm_count: usize, num_splits: Option<usize>, auto: bool) -> Option<String> {
+pub fn unfit(
+    v: &str,
+    p: &Problem,
+    sm_count: usize,
+    num_splits: Option<usize>,
+    auto: bool,
+) -> Option<String> {
     match v {
         "naive" if p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
             "supports head dims ≤ {GPU_MAX_HEAD_DIM} (got {})",
@@ -471,7 +498,9 @@ pub fn validate_append(
     expect(op, "v", v, dtype, device, &row)?;
     expect(op, "slot_mapping", slot_mapping, DType::I32, device, &[t])?;
     for (name, out) in [("key_cache", kc), ("value_cache", value_cache)] {
-        if [k, v, slot_mapping].iter().any(|i| out.shares_storage(i)) || kc.shares_storage(value_cache) {
+        if [k, v, slot_mapping].iter().any(|i| out.shares_storage(i))
+            || kc.shares_storage(value_cache)
+        {
             return Err(Error::bad_arg(
                 op,
                 name,

@@ -59,7 +59,10 @@ fn length_one_returns_the_value_row_and_window_zero_sees_only_the_last_key() {
                 let kvh = h / 2;
                 let want = &v[((blk * 4 + j % 4) * 2 + kvh) * 8..][..8];
                 for (a, b) in o[h * 8..][..8].iter().zip(want) {
-                    assert!((a - b).abs() < 1e-6, "{var} lens {lens:?} head {h}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() < 1e-6,
+                        "{var} lens {lens:?} head {h}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -76,8 +79,19 @@ fn softcap_bounds_the_logits() {
     let x = make_inputs(&c, DType::F32, Device::Cpu, 9, 0).unwrap();
     let (_, lse) = run(&c, &x, "parallel").unwrap();
     assert!(lse.iter().all(|&l| l <= 0.5 + 30f32.ln() + 1e-4), "{lse:?}");
-    let (_, lse_uncapped) = run(&Case { softcap: 0.0, ..c.clone() }, &x, "parallel").unwrap();
-    assert!(lse_uncapped.iter().any(|&l| l > 0.5 + 30f32.ln()), "{lse_uncapped:?}");
+    let (_, lse_uncapped) = run(
+        &Case {
+            softcap: 0.0,
+            ..c.clone()
+        },
+        &x,
+        "parallel",
+    )
+    .unwrap();
+    assert!(
+        lse_uncapped.iter().any(|&l| l > 0.5 + 30f32.ln()),
+        "{lse_uncapped:?}"
+    );
 }
 
 fn expect_err(r: Result<impl std::fmt::Debug>, needles: &[&str]) {
@@ -94,7 +108,10 @@ fn bad_input_is_refused() {
     let opts = DecodeOptions::default();
     // Head counts: 3 query heads over 2 kv heads.
     let q3 = Tensor::rand(&[2, 3, 8], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
-    expect_err(decode(&q3, &x.kv(), &opts), &["`q`", "divisible", "3 query heads"]);
+    expect_err(
+        decode(&q3, &x.kv(), &opts),
+        &["`q`", "divisible", "3 query heads"],
+    );
     // Head dim mismatch.
     let q16 = Tensor::rand(&[2, 4, 16], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
     expect_err(decode(&q16, &x.kv(), &opts), &["`key_cache`", "D = 16"]);
@@ -109,7 +126,10 @@ fn bad_input_is_refused() {
         block_table: &bt,
         ..x.kv()
     };
-    expect_err(decode(&x.q, &kv, &opts), &["`block_table`", "block_table[0, 0]"]);
+    expect_err(
+        decode(&x.q, &kv, &opts),
+        &["`block_table`", "block_table[0, 0]"],
+    );
     // seq_len beyond the table's reach, and negative.
     for bad in [(x.max_blocks * 4) as i32 + 1, -1] {
         let sl = Tensor::from_vec(vec![9, bad], &[2]).unwrap();
@@ -138,7 +158,10 @@ fn bad_input_is_refused() {
     };
     expect_err(decode(&x.q, &x.kv(), &s), &["`softcap`"]);
     // Output aliasing q.
-    expect_err(decode_into(&x.q, &x.kv(), &x.q, None, &opts), &["`o`", "distinct"]);
+    expect_err(
+        decode_into(&x.q, &x.kv(), &x.q, None, &opts),
+        &["`o`", "distinct"],
+    );
     // A GPU-only variant on the CPU.
     let g = DecodeOptions {
         variant: Some("gqa".into()),
@@ -201,9 +224,17 @@ fn device_error_flag_decodes_to_named_errors() {
     let e = device_error(OP, ERR_SEQ_LEN).unwrap_err().to_string();
     assert!(e.contains("`seq_lens`"), "{e}");
     let e = device_error(APPEND_OP, ERR_SLOT).unwrap_err().to_string();
-    assert!(e.contains("`slot_mapping`") && e.contains("append_kv"), "{e}");
-    let e = device_error(OP, ERR_BLOCK | ERR_SEQ_LEN).unwrap_err().to_string();
-    assert!(e.contains("seq_len") && e.contains("block_table entry"), "{e}");
+    assert!(
+        e.contains("`slot_mapping`") && e.contains("append_kv"),
+        "{e}"
+    );
+    let e = device_error(OP, ERR_BLOCK | ERR_SEQ_LEN)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("seq_len") && e.contains("block_table entry"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -231,7 +262,16 @@ fn gpu_variant_constraints_and_split_planning() {
     assert!((4..=5).contains(&s), "{s}");
     // Many sequences: no split; short windows: no split.
     assert_eq!(cuda::auto_splits(&Problem { batch: 256, ..p }, 132), 1);
-    assert_eq!(cuda::auto_splits(&Problem { window_left: 100, ..p }, 132), 1);
+    assert_eq!(
+        cuda::auto_splits(
+            &Problem {
+                window_left: 100,
+                ..p
+            },
+            132
+        ),
+        1
+    );
     assert!(unfit("split_kv", &Problem { batch: 256, ..p }, 132, None, true).is_some());
     assert!(unfit("split_kv", &Problem { batch: 256, ..p }, 132, None, false).is_none());
     // Partitions cover the context.
@@ -244,6 +284,9 @@ fn gpu_variant_constraints_and_split_planning() {
     // Every launched specialisation family is listed for the build check.
     let specs = cuda::kernel_specs();
     for f in ["decode_naive", "decode_gqa", "decode_reduce", "append_kv"] {
-        assert!(specs.iter().any(|s| s.functions.iter().any(|x| x == f)), "{f}");
+        assert!(
+            specs.iter().any(|s| s.functions.iter().any(|x| x == f)),
+            "{f}"
+        );
     }
 }
