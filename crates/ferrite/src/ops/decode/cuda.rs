@@ -86,7 +86,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 pub fn heads_per_block(group: usize) -> usize {
     (1..=MAX_HEADS_PER_BLOCK.min(group))
         .rev()
-        .find(|g| group % g == 0)
+        .find(|g| group.is_multiple_of(*g))
         .unwrap_or(1)
 }
 
@@ -340,7 +340,7 @@ pub(super) fn decode(
 /// The widest copy unit the rows and pointers allow.
 pub fn append_unit(p: &AppendProblem, ptrs: &[u64]) -> (&'static str, usize) {
     let rb = p.row_elems * p.dtype.size_in_bytes();
-    let fits = |n: usize| rb % n == 0 && ptrs.iter().all(|&a| a % n as u64 == 0);
+    let fits = |n: usize| rb.is_multiple_of(n) && ptrs.iter().all(|&a| a % n as u64 == 0);
     if fits(16) {
         ("uint4", 16)
     } else if fits(4) {

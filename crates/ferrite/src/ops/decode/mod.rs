@@ -392,7 +392,7 @@ pub fn unfit(
             "supports head dims ≤ {GPU_MAX_HEAD_DIM} (got {})",
             p.head_dim
         )),
-        "gqa" | "split_kv" if p.head_dim % 8 != 0 || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
+        "gqa" | "split_kv" if !p.head_dim.is_multiple_of(8) || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
             "supports head dims that are multiples of 8 up to {GPU_MAX_HEAD_DIM} (64, 128, 256, ...; got {})",
             p.head_dim
         )),
