@@ -95,10 +95,11 @@ fn base_blocks(p: &Problem) -> usize {
     p.batch * p.heads_kv * (p.group() / heads_per_block(p.group()))
 }
 
-/// split_kv's partition count: enough blocks for about 4 per SM, no partition under
-/// MIN_PART_KEYS keys, at most 65535 (grid.y).
+/// split_kv's partition count: as many partitions as keep the grid within about 4 blocks per SM
+/// (what fits resident at ~110 registers × 128 threads, so the grid runs as one wave rather than
+/// one and a sliver), no partition under MIN_PART_KEYS keys, at most 65535 (grid.y).
 pub fn auto_splits(p: &Problem, sm_count: usize) -> usize {
-    let want = (4 * sm_count.max(1)).div_ceil(base_blocks(p).max(1));
+    let want = (4 * sm_count.max(1)) / base_blocks(p).max(1);
     let by_len = p.max_visible().div_ceil(MIN_PART_KEYS);
     want.min(by_len).clamp(1, 65535)
 }
