@@ -3,6 +3,7 @@
 
 pub mod activation;
 pub mod copy;
+pub mod decode;
 pub mod linear;
 pub mod matmul;
 pub mod norm;
@@ -25,6 +26,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &norm::Norm,
         &softmax::Softmax,
         &activation::ActivationFamily,
+        &decode::Decode,
     ]
 }
 
