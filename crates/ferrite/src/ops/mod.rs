@@ -2,6 +2,7 @@
 //! ceilings measured before a bench, and the kernel build check.
 
 pub mod copy;
+pub mod cross_entropy;
 pub mod matmul;
 pub mod norm;
 pub mod softmax;
@@ -16,7 +17,13 @@ use crate::core::tensor::Tensor;
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
-    vec![&copy::Copy, &matmul::Matmul, &norm::Norm, &softmax::Softmax]
+    vec![
+        &copy::Copy,
+        &matmul::Matmul,
+        &norm::Norm,
+        &softmax::Softmax,
+        &cross_entropy::CrossEntropy,
+    ]
 }
 
 /// The family called `name`, or an error listing the families.
