@@ -1,6 +1,7 @@
 //! The op families, one folder each, and what runs across all of them: the registry, the machine
 //! ceilings measured before a bench, and the kernel build check.
 
+pub mod adamw;
 pub mod copy;
 pub mod cross_entropy;
 pub mod matmul;
@@ -23,6 +24,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &norm::Norm,
         &softmax::Softmax,
         &cross_entropy::CrossEntropy,
+        &adamw::AdamW,
     ]
 }
 

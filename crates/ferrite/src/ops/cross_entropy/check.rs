@@ -73,7 +73,7 @@ fn make_targets(c: &Case, seed: u64) -> Vec<i64> {
     (0..c.rows)
         .map(|r| {
             let t = (rng.next_u64() % c.vocab as u64) as i64;
-            if r > 0 && c.rows >= 3 && rng.next_u64() % 5 == 0 {
+            if r > 0 && c.rows >= 3 && rng.next_u64().is_multiple_of(5) {
                 c.ignore_index
             } else if t == c.ignore_index {
                 // An in-range ignore_index would otherwise ignore rows by chance.
