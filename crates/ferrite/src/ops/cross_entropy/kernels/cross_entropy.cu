@@ -118,8 +118,8 @@ extern "C" __global__ void ce_naive_logsoftmax(float* __restrict__ logp, const T
     for (i64 c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, to_float(xr[c]));
     m = block_max(m, red);
     float s = 0.f;
-    for (i64 c = threadIdx.x; c < v; c += blockDim.x) s += __expf(to_float(xr[c]) - m);
-    const float lse = m + __logf(block_sum(s, red));
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) s += expf(to_float(xr[c]) - m);
+    const float lse = m + logf(block_sum(s, red));
     for (i64 c = threadIdx.x; c < v; c += blockDim.x) logp[row * v + c] = to_float(xr[c]) - lse;
   }
 }
@@ -161,7 +161,7 @@ extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __rest
       float g;
       if (!ok) g = f_nan();
       else if (ignored) g = 0.f;
-      else g = scale * (__expf(logp[row * v + c]) - off - (c == t ? 1.f - smoothing : 0.f));
+      else g = scale * (expf(logp[row * v + c]) - off - (c == t ? 1.f - smoothing : 0.f));
       dx[row * v + c] = from_float<T>(g);
     }
   }
