@@ -2,7 +2,9 @@
 //! ceilings measured before a bench, and the kernel build check.
 
 pub mod activation;
+pub mod adamw;
 pub mod copy;
+pub mod cross_entropy;
 pub mod decode;
 pub mod linear;
 pub mod matmul;
@@ -26,6 +28,8 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &norm::Norm,
         &softmax::Softmax,
         &activation::ActivationFamily,
+        &cross_entropy::CrossEntropy,
+        &adamw::AdamW,
         &decode::Decode,
     ]
 }
