@@ -154,6 +154,7 @@ fn wrap(op: &str, arg: &str, d: &Desc, tgt: &Target) -> ferrite::Result<Operand>
                     DType::U32 => host_copy::<u32>(*ptr, bytes, span),
                     DType::U16 => host_copy::<u16>(*ptr, bytes, span),
                     DType::U8 => host_copy::<u8>(*ptr, bytes, span),
+                    DType::I64 => host_copy::<i64>(*ptr, bytes, span),
                 }?
             };
             let t = base.as_strided(shape, strides, 0)?;

@@ -13,10 +13,12 @@ pub enum DType {
     U32,
     U16,
     U8,
+    /// Class indices as PyTorch stores them (cross-entropy targets).
+    I64,
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [
+    pub const ALL: [DType; 8] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -24,6 +26,7 @@ impl DType {
         DType::U32,
         DType::U16,
         DType::U8,
+        DType::I64,
     ];
 
     pub fn size_in_bytes(self) -> usize {
@@ -31,6 +34,7 @@ impl DType {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 | DType::U16 => 2,
             DType::U8 => 1,
+            DType::I64 => 8,
         }
     }
 
@@ -47,6 +51,7 @@ impl DType {
             DType::U32 => "u32",
             DType::U16 => "u16",
             DType::U8 => "u8",
+            DType::I64 => "i64",
         }
     }
 
@@ -60,6 +65,7 @@ impl DType {
             DType::U32 => "unsigned int",
             DType::U16 => "unsigned short",
             DType::U8 => "unsigned char",
+            DType::I64 => "long long",
         }
     }
 
@@ -109,6 +115,7 @@ int_element!(i32, DType::I32);
 int_element!(u32, DType::U32);
 int_element!(u16, DType::U16);
 int_element!(u8, DType::U8);
+int_element!(i64, DType::I64);
 
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
@@ -150,6 +157,7 @@ pub(crate) fn read_as_f64(bytes: &[u8], dtype: DType, i: usize) -> f64 {
         DType::U32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
         DType::U16 => u16::from_le_bytes(b.try_into().unwrap()) as f64,
         DType::U8 => b[0] as f64,
+        DType::I64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
     }
 }
 
@@ -165,5 +173,6 @@ pub(crate) fn write_from_f64(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::U32 => b.copy_from_slice(&(v as u32).to_le_bytes()),
         DType::U16 => b.copy_from_slice(&(v as u16).to_le_bytes()),
         DType::U8 => b[0] = v as u8,
+        DType::I64 => b.copy_from_slice(&(v as i64).to_le_bytes()),
     }
 }

@@ -2,8 +2,11 @@
 //! ceilings measured before a bench, and the kernel build check.
 
 pub mod activation;
+pub mod adamw;
 pub mod attention;
 pub mod copy;
+pub mod cross_entropy;
+pub mod decode;
 pub mod linear;
 pub mod matmul;
 pub mod norm;
@@ -26,7 +29,10 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &norm::Norm,
         &softmax::Softmax,
         &activation::ActivationFamily,
+        &cross_entropy::CrossEntropy,
+        &adamw::AdamW,
         &attention::Attention,
+        &decode::Decode,
     ]
 }
 

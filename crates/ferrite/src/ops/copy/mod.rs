@@ -208,6 +208,7 @@ fn write_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
         DType::U32 => typed!(u32),
         DType::U16 => typed!(u16),
         DType::U8 => typed!(u8),
+        DType::I64 => typed!(i64),
     }
 }
 

@@ -1,0 +1,124 @@
+//! CPU cross-entropy: fp32 inputs (16-bit widened), log-sum-exp and row sums in f64. `naive`:
+//! one thread; `parallel`: rows across cores (rayon) through the same row function, so the
+//! results are identical. Targets are checked before anything is written.
+
+use super::{bad_target, CrossEntropyOptions, GradOut, Problem, Reduction};
+use crate::core::cpu::{with_f32, with_f32_out};
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use crate::core::tensor::Tensor;
+use rayon::prelude::*;
+
+/// The targets as i64 (i32 widened).
+pub fn target_vec(t: &Tensor) -> Result<Vec<i64>> {
+    Ok(match t.dtype() {
+        DType::I32 => t.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
+        _ => t.to_vec::<i64>()?,
+    })
+}
+
+struct Row<'a> {
+    x: &'a [f32],
+    t: i64,
+}
+
+/// Loss of one row, writing its gradient into `g` (when not empty).
+fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64) -> f32 {
+    let v = r.x.len();
+    if r.t == ignore {
+        g.iter_mut().for_each(|o| *o = 0.0);
+        return 0.0;
+    }
+    let t = r.t as usize; // checked in [0, V) by the caller
+    let m = r.x.iter().fold(f64::NEG_INFINITY, |m, &a| m.max(a as f64));
+    let s: f64 = r.x.iter().map(|&a| (a as f64 - m).exp()).sum();
+    let lse = m + s.ln();
+    let sx: f64 = r.x.iter().map(|&a| a as f64).sum();
+    let off = eps / v as f64;
+    if !g.is_empty() {
+        for (j, (o, &a)) in g.iter_mut().zip(r.x).enumerate() {
+            let p = (a as f64 - lse).exp();
+            let hit = if j == t { 1.0 - eps } else { 0.0 };
+            *o = (scale * (p - off - hit)) as f32;
+        }
+    }
+    (lse - (1.0 - eps) * r.x[t] as f64 - off * sx) as f32
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    variant: &str,
+    p: &Problem,
+    logits: &Tensor,
+    targets: &Tensor,
+    loss_rows: &Tensor,
+    loss: Option<&Tensor>,
+    grad: GradOut,
+    opts: &CrossEntropyOptions,
+) -> Result<()> {
+    let (n, v) = (p.rows, p.vocab);
+    let tg = target_vec(targets)?;
+    let ignore = opts.ignore_index;
+    if let Some((r, &t)) = tg
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t != ignore && !(0..v as i64).contains(&t))
+    {
+        return Err(bad_target(r, t, p, ignore));
+    }
+    let count = tg.iter().filter(|&&t| t != ignore).count();
+    let scale = match opts.reduction {
+        Reduction::Mean => opts.dloss as f64 / count as f64,
+        _ => opts.dloss as f64,
+    };
+    let eps = opts.label_smoothing as f64;
+    let parallel = variant == "parallel";
+    let mut lr = vec![0f32; n];
+    let compute = |x: &[f32], g: &mut [f32], lr: &mut [f32]| {
+        let one = |i: usize, gr: &mut [f32]| {
+            let r = Row {
+                x: &x[i * v..][..v],
+                t: tg[i],
+            };
+            row(r, gr, ignore, eps, scale)
+        };
+        match (g.is_empty(), parallel) {
+            (true, true) => lr
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(i, l)| *l = one(i, &mut [])),
+            (true, false) => lr
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, l)| *l = one(i, &mut [])),
+            (false, true) => lr
+                .par_iter_mut()
+                .zip(g.par_chunks_mut(v))
+                .enumerate()
+                .for_each(|(i, (l, gr))| *l = one(i, gr)),
+            (false, false) => lr
+                .iter_mut()
+                .zip(g.chunks_mut(v))
+                .enumerate()
+                .for_each(|(i, (l, gr))| *l = one(i, gr)),
+        }
+    };
+    match grad {
+        GradOut::Skip => with_f32(logits, |x| compute(x, &mut [], &mut lr))?,
+        GradOut::Into(g) => with_f32(logits, |x| with_f32_out(g, |gb| compute(x, gb, &mut lr)))??,
+        GradOut::InPlace => {
+            let x = logits.to_f32_vec()?;
+            with_f32_out(logits, |gb| compute(&x, gb, &mut lr))?
+        }
+    }
+    loss_rows.with_cpu_mut::<f32, _>(|o| o[..n].copy_from_slice(&lr))?;
+    if let Some(l) = loss {
+        let s: f64 = lr.iter().map(|&a| a as f64).sum();
+        let val = match opts.reduction {
+            Reduction::Mean => s / count as f64,
+            _ => s,
+        };
+        l.with_cpu_mut::<f32, _>(|o| o[0] = val as f32)?;
+    }
+    Ok(())
+}

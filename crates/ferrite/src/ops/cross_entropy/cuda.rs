@@ -1,0 +1,251 @@
+//! CUDA host code of the cross-entropy family: the target check kernel, the row kernels of the
+//! variant, the scalar reduction, then (unless disabled) the read-back of the bad-target flag.
+
+use super::{bad_target, CrossEntropyOptions, GradOut, Problem, Reduction, OP};
+use crate::core::cuda::jit::{KernelSource, Program};
+use crate::core::cuda::{device, rows, CudaDevice, DeviceBuffer, KernelArgs, Stream};
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::KernelSpec;
+use crate::core::tensor::Tensor;
+use crate::kernel_source;
+use std::sync::Arc;
+
+const SRC: KernelSource = kernel_source!("cross_entropy", "kernels/cross_entropy.cu");
+const FUNCS: [&str; 6] = [
+    "ce_targets",
+    "ce_naive_logsoftmax",
+    "ce_naive_loss",
+    "ce_naive_grad",
+    "ce_fused",
+    "ce_reduce",
+];
+
+/// Bytes of the device status block (`struct Status` in the kernel).
+pub const STATUS_BYTES: usize = 24;
+
+pub fn program(dtype: DType, target: DType) -> Program {
+    Program::new(SRC)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_TGT", target.cuda_name())
+}
+
+pub fn kernel_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for t in [DType::I64, DType::I32] {
+            v.push(KernelSpec {
+                program: program(d, t),
+                functions: FUNCS.iter().map(|s| s.to_string()).collect(),
+                min_arch: Arch::SM80,
+            });
+        }
+    }
+    v
+}
+
+/// Device addresses of one call; `grad` and `loss` are 0 when not wanted.
+#[derive(Clone, Copy, Debug)]
+pub struct Ptrs {
+    pub logits: u64,
+    pub targets: u64,
+    pub grad: u64,
+    pub loss_rows: u64,
+    pub loss: u64,
+}
+
+/// Threads per block of the fused row kernel: about four 16-byte vectors per thread per pass, at
+/// most 512 so several rows' blocks share an SM (one row's reductions overlap another's loads) —
+/// except for rows over 64 KiB, which get 1024 threads: fewer rows in flight (2 per SM), so
+/// the rows being worked on (132 SMs × 2 × 100 KB at V = 50257 bf16 ≈ 26 MB) fit the H100's
+/// 50 MB L2 and the second read of each row hits it instead of DRAM.
+pub fn fused_threads(p: &Problem) -> u32 {
+    if p.vocab * p.dtype.size_in_bytes() > 64 << 10 {
+        return 1024;
+    }
+    let vecs = p.vocab.div_ceil(rows::vec_width(p.dtype));
+    (vecs.div_ceil(4).div_ceil(32) * 32).clamp(32, 512) as u32
+}
+
+/// Scratch a call needs on the device: the status block and, for `naive`, the N×V f32 log-probs.
+pub struct Scratch {
+    pub status: DeviceBuffer,
+    pub logp: Option<DeviceBuffer>,
+}
+
+impl Scratch {
+    pub fn new(variant: &str, p: &Problem, dev: &Arc<CudaDevice>, s: &Stream) -> Result<Self> {
+        let logp = if variant == "naive" {
+            let bytes = p
+                .rows
+                .checked_mul(p.vocab)
+                .and_then(|e| e.checked_mul(4))
+                .ok_or_else(|| Error::Overflow {
+                    op: OP.into(),
+                    what: format!("{}×{} f32 intermediate", p.rows, p.vocab),
+                })?;
+            Some(dev.alloc(bytes, s)?)
+        } else {
+            None
+        };
+        Ok(Scratch {
+            status: dev.alloc(STATUS_BYTES, s)?,
+            logp,
+        })
+    }
+}
+
+/// Queues every kernel of `variant` on `stream` (no synchronisation).
+pub fn launch(
+    variant: &str,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    ptrs: Ptrs,
+    scratch: &Scratch,
+    opts: &CrossEntropyOptions,
+) -> Result<()> {
+    let prog = program(p.dtype, p.target_dtype);
+    let (n, v) = (p.rows as i64, p.vocab as i64);
+    let mean = (opts.reduction == Reduction::Mean) as i32;
+    let status = scratch.status.ptr();
+    let grid = (rows::grid(p.rows), 1, 1);
+
+    let k = dev.kernel(&prog, "ce_targets")?;
+    let mut a = KernelArgs::new();
+    a.push(status)
+        .push(ptrs.targets)
+        .push(n)
+        .push(v)
+        .push(opts.ignore_index);
+    k.launch(stream, (1, 1, 1), (1024, 1, 1), 0, &mut a)?;
+
+    match variant {
+        "naive" => {
+            let logp = scratch
+                .logp
+                .as_ref()
+                .expect("naive scratch has the intermediate")
+                .ptr();
+            let threads = rows::threads_scalar(p.vocab);
+            let k = dev.kernel(&prog, "ce_naive_logsoftmax")?;
+            let mut a = KernelArgs::new();
+            a.push(logp).push(ptrs.logits).push(n).push(v);
+            k.launch(stream, grid, (threads, 1, 1), 0, &mut a)?;
+
+            let k = dev.kernel(&prog, "ce_naive_loss")?;
+            let mut a = KernelArgs::new();
+            a.push(ptrs.loss_rows)
+                .push(logp)
+                .push(ptrs.targets)
+                .push(n)
+                .push(v)
+                .push(opts.ignore_index)
+                .push(opts.label_smoothing);
+            k.launch(stream, grid, (threads, 1, 1), 0, &mut a)?;
+
+            if ptrs.grad != 0 {
+                let k = dev.kernel(&prog, "ce_naive_grad")?;
+                let mut a = KernelArgs::new();
+                a.push(ptrs.grad)
+                    .push(logp)
+                    .push(ptrs.targets)
+                    .push(status)
+                    .push(n)
+                    .push(v)
+                    .push(opts.ignore_index)
+                    .push(opts.label_smoothing)
+                    .push(opts.dloss)
+                    .push(mean);
+                k.launch(stream, grid, (threads, 1, 1), 0, &mut a)?;
+            }
+        }
+        "fused" => {
+            let k = dev.kernel(&prog, "ce_fused")?;
+            let mut a = KernelArgs::new();
+            a.push(ptrs.grad)
+                .push(ptrs.loss_rows)
+                .push(ptrs.logits)
+                .push(ptrs.targets)
+                .push(status)
+                .push(n)
+                .push(v)
+                .push(opts.ignore_index)
+                .push(opts.label_smoothing)
+                .push(opts.dloss)
+                .push(mean);
+            k.launch(stream, grid, (fused_threads(p), 1, 1), 0, &mut a)?;
+        }
+        other => {
+            return Err(Error::NoVariant {
+                op: OP.into(),
+                msg: format!("no CUDA variant named `{other}`"),
+            })
+        }
+    }
+
+    if ptrs.loss != 0 {
+        let k = dev.kernel(&prog, "ce_reduce")?;
+        let mut a = KernelArgs::new();
+        a.push(ptrs.loss)
+            .push(ptrs.loss_rows)
+            .push(status)
+            .push(n)
+            .push(mean);
+        k.launch(stream, (1, 1, 1), (1024, 1, 1), 0, &mut a)?;
+    }
+    Ok(())
+}
+
+/// Reads the status block back (synchronises `stream`): the first bad row and its value.
+pub fn read_status(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    scratch: &Scratch,
+) -> Result<Option<(usize, i64)>> {
+    let mut host = [0u8; STATUS_BYTES];
+    // SAFETY: the status buffer holds STATUS_BYTES bytes; `host` lives past the synchronize.
+    unsafe { dev.dtoh(&mut host, scratch.status.ptr(), stream)? };
+    dev.synchronize(stream, "cross_entropy target check read-back")?;
+    let row = u64::from_le_bytes(host[8..16].try_into().unwrap());
+    let value = i64::from_le_bytes(host[16..24].try_into().unwrap());
+    Ok((row != u64::MAX).then_some((row as usize, value)))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    variant: &str,
+    p: &Problem,
+    logits: &Tensor,
+    targets: &Tensor,
+    loss_rows: &Tensor,
+    loss: Option<&Tensor>,
+    grad: GradOut,
+    opts: &CrossEntropyOptions,
+) -> Result<()> {
+    let Device::Cuda(i) = p.device else {
+        unreachable!("cross_entropy cuda path on {}", p.device)
+    };
+    let dev = device(i)?;
+    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+    let ptrs = Ptrs {
+        logits: logits.device_ptr()?,
+        targets: targets.device_ptr()?,
+        grad: match grad {
+            GradOut::Skip => 0,
+            GradOut::Into(g) => g.device_ptr()?,
+            GradOut::InPlace => logits.device_ptr()?,
+        },
+        loss_rows: loss_rows.device_ptr()?,
+        loss: loss.map_or(Ok(0), |l| l.device_ptr())?,
+    };
+    let scratch = Scratch::new(variant, p, &dev, &stream)?;
+    launch(variant, p, &dev, &stream, ptrs, &scratch, opts)?;
+    if opts.check_targets {
+        if let Some((row, value)) = read_status(&dev, &stream, &scratch)? {
+            return Err(bad_target(row, value, p, opts.ignore_index));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,296 @@
+// cross_entropy — softmax cross-entropy over rows of logits [N, V] with class-index targets [N],
+// ignore_index, label smoothing ε, and the gradient dlogits in the same call.
+//
+//   lse_i  = log Σ_j exp(x_ij)
+//   loss_i = lse_i − (1−ε)·x_{i,t_i} − (ε/V)·Σ_j x_ij            (0 for an ignored row)
+//   dx_ij  = scale · (softmax(x_i)_j − (1−ε)·[j = t_i] − ε/V)     (0 for an ignored row)
+//   scale  = dloss / (number of non-ignored rows) for `mean`, dloss for `sum` / `none`
+//
+// Specialisation: -DFE_ELEM=<logits/grad storage type>, -DFE_TGT=<target type: long long | int>.
+// Arithmetic in fp32; exp through exp2f with log2(e) folded in.
+//
+// ce_targets  — one block: counts the non-ignored rows (the `mean` divisor, needed before any
+//   gradient is written) and finds the first row whose target is neither ignore_index nor in
+//   [0, V); writes [count:i32, pad, first bad row:u64 (or ~0), its value:i64] to `status`.
+// unfused (CUDA `naive`), three passes and an N×V f32 intermediate:
+//   ce_naive_logsoftmax — log-softmax of each row into `logp` (three scalar passes over the row);
+//   ce_naive_loss       — loss_i from logp (reads the target's entry, and the row for smoothing);
+//   ce_naive_grad       — dx = scale·(exp(logp) − smoothed one-hot), reading logp again.
+// fused (CUDA `fused`), ce_fused — a block per row: one pass with 16-byte loads keeps a running
+//   (max, Σexp) per thread (rescaled when the max grows) and Σx; a block reduction gives lse; a
+//   second pass re-reads the row (mostly from L2) and writes dx. The row is read twice, dx
+//   written once, and nothing else touches memory. dx may be the logits buffer itself (in place):
+//   each element is read and then overwritten by the same thread, after the reductions, and the
+//   target logit is read before the first barrier.
+// ce_reduce — one block: the scalar loss, Σ loss_i (÷ count for mean) in a fixed order.
+//
+// A target outside [0, V) (and ≠ ignore_index) is never used as an index: the row's loss and
+// gradient are NaN and ce_targets has reported the row; the host turns it into an error.
+
+#include "ferrite.cuh"
+
+using namespace ferrite;
+
+#ifndef FE_ELEM
+#define FE_ELEM float
+#endif
+#ifndef FE_TGT
+#define FE_TGT long long
+#endif
+
+typedef FE_ELEM T;
+typedef FE_TGT TG;
+typedef Vec16<T> Vec;
+constexpr int VEC = Vec::N;
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ float f_nan() { return __int_as_float(0x7fffffff); }
+__device__ __forceinline__ float f_ninf() { return -__int_as_float(0x7f800000); }
+
+// Status layout written by ce_targets (32 bytes).
+struct Status {
+  int count;
+  int pad;
+  u64 bad_row;
+  long long bad_value;
+};
+
+extern "C" __global__ void ce_targets(Status* __restrict__ status, const TG* __restrict__ tgt,
+                                      i64 n, i64 v, i64 ignore) {
+  __shared__ u64 red_row[32];
+  __shared__ int red_cnt[32];
+  u64 bad = ~0ull;
+  int cnt = 0;
+  for (i64 r = threadIdx.x; r < n; r += blockDim.x) {
+    const i64 t = (i64)tgt[r];
+    if (t == ignore) continue;
+    if (t >= 0 && t < v) {
+      ++cnt;
+    } else if ((u64)r < bad) {
+      bad = (u64)r;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 ob = __shfl_xor_sync(0xffffffffu, bad, o);
+    bad = ob < bad ? ob : bad;
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (lane == 0) {
+    red_row[warp] = bad;
+    red_cnt[warp] = cnt;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u64 b = ~0ull;
+    int c = 0;
+    for (int w = 0; w < nw; ++w) {
+      b = red_row[w] < b ? red_row[w] : b;
+      c += red_cnt[w];
+    }
+    status->count = c;
+    status->pad = 0;
+    status->bad_row = b;
+    status->bad_value = b == ~0ull ? 0 : (long long)tgt[b];
+  }
+}
+
+// Whether row target `t` is usable as an index; `ignored` is set for ignore_index.
+__device__ __forceinline__ bool target_ok(i64 t, i64 v, i64 ignore, bool& ignored) {
+  ignored = t == ignore;
+  return ignored || (t >= 0 && t < v);
+}
+
+__device__ __forceinline__ float grad_scale(const Status* status, float dloss, int mean) {
+  return mean ? dloss / (float)status->count : dloss;
+}
+
+// ---------------------------------------------------------------- unfused (CUDA `naive`)
+
+extern "C" __global__ void ce_naive_logsoftmax(float* __restrict__ logp, const T* __restrict__ x,
+                                               i64 n, i64 v) {
+  __shared__ float red[64];
+  for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+    const T* xr = x + row * v;
+    float m = f_ninf();
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, to_float(xr[c]));
+    m = block_max(m, red);
+    float s = 0.f;
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) s += expf(to_float(xr[c]) - m);
+    const float lse = m + logf(block_sum(s, red));
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) logp[row * v + c] = to_float(xr[c]) - lse;
+  }
+}
+
+extern "C" __global__ void ce_naive_loss(float* __restrict__ loss_rows,
+                                         const float* __restrict__ logp,
+                                         const TG* __restrict__ tgt, i64 n, i64 v, i64 ignore,
+                                         float smoothing) {
+  __shared__ float red[64];
+  for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+    const i64 t = (i64)tgt[row];
+    bool ignored;
+    const bool ok = target_ok(t, v, ignore, ignored);
+    float s = 0.f;
+    if (smoothing > 0.f && ok && !ignored)
+      for (i64 c = threadIdx.x; c < v; c += blockDim.x) s += logp[row * v + c];
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) {
+      float l;
+      if (!ok) l = f_nan();
+      else if (ignored) l = 0.f;
+      else l = -(1.f - smoothing) * logp[row * v + t] - smoothing / (float)v * s;
+      loss_rows[row] = l;
+    }
+  }
+}
+
+extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __restrict__ logp,
+                                         const TG* __restrict__ tgt, const Status* status, i64 n,
+                                         i64 v, i64 ignore, float smoothing, float dloss,
+                                         int mean) {
+  const float scale = grad_scale(status, dloss, mean);
+  const float off = smoothing / (float)v;
+  for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+    const i64 t = (i64)tgt[row];
+    bool ignored;
+    const bool ok = target_ok(t, v, ignore, ignored);
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) {
+      float g;
+      if (!ok) g = f_nan();
+      else if (ignored) g = 0.f;
+      else g = scale * (expf(logp[row * v + c]) - off - (c == t ? 1.f - smoothing : 0.f));
+      dx[row * v + c] = from_float<T>(g);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- fused (CUDA `fused`)
+
+// Running (max, Σ 2^(y−max)) of one thread, in log2 units, updated once per vector.
+__device__ __forceinline__ void online_add(float& m, float& s, const float* y, int k) {
+  float mv = y[0];
+  for (int e = 1; e < k; ++e) mv = fmaxf(mv, y[e]);
+  if (mv > m) {
+    s *= exp2f(m - mv);
+    m = mv;
+  }
+  for (int e = 0; e < k; ++e) s += exp2f(y[e] - m);
+}
+
+// `dx` may equal `x` (in place): no __restrict__ on either. `dx` is null when no gradient is
+// wanted. Requires dx ≡ x (mod 16 bytes) so both rows split into the same head/vectors/tail.
+extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const T* x,
+                                    const TG* __restrict__ tgt, const Status* status, i64 n, i64 v,
+                                    i64 ignore, float smoothing, float dloss, int mean) {
+  __shared__ float red[64];
+  const float scale = dx ? grad_scale(status, dloss, mean) : 0.f;
+  const float off = smoothing / (float)v;
+  for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+    const T* xr = x + row * v;
+    const i64 t = (i64)tgt[row];
+    bool ignored;
+    const bool ok = target_ok(t, v, ignore, ignored);
+    // Every thread of the block takes the same branch (t is per row).
+    if (!ok || ignored) {
+      const float g = ok ? 0.f : f_nan();
+      if (threadIdx.x == 0) loss_rows[row] = g;
+      if (dx) {
+        T* gr = dx + row * v;
+        for (i64 c = threadIdx.x; c < v; c += blockDim.x) gr[c] = from_float<T>(g);
+      }
+      continue;
+    }
+    // Target logit, read before the barriers below (in place, pass 2 overwrites it).
+    const float xt = threadIdx.x == 0 ? to_float(xr[t]) : 0.f;
+
+    // Split the row at 16-byte boundaries: a scalar head, whole vectors, a scalar tail.
+    i64 head = (i64)(((16u - (unsigned)((u64)xr & 15u)) & 15u) / sizeof(T));
+    if (head > v) head = v;
+    const i64 nvec = (v - head) / VEC;
+    const i64 tail = head + nvec * VEC;
+    const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
+
+    float m = f_ninf(), s = 0.f, sx = 0.f;
+    for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
+      const float xf = to_float(xr[c]);
+      const float y = xf * LOG2E;
+      sx += xf;
+      online_add(m, s, &y, 1);
+    }
+#pragma unroll 4
+    for (i64 i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const Vec a = xv[i];
+      float y[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float xf = to_float(a.v[e]);
+        sx += xf;
+        y[e] = xf * LOG2E;
+      }
+      online_add(m, s, y, VEC);
+    }
+    for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) {
+      const float xf = to_float(xr[c]);
+      const float y = xf * LOG2E;
+      sx += xf;
+      online_add(m, s, &y, 1);
+    }
+    const float M = block_max(m, red);
+    const float2 tot = block_sum2(m == f_ninf() ? 0.f : s * exp2f(m - M), sx, red);
+    const float inv_s = 1.f / tot.x;
+    if (threadIdx.x == 0) {
+      const float lse = (M + log2f(tot.x)) * LN2;
+      loss_rows[row] = lse - (1.f - smoothing) * xt - off * tot.y;
+    }
+    if (!dx) continue;
+
+    // Pass 2: p_j = 2^(y_j − M) / S, dx = scale·(p − ε/V − (1−ε)[j = t]).
+    T* gr = dx + row * v;
+    Vec* gv = reinterpret_cast<Vec*>(gr + head);
+    const float hit = 1.f - smoothing;
+    for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
+      const float p = exp2f(to_float(xr[c]) * LOG2E - M) * inv_s;
+      gr[c] = from_float<T>(scale * (p - off - (c == t ? hit : 0.f)));
+    }
+#pragma unroll 4
+    for (i64 i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const Vec a = xv[i];
+      const i64 c0 = head + i * VEC;
+      Vec o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float p = exp2f(to_float(a.v[e]) * LOG2E - M) * inv_s;
+        o.v[e] = from_float<T>(scale * (p - off - (c0 + e == t ? hit : 0.f)));
+      }
+      gv[i] = o;
+    }
+    for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) {
+      const float p = exp2f(to_float(xr[c]) * LOG2E - M) * inv_s;
+      gr[c] = from_float<T>(scale * (p - off - (c == t ? hit : 0.f)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- scalar loss
+
+// One block; per-thread partial sums in f64, a fixed order, so the same bits on every run.
+extern "C" __global__ void ce_reduce(float* __restrict__ loss, const float* __restrict__ loss_rows,
+                                     const Status* status, i64 n, int mean) {
+  __shared__ double red[32];
+  double s = 0.0;
+  for (i64 r = threadIdx.x; r < n; r += blockDim.x) s += (double)loss_rows[r];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (lane == 0) red[warp] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double tot = 0.0;
+    for (int w = 0; w < nw; ++w) tot += red[w];
+    // 0/0 = NaN when every row is ignored, as torch.
+    loss[0] = (float)(mean ? tot / (double)status->count : tot);
+  }
+}

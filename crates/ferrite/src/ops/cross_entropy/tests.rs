@@ -1,0 +1,136 @@
+//! cross_entropy tests: the check harness on every device present, torch semantics, bad input.
+
+use super::check::target_tensor;
+use super::*;
+
+#[test]
+fn every_variant_passes_check() {
+    // CPU: 2 variants × 3 dtypes × cases + 2 bad-target records.
+    crate::core::harness::check::assert_quick_check_passes(
+        check::run,
+        2 * 3 * check::cases(true).len() + 2,
+    );
+}
+
+fn cpu_case(n: usize, v: usize, t: &[i64]) -> (Tensor, Tensor, Tensor, Tensor) {
+    let x = Tensor::rand(&[n, v], DType::F32, Device::Cpu, 3, -3.0, 3.0).unwrap();
+    let tg = target_tensor(t, DType::I64, Device::Cpu).unwrap();
+    let lr = Tensor::empty(&[n], DType::F32, Device::Cpu).unwrap();
+    let l = Tensor::empty(&[1], DType::F32, Device::Cpu).unwrap();
+    (x, tg, lr, l)
+}
+
+#[test]
+fn torch_semantics() {
+    // Uniform logits: loss = log V for every non-ignored row, whatever the smoothing.
+    let v = 10;
+    let x = Tensor::full(&[3, v], DType::F32, Device::Cpu, 0.25).unwrap();
+    let t = target_tensor(&[2, -100, 9], DType::I64, Device::Cpu).unwrap();
+    let opts = CrossEntropyOptions {
+        label_smoothing: 0.3,
+        ..Default::default()
+    };
+    let (lr, l, g) = cross_entropy(&x, &t, &opts).unwrap();
+    let lr = lr.to_vec::<f32>().unwrap();
+    let want = (v as f32).ln();
+    assert!((lr[0] - want).abs() < 1e-6 && lr[1] == 0.0 && (lr[2] - want).abs() < 1e-6);
+    // Mean over the 2 non-ignored rows, not 3.
+    assert!((l.to_vec::<f32>().unwrap()[0] - want).abs() < 1e-6);
+    let g = g.to_vec::<f32>().unwrap();
+    // Ignored row: zero gradient; each row's gradient sums to 0.
+    assert!(g[v..2 * v].iter().all(|&a| a == 0.0));
+    let s: f32 = g[..v].iter().sum();
+    assert!(s.abs() < 1e-6, "{s}");
+    // dx = (1/V − (1−ε)[j=t] − ε/V) / 2 at the target.
+    assert!((g[2] - (0.1 - 0.7 - 0.03) / 2.0).abs() < 1e-6, "{}", g[2]);
+
+    // Every row ignored with mean: NaN loss (0/0, as torch), zero gradient.
+    let t = target_tensor(&[-100, -100, -100], DType::I64, Device::Cpu).unwrap();
+    let (_, l, g) = cross_entropy(&x, &t, &CrossEntropyOptions::default()).unwrap();
+    assert!(l.to_vec::<f32>().unwrap()[0].is_nan());
+    assert!(g.to_vec::<f32>().unwrap().iter().all(|&a| a == 0.0));
+
+    // In place equals into a separate buffer; i32 targets equal i64.
+    let (x, tg, lr, l) = cpu_case(4, 33, &[0, 32, 5, 7]);
+    let opts = CrossEntropyOptions {
+        reduction: Reduction::Sum,
+        dloss: 0.7,
+        ..Default::default()
+    };
+    let g = Tensor::empty(&[4, 33], DType::F32, Device::Cpu).unwrap();
+    cross_entropy_into(&x, &tg, &lr, Some(&l), GradOut::Into(&g), &opts).unwrap();
+    let t32 = target_tensor(&[0, 32, 5, 7], DType::I32, Device::Cpu).unwrap();
+    let lr2 = Tensor::empty(&[4], DType::F32, Device::Cpu).unwrap();
+    cross_entropy_into(&x, &t32, &lr2, None, GradOut::InPlace, &opts).unwrap();
+    assert_eq!(g.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
+    assert_eq!(lr.to_vec::<f32>().unwrap(), lr2.to_vec::<f32>().unwrap());
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let (x, tg, lr, l) = cpu_case(3, 5, &[0, 1, 4]);
+    let run = |x: &Tensor,
+               tg: &Tensor,
+               lr: &Tensor,
+               l: Option<&Tensor>,
+               g: GradOut,
+               o: &CrossEntropyOptions| {
+        cross_entropy_into(x, tg, lr, l, g, o)
+            .unwrap_err()
+            .to_string()
+    };
+    let d = CrossEntropyOptions::default();
+    // Targets out of range: named row and value.
+    for (bad, want) in [(5i64, "targets[1] = 5"), (-1, "targets[1] = -1")] {
+        let t = target_tensor(&[0, bad, 4], DType::I64, Device::Cpu).unwrap();
+        let e = run(&x, &t, &lr, Some(&l), GradOut::Skip, &d);
+        assert!(e.contains(want) && e.contains("[0, 5)"), "{e}");
+    }
+    // Label smoothing outside [0, 1), non-finite dloss.
+    for ls in [-0.1f32, 1.0, f32::NAN] {
+        let o = CrossEntropyOptions {
+            label_smoothing: ls,
+            ..Default::default()
+        };
+        let e = run(&x, &tg, &lr, None, GradOut::Skip, &o);
+        assert!(e.contains("label_smoothing"), "{e}");
+    }
+    let o = CrossEntropyOptions {
+        dloss: f32::INFINITY,
+        ..Default::default()
+    };
+    assert!(run(&x, &tg, &lr, None, GradOut::Skip, &o).contains("dloss"));
+    // Shapes and dtypes.
+    let t4 = target_tensor(&[0, 1, 2, 3], DType::I64, Device::Cpu).unwrap();
+    let e = run(&x, &t4, &lr, None, GradOut::Skip, &d);
+    assert!(e.contains("`targets`") && e.contains("[4]"), "{e}");
+    let tf = Tensor::full(&[3], DType::F32, Device::Cpu, 1.0).unwrap();
+    assert!(run(&x, &tf, &lr, None, GradOut::Skip, &d).contains("i64 or i32"));
+    let x1 = Tensor::rand(&[15], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    assert!(run(&x1, &tg, &lr, None, GradOut::Skip, &d).contains("`logits`"));
+    assert!(run(&x.t().unwrap(), &tg, &lr, None, GradOut::Skip, &d).contains("`logits`"));
+    let lr_bad = Tensor::empty(&[4], DType::F32, Device::Cpu).unwrap();
+    assert!(run(&x, &tg, &lr_bad, None, GradOut::Skip, &d).contains("`loss_rows`"));
+    let l_bad = Tensor::empty(&[2], DType::F32, Device::Cpu).unwrap();
+    assert!(run(&x, &tg, &lr, Some(&l_bad), GradOut::Skip, &d).contains("`loss`"));
+    let g_bad = Tensor::empty(&[3, 5], DType::BF16, Device::Cpu).unwrap();
+    assert!(run(&x, &tg, &lr, None, GradOut::Into(&g_bad), &d).contains("`dlogits`"));
+    // Aliasing: the gradient into the logits must say so (InPlace), not pass as Into.
+    let e = run(&x, &tg, &lr, None, GradOut::Into(&x), &d);
+    assert!(e.contains("InPlace"), "{e}");
+    let e = run(
+        &x,
+        &tg,
+        &lr,
+        Some(&lr.narrow(0, 2, 1).unwrap()),
+        GradOut::Skip,
+        &d,
+    );
+    assert!(e.contains("distinct"), "{e}");
+    // Unknown variant.
+    let o = CrossEntropyOptions {
+        variant: Some("fused".into()),
+        ..Default::default()
+    };
+    assert!(run(&x, &tg, &lr, None, GradOut::Skip, &o).contains("cuda"));
+}

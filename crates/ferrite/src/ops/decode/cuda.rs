@@ -1,0 +1,394 @@
+//! CUDA host code of the decode family: which kernel, its grid, the split count, the device error
+//! flag and the split workspace.
+
+use super::{device_error, AppendOptions, AppendProblem, DecodeOptions, PagedKv, Problem, OP};
+use crate::core::cuda::jit::{KernelSource, Program};
+use crate::core::cuda::{device, CudaDevice, DeviceBuffer, Kernel, KernelArgs, Stream};
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::KernelSpec;
+use crate::core::tensor::Tensor;
+use crate::kernel_source;
+use std::sync::Arc;
+
+const SRC: KernelSource = kernel_source!("decode", "kernels/decode.cu");
+const APPEND_SRC: KernelSource = kernel_source!("decode/append", "kernels/append.cu");
+
+/// Warps per block of the gqa kernel.
+pub const GQA_WARPS: usize = 4;
+/// Threads per block of the naive and reduce kernels (the naive kernel assumes exactly this).
+const NAIVE_THREADS: u32 = 128;
+/// Fewest keys a split_kv partition gets: below this the reduce costs more than it spreads.
+pub const MIN_PART_KEYS: usize = 256;
+/// Most query heads one gqa block serves (registers: 8 floats of q and of acc per head per lane).
+pub const MAX_HEADS_PER_BLOCK: usize = 8;
+
+pub fn naive_program(dtype: DType) -> Program {
+    Program::new(SRC).define("FE_ELEM", dtype.cuda_name())
+}
+
+pub fn gqa_program(dtype: DType, head_dim: usize, heads_per_block: usize) -> Program {
+    Program::new(SRC)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_GQA", 1)
+        .define("FE_D", head_dim)
+        .define("FE_G", heads_per_block)
+        .define("FE_WARPS", GQA_WARPS)
+}
+
+pub fn append_program(unit: &str) -> Program {
+    Program::new(APPEND_SRC).define("FE_UNIT", unit)
+}
+
+pub fn kernel_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        v.push(KernelSpec {
+            program: naive_program(d),
+            functions: vec!["decode_naive".into()],
+            min_arch: Arch::SM80,
+        });
+    }
+    for d in [DType::F16, DType::BF16] {
+        for (hd, g) in [
+            (64, 1),
+            (64, 8),
+            (128, 1),
+            (128, 4),
+            (128, 8),
+            (256, 4),
+            (256, 8),
+            (96, 3),
+        ] {
+            v.push(KernelSpec {
+                program: gqa_program(d, hd, g),
+                functions: vec![
+                    "decode_naive".into(),
+                    "decode_gqa".into(),
+                    "decode_reduce".into(),
+                ],
+                min_arch: Arch::SM80,
+            });
+        }
+    }
+    for u in ["uint4", "unsigned int", "unsigned short"] {
+        v.push(KernelSpec {
+            program: append_program(u),
+            functions: vec!["append_kv".into()],
+            min_arch: Arch::SM80,
+        });
+    }
+    v
+}
+
+/// Query heads per gqa block: the largest divisor of the group ≤ MAX_HEADS_PER_BLOCK.
+pub fn heads_per_block(group: usize) -> usize {
+    (1..=MAX_HEADS_PER_BLOCK.min(group))
+        .rev()
+        .find(|g| group.is_multiple_of(*g))
+        .unwrap_or(1)
+}
+
+/// Blocks of the gqa kernel without splitting.
+fn base_blocks(p: &Problem) -> usize {
+    p.batch * p.heads_kv * (p.group() / heads_per_block(p.group()))
+}
+
+/// split_kv's partition count: as many partitions as keep the grid within about 4 blocks per SM
+/// (what fits resident at ~110 registers × 128 threads, so the grid runs as one wave rather than
+/// one and a sliver), no partition under MIN_PART_KEYS keys, at most 65535 (grid.y).
+pub fn auto_splits(p: &Problem, sm_count: usize) -> usize {
+    let want = (4 * sm_count.max(1)) / base_blocks(p).max(1);
+    let by_len = p.max_visible().div_ceil(MIN_PART_KEYS);
+    want.min(by_len).clamp(1, 65535)
+}
+
+/// (keys per partition, partitions) for `splits` requested partitions.
+pub fn partitions(p: &Problem, splits: usize) -> (usize, usize) {
+    let mv = p.max_visible().max(1);
+    let size = mv.div_ceil(splits.clamp(1, 65535));
+    (size, mv.div_ceil(size))
+}
+
+/// A kernel choice for one problem with its launch shape, the error flag, and (split_kv) the
+/// workspace; reusable across calls on the same problem (the bench times `run` alone).
+pub struct Prepared {
+    pub kernel: Kernel,
+    pub reduce: Option<Kernel>,
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    pub part_size: usize,
+    pub parts: usize,
+    pub config: String,
+    /// The gqa kernel (else the naive one): their parameter lists differ.
+    gqa: bool,
+    err: DeviceBuffer,
+    workspace: Option<DeviceBuffer>,
+    dev: Arc<CudaDevice>,
+}
+
+/// Device addresses of a decode call.
+#[derive(Clone, Copy, Debug)]
+pub struct Ptrs {
+    pub o: u64,
+    /// 0 = no lse.
+    pub lse: u64,
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub block_table: u64,
+    pub seq_lens: u64,
+}
+
+fn grid_x(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n)
+        .ok()
+        .filter(|&g| g <= i32::MAX as u32)
+        .ok_or_else(|| Error::Other(format!("decode: {what} grid of {n} blocks exceeds 2³¹−1")))
+}
+
+pub fn prepare(
+    variant: &str,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    num_splits: Option<usize>,
+) -> Result<Prepared> {
+    let err = dev.alloc(4, stream)?;
+    let sms = dev.props().sm_count as usize;
+    let (kernel, reduce, grid, threads, part_size, parts, config) = match variant {
+        "naive" => (
+            dev.kernel(&naive_program(p.dtype), "decode_naive")?,
+            None,
+            (grid_x(p.batch * p.heads_q, "naive")?, 1, 1),
+            NAIVE_THREADS,
+            0,
+            1,
+            "a block per (sequence, query head)".to_string(),
+        ),
+        "gqa" | "split_kv" => {
+            let g = heads_per_block(p.group());
+            let prog = gqa_program(p.dtype, p.head_dim, g);
+            let splits = if variant == "gqa" {
+                1
+            } else {
+                num_splits.unwrap_or_else(|| auto_splits(p, sms))
+            };
+            let (size, parts) = partitions(p, splits);
+            let k = dev.kernel(&prog, "decode_gqa")?;
+            let r = if parts > 1 {
+                Some(dev.kernel(&prog, "decode_reduce")?)
+            } else {
+                None
+            };
+            (
+                k,
+                r,
+                (grid_x(base_blocks(p), "gqa")?, parts as u32, 1),
+                (GQA_WARPS * 32) as u32,
+                size,
+                parts,
+                format!(
+                    "{g} q heads/block, {GQA_WARPS} warps, {parts} partition(s) of {size} keys"
+                ),
+            )
+        }
+        other => {
+            return Err(Error::NoVariant {
+                op: OP.into(),
+                msg: format!("no CUDA variant named `{other}`"),
+            })
+        }
+    };
+    let workspace = if parts > 1 {
+        let bytes = p.batch * p.heads_q * parts * (p.head_dim + 2) * 4;
+        Some(dev.alloc(bytes, stream)?)
+    } else {
+        None
+    };
+    Ok(Prepared {
+        kernel,
+        reduce,
+        grid,
+        threads,
+        part_size,
+        parts,
+        config,
+        gqa: variant != "naive",
+        err,
+        workspace,
+        dev: dev.clone(),
+    })
+}
+
+impl Prepared {
+    /// Clears the error flag and queues the kernel(s) on `stream`.
+    pub fn run(&self, p: &Problem, x: &Ptrs, stream: &Stream) -> Result<()> {
+        // SAFETY: `err` is a live 4-byte allocation of this device.
+        unsafe { self.dev.memset(self.err.ptr(), 0, 4, stream)? };
+        let mut a = KernelArgs::new();
+        a.push(x.o).push(x.lse);
+        if self.gqa {
+            a.push(self.workspace.as_ref().map_or(0, |w| w.ptr()));
+        }
+        a.push(x.q)
+            .push(x.k)
+            .push(x.v)
+            .push(x.block_table)
+            .push(x.seq_lens)
+            .push(self.err.ptr())
+            .push(p.batch as i64)
+            .push(p.heads_q as i64)
+            .push(p.heads_kv as i64);
+        if !self.gqa {
+            a.push(p.head_dim as i64);
+        }
+        a.push(p.num_blocks as i64)
+            .push(p.block_size as i64)
+            .push(p.max_blocks as i64)
+            .push(p.scale)
+            .push(p.softcap)
+            .push(if p.softcap > 0.0 {
+                1.0 / p.softcap
+            } else {
+                0.0
+            })
+            .push(p.window_left);
+        if self.gqa {
+            a.push(self.part_size as i64).push(self.parts as i64);
+        }
+        self.kernel
+            .launch(stream, self.grid, (self.threads, 1, 1), 0, &mut a)?;
+        if let (Some(r), Some(w)) = (&self.reduce, &self.workspace) {
+            let rows = p.batch * p.heads_q;
+            let mut a = KernelArgs::new();
+            a.push(x.o)
+                .push(x.lse)
+                .push(w.ptr())
+                .push(rows as i64)
+                .push(self.parts as i64);
+            r.launch(
+                stream,
+                (grid_x(rows.min(1 << 30), "reduce")?, 1, 1),
+                (NAIVE_THREADS, 1, 1),
+                0,
+                &mut a,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the stream and turns the error flag into an error.
+    pub fn read_error(&self, stream: &Stream, op: &str) -> Result<()> {
+        read_flag(&self.dev, &self.err, stream, op)
+    }
+}
+
+fn read_flag(dev: &CudaDevice, err: &DeviceBuffer, stream: &Stream, op: &str) -> Result<()> {
+    let mut h = [0u8; 4];
+    // SAFETY: `err` holds 4 bytes; `h` lives until the synchronize below.
+    unsafe { dev.dtoh(&mut h, err.ptr(), stream)? };
+    dev.synchronize(stream, op)?;
+    device_error(op, i32::from_le_bytes(h))
+}
+
+fn ctx(d: Device, s: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)> {
+    let Device::Cuda(i) = d else {
+        unreachable!("decode cuda path on {d}")
+    };
+    let dev = device(i)?;
+    let s = s.clone().unwrap_or_else(|| dev.stream().clone());
+    Ok((dev, s))
+}
+
+pub fn ptrs(q: &Tensor, kv: &PagedKv, o: &Tensor, lse: Option<&Tensor>) -> Result<Ptrs> {
+    Ok(Ptrs {
+        o: o.device_ptr()?,
+        lse: lse.map(|l| l.device_ptr()).transpose()?.unwrap_or(0),
+        q: q.device_ptr()?,
+        k: kv.key_cache.device_ptr()?,
+        v: kv.value_cache.device_ptr()?,
+        block_table: kv.block_table.device_ptr()?,
+        seq_lens: kv.seq_lens.device_ptr()?,
+    })
+}
+
+pub(super) fn decode(
+    variant: &str,
+    p: &Problem,
+    q: &Tensor,
+    kv: &PagedKv,
+    o: &Tensor,
+    lse: Option<&Tensor>,
+    opts: &DecodeOptions,
+) -> Result<()> {
+    let (dev, stream) = ctx(p.device, &opts.stream)?;
+    let x = ptrs(q, kv, o, lse)?;
+    if variant != "naive" && [x.q, x.k, x.v, x.o].iter().any(|a| a % 16 != 0) {
+        return Err(Error::bad_arg(
+            OP,
+            "q/key_cache/value_cache/o",
+            format!("16-byte aligned device pointers for the `{variant}` variant"),
+            "a misaligned view",
+        ));
+    }
+    let pr = prepare(variant, p, &dev, &stream, opts.num_splits)?;
+    pr.run(p, &x, &stream)?;
+    pr.read_error(&stream, OP)
+}
+
+/// The widest copy unit the rows and pointers allow.
+pub fn append_unit(p: &AppendProblem, ptrs: &[u64]) -> (&'static str, usize) {
+    let rb = p.row_elems * p.dtype.size_in_bytes();
+    let fits = |n: usize| rb.is_multiple_of(n) && ptrs.iter().all(|&a| a % n as u64 == 0);
+    if fits(16) {
+        ("uint4", 16)
+    } else if fits(4) {
+        ("unsigned int", 4)
+    } else {
+        ("unsigned short", 2)
+    }
+}
+
+pub(super) fn append(
+    p: &AppendProblem,
+    k: &Tensor,
+    v: &Tensor,
+    key_cache: &Tensor,
+    value_cache: &Tensor,
+    slot_mapping: &Tensor,
+    opts: &AppendOptions,
+) -> Result<()> {
+    let (dev, stream) = ctx(p.device, &opts.stream)?;
+    let ptrs = [
+        key_cache.device_ptr()?,
+        value_cache.device_ptr()?,
+        k.device_ptr()?,
+        v.device_ptr()?,
+    ];
+    let (unit, ub) = append_unit(p, &ptrs);
+    let kernel = dev.kernel(&append_program(unit), "append_kv")?;
+    let err = dev.alloc(4, &stream)?;
+    // SAFETY: `err` is a live 4-byte allocation of this device.
+    unsafe { dev.memset(err.ptr(), 0, 4, &stream)? };
+    let row_units = p.row_elems * p.dtype.size_in_bytes() / ub;
+    let mut a = KernelArgs::new();
+    for q in ptrs {
+        a.push(q);
+    }
+    a.push(slot_mapping.device_ptr()?)
+        .push(err.ptr())
+        .push(p.tokens as i64)
+        .push(row_units as i64)
+        .push(p.slots as i64);
+    let threads = (row_units.div_ceil(32) * 32).clamp(32, 256) as u32;
+    kernel.launch(
+        &stream,
+        (grid_x(p.tokens.min(1 << 20), "append")?, 1, 1),
+        (threads, 1, 1),
+        0,
+        &mut a,
+    )?;
+    read_flag(&dev, &err, &stream, super::APPEND_OP)
+}

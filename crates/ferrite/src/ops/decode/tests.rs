@@ -1,0 +1,298 @@
+//! decode tests: the check harness on every device present, features on small hand-checkable
+//! inputs, and bad input.
+
+use super::check::{make_inputs, Case, UNUSED_ENTRY};
+use super::*;
+
+#[test]
+fn every_variant_passes_check() {
+    // CPU: 2 variants × 3 dtypes × cases + 2 refusals each; append: 3 dtypes × 3 records.
+    let recs = crate::core::harness::check::assert_quick_check_passes(
+        check::run,
+        2 * 3 * check::cases(true).len() + 2 * 2 + 3 * 3,
+    );
+    assert!(recs.iter().any(|r| r.variant == "append_kv" && r.pass));
+}
+
+fn small(lens: &[i32], window: i64, softcap: f32) -> Case {
+    Case {
+        hq: 4,
+        hkv: 2,
+        d: 8,
+        block_size: 4,
+        lens: lens.to_vec(),
+        softcap,
+        window,
+        scale: None,
+    }
+}
+
+fn run(c: &Case, x: &check::Inputs, variant: &str) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (o, lse) = decode(&x.q, &x.kv(), &check::options(variant, c))?;
+    Ok((o.to_vec::<f32>()?, lse.to_vec::<f32>()?))
+}
+
+#[test]
+fn empty_sequence_gives_zero_and_neg_inf_lse() {
+    let c = small(&[0, 5], -1, 0.0);
+    let x = make_inputs(&c, DType::F32, Device::Cpu, 3, 1).unwrap();
+    for v in ["naive", "parallel"] {
+        let (o, lse) = run(&c, &x, v).unwrap();
+        assert!(o[..4 * 8].iter().all(|&x| x == 0.0), "{v}: {o:?}");
+        assert!(lse[..4].iter().all(|&x| x == f32::NEG_INFINITY), "{v}");
+        assert!(lse[4..].iter().all(|x| x.is_finite()), "{v}");
+    }
+}
+
+#[test]
+fn length_one_returns_the_value_row_and_window_zero_sees_only_the_last_key() {
+    // One visible key: softmax weight 1, o = v of that key (for each query head's kv head).
+    for (lens, window) in [(vec![1], -1), (vec![11], 0)] {
+        let c = small(&lens, window, 0.0);
+        let x = make_inputs(&c, DType::F32, Device::Cpu, 5, 0).unwrap();
+        let j = (lens[0] - 1) as usize;
+        let blk = x.table[j / 4] as usize;
+        let v = x.value_cache.to_vec::<f32>().unwrap();
+        for var in ["naive", "parallel"] {
+            let (o, _) = run(&c, &x, var).unwrap();
+            for h in 0..4 {
+                let kvh = h / 2;
+                let want = &v[((blk * 4 + j % 4) * 2 + kvh) * 8..][..8];
+                for (a, b) in o[h * 8..][..8].iter().zip(want) {
+                    assert!(
+                        (a - b).abs() < 1e-6,
+                        "{var} lens {lens:?} head {h}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn softcap_bounds_the_logits() {
+    // With softcap c every score lies in (−c, c), so lse ≤ c + ln(len).
+    let c = Case {
+        scale: Some(10.0),
+        ..small(&[30], -1, 0.5)
+    };
+    let x = make_inputs(&c, DType::F32, Device::Cpu, 9, 0).unwrap();
+    let (_, lse) = run(&c, &x, "parallel").unwrap();
+    assert!(lse.iter().all(|&l| l <= 0.5 + 30f32.ln() + 1e-4), "{lse:?}");
+    let (_, lse_uncapped) = run(
+        &Case {
+            softcap: 0.0,
+            ..c.clone()
+        },
+        &x,
+        "parallel",
+    )
+    .unwrap();
+    assert!(
+        lse_uncapped.iter().any(|&l| l > 0.5 + 30f32.ln()),
+        "{lse_uncapped:?}"
+    );
+}
+
+fn expect_err(r: Result<impl std::fmt::Debug>, needles: &[&str]) {
+    let e = r.unwrap_err().to_string();
+    for n in needles {
+        assert!(e.contains(n), "`{n}` not in: {e}");
+    }
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let c = small(&[9, 4], -1, 0.0);
+    let x = make_inputs(&c, DType::F32, Device::Cpu, 1, 1).unwrap();
+    let opts = DecodeOptions::default();
+    // Head counts: 3 query heads over 2 kv heads.
+    let q3 = Tensor::rand(&[2, 3, 8], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    expect_err(
+        decode(&q3, &x.kv(), &opts),
+        &["`q`", "divisible", "3 query heads"],
+    );
+    // Head dim mismatch.
+    let q16 = Tensor::rand(&[2, 4, 16], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    expect_err(decode(&q16, &x.kv(), &opts), &["`key_cache`", "D = 16"]);
+    // dtype mismatch between q and the caches.
+    let qb = Tensor::rand(&[2, 4, 8], DType::BF16, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    expect_err(decode(&qb, &x.kv(), &opts), &["`key_cache`", "bf16"]);
+    // Block-table entry out of range for a visible key.
+    let mut t = x.table.clone();
+    t[0] = x.num_blocks as i32;
+    let bt = Tensor::from_vec(t, &[2, x.max_blocks]).unwrap();
+    let kv = PagedKv {
+        block_table: &bt,
+        ..x.kv()
+    };
+    expect_err(
+        decode(&x.q, &kv, &opts),
+        &["`block_table`", "block_table[0, 0]"],
+    );
+    // seq_len beyond the table's reach, and negative.
+    for bad in [(x.max_blocks * 4) as i32 + 1, -1] {
+        let sl = Tensor::from_vec(vec![9, bad], &[2]).unwrap();
+        let kv = PagedKv {
+            seq_lens: &sl,
+            ..x.kv()
+        };
+        expect_err(decode(&x.q, &kv, &opts), &["`seq_lens`", "seq_lens[1]"]);
+    }
+    // i32 index tensors only.
+    let slf = Tensor::from_vec(vec![9.0f32, 4.0], &[2]).unwrap();
+    let kv = PagedKv {
+        seq_lens: &slf,
+        ..x.kv()
+    };
+    expect_err(decode(&x.q, &kv, &opts), &["`seq_lens`", "i32"]);
+    // Options.
+    let w = DecodeOptions {
+        window_left: -2,
+        ..Default::default()
+    };
+    expect_err(decode(&x.q, &x.kv(), &w), &["`window_left`"]);
+    let s = DecodeOptions {
+        softcap: -1.0,
+        ..Default::default()
+    };
+    expect_err(decode(&x.q, &x.kv(), &s), &["`softcap`"]);
+    // Output aliasing q.
+    expect_err(
+        decode_into(&x.q, &x.kv(), &x.q, None, &opts),
+        &["`o`", "distinct"],
+    );
+    // A GPU-only variant on the CPU.
+    let g = DecodeOptions {
+        variant: Some("gqa".into()),
+        ..Default::default()
+    };
+    expect_err(decode(&x.q, &x.kv(), &g), &["gqa"]);
+}
+
+#[test]
+fn unused_and_out_of_window_entries_are_not_read() {
+    // A window of 2 over 11 keys in blocks of 4: block 0 (keys 0..4) is out of the window and
+    // holds UNUSED_ENTRY, which would be refused if read.
+    let c = small(&[11], 2, 0.0);
+    let x = make_inputs(&c, DType::F32, Device::Cpu, 2, 0).unwrap();
+    assert_eq!(x.table[0], UNUSED_ENTRY);
+    for v in ["naive", "parallel"] {
+        run(&c, &x, v).unwrap();
+    }
+    // Without the window the same table is refused.
+    let c2 = Case { window: -1, ..c };
+    expect_err(run(&c2, &x, "parallel"), &["`block_table`", "-7"]);
+}
+
+#[test]
+fn append_kv_copies_and_refuses_bad_slots() {
+    let kc = Tensor::full(&[3, 2, 1, 4], DType::F32, Device::Cpu, 7.0).unwrap();
+    let vc = kc.deep_copy().unwrap();
+    let k = Tensor::from_vec((0..8).map(|x| x as f32).collect(), &[2, 1, 4]).unwrap();
+    let v = Tensor::from_vec((10..18).map(|x| x as f32).collect(), &[2, 1, 4]).unwrap();
+    let sm = Tensor::from_vec(vec![5i32, -1], &[2]).unwrap();
+    append_kv(&k, &v, &kc, &vc, &sm, &AppendOptions::default()).unwrap();
+    let kcv = kc.to_vec::<f32>().unwrap();
+    assert_eq!(&kcv[20..24], &[0., 1., 2., 3.]);
+    assert!(kcv[..20].iter().all(|&x| x == 7.0));
+    assert_eq!(&vc.to_vec::<f32>().unwrap()[20..24], &[10., 11., 12., 13.]);
+    for bad in [6i32, -2] {
+        let sm = Tensor::from_vec(vec![0, bad], &[2]).unwrap();
+        expect_err(
+            append_kv(&k, &v, &kc, &vc, &sm, &AppendOptions::default()),
+            &["`slot_mapping`", "slot_mapping[1]"],
+        );
+    }
+    let kb = Tensor::rand(&[2, 1, 4], DType::BF16, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    expect_err(
+        append_kv(&kb, &v, &kc, &vc, &sm, &AppendOptions::default()),
+        &["`k`"],
+    );
+    let k5 = Tensor::rand(&[2, 1, 5], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    expect_err(
+        append_kv(&k5, &v, &kc, &vc, &sm, &AppendOptions::default()),
+        &["`k`", "[2, 1, 4]"],
+    );
+}
+
+#[test]
+fn device_error_flag_decodes_to_named_errors() {
+    assert!(device_error(OP, 0).is_ok());
+    let e = device_error(OP, ERR_BLOCK).unwrap_err().to_string();
+    assert!(e.contains("`block_table`") && e.contains("skipped"), "{e}");
+    let e = device_error(OP, ERR_SEQ_LEN).unwrap_err().to_string();
+    assert!(e.contains("`seq_lens`"), "{e}");
+    let e = device_error(APPEND_OP, ERR_SLOT).unwrap_err().to_string();
+    assert!(
+        e.contains("`slot_mapping`") && e.contains("append_kv"),
+        "{e}"
+    );
+    let e = device_error(OP, ERR_BLOCK | ERR_SEQ_LEN)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("seq_len") && e.contains("block_table entry"),
+        "{e}"
+    );
+}
+
+#[test]
+fn gpu_variant_constraints_and_split_planning() {
+    let p = Problem {
+        batch: 16,
+        heads_q: 32,
+        heads_kv: 8,
+        head_dim: 128,
+        num_blocks: 4096,
+        block_size: 16,
+        max_blocks: 256,
+        dtype: DType::BF16,
+        device: Device::Cpu,
+        scale: 1.0,
+        softcap: 0.0,
+        window_left: -1,
+    };
+    assert_eq!(cuda::heads_per_block(4), 4);
+    assert_eq!(cuda::heads_per_block(12), 6);
+    assert_eq!(cuda::heads_per_block(32), 8);
+    assert_eq!(cuda::heads_per_block(7), 7);
+    // 128 base blocks on 132 SMs: 4 partitions (512 blocks, one wave at 4 per SM).
+    assert_eq!(cuda::auto_splits(&p, 132), 4);
+    // One sequence at 32k: 8 base blocks → 66 partitions of ~497 keys.
+    let long = Problem {
+        batch: 1,
+        max_blocks: 2048,
+        ..p
+    };
+    assert_eq!(cuda::auto_splits(&long, 132), 66);
+    // Many sequences: no split; short windows: no split.
+    assert_eq!(cuda::auto_splits(&Problem { batch: 256, ..p }, 132), 1);
+    assert_eq!(
+        cuda::auto_splits(
+            &Problem {
+                window_left: 100,
+                ..p
+            },
+            132
+        ),
+        1
+    );
+    assert!(unfit("split_kv", &Problem { batch: 256, ..p }, 132, None, true).is_some());
+    assert!(unfit("split_kv", &Problem { batch: 256, ..p }, 132, None, false).is_none());
+    // Partitions cover the context.
+    let (size, parts) = cuda::partitions(&p, 5);
+    assert!(size * parts >= 4096 && size * (parts - 1) < 4096);
+    let e = unfit("gqa", &Problem { head_dim: 100, ..p }, 132, None, true).unwrap();
+    assert!(e.contains("multiples of 8"), "{e}");
+    assert!(unfit("naive", &Problem { head_dim: 100, ..p }, 132, None, true).is_none());
+    assert!(unfit("naive", &Problem { head_dim: 320, ..p }, 132, None, true).is_some());
+    // Every launched specialisation family is listed for the build check.
+    let specs = cuda::kernel_specs();
+    for f in ["decode_naive", "decode_gqa", "decode_reduce", "append_kv"] {
+        assert!(
+            specs.iter().any(|s| s.functions.iter().any(|x| x == f)),
+            "{f}"
+        );
+    }
+}
