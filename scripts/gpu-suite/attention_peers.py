@@ -94,10 +94,12 @@ def main():
     a = ap.parse_args()
     torch.manual_seed(0)
     peers = attention_cases(a.quick) + decode_cases(a.quick)
-    try:
-        ours = json.load(open(a.bench_json))["records"]
-    except (OSError, ValueError, KeyError):
-        ours = []
+    ours = []
+    for path in a.bench_json.split(","):  # several bench JSONs may be given, comma-separated
+        try:
+            ours += json.load(open(path))["records"]
+        except (OSError, ValueError, KeyError):
+            pass
     print(f"{'op':9} {'shape':40} {'peer':16} {'peer ms':>8} {'rate':>10} {'ferrite best':>24} {'× peer':>7}")
     for p in peers:
         rate = f"{p['tflops']:.0f} TF/s" if "tflops" in p else f"{p['gbps']:.0f} GB/s"

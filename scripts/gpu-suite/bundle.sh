@@ -22,7 +22,7 @@ for line in sys.stdin:
         print(pkg + "-" + m["target"]["name"] + "\t" + m["executable"])
 ' | while IFS=$'\t' read -r name exe; do cp "$exe" "$out/tests/$name"; done
 rm -f "$out"/tests/*-cli  # drives the CLI by its build path; covered by CI
-cp scripts/gpu-suite/run.sh scripts/gpu-suite/torch_peers.py scripts/gpu-suite/attention_peers.py "$out/"
+cp scripts/gpu-suite/run.sh scripts/gpu-suite/torch_peers.py scripts/gpu-suite/attention_peers.py scripts/gpu-suite/bench-families.sh "$out/"
 strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
 size=$(du -sm "$out" | cut -f1)
 echo "bundle: $out (${size} MiB): $(ls "$out/bin" "$out/tests" | tr '\n' ' ')"

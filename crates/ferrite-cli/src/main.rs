@@ -102,6 +102,9 @@ struct KernelArgs {
     /// Fail if any kernel spills registers.
     #[arg(long)]
     deny_spills: bool,
+    /// Only modules whose label contains this text (e.g. `matmul/mma[` or `FE_EPI=1`).
+    #[arg(long)]
+    only: Option<String>,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -360,7 +363,12 @@ fn kernels(a: KernelArgs) -> Result<bool> {
             ));
         }
     }
-    let builds = ops::build_kernels(&archs, a.ptxas.as_deref(), a.out.as_deref())?;
+    let builds = ops::build_kernels(
+        &archs,
+        a.ptxas.as_deref(),
+        a.out.as_deref(),
+        a.only.as_deref(),
+    )?;
     let mut t = Table::new(&[
         "module", "function", "arch", "regs", "smem", "stack", "spill st", "spill ld", "cached",
     ]);

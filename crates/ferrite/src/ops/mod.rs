@@ -17,7 +17,7 @@ use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::harness::bench::{time_cpu, time_gpu, Budget};
-use crate::core::harness::{Ceilings, OpFamily, Precision};
+use crate::core::harness::{Ceilings, KernelSpec, OpFamily, Precision};
 use crate::core::tensor::Tensor;
 
 /// Every op family, in the order `check all` and `bench all` run them.
@@ -191,46 +191,74 @@ pub struct KernelBuild {
 
 /// Compiles every kernel of every family for `archs` through the runtime's own JIT path (no GPU
 /// needed) and, when `ptxas` is given, assembles each PTX and reads its resource report.
+/// `only`: keep the modules whose label contains this text.
 pub fn build_kernels(
     archs: &[Arch],
     ptxas: Option<&std::path::Path>,
     out_dir: Option<&std::path::Path>,
+    only: Option<&str>,
 ) -> Result<Vec<KernelBuild>> {
+    use rayon::prelude::*;
+    // Every (module, arch) pair is independent: compile them on all cores (NVRTC and ptxas are
+    // single-threaded; hundreds of specialisations make this the slow step of CI).
+    let jobs: Vec<(KernelSpec, Arch)> = registry()
+        .into_iter()
+        .flat_map(|fam| fam.kernels())
+        .filter(|spec| only.is_none_or(|o| spec.program.label().contains(o)))
+        .flat_map(|spec| {
+            archs
+                .iter()
+                .filter(|a| **a >= spec.min_arch)
+                .map(|&a| (spec.clone(), a))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let per_job: Vec<Result<Vec<KernelBuild>>> = jobs
+        .par_iter()
+        .map(|(spec, arch)| build_one(spec, *arch, ptxas, out_dir))
+        .collect();
     let mut builds = Vec::new();
-    for fam in registry() {
-        for spec in fam.kernels() {
-            for &arch in archs.iter().filter(|a| **a >= spec.min_arch) {
-                let compiled = jit::compile(&spec.program, arch)?;
-                let report = match ptxas {
-                    Some(p) => Some(ptxas_report(p, &compiled, out_dir)?),
-                    None => None,
-                };
-                for f in &spec.functions {
-                    if !compiled.ptx.contains(&format!(".entry {f}(")) {
-                        return Err(Error::Other(format!(
-                            "{}: PTX has no entry `{f}` for {}",
-                            compiled.label,
-                            arch.target()
-                        )));
-                    }
-                    let r = report
-                        .as_ref()
-                        .and_then(|r| r.iter().find(|(name, _)| name == f))
-                        .map(|(_, r)| r.clone());
-                    builds.push(KernelBuild {
-                        module: compiled.label.clone(),
-                        function: f.clone(),
-                        arch: arch.target().into(),
-                        from_cache: compiled.from_cache,
-                        registers: r.as_ref().and_then(|r| r.registers),
-                        smem_bytes: r.as_ref().and_then(|r| r.smem_bytes),
-                        stack_bytes: r.as_ref().and_then(|r| r.stack_bytes),
-                        spill_stores: r.as_ref().and_then(|r| r.spill_stores),
-                        spill_loads: r.as_ref().and_then(|r| r.spill_loads),
-                    });
-                }
-            }
+    for r in per_job {
+        builds.extend(r?);
+    }
+    Ok(builds)
+}
+
+fn build_one(
+    spec: &KernelSpec,
+    arch: Arch,
+    ptxas: Option<&std::path::Path>,
+    out_dir: Option<&std::path::Path>,
+) -> Result<Vec<KernelBuild>> {
+    let compiled = jit::compile(&spec.program, arch)?;
+    let report = match ptxas {
+        Some(p) => Some(ptxas_report(p, &compiled, out_dir)?),
+        None => None,
+    };
+    let mut builds = Vec::new();
+    for f in &spec.functions {
+        if !compiled.ptx.contains(&format!(".entry {f}(")) {
+            return Err(Error::Other(format!(
+                "{}: PTX has no entry `{f}` for {}",
+                compiled.label,
+                arch.target()
+            )));
         }
+        let r = report
+            .as_ref()
+            .and_then(|r| r.iter().find(|(name, _)| name == f))
+            .map(|(_, r)| r.clone());
+        builds.push(KernelBuild {
+            module: compiled.label.clone(),
+            function: f.clone(),
+            arch: arch.target().into(),
+            from_cache: compiled.from_cache,
+            registers: r.as_ref().and_then(|r| r.registers),
+            smem_bytes: r.as_ref().and_then(|r| r.smem_bytes),
+            stack_bytes: r.as_ref().and_then(|r| r.stack_bytes),
+            spill_stores: r.as_ref().and_then(|r| r.spill_stores),
+            spill_loads: r.as_ref().and_then(|r| r.spill_loads),
+        });
     }
     Ok(builds)
 }

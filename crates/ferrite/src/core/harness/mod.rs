@@ -77,6 +77,7 @@ impl Ceilings {
 }
 
 /// A kernel module and the functions in it, for the build check (`ferrite kernels`).
+#[derive(Clone)]
 pub struct KernelSpec {
     pub program: Program,
     pub functions: Vec<String>,

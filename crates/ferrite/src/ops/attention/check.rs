@@ -169,7 +169,11 @@ pub fn cases(quick: bool) -> Vec<Case> {
         },
         // Several key tiles of every GPU rung (flash 32/64 keys, hopper 128), ragged last tile.
         Case::new("multi-tile d128 causal sq<sk", 1, (2, 1), (270, 333), 128).causal(),
-        Case::new("varlen multi-tile d128", 0, (2, 2), (0, 0), 128).varlen(&[200, 333], &[260, 333], 0),
+        Case::new("varlen multi-tile d128", 0, (2, 2), (0, 0), 128).varlen(
+            &[200, 333],
+            &[260, 333],
+            0,
+        ),
         Case::new("single element", 1, (1, 1), (1, 1), 1),
     ];
     if !quick {

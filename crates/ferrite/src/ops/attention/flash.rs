@@ -13,7 +13,12 @@ use crate::kernel_source;
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("attention/flash", "kernels/flash.cu");
-const FUNCS: [&str; 4] = ["flash_fwd", "flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"];
+const FUNCS: [&str; 4] = [
+    "flash_fwd",
+    "flash_bwd_dot",
+    "flash_bwd_dkdv",
+    "flash_bwd_dq",
+];
 
 /// Head dims the kernels are specialised for.
 pub const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
@@ -36,7 +41,11 @@ struct Strides {
 
 impl From<[i64; 3]> for Strides {
     fn from(s: [i64; 3]) -> Self {
-        Strides { b: s[0], s: s[1], h: s[2] }
+        Strides {
+            b: s[0],
+            s: s[1],
+            h: s[2],
+        }
     }
 }
 
@@ -121,7 +130,9 @@ pub fn unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
     }
     let strides = [p.q_stride, p.k_stride, p.v_stride, p.o_stride];
     if strides.iter().flatten().any(|s| s % 8 != 0) {
-        return Some("needs batch/seq/head strides that are multiples of 8 elements (16-byte rows)".into());
+        return Some(
+            "needs batch/seq/head strides that are multiples of 8 elements (16-byte rows)".into(),
+        );
     }
     if ptrs.iter().any(|a| a % 16 != 0) {
         return Some("needs 16-byte aligned q, k, v, o (and gradient) tensors".into());
@@ -138,9 +149,8 @@ fn kernel(dev: &Arc<CudaDevice>, p: &Problem, name: &str, smem: u32, mt: usize) 
 }
 
 fn grid_dim(n: usize, what: &str) -> Result<u32> {
-    u32::try_from(n).map_err(|_| {
-        Error::bad_arg(OP, what, "a size whose launch grid fits in 32 bits", n)
-    })
+    u32::try_from(n)
+        .map_err(|_| Error::bad_arg(OP, what, "a size whose launch grid fits in 32 bits", n))
 }
 
 /// cu_seqlens pointers (0 = padded batch) and the length of an lse row: Sq when padded
@@ -168,7 +178,18 @@ pub(super) fn forward(
     lse: &Tensor,
     varlen: Option<&Varlen>,
 ) -> Result<()> {
-    forward_with(default_fwd_mt(p.head_dim), dev, stream, p, q, k, v, o, lse, varlen)
+    forward_with(
+        default_fwd_mt(p.head_dim),
+        dev,
+        stream,
+        p,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        varlen,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -250,7 +271,13 @@ pub(super) fn backward(
         .push(p.seqlen_q as i32)
         .push(Strides::from(p.o_stride))
         .push(lse_rows);
-    dot.launch(stream, (grid_dim(rows.div_ceil(8), "rows")?, 1, 1), (256, 1, 1), 0, &mut a)?;
+    dot.launch(
+        stream,
+        (grid_dim(rows.div_ceil(8), "rows")?, 1, 1),
+        (256, 1, 1),
+        0,
+        &mut a,
+    )?;
 
     let dkdv = kernel(dev, p, "flash_bwd_dkdv", smem_kv, mt)?;
     let mut a = KernelArgs::new();
@@ -444,8 +471,14 @@ mod gpu_smoke {
         if crate::core::cuda::nvrtc_available().is_err() {
             return;
         }
-        for spec in kernel_specs().into_iter().chain(super::super::hopper::kernel_specs()) {
-            for arch in [crate::core::device::Arch::SM80, crate::core::device::Arch::SM90] {
+        for spec in kernel_specs()
+            .into_iter()
+            .chain(super::super::hopper::kernel_specs())
+        {
+            for arch in [
+                crate::core::device::Arch::SM80,
+                crate::core::device::Arch::SM90,
+            ] {
                 if arch < spec.min_arch {
                     continue;
                 }
@@ -463,11 +496,61 @@ mod gpu_smoke {
         let dev = crate::core::cuda::device(0).unwrap();
         let stream = dev.stream().clone();
         let cases = [
-            Case { b: 2, hq: 4, hkv: 2, sq: 200, sk: 333, d: 64, wl: -1, wr: -1, softcap: 0.0 },
-            Case { b: 2, hq: 4, hkv: 2, sq: 200, sk: 333, d: 128, wl: -1, wr: 0, softcap: 0.0 },
-            Case { b: 1, hq: 3, hkv: 1, sq: 257, sk: 129, d: 128, wl: -1, wr: 0, softcap: 0.0 },
-            Case { b: 1, hq: 2, hkv: 2, sq: 300, sk: 300, d: 64, wl: 37, wr: 5, softcap: 20.0 },
-            Case { b: 1, hq: 2, hkv: 1, sq: 65, sk: 190, d: 96, wl: 10, wr: 0, softcap: 0.0 },
+            Case {
+                b: 2,
+                hq: 4,
+                hkv: 2,
+                sq: 200,
+                sk: 333,
+                d: 64,
+                wl: -1,
+                wr: -1,
+                softcap: 0.0,
+            },
+            Case {
+                b: 2,
+                hq: 4,
+                hkv: 2,
+                sq: 200,
+                sk: 333,
+                d: 128,
+                wl: -1,
+                wr: 0,
+                softcap: 0.0,
+            },
+            Case {
+                b: 1,
+                hq: 3,
+                hkv: 1,
+                sq: 257,
+                sk: 129,
+                d: 128,
+                wl: -1,
+                wr: 0,
+                softcap: 0.0,
+            },
+            Case {
+                b: 1,
+                hq: 2,
+                hkv: 2,
+                sq: 300,
+                sk: 300,
+                d: 64,
+                wl: 37,
+                wr: 5,
+                softcap: 20.0,
+            },
+            Case {
+                b: 1,
+                hq: 2,
+                hkv: 1,
+                sq: 65,
+                sk: 190,
+                d: 96,
+                wl: 10,
+                wr: 0,
+                softcap: 0.0,
+            },
         ];
         for (n, c) in cases.iter().enumerate() {
             for dt in [DType::BF16, DType::F16] {
@@ -507,14 +590,27 @@ mod gpu_smoke {
                     v_stride: st(c.sk, c.hkv),
                     o_stride: st(c.sq, c.hq),
                 };
-                forward_with(3 - default_fwd_mt(c.d), &dev, &stream, &p, &q, &k, &v, &o, &lse, None)
-                    .unwrap();
+                forward_with(
+                    3 - default_fwd_mt(c.d),
+                    &dev,
+                    &stream,
+                    &p,
+                    &q,
+                    &k,
+                    &v,
+                    &o,
+                    &lse,
+                    None,
+                )
+                .unwrap();
                 dev.synchronize(&stream, "flash smoke").unwrap();
                 let o_other = o.to_f32_vec().unwrap();
                 o.poison(None).unwrap();
                 forward(&dev, &stream, &p, &q, &k, &v, &o, &lse, None).unwrap();
-                backward(&dev, &stream, &p, &dout, &q, &k, &v, &o, &lse, &dq, &dk, &dvv, None)
-                    .unwrap();
+                backward(
+                    &dev, &stream, &p, &dout, &q, &k, &v, &o, &lse, &dq, &dk, &dvv, None,
+                )
+                .unwrap();
                 dev.synchronize(&stream, "flash smoke").unwrap();
                 let f = |t: &Tensor| t.to_f32_vec().unwrap();
                 let (ro, rl, rdq, rdk, rdv) =
@@ -531,9 +627,7 @@ mod gpu_smoke {
                 for (name, e) in errs {
                     assert!(e < 2e-2, "case {n} {dt}: {name} rel error {e}");
                 }
-                if dev.arch().major == 9
-                    && super::super::hopper::unfit(&p, &[]).is_none()
-                {
+                if dev.arch().major == 9 && super::super::hopper::unfit(&p, &[]).is_none() {
                     for t in [&o, &lse] {
                         t.poison(None).unwrap();
                     }
@@ -549,7 +643,10 @@ mod gpu_smoke {
                         let errs = [("o", rel(&f(&o), &ro)), ("lse", rel(&f(&lse), &rl))];
                         eprintln!("case {n} {dt} hopper {cfg:?}: {errs:?}");
                         for (name, e) in errs {
-                            assert!(e < 2e-2, "case {n} {dt} hopper {cfg:?}: {name} rel error {e}");
+                            assert!(
+                                e < 2e-2,
+                                "case {n} {dt} hopper {cfg:?}: {name} rel error {e}"
+                            );
                         }
                     }
                 }
@@ -630,7 +727,9 @@ mod gpu_speed {
                     );
                 }
                 let bw = time_gpu(&dev, &stream, Budget::gpu(), |_| {
-                    backward(&dev, &stream, &p, &dout, &q, &k, &v, &o, &lse, &dq, &dk, &dvv, None)
+                    backward(
+                        &dev, &stream, &p, &dout, &q, &k, &v, &o, &lse, &dq, &dk, &dvv, None,
+                    )
                 })
                 .unwrap();
                 eprintln!(

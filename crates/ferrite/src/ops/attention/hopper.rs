@@ -34,10 +34,22 @@ impl Config {
         pipelined: true,
     };
     pub const ALL: [Config; 4] = [
-        Config { stages: 2, pipelined: false },
-        Config { stages: 2, pipelined: true },
-        Config { stages: 3, pipelined: false },
-        Config { stages: 3, pipelined: true },
+        Config {
+            stages: 2,
+            pipelined: false,
+        },
+        Config {
+            stages: 2,
+            pipelined: true,
+        },
+        Config {
+            stages: 3,
+            pipelined: false,
+        },
+        Config {
+            stages: 3,
+            pipelined: true,
+        },
     ];
 }
 
@@ -55,7 +67,11 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for d in [DType::BF16, DType::F16] {
         for hd in HEAD_DIMS {
-            for (cfg, softcap) in [(Config::DEFAULT, false), (Config::DEFAULT, true), (Config::ALL[0], false)] {
+            for (cfg, softcap) in [
+                (Config::DEFAULT, false),
+                (Config::DEFAULT, true),
+                (Config::ALL[0], false),
+            ] {
                 v.push(KernelSpec {
                     program: program(d, hd, cfg, softcap),
                     functions: vec!["attn_hopper_fwd".into()],
@@ -82,7 +98,10 @@ pub fn unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
         .iter()
         .any(|s| s[first..].iter().any(|&x| x % 8 != 0 || x <= 0))
     {
-        return Some("needs positive batch/seq/head strides, multiples of 8 elements (TMA: 16-byte strides)".into());
+        return Some(
+            "needs positive batch/seq/head strides, multiples of 8 elements (TMA: 16-byte strides)"
+                .into(),
+        );
     }
     if ptrs.iter().any(|a| a % 16 != 0) {
         return Some("needs 16-byte aligned q, k, v, o (TMA)".into());

@@ -97,6 +97,9 @@ const SIMT: &[Simt] = &[
 
 /// Stages of the cp.async ring of `mma_pipelined` (`mma` has one).
 const MMA_STAGES: u32 = 4;
+/// Stages of `mma_pipelined` with a fused epilogue: at 3 and 4 the 16-bit epilogue kernels spill
+/// (ptxas: 255 registers + 8–212 bytes); at 2 none does (238 registers).
+const MMA_EPI_STAGES: u32 = 2;
 /// Shared memory per stage of the mma kernels: A and B tiles of 128 rows × (64 + 16) bytes.
 const MMA_STAGE_BYTES: u32 = 2 * 128 * 80;
 
@@ -398,7 +401,7 @@ pub fn epilogue_specs() -> Vec<KernelSpec> {
                 min_arch: Arch::SM80,
             });
             v.push(KernelSpec {
-                program: mma_program(d, MMA_STAGES, Some(act)),
+                program: mma_program(d, MMA_EPI_STAGES, Some(act)),
                 functions: vec!["matmul_mma".into()],
                 min_arch: Arch::SM80,
             });
@@ -491,7 +494,11 @@ fn plan_inner(
             epilogue: epi,
         }),
         "mma" | "mma_pipelined" => {
-            let stages = if variant == "mma" { 1 } else { MMA_STAGES };
+            let stages = match (variant, epi) {
+                ("mma", _) => 1,
+                (_, Some(_)) => MMA_EPI_STAGES,
+                _ => MMA_STAGES,
+            };
             let kernel = dev.kernel(&mma_program(g.dtype, stages, epi), "matmul_mma")?;
             let smem = stages * MMA_STAGE_BYTES;
             if smem > 48 * 1024 {
