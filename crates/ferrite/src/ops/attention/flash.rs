@@ -153,6 +153,21 @@ fn grid_dim(n: usize, what: &str) -> Result<u32> {
         .map_err(|_| Error::bad_arg(OP, what, "a size whose launch grid fits in 32 bits", n))
 }
 
+/// The parameters every flash kernel takes after its tensors, in flash.cu's order: cu_seqlens,
+/// head counts, (max) lengths and the (batch, seq, head) strides of q, k, v, o.
+fn push_geometry(a: &mut KernelArgs, p: &Problem, cu_q: u64, cu_k: u64) {
+    a.push(cu_q)
+        .push(cu_k)
+        .push(p.heads_q as i32)
+        .push(p.heads_kv as i32)
+        .push(p.seqlen_q as i32)
+        .push(p.seqlen_k as i32)
+        .push(Strides::from(p.q_stride))
+        .push(Strides::from(p.k_stride))
+        .push(Strides::from(p.v_stride))
+        .push(Strides::from(p.o_stride));
+}
+
 /// cu_seqlens pointers (0 = padded batch) and the length of an lse row: Sq when padded
 /// (`[B, Hq, Sq]`), the packed query count when varlen (`[Hq, total_q]`).
 fn varlen_args(varlen: Option<&Varlen>, p: &Problem, lse: &Tensor) -> Result<(u64, u64, i64)> {
@@ -214,18 +229,9 @@ pub(super) fn forward_with(
         .push(k.device_ptr()?)
         .push(v.device_ptr()?)
         .push(o.device_ptr()?)
-        .push(lse.device_ptr()?)
-        .push(cu_q)
-        .push(cu_k)
-        .push(p.heads_q as i32)
-        .push(p.heads_kv as i32)
-        .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32)
-        .push(Strides::from(p.q_stride))
-        .push(Strides::from(p.k_stride))
-        .push(Strides::from(p.v_stride))
-        .push(Strides::from(p.o_stride))
-        .push(lse_rows)
+        .push(lse.device_ptr()?);
+    push_geometry(&mut a, p, cu_q, cu_k);
+    a.push(lse_rows)
         .push(p.window_left)
         .push(p.window_right)
         .push(score_map(p));
@@ -288,18 +294,9 @@ pub(super) fn backward(
         .push(lse.device_ptr()?)
         .push(delta.ptr())
         .push(dk.device_ptr()?)
-        .push(dv.device_ptr()?)
-        .push(cu_q)
-        .push(cu_k)
-        .push(p.heads_q as i32)
-        .push(p.heads_kv as i32)
-        .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32)
-        .push(Strides::from(p.q_stride))
-        .push(Strides::from(p.k_stride))
-        .push(Strides::from(p.v_stride))
-        .push(Strides::from(p.o_stride))
-        .push(Strides::from(p.k_stride))
+        .push(dv.device_ptr()?);
+    push_geometry(&mut a, p, cu_q, cu_k);
+    a.push(Strides::from(p.k_stride))
         .push(Strides::from(p.v_stride))
         .push(lse_rows)
         .push(p.window_left)
@@ -321,18 +318,9 @@ pub(super) fn backward(
         .push(dout.device_ptr()?)
         .push(lse.device_ptr()?)
         .push(delta.ptr())
-        .push(dq.device_ptr()?)
-        .push(cu_q)
-        .push(cu_k)
-        .push(p.heads_q as i32)
-        .push(p.heads_kv as i32)
-        .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32)
-        .push(Strides::from(p.q_stride))
-        .push(Strides::from(p.k_stride))
-        .push(Strides::from(p.v_stride))
-        .push(Strides::from(p.o_stride))
-        .push(Strides::from(p.q_stride))
+        .push(dq.device_ptr()?);
+    push_geometry(&mut a, p, cu_q, cu_k);
+    a.push(Strides::from(p.q_stride))
         .push(lse_rows)
         .push(p.window_left)
         .push(p.window_right)
