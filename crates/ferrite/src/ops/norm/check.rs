@@ -78,7 +78,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
             bias: b,
             residual: r,
         });
-        let rms_cols = if cols == 1 { 2 } else { cols };
+        let rms_cols = if cols <= 2 { 3 } else { cols };
         v.push(Case {
             kind: NormKind::Rms,
             rows,
