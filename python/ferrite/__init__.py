@@ -1,16 +1,27 @@
 """ferrite for PyTorch: ferrite's kernels as ``torch.library`` custom ops with autograd and
-``torch.compile`` support, drop-in modules, and a model patcher.
+``torch.compile`` support, drop-in modules, a fused optimizer and a model patcher.
 
     import ferrite
-    y = ferrite.linear(x, w, b)            # or ferrite.rms_norm / layer_norm / matmul
-    swapped = ferrite.optimize(model)      # nn.Linear / nn.LayerNorm / nn.RMSNorm -> ferrite
+    y = ferrite.linear(x, w, b, activation="gelu")     # bias + GELU in the GEMM epilogue
+    o = ferrite.flash_attn_func(q, k, v, causal=True)  # [B, S, H, D], GQA, window, varlen
+    loss = ferrite.cross_entropy(logits, targets)      # fused loss + gradient
+    swapped = ferrite.optimize(model)                  # nn.Linear / norms / MHA -> ferrite
+    opt = ferrite.optim.AdamW(model.parameters())      # one fused launch per step
 
 The ops are also reachable as ``torch.ops.ferrite.*`` once ``ferrite`` is imported.
 """
 
 from . import _native
+from ._attention import (
+    append_kv,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    paged_decode,
+    scaled_dot_product_attention,
+)
+from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
 from ._ops import cuda_status, layer_norm, linear, matmul, rms_norm
-from . import nn
+from . import nn, optim
 from .nn import optimize
 
 __version__ = _native.__version__
@@ -21,8 +32,20 @@ __all__ = [
     "linear",
     "rms_norm",
     "layer_norm",
+    "softmax",
+    "bias_act_dropout",
+    "dropout",
+    "swiglu",
+    "geglu",
+    "cross_entropy",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "scaled_dot_product_attention",
+    "paged_decode",
+    "append_kv",
     "optimize",
     "nn",
+    "optim",
     "cuda_status",
     "variants",
     "__version__",

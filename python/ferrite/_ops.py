@@ -87,7 +87,7 @@ def _check_cpu_matmul_dtype(op: str, t: Tensor) -> None:
     if t.device.type == "cpu" and t.dtype != torch.float32:
         _fail(
             op,
-            "a" if op.endswith("matmul") else "x",
+            "a",
             "float32 on the CPU (ferrite's CPU GEMMs are fp32; CUDA runs float32/float16/bfloat16)",
             _describe(t),
         )
@@ -120,7 +120,6 @@ def _matmul_shape(op: str, a: Tensor, b: Tensor) -> List[int]:
 
 def _linear_shape(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> List[int]:
     _check_tensors(op, [("input", x), ("weight", weight), ("bias", bias)])
-    _check_cpu_matmul_dtype(op, x)
     if x.dim() < 1:
         _fail(op, "input", "a tensor of rank ≥ 1 ([..., in_features])", _describe(x))
     if weight.dim() != 2:
@@ -157,8 +156,11 @@ def _norm_check(op, x, normalized_shape, weight, bias=None) -> Tuple[List[int], 
 # calling the native module
 
 
+_DESC_NAMES = {**_DTYPE_NAMES, torch.int32: "int32", torch.int64: "int64"}
+
+
 def _desc(t: Tensor):
-    return (t.data_ptr(), list(t.shape), list(t.stride()), _DTYPE_NAMES[t.dtype])
+    return (t.data_ptr(), list(t.shape), list(t.stride()), _DESC_NAMES[t.dtype])
 
 
 def _native_call(fn, *args, **kwargs):
@@ -306,17 +308,122 @@ _matmul.register_autograd(_matmul_bwd, setup_context=_matmul_setup)
 # linear
 
 
+_ACTIVATIONS = {
+    None: "none",
+    "none": "none",
+    "relu": "relu",
+    "gelu": "gelu_erf",
+    "gelu_erf": "gelu_erf",
+    "gelu_tanh": "gelu_tanh",
+    "silu": "silu",
+}
+_ACT_NAMES = "None, 'relu', 'gelu' (erf), 'gelu_tanh' or 'silu'"
+
+
+def _activation(op: str, activation) -> str:
+    if activation not in _ACTIVATIONS:
+        _fail(op, "activation", _ACT_NAMES, repr(activation))
+    return _ACTIVATIONS[activation]
+
+
+def _torch_act(z: Tensor, act: str) -> Tensor:
+    """The activation in torch (for the empty-K edge case only)."""
+    if act == "relu":
+        return torch.relu(z)
+    if act == "gelu_erf":
+        return torch.nn.functional.gelu(z)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    if act == "silu":
+        return torch.nn.functional.silu(z)
+    return z
+
+
+def _rows2(t: Tensor) -> Tensor:
+    """t ([rows, cols]) itself if its rows are unit-stride and apart by ≥ cols, else a copy."""
+    if t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]):
+        return t
+    return t.contiguous()
+
+
+def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, save_z: bool):
+    """(y, z) of y = act(x·Wᵀ + b) with ferrite's linear (bias and activation in the GEMM's
+    epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else an empty placeholder)."""
+    shape = list(x.shape[:-1]) + [weight.shape[0]]
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    z = torch.empty(shape, dtype=x.dtype, device=x.device) if save_z else _empty(x)
+    rows, k, n = math.prod(x.shape[:-1]), x.shape[-1], weight.shape[0]
+    if y.numel() == 0:
+        return y, z
+    if k == 0:  # no GEMM to run: z is the bias (or 0)
+        zz = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        if bias is not None:
+            zz += bias
+        y.copy_(_torch_act(zz, act))
+        if save_z:
+            z.copy_(zz)
+        return y, z
+    dev, stream = _where(x)
+    _native_call(
+        _native.linear_forward,
+        _rows2(x.reshape(rows, k)),
+        _rows2(weight),
+        y.view(rows, n),
+        bias=None if bias is None else bias.contiguous(),
+        z=z.view(rows, n) if save_z else None,
+        activation=act,
+        tf32=_tf32(x),
+        device=dev,
+        stream=stream,
+    )
+    return y, z
+
+
+def _linear_grads(grad, x, weight, z, act, need_x, need_w, need_b):
+    n, k = weight.shape
+    rows = math.prod(x.shape[:-1])
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+    db = torch.empty((n,), dtype=weight.dtype, device=weight.device) if need_b else None
+    if rows == 0 or k == 0 or n == 0:
+        # nothing for the kernels to do; what remains is zeros (and db when k == 0)
+        for t in (dx, dw, db):
+            if t is not None:
+                t.zero_()
+        if db is not None and rows > 0 and n > 0:
+            g = grad.reshape(rows, n).float()
+            if act != "none":
+                zz = z.reshape(rows, n).detach().float().requires_grad_(True)
+                with torch.enable_grad():
+                    (g,) = torch.autograd.grad(_torch_act(zz, act), zz, g)
+            db.copy_(g.sum(0))
+    elif need_x or need_w or need_b:
+        dev, stream = _where(x)
+        _native_call(
+            _native.linear_backward,
+            grad.reshape(rows, n).contiguous(),
+            _rows2(x.reshape(rows, k)),
+            _rows2(weight),
+            z=None if act == "none" else z.reshape(rows, n).contiguous(),
+            dx=None if dx is None else dx.view(rows, k),
+            dw=dw,
+            db=db,
+            activation=act,
+            tf32=_tf32(x),
+            device=dev,
+            stream=stream,
+        )
+    return (
+        dx if need_x else _empty(x),
+        dw if need_w else _empty(weight),
+        db if need_b else _empty(weight),
+    )
+
+
 @torch.library.custom_op("ferrite::linear", mutates_args=())
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    shape = _linear_shape("ferrite.linear", x, weight, bias)
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    beta = 0.0
-    if bias is not None and out.numel() > 0:
-        out.copy_(bias)  # the GEMM's epilogue adds it: out = x·Wᵀ + 1·out
-        beta = 1.0
-    rows = math.prod(x.shape[:-1])
-    _mm_into(x.reshape(rows, x.shape[-1]), weight.t(), out.view(rows, weight.shape[0]), beta)
-    return out
+    _linear_shape("ferrite.linear", x, weight, bias)
+    return _linear_run(x, weight, bias, "none", False)[0]
 
 
 @_linear.register_fake
@@ -329,33 +436,21 @@ def _linear_backward(
     grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool
 ) -> Tuple[Tensor, Tensor, Tensor]:
     _check_tensors("ferrite.linear_backward", [("grad", grad), ("input", x), ("weight", weight)])
-    n, k = weight.shape
-    rows = math.prod(x.shape[:-1])
-    g2 = grad.reshape(rows, n)
-    dx = dw = db = None
-    if need_x:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _mm_into(g2, weight, dx.view(rows, k))  # [rows, n] @ [n, k]
-    if need_w:
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        _mm_into(g2.t(), x.reshape(rows, k), dw)  # [n, rows] @ [rows, k]
-    if need_b:
-        db = g2.sum(0)
+    return _linear_grads(grad, x, weight, None, "none", need_x, need_w, need_b)
+
+
+def _linear_grads_fake(x, weight, need_x, need_w, need_b):
     return (
-        dx if need_x else _empty(x),
-        dw if need_w else _empty(weight),
-        db if need_b else _empty(weight),
+        x.new_empty(x.shape) if need_x else _empty(x),
+        weight.new_empty(weight.shape) if need_w else _empty(weight),
+        weight.new_empty((weight.shape[0],)) if need_b else _empty(weight),
     )
 
 
 @_linear_backward.register_fake
 def _(grad, x, weight, need_x, need_w, need_b):
     _check_tensors("ferrite.linear_backward", [("grad", grad), ("input", x), ("weight", weight)])
-    return (
-        x.new_empty(x.shape) if need_x else _empty(x),
-        weight.new_empty(weight.shape) if need_w else _empty(weight),
-        weight.new_empty((weight.shape[0],)) if need_b else _empty(weight),
-    )
+    return _linear_grads_fake(x, weight, need_x, need_w, need_b)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -373,6 +468,75 @@ def _linear_bwd(ctx, grad):
 
 
 _linear.register_autograd(_linear_bwd, setup_context=_linear_setup)
+
+
+# linear with a fused activation: y = act(x·Wᵀ + b); z (the pre-activation) kept for backward
+
+
+@torch.library.custom_op("ferrite::linear_act", mutates_args=())
+def _linear_act(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, save_preact: bool
+) -> Tuple[Tensor, Tensor]:
+    _linear_shape("ferrite.linear", x, weight, bias)
+    act = _activation("ferrite.linear", activation)
+    return _linear_run(x, weight, bias, act, save_preact and act != "none")
+
+
+@_linear_act.register_fake
+def _(x, weight, bias, activation, save_preact):
+    shape = _linear_shape("ferrite.linear", x, weight, bias)
+    act = _activation("ferrite.linear", activation)
+    return x.new_empty(shape), (x.new_empty(shape) if save_preact and act != "none" else _empty(x))
+
+
+@torch.library.custom_op("ferrite::linear_act_backward", mutates_args=())
+def _linear_act_backward(
+    grad: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    preact: Tensor,
+    activation: str,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    op = "ferrite.linear_backward"
+    _check_tensors(op, [("grad", grad), ("input", x), ("weight", weight), ("preact", preact)])
+    act = _activation(op, activation)
+    if act != "none" and list(preact.shape) != list(grad.shape):
+        _fail(op, "preact", f"the forward's pre-activation {list(grad.shape)}", _describe(preact))
+    return _linear_grads(grad, x, weight, preact, act, need_x, need_w, need_b)
+
+
+@_linear_act_backward.register_fake
+def _(grad, x, weight, preact, activation, need_x, need_w, need_b):
+    _check_tensors("ferrite.linear_backward", [("grad", grad), ("input", x), ("weight", weight)])
+    return _linear_grads_fake(x, weight, need_x, need_w, need_b)
+
+
+def _linear_act_setup(ctx, inputs, output):
+    x, weight, bias, activation, save_preact = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.has_bias = bias is not None
+    ctx.activation = activation
+    ctx.saved_preact = save_preact
+
+
+def _linear_act_bwd(ctx, grad, _grad_z):
+    x, weight, z = ctx.saved_tensors
+    act = _activation("ferrite.linear_backward", ctx.activation)
+    if act != "none" and not ctx.saved_preact:
+        raise RuntimeError(
+            "ferrite.linear: backward through an activation needs the pre-activation, which was "
+            "not kept (save_preact=False: the forward ran without gradients)"
+        )
+    nx, nw, nb = ctx.needs_input_grad[:3]
+    nb = bool(nb) and ctx.has_bias
+    dx, dw, db = torch.ops.ferrite.linear_act_backward(grad, x, weight, z, ctx.activation, nx, nw, nb)
+    return (dx if nx else None), (dw if nw else None), (db if nb else None), None, None
+
+
+_linear_act.register_autograd(_linear_act_bwd, setup_context=_linear_act_setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,9 +714,18 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     return torch.ops.ferrite.matmul(input, other)
 
 
-def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``torch.nn.functional.linear``: ``input @ weight.T + bias``."""
-    return torch.ops.ferrite.linear(input, weight, bias)
+def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.linear`` (``input @ weight.T + bias``), optionally followed by a fused
+    activation: ``activation`` None, ``"relu"``, ``"gelu"`` (exact, erf), ``"gelu_tanh"`` or
+    ``"silu"``. Bias and activation run in the GEMM's epilogue; with an activation the
+    pre-activation is kept for the backward only when a gradient will be needed."""
+    act = _activation("ferrite.linear", activation)
+    if act == "none":
+        return torch.ops.ferrite.linear(input, weight, bias)
+    need = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, weight, bias)
+    )
+    return torch.ops.ferrite.linear_act(input, weight, bias, act, need)[0]
 
 
 def rms_norm(

@@ -44,10 +44,11 @@ def test_optimize_swaps_in_place_and_matches():
     keys = list(m.state_dict().keys())
     mods = dict(m.named_modules())
     swapped = ferrite.optimize(m)
-    assert [s[0] for s in swapped] == ["norm1", "norm2", "mlp.0", "mlp.2", "plain_ln"]
+    assert [s[0] for s in swapped] == ["norm1", "attn", "norm2", "mlp.0", "mlp.2", "plain_ln"]
     assert swapped[0] == ("norm1", "torch.nn.modules.normalization.LayerNorm", "ferrite.nn.LayerNorm")
     assert isinstance(m.norm1, fnn.LayerNorm) and isinstance(m.norm2, fnn.RMSNorm)
     assert isinstance(m.mlp[0], fnn.Linear) and isinstance(m.mlp[2], fnn.Linear)
+    assert isinstance(m.attn, fnn.MultiheadAttention)
     # untouched: subclasses, attention's out_proj, other module types
     assert type(m.head) is Custom
     assert type(m.attn.out_proj) is torch.nn.modules.linear.NonDynamicallyQuantizableLinear
@@ -74,10 +75,14 @@ def test_optimize_training_gradients_match():
 def test_optimize_selection():
     m = Model()
     got = ferrite.optimize(m, linear=False)
-    assert [s[0] for s in got] == ["norm1", "norm2", "plain_ln"]
+    assert [s[0] for s in got] == ["norm1", "attn", "norm2", "plain_ln"]
     assert type(m.mlp[0]) is torch.nn.Linear
     m = Model()
-    assert [s[0] for s in ferrite.optimize(m, norms=False)] == ["mlp.0", "mlp.2"]
+    assert [s[0] for s in ferrite.optimize(m, norms=False)] == ["attn", "mlp.0", "mlp.2"]
+    m = Model()
+    assert [s[0] for s in ferrite.optimize(m, linear=False, norms=False)] == ["attn"]
+    m = Model()
+    assert [s[0] for s in ferrite.optimize(m, attention=False)] == ["norm1", "norm2", "mlp.0", "mlp.2", "plain_ln"]
     lin = torch.nn.Linear(3, 4)
     assert ferrite.optimize(lin) == [("", "torch.nn.modules.linear.Linear", "ferrite.nn.Linear")]
 
@@ -96,13 +101,13 @@ def test_dropins_construct_like_torch():
 
 
 def test_dropins_fall_back_where_ferrite_cannot_run():
-    """float64 and 16-bit CPU matmuls run torch's implementation: a swapped model runs wherever
-    the original did."""
+    """float64 runs torch's implementation: a swapped model runs wherever the original did."""
     lin = fnn.Linear(8, 3).double()
     x = torch.randn(5, 8, dtype=torch.float64)
     close(lin(x).float(), F.linear(x, lin.weight, lin.bias).float())
-    lin16 = fnn.Linear(8, 3).bfloat16()
+    lin16 = fnn.Linear(8, 3).bfloat16()  # the CPU linear runs 16-bit (widened to f32 inside)
     xb = torch.randn(5, 8, dtype=torch.bfloat16)
     assert lin16(xb).dtype == torch.bfloat16
+    close(lin16(xb), F.linear(xb.double(), lin16.weight.double(), lin16.bias.double()).bfloat16())
     rms = fnn.RMSNorm(8).bfloat16()  # norms do run 16-bit on the CPU
     close(rms(xb), F.rms_norm(xb, [8], rms.weight, None))

@@ -34,6 +34,22 @@ OPCHECK_CASES = [
     ("matmul_backward", lambda: (r(5, 3, grad=False), r(5, 7, grad=False), r(7, 3, grad=False), True, True)),
     ("matmul_backward", lambda: (r(4, 5, 3, grad=False), r(5, 7, grad=False), r(4, 7, 3, grad=False), True, False)),
     ("linear_backward", lambda: (r(6, 5, grad=False), r(6, 9, grad=False), r(5, 9, grad=False), True, True, True)),
+    ("linear_act", lambda: (r(3, 4, 9), r(5, 9), r(5), "gelu_tanh", True)),
+    ("linear_act", lambda: (r(4, 9), r(5, 9), None, "silu", True)),
+    ("softmax", lambda: (r(4, 33), 0.5)),
+    ("bias_act_dropout", lambda: (r(6, 17), r(17), "gelu_tanh", 0.25, torch.tensor([3, 9]))),
+    ("bias_act_dropout", lambda: (r(2, 3, 8), None, "none", 0.0, torch.tensor([1, 0]))),
+    ("glu", lambda: (r(5, 2 * 11), "silu")),
+    ("cross_entropy", lambda: (r(7, 40), torch.randint(0, 40, (7,)), -100, 0.1, "mean", True)),
+    ("cross_entropy", lambda: (r(7, 40), torch.randint(0, 40, (7,)), 3, 0.0, "none", True)),
+    (
+        "attention",
+        lambda: (r(2, 9, 4, 16), r(2, 9, 2, 16), r(2, 9, 2, 16), None, None, 0, 0, "bshd", None, True, -1, -1, 0.0, False),
+    ),
+    (
+        "attention",
+        lambda: (r(1, 2, 7, 16), r(1, 2, 11, 16), r(1, 2, 11, 16), None, None, 0, 0, "bhsd", 0.5, False, 3, 2, 5.0, True),
+    ),
 ]
 
 
@@ -74,6 +90,58 @@ def test_gradcheck_norms():
     w, b = (1 + 0.1 * torch.randn(8)).requires_grad_(), r(8)
     assert torch.autograd.gradcheck(lambda x, w: ferrite.rms_norm(x, [8], w, 1e-5), (x, w), **GC)
     assert torch.autograd.gradcheck(lambda x, w, b: ferrite.layer_norm(x, [8], w, b), (x, w, b), **GC)
+
+
+def test_opcheck_decode_and_append():
+    torch.manual_seed(0)
+    kc, vc = torch.randn(5, 4, 2, 16), torch.randn(5, 4, 2, 16)
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    lens = torch.tensor([6, 3], dtype=torch.int32)
+    torch.library.opcheck(ops.paged_decode.default, (torch.randn(2, 4, 16), kc, vc, table, lens, None, 0.0, -1))
+    slots = torch.tensor([0, 7, -1], dtype=torch.int32)
+    torch.library.opcheck(ops.append_kv.default, (torch.randn(3, 2, 16), torch.randn(3, 2, 16), kc, vc, slots))
+
+
+class GptBlock(torch.nn.Module):
+    """A pre-norm GPT block on ferrite ops only: RMSNorm, fused QKV, flash attention, GELU MLP
+    with the activation in the GEMM epilogue, dropout, and a fused cross-entropy head."""
+
+    def __init__(self, d=32, heads=4, vocab=50):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x, targets):
+        b, s, d = x.shape
+        h = ferrite.rms_norm(x, [d], self.n1.weight)
+        q, k, v = ferrite.linear(h, self.qkv.weight, self.qkv.bias).view(b, s, 3, self.heads, -1).unbind(2)
+        a = ferrite.flash_attn_func(q, k, v, causal=True).reshape(b, s, d)
+        x = x + ferrite.dropout(ferrite.linear(a, self.proj.weight, self.proj.bias), 0.1, seed=(5, 0))
+        h = ferrite.rms_norm(x, [d], self.n2.weight)
+        x = x + ferrite.linear(ferrite.linear(h, self.up.weight, self.up.bias, activation="gelu_tanh"), self.down.weight, self.down.bias)
+        logits = ferrite.linear(x, self.head.weight)
+        return ferrite.cross_entropy(logits.view(b * s, -1), targets.view(-1))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_gpt_block_fullgraph(backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = GptBlock()
+    x = torch.randn(2, 9, 32)
+    t = torch.randint(0, 50, (2, 9))
+    ref = m(x, t)
+    ref.backward()
+    gref = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    loss = torch.compile(m, fullgraph=True, backend=backend)(x, t)
+    close(loss, ref)
+    loss.backward()
+    for a, b in zip([p.grad for p in m.parameters()], gref):
+        close(a, b)
 
 
 class Block(torch.nn.Module):

@@ -23,6 +23,9 @@
 //! strides, and each output's span is copied back after the op. Correct for any layout; costs one
 //! extra pass over the operands, which the demo's CPU timings include.
 
+mod attn;
+mod fused;
+
 use ferrite::core::cuda::{self as fcuda, CudaDevice, Stream};
 use ferrite::core::harness::Precision;
 use ferrite::ops::matmul::{self as fmatmul, MatmulOptions};
@@ -422,15 +425,25 @@ fn cuda_status() -> (usize, Option<String>) {
     }
 }
 
-/// The variants of an op family ("matmul" or "norm") as (name, backend, dtypes, summary).
+/// The variants of an op family (a name of `ferrite list`: matmul, linear, norm, softmax,
+/// activation, cross_entropy, adamw, attention, decode) as (name, backend, dtypes, summary).
 #[pyfunction]
 fn variants(op: &str) -> PyResult<Vec<(String, String, Vec<String>, String)>> {
+    use ferrite::ops;
     let vs = match op {
         "matmul" => fmatmul::variants(),
+        "linear" => ops::linear::variants(),
         "norm" => fnorm::variants(),
+        "softmax" => ops::softmax::variants(),
+        "activation" => ops::activation::variants(),
+        "cross_entropy" => ops::cross_entropy::variants(),
+        "adamw" => ops::adamw::variants(),
+        "attention" => ops::attention::variants(),
+        "decode" => ops::decode::variants(),
         other => {
             return Err(PyValueError::new_err(format!(
-                "ferrite.variants: argument `op`: expected matmul or norm, got {other}"
+                "ferrite.variants: argument `op`: expected one of matmul, linear, norm, softmax, \
+                 activation, cross_entropy, adamw, attention, decode, got {other}"
             )))
         }
     };
@@ -453,6 +466,20 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
     m.add_function(wrap_pyfunction!(norm_forward, m)?)?;
     m.add_function(wrap_pyfunction!(norm_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::linear_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::linear_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::softmax_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::softmax_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::bias_act_dropout, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::bias_act_dropout_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::glu_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::glu_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::cross_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::adamw_step, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::attention_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::paged_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::append_kv, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(variants, m)?)?;
     Ok(())

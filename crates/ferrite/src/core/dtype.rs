@@ -77,6 +77,11 @@ impl DType {
                 "float" | "float32" | "fp32" => Some(DType::F32),
                 "half" | "float16" | "fp16" => Some(DType::F16),
                 "bfloat16" => Some(DType::BF16),
+                "int32" | "int" => Some(DType::I32),
+                "int64" | "long" => Some(DType::I64),
+                "uint32" => Some(DType::U32),
+                "uint16" => Some(DType::U16),
+                "uint8" => Some(DType::U8),
                 _ => None,
             })
     }

@@ -1,0 +1,422 @@
+"""Attention as custom ops: flash forward/backward (causal, sliding window, GQA/MQA, variable
+length, soft-capping, both layouts) and paged-KV decode with its cache append.
+
+- ``attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale,
+  causal, window_left, window_right, softcap, deterministic) -> (out, lse)``. Layouts ``"bshd"``
+  (q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``: flash-attn's) and ``"bhsd"`` (``[B, H, S, D]``:
+  SDPA's); with ``cu_seqlens_*`` (int32 ``[B+1]``) the batch is packed: q ``[total_q, Hq, D]``.
+  lse is float32 ``[B, Hq, Sq]`` (``[Hq, total_q]`` packed). Causal masks are bottom-right aligned
+  when Sq ≠ Sk (flash-attn's convention). Backward: ``attention_backward`` (recomputes the
+  probabilities from lse; ``deterministic`` gives the same bits every run).
+- ``paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left)
+  -> (out, lse)``: one decode step for q ``[B, Hq, D]`` over a paged cache
+  ``[num_blocks, block_size, Hkv, D]`` read through ``block_table`` (int32 ``[B, max_blocks]``)
+  with ``seq_lens`` (int32 ``[B]``). Inference only (no autograd).
+- ``append_kv(k, v, key_cache, value_cache, slot_mapping)``: writes k, v ``[T, Hkv, D]`` into
+  the caches in place at ``slot_mapping`` (int32 ``[T]``; −1 skips a token).
+
+Public functions: :func:`flash_attn_func`, :func:`flash_attn_varlen_func` (flash-attn's
+signatures), :func:`scaled_dot_product_attention` (SDPA's), :func:`paged_decode`,
+:func:`append_kv`.
+
+CUDA runs float16/bfloat16 through the ``flash`` / ``hopper`` kernels (head dims 32/64/96/128;
+other head dims and float32 fall back to the ``naive`` kernel, which materialises the scores); the
+CPU runs float32/float16/bfloat16. A varlen call reads cu_seqlens on the host (one sync), so it is
+not CUDA-graph capturable; the padded layouts are.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _native
+from ._ops import _check_tensors, _describe, _fail, _native_call, _where
+
+_LAYOUTS = ("bshd", "bhsd")
+
+
+def _last_contig(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_index(op: str, name: str, t: Optional[Tensor], like: Tensor, rank: int) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != rank:
+        got = _describe(t) if isinstance(t, Tensor) else type(t).__name__
+        _fail(op, name, f"an int32 tensor of rank {rank}", got)
+    if t.device != like.device:
+        _fail(op, name, f"a tensor on {like.device} (like `q`)", _describe(t))
+
+
+def _attn_check(op, q, k, v, cu_q, cu_k, layout):
+    _check_tensors(op, [("q", q), ("k", k), ("v", v)])
+    if layout not in _LAYOUTS:
+        _fail(op, "layout", "'bshd' or 'bhsd'", repr(layout))
+    varlen = cu_q is not None or cu_k is not None
+    if varlen and (cu_q is None or cu_k is None):
+        _fail(op, "cu_seqlens_k" if cu_k is None else "cu_seqlens_q", "a tensor (both or neither)", "None")
+    _check_index(op, "cu_seqlens_q", cu_q, q, 1)
+    _check_index(op, "cu_seqlens_k", cu_k, q, 1)
+    rank = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            want = "[total, H, D] (packed by cu_seqlens)" if varlen else f"a 4-D [{', '.join(layout.upper())}] tensor"
+            _fail(op, name, want, _describe(t))
+    if varlen:
+        hq = q.shape[1]
+        lse_shape = [hq, q.shape[0]]
+    elif layout == "bshd":
+        lse_shape = [q.shape[0], q.shape[2], q.shape[1]]
+    else:
+        lse_shape = [q.shape[0], q.shape[1], q.shape[2]]
+    return lse_shape
+
+
+@torch.library.custom_op("ferrite::attention", mutates_args=())
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    layout: str,
+    scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    op = "ferrite.attention"
+    lse_shape = _attn_check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, layout)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    dev, stream = _where(q)
+    _native_call(
+        _native.attention_forward,
+        _last_contig(q),
+        _last_contig(k),
+        _last_contig(v),
+        o,
+        lse,
+        cu_seqlens_q=None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
+        cu_seqlens_k=None if cu_seqlens_k is None else cu_seqlens_k.contiguous(),
+        max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+        layout=layout,
+        scale=scale,
+        causal=causal,
+        window_left=int(window_left),
+        window_right=int(window_right),
+        softcap=float(softcap),
+        device=dev,
+        stream=stream,
+    )
+    return o, lse
+
+
+@_attention.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right, softcap, deterministic):
+    lse_shape = _attn_check("ferrite.attention", q, k, v, cu_seqlens_q, cu_seqlens_k, layout)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("ferrite::attention_backward", mutates_args=())
+def _attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    layout: str,
+    scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    op = "ferrite.attention_backward"
+    _attn_check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, layout)
+    _check_tensors(op, [("q", q), ("dout", dout), ("out", o)])
+    # The kernels want each gradient with its partner's strides and dout with out's: everything
+    # contiguous is the simple way to get that (copies only where the caller's views are strided).
+    q, k, v, o, dout = (t.contiguous() for t in (q, k, v, o, dout))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dev, stream = _where(q)
+    _native_call(
+        _native.attention_backward,
+        dout,
+        q,
+        k,
+        v,
+        o,
+        lse.contiguous(),
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q=None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
+        cu_seqlens_k=None if cu_seqlens_k is None else cu_seqlens_k.contiguous(),
+        max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+        layout=layout,
+        scale=scale,
+        causal=causal,
+        window_left=int(window_left),
+        window_right=int(window_right),
+        softcap=float(softcap),
+        deterministic=deterministic,
+        device=dev,
+        stream=stream,
+    )
+    return dq, dk, dv
+
+
+@_attention_backward.register_fake
+def _(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right, softcap, deterministic):
+    _attn_check("ferrite.attention_backward", q, k, v, cu_seqlens_q, cu_seqlens_k, layout)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k = inputs[:5]
+    ctx.args = inputs[5:]
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+
+
+def _attn_bwd(ctx, dout, _dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ferrite.attention_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 11
+
+
+_attention.register_autograd(_attn_bwd, setup_context=_attn_setup)
+
+
+def _window(op: str, window_size: Sequence[int]) -> Tuple[int, int]:
+    try:
+        wl, wr = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        _fail(op, "window_size", "a pair (left, right)", repr(window_size))
+    if wl < -1 or wr < -1:
+        _fail(op, "window_size", "(left, right) each ≥ 0, or −1 for unbounded", repr(tuple(window_size)))
+    return wl, wr
+
+
+def _no_dropout(op: str, dropout_p: float) -> None:
+    if dropout_p != 0.0:
+        _fail(op, "dropout_p", "0.0 (attention dropout is not implemented)", repr(dropout_p))
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """flash-attn's ``flash_attn_func``: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` (Hkv divides
+    Hq: GQA/MQA); returns out ``[B, Sq, Hq, D]`` (and lse ``[B, Hq, Sq]`` with ``return_lse``)."""
+    op = "ferrite.flash_attn_func"
+    _no_dropout(op, dropout_p)
+    wl, wr = _window(op, window_size)
+    o, lse = torch.ops.ferrite.attention(
+        q, k, v, None, None, 0, 0, "bshd", softmax_scale, bool(causal), wl, wr, float(softcap), bool(deterministic)
+    )
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """flash-attn's ``flash_attn_varlen_func``: sequences packed along dim 0 (q ``[total_q, Hq,
+    D]``), ``cu_seqlens_*`` int32 ``[B+1]`` on q's device."""
+    op = "ferrite.flash_attn_varlen_func"
+    _no_dropout(op, dropout_p)
+    wl, wr = _window(op, window_size)
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        _fail(op, "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k", "an int32 tensor [B+1]", "None")
+    o, lse = torch.ops.ferrite.attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        "bshd",
+        softmax_scale,
+        bool(causal),
+        wl,
+        wr,
+        float(softcap),
+        bool(deterministic),
+    )
+    return (o, lse) if return_lse else o
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` for 4-D ``[B, H, S, D]`` inputs
+    without an explicit mask or dropout. ``is_causal`` is top-left aligned as in torch; ferrite
+    supports it when Sq == Sk (where both alignments agree)."""
+    op = "ferrite.scaled_dot_product_attention"
+    if attn_mask is not None:
+        _fail(op, "attn_mask", "None (use is_causal; explicit masks are not supported)", _describe(attn_mask))
+    _no_dropout(op, dropout_p)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            _fail(op, name, "a 4-D tensor [B, H, S, D]", _describe(t) if isinstance(t, Tensor) else type(t).__name__)
+    if is_causal and query.shape[2] != key.shape[2]:
+        _fail(
+            op,
+            "is_causal",
+            "equal query and key lengths (torch's top-left causal mask; ferrite's is bottom-right: "
+            "use flash_attn_func for Sq ≠ Sk)",
+            f"Sq = {query.shape[2]}, Sk = {key.shape[2]}",
+        )
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        _fail(op, "key", f"{query.shape[1]} heads like query (or enable_gqa=True)", _describe(key))
+    return torch.ops.ferrite.attention(
+        query, key, value, None, None, 0, 0, "bhsd", scale, bool(is_causal), -1, -1, 0.0, False
+    )[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# paged decode
+
+
+def _decode_check(op, q, key_cache, value_cache, block_table, seq_lens):
+    _check_tensors(op, [("q", q), ("key_cache", key_cache), ("value_cache", value_cache)])
+    if q.dim() != 3:
+        _fail(op, "q", "a 3-D tensor [B, Hq, D] (one new token per sequence)", _describe(q))
+    _check_index(op, "block_table", block_table, q, 2)
+    _check_index(op, "seq_lens", seq_lens, q, 1)
+
+
+@torch.library.custom_op("ferrite::paged_decode", mutates_args=())
+def _paged_decode(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: Optional[float],
+    softcap: float,
+    window_left: int,
+) -> Tuple[Tensor, Tensor]:
+    op = "ferrite.paged_decode"
+    _decode_check(op, q, key_cache, value_cache, block_table, seq_lens)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    dev, stream = _where(q)
+    _native_call(
+        _native.paged_decode,
+        q.contiguous(),
+        key_cache,
+        value_cache,
+        block_table.contiguous(),
+        seq_lens.contiguous(),
+        o,
+        lse=lse,
+        scale=scale,
+        softcap=float(softcap),
+        window_left=int(window_left),
+        device=dev,
+        stream=stream,
+    )
+    return o, lse
+
+
+@_paged_decode.register_fake
+def _(q, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left):
+    _decode_check("ferrite.paged_decode", q, key_cache, value_cache, block_table, seq_lens)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def paged_decode(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    softmax_scale: Optional[float] = None,
+    softcap: float = 0.0,
+    window_left: int = -1,
+    return_lse: bool = False,
+):
+    """Attention of one new query token per sequence over a paged KV cache (vLLM's layout):
+    q ``[B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, ``block_table`` int32
+    ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` (tokens in the cache, the new one included).
+    Block-table entries and lengths are checked (on the GPU through a device flag: a bad entry is
+    an error, never an out-of-bounds read). Returns out ``[B, Hq, D]`` (and lse ``[B, Hq]``)."""
+    o, lse = torch.ops.ferrite.paged_decode(
+        q, key_cache, value_cache, block_table, seq_lens, softmax_scale, float(softcap), int(window_left)
+    )
+    return (o, lse) if return_lse else o
+
+
+@torch.library.custom_op("ferrite::append_kv", mutates_args=("key_cache", "value_cache"))
+def _append_kv(k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+    op = "ferrite.append_kv"
+    _check_tensors(op, [("key_cache", key_cache), ("value_cache", value_cache), ("k", k), ("v", v)])
+    _check_index(op, "slot_mapping", slot_mapping, key_cache, 1)
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        _fail(op, "key_cache", "contiguous caches (written in place)", _describe(key_cache))
+    dev, stream = _where(key_cache)
+    _native_call(
+        _native.append_kv,
+        k.contiguous(),
+        v.contiguous(),
+        key_cache,
+        value_cache,
+        slot_mapping.contiguous(),
+        device=dev,
+        stream=stream,
+    )
+
+
+@_append_kv.register_fake
+def _(k, v, key_cache, value_cache, slot_mapping):
+    return None
+
+
+def append_kv(k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Writes k, v ``[T, Hkv, D]`` into the paged caches in place at ``slot_mapping`` (int32
+    ``[T]``: slot = block · block_size + offset; −1 skips the token)."""
+    torch.ops.ferrite.append_kv(k, v, key_cache, value_cache, slot_mapping)

@@ -1,0 +1,243 @@
+"""Parity on the CPU for linear with fused activations, softmax, bias+activation+dropout, the
+gated units, cross-entropy and the AdamW optimizer (gradients against torch's float64 autograd)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ferrite
+from helpers import close, grads_vs_torch
+
+ACTS = {
+    None: lambda z: z,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def r(*shape, dtype=torch.float32, grad=True, scale=1.0):
+    return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_(grad)
+
+
+# ---- linear with a fused activation ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_activation(act, bias):
+    x, w = r(3, 7, 33, scale=0.5), r(45, 33, scale=33**-0.5)
+    b = r(45) if bias else None
+    inputs = [x, w] + ([b] if bias else [])
+
+    def fer(x, w, b=None):
+        return ferrite.linear(x, w, b, activation=act)
+
+    def ref(x, w, b=None):
+        return ACTS[act](F.linear(x, w, b))
+
+    grads_vs_torch(fer, ref, inputs, scale=2)
+
+
+def test_linear_activation_without_grad_keeps_no_preact():
+    x, w, b = r(5, 8, grad=False), r(6, 8, grad=False), r(6, grad=False)
+    y, z = torch.ops.ferrite.linear_act(x, w, b, "gelu_tanh", False)
+    assert z.numel() == 0
+    close(y, F.gelu(F.linear(x, w, b), approximate="tanh"))
+    with torch.no_grad():
+        close(ferrite.linear(x, w, b, activation="relu"), F.relu(F.linear(x, w, b)))
+
+
+def test_linear_16bit_on_cpu():
+    x, w, b = r(9, 40, dtype=torch.bfloat16, grad=False), r(17, 40, dtype=torch.bfloat16, grad=False), r(17, dtype=torch.bfloat16, grad=False)
+    close(ferrite.linear(x, w, b, activation="silu"), F.silu(F.linear(x.double(), w.double(), b.double())).bfloat16())
+
+
+def test_linear_bad_activation():
+    with pytest.raises(ValueError, match=r"argument `activation`: expected None, 'relu'"):
+        ferrite.linear(torch.randn(2, 3), torch.randn(4, 3), activation="tanh")
+
+
+# ---- softmax -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,dim", [((7, 33), -1), ((3, 5, 129), -1), ((6, 11), 0), ((4, 5, 6), 1), ((1,), 0)])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_softmax(shape, dim, scale):
+    grads_vs_torch(
+        lambda x: ferrite.softmax(x, dim, scale=scale), lambda x: torch.softmax(x * scale, dim), [r(*shape, scale=3.0)]
+    )
+
+
+def test_softmax_bad_dim():
+    with pytest.raises(ValueError, match=r"argument `dim`: expected a dim in \[-2, 2\), got 2"):
+        ferrite.softmax(torch.randn(3, 4), 2)
+
+
+# ---- bias + activation + dropout ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", [None, "gelu_tanh", "silu", "relu"])
+def test_bias_act_without_dropout(act):
+    grads_vs_torch(
+        lambda x, b: ferrite.bias_act_dropout(x, b, act, p=0.0),
+        lambda x, b: ACTS[act](x + b),
+        [r(13, 37), r(37)],
+    )
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "silu"])
+def test_dropout_mask_scaling_and_gradients(act):
+    p = 0.3
+    x, b = r(64, 129), r(129)
+    y = ferrite.bias_act_dropout(x, b, act, p=p, seed=(1234, 7))
+    h = ACTS[act]((x + b).double())
+    kept = y != 0
+    frac = 1 - kept.double().mean().item()
+    assert abs(frac - p) < 0.03, f"dropped fraction {frac}, expected about {p}"
+    close(y[kept], (h / (1 - p))[kept].float())
+    # The same (seed, offset) draws the same mask; another seed or offset another one.
+    y2 = ferrite.bias_act_dropout(x, b, act, p=p, seed=(1234, 7))
+    assert torch.equal(y, y2)
+    assert not torch.equal(y != 0, ferrite.bias_act_dropout(x, b, act, p=p, seed=(1234, 8)) != 0)
+    assert not torch.equal(y != 0, ferrite.bias_act_dropout(x, b, act, p=p, seed=(1235, 7)) != 0)
+    # backward: the regenerated mask, times the activation's derivative
+    g = torch.randn_like(y)
+    y.backward(g)
+    xd, bd = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = ACTS[act](xd + bd) * kept.double() / (1 - p)
+    ref.backward(g.double())
+    close(x.grad, xd.grad.float())
+    close(b.grad, bd.grad.float(), scale=4)
+
+
+def test_dropout_eval_and_seed_from_torch_generator():
+    x = r(8, 16, grad=False)
+    close(ferrite.dropout(x, 0.5, training=False), x)
+    torch.manual_seed(3)
+    a = ferrite.dropout(x, 0.5)
+    torch.manual_seed(3)
+    b = ferrite.dropout(x, 0.5)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"argument `p`: expected a drop probability in \[0, 1\), got 1.0"):
+        ferrite.dropout(x, 1.0)
+
+
+# ---- gated units ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh"])
+@pytest.mark.parametrize("shape", [(5, 2 * 37), (2, 3, 2 * 64)])
+def test_glu(kind, shape):
+    def ref(x):
+        gate, up = x.chunk(2, dim=-1)
+        if kind == "swiglu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh" if kind == "geglu_tanh" else "none") * up
+
+    def fer(x):
+        if kind == "swiglu":
+            return ferrite.swiglu(x)
+        return ferrite.geglu(x, approximate="tanh" if kind == "geglu_tanh" else "none")
+
+    grads_vs_torch(fer, ref, [r(*shape)])
+
+
+def test_glu_odd_last_dim():
+    with pytest.raises(ValueError, match="last dim of even size"):
+        ferrite.swiglu(torch.randn(3, 5))
+
+
+# ---- cross-entropy -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy(reduction, smoothing):
+    n, c = 37, 1001
+    logits = r(n, c, scale=2.0)
+    target = torch.randint(0, c, (n,))
+    target[3] = -100
+    target[11] = -100
+
+    def fer(x):
+        return ferrite.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
+
+    def ref(x):
+        return F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
+
+    grads_vs_torch(fer, ref, [logits])
+
+
+def test_cross_entropy_custom_ignore_index_int32_and_1d():
+    logits, target = r(6, 50), torch.tensor([1, 7, 7, 49, 0, 3], dtype=torch.int32)
+    grads_vs_torch(
+        lambda x: ferrite.cross_entropy(x, target, ignore_index=7),
+        lambda x: F.cross_entropy(x, target.long(), ignore_index=7),
+        [logits],
+    )
+    x1 = r(50)
+    grads_vs_torch(lambda x: ferrite.cross_entropy(x, torch.tensor(4)), lambda x: F.cross_entropy(x, torch.tensor(4)), [x1])
+
+
+def test_cross_entropy_bf16():
+    logits = torch.randn(16, 3000).bfloat16()
+    target = torch.randint(0, 3000, (16,))
+    close(ferrite.cross_entropy(logits, target).float(), F.cross_entropy(logits.double(), target).float(), dtype=torch.bfloat16)
+
+
+def test_cross_entropy_bad_input():
+    with pytest.raises(ValueError, match=r"cross_entropy: argument `targets`: expected class indices in \[0, 10\) or ignore_index \(-100\), got targets\[1\] = 10"):
+        ferrite.cross_entropy(torch.randn(3, 10), torch.tensor([1, 10, 2]))
+    with pytest.raises(ValueError, match=r"argument `target`: expected class indices \(int64 or int32"):
+        ferrite.cross_entropy(torch.randn(3, 10), torch.randn(3, 10))
+    with pytest.raises(ValueError, match=r"argument `target`: expected shape \[3\]"):
+        ferrite.cross_entropy(torch.randn(3, 10), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"argument `reduction`"):
+        ferrite.cross_entropy(torch.randn(3, 10), torch.tensor([1, 2, 3]), reduction="avg")
+
+
+# ---- AdamW ---------------------------------------------------------------------------------------
+
+
+def test_adamw_matches_torch_f32():
+    torch.manual_seed(1)
+    shapes = [(17, 9), (33,), (4, 5, 6)]
+    ps_f = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ps_t = [torch.nn.Parameter(p.detach().clone()) for p in ps_f]
+    kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    opt_f = ferrite.optim.AdamW(ps_f, **kw)
+    opt_t = torch.optim.AdamW(ps_t, foreach=False, **kw)
+    for _ in range(4):
+        for pf, pt in zip(ps_f, ps_t):
+            g = torch.randn(pf.shape)
+            pf.grad, pt.grad = g.clone(), g.clone()
+        opt_f.step()
+        opt_t.step()
+    for pf, pt in zip(ps_f, ps_t):
+        torch.testing.assert_close(pf.detach(), pt.detach(), atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(opt_f.state[pf]["exp_avg_sq"], opt_t.state[pt]["exp_avg_sq"], atol=1e-7, rtol=1e-5)
+
+
+def test_adamw_bf16_params_keep_a_master():
+    p = torch.nn.Parameter(torch.randn(40, 3).bfloat16())
+    ref = torch.nn.Parameter(p.detach().float().clone())
+    opt, opt_ref = ferrite.optim.AdamW([p], lr=1e-3), torch.optim.AdamW([ref], lr=1e-3, foreach=False)
+    for _ in range(3):
+        g = torch.randn(40, 3)
+        p.grad, ref.grad = g.bfloat16(), g.bfloat16().float()
+        opt.step()
+        opt_ref.step()
+    master = opt.state[p]["master"]
+    torch.testing.assert_close(master, ref.detach(), atol=1e-6, rtol=1e-6)
+    assert torch.equal(p.detach(), master.bfloat16())
+
+
+def test_adamw_bad_input():
+    with pytest.raises(ValueError, match="expected dtype float32 or bfloat16, got float16"):
+        p = torch.nn.Parameter(torch.randn(3).half())
+        p.grad = torch.randn(3).half()
+        ferrite.optim.AdamW([p]).step()
+    with pytest.raises(ValueError, match="argument `eps`"):
+        ferrite.optim.AdamW([torch.nn.Parameter(torch.randn(3))], eps=0.0)

@@ -1,0 +1,100 @@
+"""Binding overhead of the PyTorch front: each op called through ``ferrite`` (torch custom op,
+outputs allocated by torch, kernels on torch's stream) against the same kernel timed by
+``ferrite bench`` from Rust in the same suite run, on the same shapes.
+
+    python3 binding_overhead.py BENCH_JSON[,BENCH_JSON...] OUT_JSON
+
+For each case the Rust side is the best non-peer variant of that op/shape/dtype in the bench
+JSON (the variant ferrite's default selection picks); the Python side calls the public function
+with default selection. Both are medians of CUDA-event timings after warm-up. Target (issue: the
+PyTorch front): Python time ≤ 1.05 × Rust time.
+"""
+
+import json
+import statistics
+import sys
+
+import torch
+
+import ferrite
+
+
+def bench(fn, reps=50, warmup=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rust_best(records, op, shape, dtype):
+    rows = [
+        r
+        for r in records
+        if r["op"] == op and r["shape"] == shape and r["dtype"] == dtype and not r.get("is_peer") and r.get("median_ms")
+    ]
+    if not rows:
+        return None
+    return min(rows, key=lambda r: r["median_ms"])
+
+
+def cases():
+    bf = torch.bfloat16
+    dev = "cuda"
+    out = []
+
+    x = torch.randn(32768, 4096, device=dev, dtype=bf)
+    w = torch.rand(4096, device=dev, dtype=bf) + 0.5
+    out.append(("norm", "rms_norm 32768×4096 fwd", "bf16", lambda: ferrite.rms_norm(x, [4096], w, 1e-5)))
+    out.append(("softmax", "32768×4096 fwd", "bf16", lambda: ferrite.softmax(x)))
+
+    a = torch.randn(4096, 4096, device=dev, dtype=bf)
+    b = torch.randn(4096, 4096, device=dev, dtype=bf)
+    out.append(("matmul", "4096×4096×4096 NN", "bf16", lambda: ferrite.matmul(a, b)))
+
+    q, k, v = (torch.randn(4, 4096, 16, 128, device=dev, dtype=bf) for _ in range(3))
+    out.append(("attention", "B4 H16 S4096 D128 fwd", "bf16", lambda: ferrite.flash_attn_func(q, k, v)))
+    out.append(("attention", "B4 H16 S4096 D128 causal fwd", "bf16", lambda: ferrite.flash_attn_func(q, k, v, causal=True)))
+
+    logits = torch.randn(8192, 50257, device=dev, dtype=bf)
+    t = torch.randint(0, 50257, (8192,), device=dev)
+    # loss and dlogits in one kernel, as `ferrite bench cross_entropy` times it (fwd+bwd)
+    out.append(
+        ("cross_entropy", "8192×50257 fwd+bwd", "bf16", lambda: torch.ops.ferrite.cross_entropy(logits, t, -100, 0.0, "mean", True))
+    )
+    return out
+
+
+def main():
+    paths, out_path = sys.argv[1], sys.argv[2]
+    records = []
+    for p in paths.split(","):
+        try:
+            with open(p) as fh:
+                records += json.load(fh)["records"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"binding_overhead: skipping {p}: {e}", file=sys.stderr)
+    rows = []
+    print(f"{'op':<14} {'shape':<30} {'rust variant':<14} {'rust ms':>9} {'python ms':>10} {'py/rust':>8}")
+    for op, shape, dtype, fn in cases():
+        r = rust_best(records, op, shape, dtype)
+        ms = bench(fn)
+        ratio = ms / r["median_ms"] if r else None
+        rows.append(dict(op=op, shape=shape, dtype=dtype, rust_variant=r and r["variant"], rust_ms=r and r["median_ms"], python_ms=ms, ratio=ratio))
+        rv = r["variant"] if r else "(not benched)"
+        rm = f"{r['median_ms']:.4f}" if r else "-"
+        rt = f"{ratio:.3f}" if ratio else "-"
+        print(f"{op:<14} {shape:<30} {rv:<14} {rm:>9} {ms:>10.4f} {rt:>8}")
+    with open(out_path, "w") as fh:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ferrite=ferrite.__version__, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
