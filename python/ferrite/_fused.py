@@ -366,7 +366,13 @@ def _ce_check(op: str, logits: Tensor, target: Tensor, reduction: str, label_smo
 
 @torch.library.custom_op("ferrite::cross_entropy", mutates_args=())
 def _cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, need_grad: bool
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    need_grad: bool,
+    check_targets: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     op = "ferrite.cross_entropy"
     _ce_check(op, logits, target, reduction, label_smoothing)
@@ -379,9 +385,9 @@ def _cross_entropy(
     grad = torch.empty(lg.shape, dtype=logits.dtype, device=logits.device) if need_grad else None
     if n > 0 and lg.shape[1] > 0:
         dev, stream = _where(logits)
-        # The target check reads a device flag back (a sync); skipped while a CUDA graph is being
-        # captured, where a bad target gives a NaN loss instead.
-        check = not (logits.is_cuda and torch.cuda.is_current_stream_capturing())
+        # On CUDA the target check reads a device flag back (a sync): only when asked for, and
+        # never while a CUDA graph is being captured. Unchecked, a bad target's row loss is NaN.
+        check = check_targets and not (logits.is_cuda and torch.cuda.is_current_stream_capturing())
         _native_call(
             _native.cross_entropy,
             lg,
@@ -413,7 +419,7 @@ def _cross_entropy(
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction, need_grad):
+def _(logits, target, ignore_index, label_smoothing, reduction, need_grad, check_targets=False):
     _ce_check("ferrite.cross_entropy", logits, target, reduction, label_smoothing)
     if reduction == "none" and logits.dim() == 2:
         loss = logits.new_empty((logits.shape[0],))
@@ -438,7 +444,7 @@ def _ce_bwd(ctx, grad_loss, _grad_dlogits):
     g = grad_loss.to(dlogits.dtype)
     if ctx.reduction == "none" and dlogits.dim() == 2:
         g = g.unsqueeze(-1)
-    return dlogits * g, None, None, None, None, None
+    return dlogits * g, None, None, None, None, None, None
 
 
 _cross_entropy.register_autograd(_ce_bwd, setup_context=_ce_setup)
@@ -450,10 +456,18 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    check_targets: bool = False,
 ) -> Tensor:
     """``torch.nn.functional.cross_entropy`` for logits ``[N, C]`` (or ``[C]``) and class indices,
     fused: the loss and dlogits come from one kernel, the probabilities are never stored. The
     gradient is computed in the forward when one will be needed (and kept until the backward:
-    ``N·C`` elements, like the logits)."""
+    ``N·C`` elements, like the logits).
+
+    Targets outside ``[0, C)`` (other than ``ignore_index``): on the CPU always a ``ValueError``
+    naming the row; on CUDA the row's loss is NaN (so is a mean), asynchronously — or, with
+    ``check_targets=True``, the kernel's error flag is read back (a sync) and a ``ValueError``
+    names the row."""
     need = torch.is_grad_enabled() and input.requires_grad
-    return torch.ops.ferrite.cross_entropy(input, target, int(ignore_index), float(label_smoothing), reduction, need)[0]
+    return torch.ops.ferrite.cross_entropy(
+        input, target, int(ignore_index), float(label_smoothing), reduction, need, bool(check_targets)
+    )[0]

@@ -62,10 +62,16 @@ def test_cross_entropy(dtype, smoothing):
         lambda z: F.cross_entropy(z, target, label_smoothing=smoothing),
         [logits],
     )
+    bad = target.clone()
+    bad[2] = 50257
     with pytest.raises(ValueError, match=r"targets\[2\] = 50257"):
-        bad = target.clone()
-        bad[2] = 50257
-        ferrite.cross_entropy(logits, bad)
+        ferrite.cross_entropy(logits, bad, check_targets=True)
+    # unchecked (asynchronous): the bad row's loss is NaN, the others are right
+    rows = ferrite.cross_entropy(logits.detach(), bad, reduction="none")
+    assert torch.isnan(rows[2]).item()
+    assert torch.isnan(ferrite.cross_entropy(logits.detach(), bad)).item()
+    ok = torch.arange(64, device="cuda") != 2
+    close(rows[ok].float(), F.cross_entropy(logits.detach()[ok].double(), bad[ok], reduction="none").float(), dtype=dtype)
 
 
 def test_adamw_cuda_matches_cpu():
