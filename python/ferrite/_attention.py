@@ -74,6 +74,22 @@ def _attn_check(op, q, k, v, cu_q, cu_k, layout):
     return lse_shape
 
 
+def _attn_kwargs(cu_q, cu_k, max_q, max_k, layout, scale, causal, wl, wr, softcap) -> dict:
+    """The native call's keyword arguments shared by the forward and the backward."""
+    return dict(
+        cu_seqlens_q=None if cu_q is None else cu_q.contiguous(),
+        cu_seqlens_k=None if cu_k is None else cu_k.contiguous(),
+        max_seqlen_q=int(max_q),
+        max_seqlen_k=int(max_k),
+        layout=layout,
+        scale=scale,
+        causal=causal,
+        window_left=int(wl),
+        window_right=int(wr),
+        softcap=float(softcap),
+    )
+
+
 @torch.library.custom_op("ferrite::attention", mutates_args=())
 def _attention(
     q: Tensor,
@@ -103,16 +119,7 @@ def _attention(
         _last_contig(v),
         o,
         lse,
-        cu_seqlens_q=None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
-        cu_seqlens_k=None if cu_seqlens_k is None else cu_seqlens_k.contiguous(),
-        max_seqlen_q=int(max_seqlen_q),
-        max_seqlen_k=int(max_seqlen_k),
-        layout=layout,
-        scale=scale,
-        causal=causal,
-        window_left=int(window_left),
-        window_right=int(window_right),
-        softcap=float(softcap),
+        **_attn_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right, softcap),
         device=dev,
         stream=stream,
     )
@@ -164,16 +171,7 @@ def _attention_backward(
         dq,
         dk,
         dv,
-        cu_seqlens_q=None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
-        cu_seqlens_k=None if cu_seqlens_k is None else cu_seqlens_k.contiguous(),
-        max_seqlen_q=int(max_seqlen_q),
-        max_seqlen_k=int(max_seqlen_k),
-        layout=layout,
-        scale=scale,
-        causal=causal,
-        window_left=int(window_left),
-        window_right=int(window_right),
-        softcap=float(softcap),
+        **_attn_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right, softcap),
         deterministic=deterministic,
         device=dev,
         stream=stream,

@@ -19,21 +19,7 @@ import sys
 import torch
 
 import ferrite
-
-
-def bench(fn, reps=50, warmup=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from torch_peers import bench  # median of CUDA-event timings of single calls after warm-up
 
 
 def bench_back_to_back(fn, calls=20, reps=15, warmup=5):
