@@ -1,7 +1,7 @@
 //! `ferrite check decode`: every variant against an f64 reference (gather each sequence's keys
 //! through the block table, then plain attention in f64) on shuffled, non-contiguous block tables
 //! with unused and out-of-window entries set out of range (a variant reading them fails); lengths
-//! 0, 1, block_size ± 1 and long ones; GQA ratios 1/4/8, MQA; D 64, 96, 128, 256; softcap,
+//! 0, 1, block_size ± 1 and long ones; GQA ratios 1/3/4/8, MQA; D 64, 80, 96, 128, 256; softcap,
 //! window, explicit scale; outputs poisoned first; split variants with and without partitions.
 //! Bad indices must be refused (on the GPU through the device error flag). append_kv is checked
 //! bit-exact, untouched slots staying poisoned.
@@ -96,6 +96,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             case(4, 2, 256, 16, &[77, 300], 0.0, -1, None),
             case(32, 4, 128, 16, &[2049, 2], 0.0, 1000, None),
             case(12, 4, 64, 16, &[1, 16, 17, 255], 0.0, 0, None),
+            // D 80: an odd number of 16-dim chunks (pipelined_mma's ldmatrix.x2 tail), GQA 3.
+            case(6, 2, 80, 16, &[517, 70], 0.0, 300, None),
         ]);
     }
     v
@@ -265,13 +267,13 @@ pub fn options(variant: &str, c: &Case) -> DecodeOptions {
     }
 }
 
-/// The partition counts each case runs a variant with: split_kv always 3; pipelined its own plan
-/// (one partition for the short quick cases, many for the long full ones) and a forced 3, so both
-/// the direct output and the partial/merge path are checked in every mode.
+/// The partition counts each case runs a variant with: split_kv always 3; the pipelined ones their
+/// own plan (one partition for the short quick cases, many for the long full ones) and a forced 3,
+/// so both the direct output and the partial/merge path are checked in every mode.
 pub fn split_settings(variant: &str) -> Vec<Option<usize>> {
     match variant {
         "split_kv" => vec![Some(3)],
-        "pipelined" => vec![None, Some(3)],
+        "pipelined" | "pipelined_mma" => vec![None, Some(3)],
         _ => vec![None],
     }
 }
@@ -456,7 +458,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                         .map(move |s| (c.clone(), s))
                 }) {
                     let mut label = c.label();
-                    if let (Some(n), "pipelined") = (splits, v.name) {
+                    if let (Some(n), "pipelined" | "pipelined_mma") = (splits, v.name) {
                         label += &format!(" splits {n}");
                     }
                     out.push(

@@ -27,6 +27,11 @@ pub const MAX_HEADS_PER_BLOCK: usize = 8;
 pub const PIPE_WARPS: usize = 4;
 /// Depth of each warp's cp.async ring: PIPE_STAGES − 1 tiles in flight while one is computed.
 pub const PIPE_STAGES: usize = 3;
+/// Warps per block of the mma kernel: its math is cheap, so 2 warps × 2 tiles of 16 keys in flight
+/// per block, and more blocks per SM, keep as many bytes queued with a finer grid.
+pub const MMA_WARPS: usize = 2;
+/// Keys per warp tile of the mma kernel (two n8 tiles of q·k, one k16 step of p·v).
+pub const MMA_TILE_KEYS: usize = 16;
 /// Fewest keys a pipelined partition gets (at most ~4 tiles per warp below this: the ring's fill
 /// and the merge would cost more than the extra blocks bring).
 pub const PIPE_MIN_PART_KEYS: usize = 256;
@@ -92,6 +97,24 @@ pub fn pipe_smem_bytes(head_dim: usize, heads_per_block: usize) -> usize {
     let e = tk * gp;
     let ws = (2 * e + gp).div_ceil(4) * 4;
     ring.max(epi) + PIPE_WARPS * ws * 4
+}
+
+pub fn mma_program(dtype: DType, head_dim: usize, heads_per_block: usize) -> Program {
+    Program::new(SRC)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_MMA", 1)
+        .define("FE_D", head_dim)
+        .define("FE_G", heads_per_block)
+        .define("FE_WARPS", MMA_WARPS)
+        .define("FE_STAGES", PIPE_STAGES)
+}
+
+/// Dynamic shared memory of the mma kernel (mirrors M_SMEM_BYTES in decode.cu): the warps' rings
+/// of 16-key tiles with rows padded by 16 bytes (reused for the warp merge).
+pub fn mma_smem_bytes(head_dim: usize, heads_per_block: usize) -> usize {
+    let ring = MMA_WARPS * PIPE_STAGES * 2 * MMA_TILE_KEYS * (head_dim + 8) * 2;
+    let epi = MMA_WARPS * heads_per_block * (head_dim + 2) * 4;
+    ring.max(epi)
 }
 
 /// The pipelined kernel's partition count for `base` blocks per partition, `max_visible` keys
@@ -171,6 +194,24 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             v.push(KernelSpec {
                 program: pipe_program(d, hd, g),
                 functions: vec!["decode_pipelined".into(), "decode_merge".into()],
+                min_arch: Arch::SM80,
+            });
+        }
+    }
+    for d in [DType::F16, DType::BF16] {
+        for (hd, g) in [
+            (64, 1),
+            (64, 8),
+            (96, 3),
+            (128, 1),
+            (128, 4),
+            (128, 8),
+            (256, 4),
+            (256, 8),
+        ] {
+            v.push(KernelSpec {
+                program: mma_program(d, hd, g),
+                functions: vec!["decode_mma".into(), "decode_merge".into()],
                 min_arch: Arch::SM80,
             });
         }
@@ -301,18 +342,34 @@ pub fn prepare(
                 ),
             )
         }
-        "pipelined" => {
+        "pipelined" | "pipelined_mma" => {
             let g = heads_per_block(p.group());
-            let prog = pipe_program(p.dtype, p.head_dim, g);
-            let k = dev.kernel(&prog, "decode_pipelined")?;
-            let smem = pipe_smem_bytes(p.head_dim, g);
+            let mma = variant == "pipelined_mma";
+            let (prog, func, smem, warps, tile) = if mma {
+                (
+                    mma_program(p.dtype, p.head_dim, g),
+                    "decode_mma",
+                    mma_smem_bytes(p.head_dim, g),
+                    MMA_WARPS,
+                    MMA_TILE_KEYS,
+                )
+            } else {
+                (
+                    pipe_program(p.dtype, p.head_dim, g),
+                    "decode_pipelined",
+                    pipe_smem_bytes(p.head_dim, g),
+                    PIPE_WARPS,
+                    pipe_tile_keys(p.head_dim),
+                )
+            };
+            let k = dev.kernel(&prog, func)?;
             if smem > 48 * 1024 {
                 k.set_max_dynamic_smem(smem as u32)?;
             }
-            let threads = (PIPE_WARPS * 32) as u32;
+            let threads = (warps * 32) as u32;
             // Resident blocks per SM as the driver computes them (registers, shared memory).
             let max_warps = (dev.props().max_threads_per_sm / 32) as f64;
-            let per_sm = (k.occupancy(threads, smem as u32)? * max_warps / PIPE_WARPS as f64)
+            let per_sm = (k.occupancy(threads, smem as u32)? * max_warps / warps as f64)
                 .round()
                 .max(1.0) as usize;
             let splits = num_splits
@@ -332,8 +389,7 @@ pub fn prepare(
                 size,
                 parts,
                 format!(
-                    "{g} q heads/block, {PIPE_WARPS} warps × {PIPE_STAGES}-stage rings of {}-key tiles, {per_sm} blocks/SM, {parts} partition(s) of {size} keys",
-                    pipe_tile_keys(p.head_dim)
+                    "{g} q heads/block, {warps} warps × {PIPE_STAGES}-stage rings of {tile}-key tiles, {per_sm} blocks/SM, {parts} partition(s) of {size} keys"
                 ),
             )
         }

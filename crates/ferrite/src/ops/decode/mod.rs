@@ -21,7 +21,8 @@
 //! (sequence, kv head) serving its query heads: each K/V byte read once, 16-byte loads) →
 //! `split_kv` (flash-decoding: the context split across blocks, partial results reduced by a second
 //! kernel) → `pipelined` (each warp streams key tiles through a cp.async ring in shared memory,
-//! one softmax rescale per tile, partitions planned to fill whole waves). See kernels/decode.cu.
+//! one softmax rescale per tile, partitions planned to fill whole waves) → `pipelined_mma` (the
+//! same pipeline, q·k and p·v on tensor cores). See kernels/decode.cu.
 //!
 //! Bad indices: on the CPU every used block-table entry, seq_len and slot is checked on the host
 //! before any work. On the GPU these live in device memory; the kernels never read outside the
@@ -72,6 +73,7 @@ pub fn variants() -> Vec<VariantInfo> {
         VariantInfo { name: "gqa", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256", summary: "a block per (sequence, kv head) serving its query heads: each K/V byte read once, 16-byte loads, lanes split a key's row, online softmax in registers, next key prefetched", rank: 2 },
         VariantInfo { name: "split_kv", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256; chosen when B·Hkv blocks would not fill the GPU", summary: "flash-decoding: the gqa kernel over context partitions (count from the SM count) writing partial (max, sum, acc), then a reduce kernel", rank: 3 },
         VariantInfo { name: "pipelined", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256", summary: "each warp streams tiles of keys through a 3-stage cp.async ring (2 tiles of K/V in flight whatever the registers), one softmax rescale per tile, scores reduced by recursive halving; partitions planned from resident blocks per SM so the grid fills whole waves; parallel merge", rank: 4 },
+        VariantInfo { name: "pipelined_mma", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 16, ≤ 256", summary: "the pipelined kernel with q·k and p·v on tensor cores (mma.sync m16n8k16: the block's query heads as rows, 16-key tiles; p rounded to 16 bits before p·v): ~3·D/16 mma per 16 keys instead of ~4·D·G FFMAs and unpacks, so issue stays far below the copy rate", rank: 5 },
     ]
 }
 
@@ -404,6 +406,10 @@ pub fn unfit(
     match v {
         "naive" if p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
             "supports head dims ≤ {GPU_MAX_HEAD_DIM} (got {})",
+            p.head_dim
+        )),
+        "pipelined_mma" if !p.head_dim.is_multiple_of(16) || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
+            "supports head dims that are multiples of 16 up to {GPU_MAX_HEAD_DIM} (64, 96, 128, 256, ...; got {})",
             p.head_dim
         )),
         "gqa" | "split_kv" | "pipelined" if !p.head_dim.is_multiple_of(8) || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(

@@ -294,6 +294,7 @@ fn gpu_variant_constraints_and_split_planning() {
         "decode_gqa",
         "decode_reduce",
         "decode_pipelined",
+        "decode_mma",
         "decode_merge",
         "append_kv",
     ] {
@@ -342,6 +343,43 @@ fn pipelined_geometry_and_split_plan() {
     assert_eq!(cuda::plan_splits(8, 300, 528), 2);
     assert_eq!(cuda::plan_splits(8, 0, 528), 1);
     assert_eq!(cuda::plan_splits(0, 4096, 0), 1);
+    // The mma kernel: 2 warps × 3 stages × (K + V) × 16 keys × (D + 8) × 2 B.
+    assert_eq!(cuda::mma_smem_bytes(128, 4), 2 * 3 * 2 * 16 * 136 * 2);
+    for d in (16..=256).step_by(16) {
+        for g in 1..=8 {
+            let per_block = cuda::mma_smem_bytes(d, g) + 1024;
+            assert!(
+                2 * per_block <= 228 * 1024,
+                "mma D{d} G{g}: {per_block} × 2"
+            );
+        }
+    }
+    let p = Problem {
+        batch: 2,
+        heads_q: 8,
+        heads_kv: 2,
+        head_dim: 72,
+        num_blocks: 64,
+        block_size: 16,
+        max_blocks: 8,
+        dtype: DType::BF16,
+        device: Device::Cpu,
+        scale: 1.0,
+        softcap: 0.0,
+        window_left: -1,
+    };
+    // D 72: not a multiple of 16 → the mma rung declines (the default falls back to pipelined).
+    let e = unfit("pipelined_mma", &p, 132, None, true).unwrap();
+    assert!(e.contains("multiples of 16"), "{e}");
+    assert!(unfit("pipelined", &p, 132, None, true).is_none());
+    assert!(unfit(
+        "pipelined_mma",
+        &Problem { head_dim: 80, ..p },
+        132,
+        None,
+        true
+    )
+    .is_none());
     let e = device_error(OP, ERR_LAUNCH).unwrap_err().to_string();
     assert!(
         e.contains("shared memory") && !e.contains("`seq_lens`"),
