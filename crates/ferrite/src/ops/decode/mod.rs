@@ -62,7 +62,7 @@ pub const MAX_CAPACITY: usize = (i32::MAX as usize) - 65536;
 pub const ERR_SEQ_LEN: i32 = 1;
 pub const ERR_BLOCK: i32 = 2;
 pub const ERR_SLOT: i32 = 4;
-/// The pipelined kernel was launched with less shared memory than it needs (a host bug).
+/// A pipelined kernel was launched with less shared memory than it needs (a host bug).
 pub const ERR_LAUNCH: i32 = 8;
 
 pub fn variants() -> Vec<VariantInfo> {
@@ -73,7 +73,7 @@ pub fn variants() -> Vec<VariantInfo> {
         VariantInfo { name: "gqa", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256", summary: "a block per (sequence, kv head) serving its query heads: each K/V byte read once, 16-byte loads, lanes split a key's row, online softmax in registers, next key prefetched", rank: 2 },
         VariantInfo { name: "split_kv", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256; chosen when B·Hkv blocks would not fill the GPU", summary: "flash-decoding: the gqa kernel over context partitions (count from the SM count) writing partial (max, sum, acc), then a reduce kernel", rank: 3 },
         VariantInfo { name: "pipelined", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256", summary: "each warp streams tiles of keys through a 3-stage cp.async ring (2 tiles of K/V in flight whatever the registers), one softmax rescale per tile, scores reduced by recursive halving; partitions planned from resident blocks per SM so the grid fills whole waves; parallel merge", rank: 4 },
-        VariantInfo { name: "pipelined_mma", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 16, ≤ 256", summary: "the pipelined kernel with q·k and p·v on tensor cores (mma.sync m16n8k16: the block's query heads as rows, 16-key tiles; p rounded to 16 bits before p·v): ~3·D/16 mma per 16 keys instead of ~4·D·G FFMAs and unpacks, so issue stays far below the copy rate", rank: 5 },
+        VariantInfo { name: "pipelined_mma", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 16, ≤ 256", summary: "the pipelined kernel with q·k and p·v on tensor cores (mma.sync m16n8k16: the block's query heads as rows, 16-key tiles; p rounded to 16 bits before p·v): ~37 instructions per key instead of ~78 FFMAs, unpacks and shuffles, so issue stays far below what the copies need", rank: 5 },
     ]
 }
 
