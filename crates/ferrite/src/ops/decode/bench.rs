@@ -196,7 +196,7 @@ fn bench_gpu(
                     4.0 * (s.0 * s.1 * s.3 * s.4) as f64,
                     kv_bytes(s, dtype),
                 )
-                .with_kernel(&pr.kernel, pr.threads, 0)?;
+                .with_kernel(&pr.kernel, pr.threads, pr.smem)?;
                 rec.config = pr.config.clone();
                 rec.note = "bytes = K+V read".into();
                 group.push(rec);

@@ -1,9 +1,10 @@
 //! `ferrite check decode`: every variant against an f64 reference (gather each sequence's keys
 //! through the block table, then plain attention in f64) on shuffled, non-contiguous block tables
 //! with unused and out-of-window entries set out of range (a variant reading them fails); lengths
-//! 0, 1, block_size ± 1 and long ones; GQA ratios 1/4/8, MQA; D 64, 96, 128, 256; softcap,
-//! window, explicit scale; outputs poisoned first. Bad indices must be refused (on the GPU through
-//! the device error flag). append_kv is checked bit-exact, untouched slots staying poisoned.
+//! 0, 1, block_size ± 1 and long ones; GQA ratios 1/3/4/8, MQA; D 64, 80, 96, 128, 256; softcap,
+//! window, explicit scale; outputs poisoned first; split variants with and without partitions.
+//! Bad indices must be refused (on the GPU through the device error flag). append_kv is checked
+//! bit-exact, untouched slots staying poisoned.
 
 use super::{append_kv, decode_into, variants, AppendOptions, DecodeOptions, PagedKv, OP};
 use crate::core::device::Device;
@@ -95,6 +96,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             case(4, 2, 256, 16, &[77, 300], 0.0, -1, None),
             case(32, 4, 128, 16, &[2049, 2], 0.0, 1000, None),
             case(12, 4, 64, 16, &[1, 16, 17, 255], 0.0, 0, None),
+            // D 80: an odd number of 16-dim chunks (pipelined_mma's ldmatrix.x2 tail), GQA 3.
+            case(6, 2, 80, 16, &[517, 70], 0.0, 300, None),
         ]);
     }
     v
@@ -264,11 +267,23 @@ pub fn options(variant: &str, c: &Case) -> DecodeOptions {
     }
 }
 
+/// The partition counts each case runs a variant with: split_kv always 3; the pipelined ones their
+/// own plan (one partition for the short quick cases, many for the long full ones) and a forced 3,
+/// so both the direct output and the partial/merge path are checked in every mode.
+pub fn split_settings(variant: &str) -> Vec<Option<usize>> {
+    match variant {
+        "split_kv" => vec![Some(3)],
+        "pipelined" | "pipelined_mma" => vec![None, Some(3)],
+        _ => vec![None],
+    }
+}
+
 fn check_one(
     dev: Device,
     dtype: DType,
     variant: &str,
     c: &Case,
+    splits: Option<usize>,
     seed: u64,
 ) -> Result<(f64, &'static str)> {
     let x = make_inputs(c, dtype, dev, seed, 3)?;
@@ -277,7 +292,11 @@ fn check_one(
     let lse = Tensor::empty(&[b, c.hq], DType::F32, dev)?;
     o.poison(None)?;
     lse.poison(None)?;
-    decode_into(&x.q, &x.kv(), &o, Some(&lse), &options(variant, c))?;
+    let opts = DecodeOptions {
+        num_splits: splits,
+        ..options(variant, c)
+    };
+    decode_into(&x.q, &x.kv(), &o, Some(&lse), &opts)?;
     let (ro, rl) = reference(c, &x)?;
     let eo = rel_error(&o.to_f64_vec()?, &ro);
     let el = lse_error(&lse.to_f64_vec()?, &rl);
@@ -433,23 +452,32 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
         {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
-                for c in cases(cfg.quick) {
-                    let label = c.label();
-                    out.push(match check_one(dev, dtype, v.name, &c, rng.next_u64()) {
-                        Ok((e, worst)) => CheckRecord::compared(
-                            OP,
-                            v.name,
-                            dev,
-                            dtype,
-                            Precision::of(dtype),
-                            label,
-                            e,
-                            format!("worst: {worst}"),
-                        ),
-                        Err(e) => {
-                            CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string())
-                        }
-                    });
+                for (c, splits) in cases(cfg.quick).into_iter().flat_map(|c| {
+                    split_settings(v.name)
+                        .into_iter()
+                        .map(move |s| (c.clone(), s))
+                }) {
+                    let mut label = c.label();
+                    if let (Some(n), "pipelined" | "pipelined_mma") = (splits, v.name) {
+                        label += &format!(" splits {n}");
+                    }
+                    out.push(
+                        match check_one(dev, dtype, v.name, &c, splits, rng.next_u64()) {
+                            Ok((e, worst)) => CheckRecord::compared(
+                                OP,
+                                v.name,
+                                dev,
+                                dtype,
+                                Precision::of(dtype),
+                                label,
+                                e,
+                                format!("worst: {worst}"),
+                            ),
+                            Err(e) => {
+                                CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string())
+                            }
+                        },
+                    );
                 }
             }
             let dtype = if v.dtypes.contains(&DType::BF16) {

@@ -23,6 +23,25 @@ const NAIVE_THREADS: u32 = 128;
 pub const MIN_PART_KEYS: usize = 256;
 /// Most query heads one gqa block serves (registers: 8 floats of q and of acc per head per lane).
 pub const MAX_HEADS_PER_BLOCK: usize = 8;
+/// Warps per block of the pipelined kernel (each streams its own tiles through its own ring).
+pub const PIPE_WARPS: usize = 4;
+/// Depth of each warp's cp.async ring: PIPE_STAGES − 1 tiles in flight while one is computed.
+pub const PIPE_STAGES: usize = 3;
+/// Warps per block of the mma kernel: its math is cheap, so 2 warps × 2 tiles of 16 keys in flight
+/// per block, and more blocks per SM, keep as many bytes queued with a finer grid.
+pub const MMA_WARPS: usize = 2;
+/// Keys per warp tile of the mma kernel (two n8 tiles of q·k, one k16 step of p·v).
+pub const MMA_TILE_KEYS: usize = 16;
+/// Fewest keys a pipelined partition gets (at most ~4 tiles per warp below this: the ring's fill
+/// and the merge would cost more than the extra blocks bring).
+pub const PIPE_MIN_PART_KEYS: usize = 256;
+/// Share of a full wave of resident blocks that keeps HBM saturated: each block has
+/// PIPE_WARPS · (PIPE_STAGES − 1) tiles (~32 KiB) in flight, so ~90% of the slots already queue
+/// more bytes than the memory system's latency × bandwidth.
+const PIPE_SATURATE: f64 = 0.9;
+/// Cost of a split in the planner, relative to the kernel: the merge kernel, its launch and the
+/// partials' traffic (a few µs against ~50–200 µs kernels).
+const PIPE_SPLIT_COST: f64 = 0.02;
 
 pub fn naive_program(dtype: DType) -> Program {
     Program::new(SRC).define("FE_ELEM", dtype.cuda_name())
@@ -35,6 +54,95 @@ pub fn gqa_program(dtype: DType, head_dim: usize, heads_per_block: usize) -> Pro
         .define("FE_D", head_dim)
         .define("FE_G", heads_per_block)
         .define("FE_WARPS", GQA_WARPS)
+}
+
+/// Registers per thread allowed by the pipelined kernel's launch bounds: 4 blocks of 128 threads
+/// per SM (128 registers) up to 4 query heads per block (q and acc: 64 floats per lane), 2 blocks
+/// (255 registers) beyond.
+pub fn pipe_min_blocks(heads_per_block: usize) -> usize {
+    if heads_per_block <= 4 {
+        4
+    } else {
+        2
+    }
+}
+
+pub fn pipe_program(dtype: DType, head_dim: usize, heads_per_block: usize) -> Program {
+    Program::new(SRC)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_PIPE", 1)
+        .define("FE_D", head_dim)
+        .define("FE_G", heads_per_block)
+        .define("FE_WARPS", PIPE_WARPS)
+        .define("FE_STAGES", PIPE_STAGES)
+        .define("FE_MINB", pipe_min_blocks(heads_per_block))
+}
+
+/// Keys per warp tile of the pipelined kernel (mirrors TK in decode.cu): ~1024 elements of K
+/// (2 KiB in 16-bit, as much again of V), a power of two in 4..=32, at least one key per key group.
+pub fn pipe_tile_keys(head_dim: usize) -> usize {
+    let lanes_per_key = (head_dim / 8).max(1).next_power_of_two();
+    let keys_per_step = 32 / lanes_per_key.min(32);
+    let by_size = 1usize << (1024 / head_dim.max(1)).max(1).ilog2();
+    by_size.min(32).max(keys_per_step)
+}
+
+/// Dynamic shared memory of the pipelined kernel (mirrors SMEM_BYTES in decode.cu): the warps'
+/// rings (reused for the warp merge) and each warp's score scratch.
+pub fn pipe_smem_bytes(head_dim: usize, heads_per_block: usize) -> usize {
+    let tk = pipe_tile_keys(head_dim);
+    let gp = heads_per_block.next_power_of_two();
+    let ring = PIPE_WARPS * PIPE_STAGES * 2 * tk * head_dim * 2;
+    let epi = PIPE_WARPS * heads_per_block * (head_dim + 2) * 4;
+    let e = tk * gp;
+    let ws = (2 * e + gp).div_ceil(4) * 4;
+    ring.max(epi) + PIPE_WARPS * ws * 4
+}
+
+pub fn mma_program(dtype: DType, head_dim: usize, heads_per_block: usize) -> Program {
+    Program::new(SRC)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_MMA", 1)
+        .define("FE_D", head_dim)
+        .define("FE_G", heads_per_block)
+        .define("FE_WARPS", MMA_WARPS)
+        .define("FE_STAGES", PIPE_STAGES)
+}
+
+/// Dynamic shared memory of the mma kernel (mirrors M_SMEM_BYTES in decode.cu): the warps' rings
+/// of 16-key tiles with rows padded by 16 bytes (reused for the warp merge).
+pub fn mma_smem_bytes(head_dim: usize, heads_per_block: usize) -> usize {
+    let ring = MMA_WARPS * PIPE_STAGES * 2 * MMA_TILE_KEYS * (head_dim + 8) * 2;
+    let epi = MMA_WARPS * heads_per_block * (head_dim + 2) * 4;
+    ring.max(epi)
+}
+
+/// The pipelined kernel's partition count for `base` blocks per partition, `max_visible` keys
+/// and `slots` resident blocks (SMs × blocks per SM). Models the run as waves of equal blocks:
+/// full waves stream at full bandwidth; a last, partial wave of r blocks streams at
+/// min(1, r / (PIPE_SATURATE · slots)) of it; each split adds PIPE_SPLIT_COST. The cheapest
+/// count wins (ties: fewer splits). E.g. on 132 SMs × 4: B16 Hkv8 → 4 (512 blocks), B64 Hkv8 → 1
+/// (512), B1 Hkv8 ctx32k → 60 (480).
+pub fn plan_splits(base: usize, max_visible: usize, slots: usize) -> usize {
+    let base = base.max(1);
+    let slots = slots.max(1);
+    let sat = (PIPE_SATURATE * slots as f64).ceil();
+    let max_s = max_visible.div_ceil(PIPE_MIN_PART_KEYS).clamp(1, 65535);
+    let cost = |s: usize| {
+        let blocks = base * s;
+        let (full, r) = (blocks / slots, blocks % slots);
+        let tail = if r == 0 { 0.0 } else { (r as f64).max(sat) };
+        let split = if s > 1 { PIPE_SPLIT_COST } else { 0.0 };
+        ((full * slots) as f64 + tail) / blocks as f64 + split
+    };
+    let mut best = (1, cost(1));
+    for s in 2..=max_s {
+        let c = cost(s);
+        if c < best.1 - 1e-9 {
+            best = (s, c);
+        }
+    }
+    best.0
 }
 
 pub fn append_program(unit: &str) -> Program {
@@ -68,6 +176,42 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
                     "decode_gqa".into(),
                     "decode_reduce".into(),
                 ],
+                min_arch: Arch::SM80,
+            });
+        }
+    }
+    for d in [DType::F16, DType::BF16] {
+        for (hd, g) in [
+            (64, 1),
+            (64, 8),
+            (128, 1),
+            (128, 4),
+            (128, 8),
+            (256, 4),
+            (256, 8),
+            (96, 3),
+        ] {
+            v.push(KernelSpec {
+                program: pipe_program(d, hd, g),
+                functions: vec!["decode_pipelined".into(), "decode_merge".into()],
+                min_arch: Arch::SM80,
+            });
+        }
+    }
+    for d in [DType::F16, DType::BF16] {
+        for (hd, g) in [
+            (64, 1),
+            (64, 8),
+            (96, 3),
+            (128, 1),
+            (128, 4),
+            (128, 8),
+            (256, 4),
+            (256, 8),
+        ] {
+            v.push(KernelSpec {
+                program: mma_program(d, hd, g),
+                functions: vec!["decode_mma".into(), "decode_merge".into()],
                 min_arch: Arch::SM80,
             });
         }
@@ -118,10 +262,12 @@ pub struct Prepared {
     pub reduce: Option<Kernel>,
     pub grid: (u32, u32, u32),
     pub threads: u32,
+    /// Dynamic shared memory per block (the pipelined kernel's rings).
+    pub smem: u32,
     pub part_size: usize,
     pub parts: usize,
     pub config: String,
-    /// The gqa kernel (else the naive one): their parameter lists differ.
+    /// The gqa or pipelined kernel (else the naive one): their parameter lists differ.
     gqa: bool,
     err: DeviceBuffer,
     workspace: Option<DeviceBuffer>,
@@ -157,12 +303,13 @@ pub fn prepare(
 ) -> Result<Prepared> {
     let err = dev.alloc(4, stream)?;
     let sms = dev.props().sm_count as usize;
-    let (kernel, reduce, grid, threads, part_size, parts, config) = match variant {
+    let (kernel, reduce, grid, threads, smem, part_size, parts, config) = match variant {
         "naive" => (
             dev.kernel(&naive_program(p.dtype), "decode_naive")?,
             None,
             (grid_x(p.batch * p.heads_q, "naive")?, 1, 1),
             NAIVE_THREADS,
+            0,
             0,
             1,
             "a block per (sequence, query head)".to_string(),
@@ -187,10 +334,62 @@ pub fn prepare(
                 r,
                 (grid_x(base_blocks(p), "gqa")?, parts as u32, 1),
                 (GQA_WARPS * 32) as u32,
+                0,
                 size,
                 parts,
                 format!(
                     "{g} q heads/block, {GQA_WARPS} warps, {parts} partition(s) of {size} keys"
+                ),
+            )
+        }
+        "pipelined" | "pipelined_mma" => {
+            let g = heads_per_block(p.group());
+            let mma = variant == "pipelined_mma";
+            let (prog, func, smem, warps, tile) = if mma {
+                (
+                    mma_program(p.dtype, p.head_dim, g),
+                    "decode_mma",
+                    mma_smem_bytes(p.head_dim, g),
+                    MMA_WARPS,
+                    MMA_TILE_KEYS,
+                )
+            } else {
+                (
+                    pipe_program(p.dtype, p.head_dim, g),
+                    "decode_pipelined",
+                    pipe_smem_bytes(p.head_dim, g),
+                    PIPE_WARPS,
+                    pipe_tile_keys(p.head_dim),
+                )
+            };
+            let k = dev.kernel(&prog, func)?;
+            if smem > 48 * 1024 {
+                k.set_max_dynamic_smem(smem as u32)?;
+            }
+            let threads = (warps * 32) as u32;
+            // Resident blocks per SM as the driver computes them (registers, shared memory).
+            let max_warps = (dev.props().max_threads_per_sm / 32) as f64;
+            let per_sm = (k.occupancy(threads, smem as u32)? * max_warps / warps as f64)
+                .round()
+                .max(1.0) as usize;
+            let splits = num_splits
+                .unwrap_or_else(|| plan_splits(base_blocks(p), p.max_visible(), sms * per_sm));
+            let (size, parts) = partitions(p, splits);
+            let r = if parts > 1 {
+                Some(dev.kernel(&prog, "decode_merge")?)
+            } else {
+                None
+            };
+            (
+                k,
+                r,
+                (grid_x(base_blocks(p), "pipelined")?, parts as u32, 1),
+                threads,
+                smem as u32,
+                size,
+                parts,
+                format!(
+                    "{g} q heads/block, {warps} warps × {PIPE_STAGES}-stage rings of {tile}-key tiles, {per_sm} blocks/SM, {parts} partition(s) of {size} keys"
                 ),
             )
         }
@@ -202,6 +401,8 @@ pub fn prepare(
         }
     };
     let workspace = if parts > 1 {
+        // (max, sum, acc[D]) per (row, partition): decode_reduce's interleaved layout, or
+        // decode_merge's acc block followed by the (max, sum) pairs — the same bytes.
         let bytes = p.batch * p.heads_q * parts * (p.head_dim + 2) * 4;
         Some(dev.alloc(bytes, stream)?)
     } else {
@@ -212,6 +413,7 @@ pub fn prepare(
         reduce,
         grid,
         threads,
+        smem,
         part_size,
         parts,
         config,
@@ -259,7 +461,7 @@ impl Prepared {
             a.push(self.part_size as i64).push(self.parts as i64);
         }
         self.kernel
-            .launch(stream, self.grid, (self.threads, 1, 1), 0, &mut a)?;
+            .launch(stream, self.grid, (self.threads, 1, 1), self.smem, &mut a)?;
         if let (Some(r), Some(w)) = (&self.reduce, &self.workspace) {
             let rows = p.batch * p.heads_q;
             let mut a = KernelArgs::new();

@@ -20,7 +20,9 @@
 //! softmax). CUDA: `naive` (a block per (sequence, query head), scalar loads) → `gqa` (a block per
 //! (sequence, kv head) serving its query heads: each K/V byte read once, 16-byte loads) →
 //! `split_kv` (flash-decoding: the context split across blocks, partial results reduced by a second
-//! kernel). See kernels/decode.cu.
+//! kernel) → `pipelined` (each warp streams key tiles through a cp.async ring in shared memory,
+//! one softmax rescale per tile, partitions planned to fill whole waves) → `pipelined_mma` (the
+//! same pipeline, q·k and p·v on tensor cores). See kernels/decode.cu.
 //!
 //! Bad indices: on the CPU every used block-table entry, seq_len and slot is checked on the host
 //! before any work. On the GPU these live in device memory; the kernels never read outside the
@@ -60,6 +62,8 @@ pub const MAX_CAPACITY: usize = (i32::MAX as usize) - 65536;
 pub const ERR_SEQ_LEN: i32 = 1;
 pub const ERR_BLOCK: i32 = 2;
 pub const ERR_SLOT: i32 = 4;
+/// A pipelined kernel was launched with less shared memory than it needs (a host bug).
+pub const ERR_LAUNCH: i32 = 8;
 
 pub fn variants() -> Vec<VariantInfo> {
     vec![
@@ -68,6 +72,8 @@ pub fn variants() -> Vec<VariantInfo> {
         VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "head dim ≤ 256", summary: "a block per (sequence, query head); a thread per key, scalar loads through the block table; K/V re-read by every query head of a group", rank: 1 },
         VariantInfo { name: "gqa", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256", summary: "a block per (sequence, kv head) serving its query heads: each K/V byte read once, 16-byte loads, lanes split a key's row, online softmax in registers, next key prefetched", rank: 2 },
         VariantInfo { name: "split_kv", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256; chosen when B·Hkv blocks would not fill the GPU", summary: "flash-decoding: the gqa kernel over context partitions (count from the SM count) writing partial (max, sum, acc), then a reduce kernel", rank: 3 },
+        VariantInfo { name: "pipelined", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 8, ≤ 256", summary: "each warp streams tiles of keys through a 3-stage cp.async ring (2 tiles of K/V in flight whatever the registers), one softmax rescale per tile, scores reduced by recursive halving; partitions planned from resident blocks per SM so the grid fills whole waves; parallel merge", rank: 4 },
+        VariantInfo { name: "pipelined_mma", backend: Backend::Cuda, dtypes: HALVES, min_arch: Some(Arch::SM80), constraints: "head dim a multiple of 16, ≤ 256", summary: "the pipelined kernel with q·k and p·v on tensor cores (mma.sync m16n8k16: the block's query heads as rows, 16-key tiles; p rounded to 16 bits before p·v): ~37 instructions per key instead of ~78 FFMAs, unpacks and shuffles, so issue stays far below what the copies need", rank: 5 },
     ]
 }
 
@@ -357,8 +363,18 @@ pub fn device_error(op: &str, bits: i32) -> Result<()> {
     if bits & ERR_SLOT != 0 {
         what.push("a slot outside −1..num_blocks·block_size (those tokens were not written)");
     }
-    if bits & !(ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT) != 0 {
+    if bits & ERR_LAUNCH != 0 {
+        what.push("a kernel launched with too little shared memory (nothing was computed)");
+    }
+    if bits & !(ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT | ERR_LAUNCH) != 0 {
         what.push("an unknown error bit");
+    }
+    if bits & (ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT) == 0 {
+        // No index at fault: an internal error, not the caller's argument.
+        return Err(Error::Other(format!(
+            "{op}: {} (device flag {bits:#x})",
+            what.join("; ")
+        )));
     }
     let arg = if bits & ERR_SLOT != 0 {
         "slot_mapping"
@@ -392,7 +408,11 @@ pub fn unfit(
             "supports head dims ≤ {GPU_MAX_HEAD_DIM} (got {})",
             p.head_dim
         )),
-        "gqa" | "split_kv" if !p.head_dim.is_multiple_of(8) || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
+        "pipelined_mma" if !p.head_dim.is_multiple_of(16) || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
+            "supports head dims that are multiples of 16 up to {GPU_MAX_HEAD_DIM} (64, 96, 128, 256, ...; got {})",
+            p.head_dim
+        )),
+        "gqa" | "split_kv" | "pipelined" if !p.head_dim.is_multiple_of(8) || p.head_dim > GPU_MAX_HEAD_DIM => Some(format!(
             "supports head dims that are multiples of 8 up to {GPU_MAX_HEAD_DIM} (64, 128, 256, ...; got {})",
             p.head_dim
         )),

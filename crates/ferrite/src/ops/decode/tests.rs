@@ -289,10 +289,100 @@ fn gpu_variant_constraints_and_split_planning() {
     assert!(unfit("naive", &Problem { head_dim: 320, ..p }, 132, None, true).is_some());
     // Every launched specialisation family is listed for the build check.
     let specs = cuda::kernel_specs();
-    for f in ["decode_naive", "decode_gqa", "decode_reduce", "append_kv"] {
+    for f in [
+        "decode_naive",
+        "decode_gqa",
+        "decode_reduce",
+        "decode_pipelined",
+        "decode_mma",
+        "decode_merge",
+        "append_kv",
+    ] {
         assert!(
             specs.iter().any(|s| s.functions.iter().any(|x| x == f)),
             "{f}"
         );
     }
+}
+
+#[test]
+fn pipelined_geometry_and_split_plan() {
+    // Tiles of ~1024 elements (2 KiB of K in 16-bit), at least one key per key group.
+    for (d, tk) in [(8, 32), (16, 32), (64, 16), (96, 8), (128, 8), (256, 4)] {
+        assert_eq!(cuda::pipe_tile_keys(d), tk, "D{d}");
+    }
+    // D128, 4 heads: rings 4 warps × 3 stages × (K + V) × 8 keys × 128 × 2 B = 48 KiB, plus
+    // 4 × 68 floats of score scratch (the 8 KiB warp-merge buffer reuses the rings).
+    assert_eq!(cuda::pipe_smem_bytes(128, 4), 49152 + 4 * 68 * 4);
+    // D256, 8 heads: the merge buffer (4 × 8 × 258 floats) still fits in the rings.
+    assert_eq!(cuda::pipe_smem_bytes(256, 8), 49152 + 4 * (2 * 32 + 8) * 4);
+    // Every specialisation: the launch-bound blocks fit an sm_90 SM's 228 KiB (1 KiB reserved per
+    // block), and at least 2 blocks fit an sm_80 SM's 164 KiB.
+    for d in (8..=256).step_by(8) {
+        for g in 1..=8 {
+            let per_block = cuda::pipe_smem_bytes(d, g) + 1024;
+            let per_sm = cuda::pipe_min_blocks(g);
+            assert!(
+                per_sm * per_block <= 228 * 1024,
+                "D{d} G{g}: {per_block} × {per_sm}"
+            );
+            assert!(2 * per_block <= 164 * 1024, "D{d} G{g}: {per_block} × 2");
+        }
+    }
+    // The shapes on 132 SMs × 4 resident blocks (bs16 tables hold one spare block, so
+    // max_visible = ctx + 16): B16 → 4 partitions (512 blocks, one wave); B64 → none (512);
+    // B1 ctx32k → 60 (480 blocks ≥ 90% of the 528 slots).
+    assert_eq!(cuda::plan_splits(16 * 8, 4096 + 16, 528), 4);
+    assert_eq!(cuda::plan_splits(64 * 8, 2048 + 16, 528), 1);
+    assert_eq!(cuda::plan_splits(8, 32768 + 16, 528), 60);
+    // A wave and a sliver: split until the last wave is (nearly) full.
+    let s = cuda::plan_splits(600, 4096, 528);
+    let blocks = 600 * s;
+    assert!(s > 1 && blocks % 528 >= 476, "{s} splits: {blocks} blocks");
+    // Short contexts cap the splits (≥ PIPE_MIN_PART_KEYS keys each); degenerate inputs give 1.
+    assert_eq!(cuda::plan_splits(8, 300, 528), 2);
+    assert_eq!(cuda::plan_splits(8, 0, 528), 1);
+    assert_eq!(cuda::plan_splits(0, 4096, 0), 1);
+    // The mma kernel: 2 warps × 3 stages × (K + V) × 16 keys × (D + 8) × 2 B.
+    assert_eq!(cuda::mma_smem_bytes(128, 4), 2 * 3 * 2 * 16 * 136 * 2);
+    for d in (16..=256).step_by(16) {
+        for g in 1..=8 {
+            let per_block = cuda::mma_smem_bytes(d, g) + 1024;
+            assert!(
+                2 * per_block <= 228 * 1024,
+                "mma D{d} G{g}: {per_block} × 2"
+            );
+        }
+    }
+    let p = Problem {
+        batch: 2,
+        heads_q: 8,
+        heads_kv: 2,
+        head_dim: 72,
+        num_blocks: 64,
+        block_size: 16,
+        max_blocks: 8,
+        dtype: DType::BF16,
+        device: Device::Cpu,
+        scale: 1.0,
+        softcap: 0.0,
+        window_left: -1,
+    };
+    // D 72: not a multiple of 16 → the mma rung declines (the default falls back to pipelined).
+    let e = unfit("pipelined_mma", &p, 132, None, true).unwrap();
+    assert!(e.contains("multiples of 16"), "{e}");
+    assert!(unfit("pipelined", &p, 132, None, true).is_none());
+    assert!(unfit(
+        "pipelined_mma",
+        &Problem { head_dim: 80, ..p },
+        132,
+        None,
+        true
+    )
+    .is_none());
+    let e = device_error(OP, ERR_LAUNCH).unwrap_err().to_string();
+    assert!(
+        e.contains("shared memory") && !e.contains("`seq_lens`"),
+        "{e}"
+    );
 }

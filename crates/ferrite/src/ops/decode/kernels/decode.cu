@@ -2,7 +2,9 @@
 // cache [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int, seq_lens [B] int).
 //
 // Specialisation: -DFE_ELEM=<storage type>; gqa/reduce also -DFE_GQA, -DFE_D=<head dim>,
-// -DFE_G=<query heads per block>, -DFE_WARPS=<warps per block>.
+// -DFE_G=<query heads per block>, -DFE_WARPS=<warps per block>; pipelined/merge -DFE_PIPE with
+// FE_D, FE_G, FE_WARPS, -DFE_STAGES=<ring depth>, -DFE_MINB=<launch-bounds blocks per SM>;
+// mma/merge -DFE_MMA with FE_D, FE_G, FE_WARPS, FE_STAGES.
 // Scores in the log2 domain (log2(e) folded after scale/softcap) so the softmax uses exp2f.
 //
 // step 1 — decode_naive: a block of 128 threads per (sequence, query head). Keys go in chunks of
@@ -20,6 +22,18 @@
 //   part_size keys, each writing a partial (max, sum, acc[D]) in f32 to a workspace;
 //   decode_reduce merges the partials. With few sequences (B·Hkv blocks < the SMs) this is what
 //   puts the whole GPU on the context.
+// step 4 — decode_pipelined: gqa's block and lane layout, but each warp streams its own tiles of
+//   keys through a FE_STAGES-deep cp.async ring in shared memory: FE_STAGES − 1 tiles (2 × ~4 KiB
+//   per warp) are in flight while one is computed, independent of how many registers the math
+//   holds (gqa had one key step per lane in flight, 32 bytes, and stalled on every load). Per tile
+//   the scores of all its keys come first (partial dot products reduced by recursive halving,
+//   ~1 shuffle per score instead of log2(TPK) per key and head), then one online-softmax rescale
+//   per tile instead of a dependent max/rescale per key, then p·V. The host plans partitions
+//   from the resident blocks per SM so the grid fills whole waves; decode_merge reduces them with
+//   parts spread over threads. See the kernel's comment.
+// step 5 — decode_mma: step 4's pipeline with q·k and p·v on tensor cores (mma.sync m16n8k16,
+//   the block's query heads as rows 0..FE_G−1 of an m16 tile, 16-key tiles): ~37 instructions per
+//   key instead of ~78, most of them now the copies themselves. See the kernel's comment.
 //
 // Bad indices never cause an out-of-bounds read: a seq_len outside 0..=max_blocks·block_size is
 // treated as 0, a block-table entry outside 0..num_blocks skips its keys; both set bits of *err,
@@ -151,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(128)
   if (tid == 0 && lse != nullptr) lse[bh] = l > 0.f ? (m + log2f(l)) * LN2 : NEG_INF;
 }
 
-#ifdef FE_GQA
+#if defined(FE_GQA) || defined(FE_PIPE) || defined(FE_MMA)
 
 #ifndef FE_D
 #define FE_D 128
@@ -205,6 +219,10 @@ __device__ __forceinline__ bool load_kv(const T* __restrict__ kc, const T* __res
   }
   return false;
 }
+
+#endif  // FE_GQA || FE_PIPE || FE_MMA
+
+#ifdef FE_GQA
 
 // grid.x = batch · hkv · (group / FE_G), grid.y = num_parts; blockDim.x = FE_WARPS · 32.
 // __launch_bounds__(…, 2): without a minimum-blocks hint ptxas capped some specialisations at 96
@@ -383,3 +401,802 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 #endif  // FE_GQA
+
+#if defined(FE_PIPE) || defined(FE_MMA)
+
+#ifndef FE_STAGES
+#define FE_STAGES 3
+#endif
+#ifndef FE_MINB
+#define FE_MINB 4
+#endif
+
+#define FULL_MASK 0xffffffffu
+#define ERR_LAUNCH 8
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// 16-byte global → shared copy that bypasses L1; with valid == false nothing is read and 16 zero
+// bytes are written (a masked key's row must not be stale data: 0 · NaN would poison acc).
+__device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(s)),
+               "l"(g), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// The dynamic shared memory the launch provided (the host sizes it from a mirrored formula).
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+#endif  // FE_PIPE || FE_MMA
+
+#ifdef FE_PIPE
+
+// Tile geometry. cuda.rs (pipe_tile_keys, pipe_smem_bytes) mirrors it to size the dynamic shared
+// memory; the kernel refuses to run with less (ERR_LAUNCH).
+constexpr int pow2_floor(int x) {
+  int p = 1;
+  while (p * 2 <= x) p *= 2;
+  return p;
+}
+constexpr int GP = FE_G <= 1 ? 1 : FE_G <= 2 ? 2 : FE_G <= 4 ? 4 : 8;  // heads, padded to 2^n
+constexpr int TK = cmax(KPW, cmin(32, pow2_floor(1024 / FE_D)));     // keys per warp tile
+constexpr int R = TK / KPW;           // row steps per tile (a step: KPW keys, one per key group)
+constexpr int P = R * GP;             // partial dot products per lane per tile
+constexpr int E = TK * GP;            // (key, head) scores per tile
+constexpr int EPL = (E + 31) / 32;    // of them per lane in the softmax step
+constexpr int NOUT = P >= TPK ? P / TPK : 1;  // reduced scores a lane holds after halve_sum
+constexpr int REP = P >= TPK ? 1 : TPK / P;   // lanes holding the same one
+constexpr int CHUNKS = TK * NV;       // 16-byte vectors per K (or V) tile
+constexpr int CPL = (CHUNKS + 31) / 32;
+constexpr int TILE = TK * FE_D;       // elements per K (or V) tile
+constexpr int RING_BYTES = FE_WARPS * FE_STAGES * 2 * TILE * (int)sizeof(T);
+constexpr int EPI_BYTES = FE_WARPS * FE_G * (FE_D + 2) * 4;
+constexpr int AREA_BYTES = cmax(RING_BYTES, EPI_BYTES);
+constexpr int WS = (2 * E + GP + 3) / 4 * 4;  // floats of per-warp score scratch (16-byte rows)
+constexpr int SMEM_BYTES = AREA_BYTES + FE_WARPS * WS * 4;
+static_assert(FE_G >= 1 && FE_G <= 8, "the pipelined kernel serves 1 to 8 query heads per block");
+static_assert(FE_STAGES >= 2, "a ring needs at least two stages");
+static_assert(TK % KPW == 0 && TK <= 32 && TK >= 4, "tile keys: a multiple of the keys per step");
+static_assert(AREA_BYTES % 16 == 0, "score scratch must stay 16-byte aligned");
+
+// Sums v[0..N) over the TPK lanes of a key group (xor offsets OFF, OFF/2, …, 1) by recursive
+// halving: at each offset a lane keeps one half of its values, sends the other half to its
+// partner and adds what the partner sent for the kept half — N·(1 − 1/TPK) shuffles per lane
+// instead of N·log2(TPK). `base` collects the halves kept: afterwards v[0..NOUT) hold the sums of
+// the original v[base..base + NOUT). Once one value is left, the remaining offsets are plain
+// butterflies (REP lanes then hold the same sum).
+template <int N, int OFF>
+__device__ __forceinline__ void halve_sum(float (&v)[P], int vi, int& base) {
+  if constexpr (OFF > 0) {
+    if constexpr (N == 1) {
+      v[0] += __shfl_xor_sync(FULL_MASK, v[0], OFF);
+      halve_sum<1, OFF / 2>(v, vi, base);
+    } else {
+      constexpr int H = N / 2;
+      const bool up = (vi & OFF) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float send = up ? v[i] : v[i + H];
+        const float keep = up ? v[i + H] : v[i];
+        v[i] = keep + __shfl_xor_sync(FULL_MASK, send, OFF);
+      }
+      if (up) base += H;
+      halve_sum<H, OFF / 2>(v, vi, base);
+    }
+  }
+}
+
+// GP consecutive floats of shared memory (16-byte aligned rows when GP ≥ 4).
+__device__ __forceinline__ void load_heads(const float* p, float (&x)[GP]) {
+  if constexpr (GP >= 4) {
+#pragma unroll
+    for (int g = 0; g < GP; g += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + g);
+      x[g] = f.x, x[g + 1] = f.y, x[g + 2] = f.z, x[g + 3] = f.w;
+    }
+  } else if constexpr (GP == 2) {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    x[0] = f.x, x[1] = f.y;
+  } else {
+    x[0] = p[0];
+  }
+}
+
+// step 4 — decode_pipelined. A block of FE_WARPS warps per (sequence, kv head, FE_G query heads
+// [, context partition]); each warp streams its own tiles of TK keys (tiles warp, warp + FE_WARPS,
+// …) through a FE_STAGES-deep cp.async ring in shared memory, so FE_STAGES − 1 tiles of K and V
+// (CPL 16-byte copies per lane each) are in flight while one is computed, however many registers
+// the math takes. The table entries of the tile after next are loaded one iteration early, so
+// issuing copies never waits on them. Per tile: lanes split the rows as in decode_gqa (TPK lanes
+// × 8 dims per key) and form partial dot products for R row steps × GP heads, reduced over the
+// key group by recursive halving (halve_sum), written as TK × GP scores; the softmax step gives
+// each lane one (key, head) score, so the tile max, one rescale per tile (not per key) and exp2
+// run once per score; then p·V accumulates in registers. All lanes of a warp share its running
+// max, so its key groups merge by plain sums; warps merge through shared memory as in decode_gqa.
+// grid.x = batch · hkv · (group / FE_G), grid.y = num_parts; blockDim.x = FE_WARPS · 32; dynamic
+// shared memory ≥ SMEM_BYTES. num_parts == 1: writes o (and lse). Otherwise, with
+// rows = batch · hq: part[(row·num_parts + y)·FE_D + d] = unnormalised acc, and
+// part[rows·num_parts·FE_D + (row·num_parts + y)·2 + {0: max (log2 domain), 1: sum}], for
+// decode_merge.
+extern "C" __global__ void __launch_bounds__(FE_WARPS * 32, FE_MINB)
+    decode_pipelined(T* __restrict__ o, float* __restrict__ lse, float* __restrict__ part,
+                     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+                     const int* __restrict__ bt, const int* __restrict__ seq_lens, int* err,
+                     i64 batch, i64 hq, i64 hkv, i64 num_blocks, i64 block_size, i64 max_blocks,
+                     float scale, float softcap, float inv_cap, i64 window_left, i64 part_size,
+                     i64 num_parts) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // grid.x = batch · hkv · nhb ≤ 2³¹−1 (host-checked): 32-bit splits of the block index.
+  const int group = (int)hq / (int)hkv, nhb = group / FE_G, per_b = (int)hkv * nhb;
+  const int bx = blockIdx.x;
+  const i64 b = bx / per_b;
+  const int r0 = bx % per_b;
+  const int kvh = r0 / nhb;
+  const i64 h0 = (i64)kvh * group + (r0 % nhb) * FE_G;
+  const int pi = blockIdx.y;
+  if (b >= batch) return;  // block-uniform
+  if (dynamic_smem_size() < (unsigned)SMEM_BYTES) {  // block-uniform
+    if (threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
+    return;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kg = lane / TPK, vi = lane % TPK;
+  const unsigned bsz = (unsigned)block_size;
+  const int* bt_row = bt + b * max_blocks;
+
+  int lo, hi;
+  key_range(seq_lens, b, (int)(max_blocks * block_size), window_left, err, lo, hi);
+  int start = lo, end = hi;
+  if (num_parts > 1) {
+    // part_size · num_parts ≤ capacity + part_size < 2³²: compute in 64 bits, clamp.
+    const i64 s64 = (i64)lo + (i64)pi * part_size;
+    start = (int)min(s64, (i64)hi);
+    end = (int)min(s64 + part_size, (i64)hi);
+  }
+
+  float qf[GP][VEC];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    if (g < FE_G && (NV == TPK || vi < NV)) {
+      unpack8(__ldg(reinterpret_cast<const uint4*>(q + (b * hq + h0 + g) * FE_D + (i64)vi * VEC)),
+              qf[g]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qf[g][e] = 0.f;
+    }
+  }
+  float acc[FE_G][VEC];
+#pragma unroll
+  for (int g = 0; g < FE_G; ++g)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[g][e] = 0.f;
+  // Running max and sum of head lane % GP: the max is the same in every lane of that head, the
+  // sum is this lane's share (summed over the head's lanes at the end).
+  float m_run = NEG_INF, l_run = 0.f;
+
+  T* ring = reinterpret_cast<T*>(smem) + warp * (FE_STAGES * 2 * TILE);
+  float* sc = reinterpret_cast<float*>(smem + AREA_BYTES) + warp * WS;  // [TK][GP] scores
+  float* ps = sc + E;                                                   // [TK][GP] weights
+  float* al = ps + E;                                                   // [GP] rescale factors
+
+  constexpr int TSTRIDE = FE_WARPS * TK;
+  const int tile0 = start + warp * TK;  // this warp's first key; warp-uniform
+  const int ntiles = end > tile0 ? (end - tile0 + TSTRIDE - 1) / TSTRIDE : 0;
+
+  // Lane k < TK: the element offset of key k of this warp's tile i, and whether it counts (inside
+  // the range, block entry valid — a bad entry is flagged and its key skipped).
+  auto locate = [&](int i, i64& off) -> bool {
+    off = 0;
+    if (lane >= TK || i >= ntiles) return false;
+    const int j = tile0 + i * TSTRIDE + lane;  // < end + TSTRIDE: no overflow (MAX_CAPACITY)
+    if (j >= end) return false;
+    const int blk = bt_row[(unsigned)j / bsz];
+    if (blk < 0 || blk >= num_blocks) {
+      atomicOr(err, ERR_BLOCK);
+      return false;
+    }
+    off = (((i64)blk * bsz + (unsigned)j % bsz) * hkv + kvh) * FE_D;
+    return true;
+  };
+  // Queues tile i's K and V rows into its ring stage (masked keys zero-filled); returns the
+  // tile's key mask (bit k: key k counts).
+  auto issue = [&](int i, i64 off, bool valid) -> unsigned {
+    const unsigned mask = __ballot_sync(FULL_MASK, valid);
+    T* ks = ring + (i % FE_STAGES) * (2 * TILE);
+    const unsigned olo = (unsigned)off, ohi = (unsigned)((u64)off >> 32);
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+      const int ch = lane + 32 * c;
+      const int k = cmin(ch / NV, TK - 1);
+      const u64 row = ((u64)__shfl_sync(FULL_MASK, ohi, k) << 32) | __shfl_sync(FULL_MASK, olo, k);
+      const bool ok = (mask >> k) & 1u;
+      if (CHUNKS % 32 == 0 || ch < CHUNKS) {
+        const i64 src = ok ? (i64)row + (ch % NV) * VEC : 0;
+        cp_async16(ks + ch * VEC, kc + src, ok);
+        cp_async16(ks + TILE + ch * VEC, vc + src, ok);
+      }
+    }
+    return mask;
+  };
+
+  // Prologue: the table entries of tiles 0..FE_STAGES−1 (independent loads), tiles
+  // 0..FE_STAGES−2 queued.
+  i64 offs[FE_STAGES];
+  bool vals[FE_STAGES];
+#pragma unroll
+  for (int s = 0; s < FE_STAGES; ++s) vals[s] = locate(s, offs[s]);
+  unsigned masks[FE_STAGES - 1];  // key masks of the queued, not yet computed tiles
+#pragma unroll
+  for (int s = 0; s < FE_STAGES - 1; ++s) {
+    masks[s] = s < ntiles ? issue(s, offs[s], vals[s]) : 0u;
+    cp_async_commit();
+  }
+  i64 off_n = offs[FE_STAGES - 1];
+  bool val_n = vals[FE_STAGES - 1];
+
+  for (int i = 0; i < ntiles; ++i) {
+    cp_async_wait<FE_STAGES - 2>();  // this lane's copies of tile i have landed …
+    __syncwarp();  // … and every lane's; also: all lanes are done with tile i − 1's stage
+    const unsigned mk = masks[0];
+#pragma unroll
+    for (int s = 0; s + 1 < FE_STAGES - 1; ++s) masks[s] = masks[s + 1];
+    masks[FE_STAGES - 2] =
+        i + FE_STAGES - 1 < ntiles ? issue(i + FE_STAGES - 1, off_n, val_n) : 0u;
+    cp_async_commit();  // (empty past the end: keeps the group count uniform)
+    val_n = locate(i + FE_STAGES, off_n);
+
+    const T* ks = ring + (i % FE_STAGES) * (2 * TILE);
+    const T* vs = ks + TILE;
+
+    // Scores: this lane's 8-dim partial dot products for R row steps × GP heads …
+    float part_s[P];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float kf[VEC];
+      if (NV == TPK || vi < NV) {
+        unpack8(*reinterpret_cast<const uint4*>(ks + (r * KPW + kg) * FE_D + vi * VEC), kf);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) kf[e] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < GP; ++g) {
+        float dot = 0.f;
+        if (g < FE_G) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot = fmaf(qf[g][e], kf[e], dot);
+        }
+        part_s[r * GP + g] = dot;
+      }
+    }
+    // … summed over the key group, each lane left with NOUT of them.
+    int base = 0;
+    halve_sum<P, TPK / 2>(part_s, vi, base);
+    if (REP == 1 || vi % REP == 0) {
+#pragma unroll
+      for (int j = 0; j < NOUT; ++j) {
+        const int idx = base + j, r = idx / GP, g = idx % GP;
+        sc[(r * KPW + kg) * GP + g] = part_s[j];
+      }
+    }
+    __syncwarp();
+
+    // Softmax step: lane ↔ score e = lane + 32·i = key·GP + head (head = lane % GP).
+    float s[EPL], tmax = NEG_INF;
+#pragma unroll
+    for (int x = 0; x < EPL; ++x) {
+      const int e = lane + 32 * x;
+      s[x] = NEG_INF;
+      if ((E % 32 == 0 || e < E) && ((mk >> (e / GP)) & 1u))
+        s[x] = score_log2(sc[e], scale, softcap, inv_cap);
+      tmax = fmaxf(tmax, s[x]);
+    }
+#pragma unroll
+    for (int off = GP; off < 32; off <<= 1)
+      tmax = fmaxf(tmax, __shfl_xor_sync(FULL_MASK, tmax, off));
+    const float m_new = fmaxf(m_run, tmax);
+    const float alpha = rescale(m_run, m_new);
+    float psum = 0.f;
+#pragma unroll
+    for (int x = 0; x < EPL; ++x) {
+      const int e = lane + 32 * x;
+      const float p = s[x] == NEG_INF ? 0.f : exp2f(s[x] - m_new);
+      if (E % 32 == 0 || e < E) ps[e] = p;
+      psum += p;
+    }
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+    if (lane < GP) al[lane] = alpha;
+    __syncwarp();
+
+    // p·V: one rescale of acc per tile, skipped (warp-uniformly) when no head's max grew.
+    float a[GP];
+    load_heads(al, a);
+    bool grew = false;
+#pragma unroll
+    for (int g = 0; g < FE_G; ++g) grew |= a[g] != 1.f;
+    if (grew) {
+#pragma unroll
+      for (int g = 0; g < FE_G; ++g)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][e] *= a[g];
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int k = r * KPW + kg;
+      float p[GP];
+      load_heads(ps + k * GP, p);
+      if (NV == TPK || vi < NV) {
+        float vf[VEC];
+        unpack8(*reinterpret_cast<const uint4*>(vs + k * FE_D + vi * VEC), vf);
+#pragma unroll
+        for (int g = 0; g < FE_G; ++g)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][e] = fmaf(p[g], vf[e], acc[g][e]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // the trailing (empty or unused) groups
+
+  // The warp's key groups share its running max: plain sums.
+#pragma unroll
+  for (int off = TPK; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < FE_G; ++g)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[g][e] += __shfl_xor_sync(FULL_MASK, acc[g][e], off);
+  }
+#pragma unroll
+  for (int off = GP; off < 32; off <<= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, off);
+
+  __syncthreads();  // every warp is done with its ring: the area becomes the merge buffer
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [FE_WARPS][FE_G][FE_D]
+  float* sm_m = sm_acc + FE_WARPS * FE_G * FE_D;   // [FE_WARPS][FE_G]
+  float* sm_l = sm_m + FE_WARPS * FE_G;
+  if (kg == 0 && (NV == TPK || vi < NV)) {
+#pragma unroll
+    for (int g = 0; g < FE_G; ++g)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sm_acc[(warp * FE_G + g) * FE_D + vi * VEC + e] = acc[g][e];
+  }
+  if (lane < FE_G) {  // lane g < GP holds head g's max and (now) its warp-wide sum
+    sm_m[warp * FE_G + lane] = m_run;
+    sm_l[warp * FE_G + lane] = l_run;
+  }
+  __syncthreads();
+
+  // Merge the warps; one thread per (head, dim).
+  const i64 rows = batch * hq;
+  for (int idx = threadIdx.x; idx < FE_G * FE_D; idx += FE_WARPS * 32) {
+    const int g = idx / FE_D, dd = idx % FE_D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < FE_WARPS; ++w) mx = fmaxf(mx, sm_m[w * FE_G + g]);
+    float ls = 0.f, av = 0.f;
+#pragma unroll
+    for (int w = 0; w < FE_WARPS; ++w) {
+      const float c = rescale(sm_m[w * FE_G + g], mx);
+      ls += sm_l[w * FE_G + g] * c;
+      av += sm_acc[(w * FE_G + g) * FE_D + dd] * c;
+    }
+    const i64 row = b * hq + h0 + g;
+    if (num_parts == 1) {
+      o[row * FE_D + dd] = from_float<T>(av * inverse_or_zero(ls));
+      if (dd == 0 && lse != nullptr) lse[row] = ls > 0.f ? (mx + log2f(ls)) * LN2 : NEG_INF;
+    } else {
+      part[(row * num_parts + pi) * FE_D + dd] = av;
+      if (dd == 0) {
+        float* ml = part + rows * num_parts * FE_D + (row * num_parts + pi) * 2;
+        ml[0] = mx;
+        ml[1] = ls;
+      }
+    }
+  }
+}
+
+#endif  // FE_PIPE
+
+#if defined(FE_PIPE) || defined(FE_MMA)
+
+// Merges the num_parts partials of each (sequence, query head) row written by decode_pipelined or
+// decode_mma (same layout): a block of 128 threads per row (grid-stride). The weights exp2(m_p − max) come from a block max; the parts
+// are dealt to 128 / (FE_D/4) thread groups, each summing its parts' weighted float4 columns with
+// independent loads in flight (decode_reduce walks all parts serially per dim), and the groups
+// meet in shared memory.
+extern "C" __global__ void __launch_bounds__(128)
+    decode_merge(T* __restrict__ o, float* __restrict__ lse, const float* __restrict__ part,
+                 i64 rows, i64 num_parts) {
+  constexpr int C = FE_D / 4, NG = 128 / C;
+  static_assert(FE_D % 4 == 0 && NG >= 1, "float4 columns");
+  __shared__ float red[64];
+  __shared__ float4 sacc[NG * C];
+  const float* ml_all = part + rows * num_parts * FE_D;
+  const int tid = threadIdx.x, col = tid % C, grp = tid / C;
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* ml = ml_all + row * num_parts * 2;
+    float mx = NEG_INF;
+    for (i64 p = tid; p < num_parts; p += 128) mx = fmaxf(mx, ml[2 * p]);
+    mx = block_max(mx, red);
+    float ls = 0.f;
+    for (i64 p = tid; p < num_parts; p += 128) ls += ml[2 * p + 1] * rescale(ml[2 * p], mx);
+    ls = block_sum(ls, red);
+    if (grp < NG) {
+      const float4* pa = reinterpret_cast<const float4*>(part + row * num_parts * FE_D) + col;
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (i64 p = grp; p < num_parts; p += NG) {
+        const float w = rescale(ml[2 * p], mx);
+        const float4 v = pa[p * C];
+        a.x = fmaf(w, v.x, a.x);
+        a.y = fmaf(w, v.y, a.y);
+        a.z = fmaf(w, v.z, a.z);
+        a.w = fmaf(w, v.w, a.w);
+      }
+      sacc[grp * C + col] = a;
+    }
+    __syncthreads();
+    if (tid < C) {
+      float4 t = sacc[tid];
+#pragma unroll
+      for (int g = 1; g < NG; ++g) {
+        const float4 u = sacc[g * C + tid];
+        t.x += u.x, t.y += u.y, t.z += u.z, t.w += u.w;
+      }
+      const float inv = inverse_or_zero(ls);
+      T* orow = o + row * FE_D + 4 * tid;
+      orow[0] = from_float<T>(t.x * inv);
+      orow[1] = from_float<T>(t.y * inv);
+      orow[2] = from_float<T>(t.z * inv);
+      orow[3] = from_float<T>(t.w * inv);
+    }
+    if (tid == 0 && lse != nullptr) lse[row] = ls > 0.f ? (mx + log2f(ls)) * LN2 : NEG_INF;
+    __syncthreads();  // sacc is rewritten for the next row
+  }
+}
+
+#endif  // FE_PIPE || FE_MMA
+
+#ifdef FE_MMA
+
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+constexpr bool IS_BF16 = IsBf16<T>::value;
+
+// Tile geometry (mirrored by mma_smem_bytes in cuda.rs).
+constexpr int MTK = 16;              // keys per warp tile: two n8 tiles of q·k, one k16 step of p·v
+constexpr int RS = FE_D + 8;         // shared row stride (elements): +16 bytes, so the 8 rows an
+                                     // ldmatrix reads fall in 8 distinct 16-byte bank groups
+constexpr int KC = FE_D / 16;        // 16-dim chunks: k steps of q·k, m tiles of p·v
+constexpr int MCHUNKS = MTK * NV;    // 16-byte vectors per K (or V) tile
+constexpr int MCPL = (MCHUNKS + 31) / 32;
+constexpr int MTILE = MTK * RS;      // elements per K (or V) tile
+constexpr int M_RING_BYTES = FE_WARPS * FE_STAGES * 2 * MTILE * (int)sizeof(T);
+constexpr int M_EPI_BYTES = FE_WARPS * FE_G * (FE_D + 2) * 4;
+constexpr int M_SMEM_BYTES = cmax(M_RING_BYTES, M_EPI_BYTES);
+static_assert(FE_D % 16 == 0 && FE_D <= 256, "the mma kernel takes head dims 16, 32, …, 256");
+static_assert(FE_G >= 1 && FE_G <= 8, "query heads are the rows 0..7 of an m16 tile");
+static_assert(FE_STAGES >= 2, "a ring needs at least two stages");
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void ldsm_x2(unsigned (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+// d += a·b for one m16n8k16 tile (a: a0..a3 in the PTX fragment order), fp32 accumulate.
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  if constexpr (IS_BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+// Two floats → one register of two 16-bit values (low half = x), rounded to nearest.
+__device__ __forceinline__ unsigned pack2(float x, float y) {
+  unsigned u;
+  if constexpr (IS_BF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(u) : "f"(y), "f"(x));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(u) : "f"(y), "f"(x));
+  }
+  return u;
+}
+
+// step 5 — decode_mma: decode_pipelined's pipeline (per-warp cp.async rings, table entries one
+// tile early, partitions planned by waves) with the arithmetic on tensor cores. Per warp tile of
+// MTK = 16 keys, with gid = lane / 4 and tig = lane % 4 (the mma fragment coordinates):
+//   S = Q·Kᵀ: m16n8k16 with the block's query heads as rows 0..FE_G−1 of A (rows 8..15 are zero
+//     registers), two n8 tiles of 8 keys, K-dim = head dim: Q's A fragments stay in registers
+//     (KC × 2 words), K's B fragments come from the ring by ldmatrix (a key's row is a B column).
+//   The S accumulator gives lane (gid, tig) head gid's scores of keys 2·tig, 2·tig+1 (tile 0) and
+//     8+2·tig, 9+2·tig (tile 1): one online-softmax step per tile — a 4-lane max, 4 exp2 per lane.
+//   Oᵀ += Vᵀ·Pᵀ: m16n8k16 with dims as rows (KC m tiles), heads as the 8 columns, the 16 keys as
+//     K-dim: Vᵀ's A fragments by ldmatrix.trans from the same rows, and Pᵀ's B fragment is exactly
+//     the S accumulator (keys 2·tig.. of head gid) packed to 16 bits — no shuffles.
+// q·k and p·v cost 3·KC mma + 2·KC ldmatrix per 16 keys instead of ~2·D·G FFMAs and 2·D unpacks
+// per key, so issue no longer competes with the copies. p is rounded to the storage type before
+// p·v (as in FlashAttention and the attention family's flash rung); its sum l stays fp32.
+// grid.x = batch · hkv · (group / FE_G), grid.y = num_parts; blockDim.x = FE_WARPS · 32; dynamic
+// shared memory ≥ M_SMEM_BYTES. Outputs as decode_pipelined (o and lse, or partials for
+// decode_merge).
+extern "C" __global__ void __launch_bounds__(FE_WARPS * 32)
+    decode_mma(T* __restrict__ o, float* __restrict__ lse, float* __restrict__ part,
+               const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+               const int* __restrict__ bt, const int* __restrict__ seq_lens, int* err, i64 batch,
+               i64 hq, i64 hkv, i64 num_blocks, i64 block_size, i64 max_blocks, float scale,
+               float softcap, float inv_cap, i64 window_left, i64 part_size, i64 num_parts) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // grid.x = batch · hkv · nhb ≤ 2³¹−1 (host-checked): 32-bit splits of the block index.
+  const int group = (int)hq / (int)hkv, nhb = group / FE_G, per_b = (int)hkv * nhb;
+  const int bx = blockIdx.x;
+  const i64 b = bx / per_b;
+  const int r0 = bx % per_b;
+  const int kvh = r0 / nhb;
+  const i64 h0 = (i64)kvh * group + (r0 % nhb) * FE_G;
+  const int pi = blockIdx.y;
+  if (b >= batch) return;  // block-uniform
+  if (dynamic_smem_size() < (unsigned)M_SMEM_BYTES) {  // block-uniform
+    if (threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
+    return;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const unsigned bsz = (unsigned)block_size;
+  const int* bt_row = bt + b * max_blocks;
+
+  int lo, hi;
+  key_range(seq_lens, b, (int)(max_blocks * block_size), window_left, err, lo, hi);
+  int start = lo, end = hi;
+  if (num_parts > 1) {
+    // part_size · num_parts ≤ capacity + part_size < 2³²: compute in 64 bits, clamp.
+    const i64 s64 = (i64)lo + (i64)pi * part_size;
+    start = (int)min(s64, (i64)hi);
+    end = (int)min(s64 + part_size, (i64)hi);
+  }
+
+  // Q's A fragments: a0 = Q[gid][16c + 2tig, +1], a2 = Q[gid][16c + 8 + 2tig, +1] (a1 = a3 = 0:
+  // rows 8..15); zero for rows ≥ FE_G.
+  unsigned qa[KC][2];
+  {
+    const unsigned* qrow =
+        reinterpret_cast<const unsigned*>(q + (b * hq + h0 + (gid < FE_G ? gid : 0)) * FE_D);
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      qa[c][0] = gid < FE_G ? __ldg(qrow + 8 * c + tig) : 0u;
+      qa[c][1] = gid < FE_G ? __ldg(qrow + 8 * c + 4 + tig) : 0u;
+    }
+  }
+  // Oᵀ accumulators: oacc[m] = Oᵀ[16m + gid (+8 for [2], [3])][heads 2tig, 2tig+1].
+  float oacc[KC][4];
+#pragma unroll
+  for (int m = 0; m < KC; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) oacc[m][e] = 0.f;
+  // Head gid's running max (equal in its 4 lanes) and this lane's share of its sum.
+  float m_run = NEG_INF, l_run = 0.f;
+
+  T* ring = reinterpret_cast<T*>(smem) + warp * (FE_STAGES * 2 * MTILE);
+
+  constexpr int TSTRIDE = FE_WARPS * MTK;
+  const int tile0 = start + warp * MTK;  // this warp's first key; warp-uniform
+  const int ntiles = end > tile0 ? (end - tile0 + TSTRIDE - 1) / TSTRIDE : 0;
+
+  // Lane k < MTK: the element offset of key k of this warp's tile i, and whether it counts.
+  auto locate = [&](int i, i64& off) -> bool {
+    off = 0;
+    if (lane >= MTK || i >= ntiles) return false;
+    const int j = tile0 + i * TSTRIDE + lane;  // < end + TSTRIDE: no overflow (MAX_CAPACITY)
+    if (j >= end) return false;
+    const int blk = bt_row[(unsigned)j / bsz];
+    if (blk < 0 || blk >= num_blocks) {
+      atomicOr(err, ERR_BLOCK);
+      return false;
+    }
+    off = (((i64)blk * bsz + (unsigned)j % bsz) * hkv + kvh) * FE_D;
+    return true;
+  };
+  // Queues tile i's K and V rows into its ring stage (rows RS apart; masked keys zero-filled);
+  // returns the tile's key mask.
+  auto issue = [&](int i, i64 off, bool valid) -> unsigned {
+    const unsigned mask = __ballot_sync(FULL_MASK, valid);
+    T* ks = ring + (i % FE_STAGES) * (2 * MTILE);
+    const unsigned olo = (unsigned)off, ohi = (unsigned)((u64)off >> 32);
+#pragma unroll
+    for (int c = 0; c < MCPL; ++c) {
+      const int ch = lane + 32 * c;
+      const int k = cmin(ch / NV, MTK - 1), v = ch % NV;
+      const u64 row = ((u64)__shfl_sync(FULL_MASK, ohi, k) << 32) | __shfl_sync(FULL_MASK, olo, k);
+      const bool ok = (mask >> k) & 1u;
+      if (MCHUNKS % 32 == 0 || ch < MCHUNKS) {
+        const i64 src = ok ? (i64)row + v * VEC : 0;
+        cp_async16(ks + k * RS + v * VEC, kc + src, ok);
+        cp_async16(ks + MTILE + k * RS + v * VEC, vc + src, ok);
+      }
+    }
+    return mask;
+  };
+
+  i64 offs[FE_STAGES];
+  bool vals[FE_STAGES];
+#pragma unroll
+  for (int s = 0; s < FE_STAGES; ++s) vals[s] = locate(s, offs[s]);
+  unsigned masks[FE_STAGES - 1];
+#pragma unroll
+  for (int s = 0; s < FE_STAGES - 1; ++s) {
+    masks[s] = s < ntiles ? issue(s, offs[s], vals[s]) : 0u;
+    cp_async_commit();
+  }
+  i64 off_n = offs[FE_STAGES - 1];
+  bool val_n = vals[FE_STAGES - 1];
+
+  // ldmatrix row addresses (elements, relative to a tile): lane l feeds row l % 8 of matrix l / 8.
+  // q·k, key tile t: matrices = dims 16c, 16c+8, 16c+16, 16c+24 of keys 8t..8t+7.
+  const int k_off = (lane & 7) * RS + 8 * (lane >> 3);
+  // p·v, m tile m: matrices = (keys 0–7, dims 16m), (0–7, 16m+8), (8–15, 16m), (8–15, 16m+8).
+  const int v_off = ((lane & 7) + 8 * (lane >> 4)) * RS + 8 * ((lane >> 3) & 1);
+
+  for (int i = 0; i < ntiles; ++i) {
+    cp_async_wait<FE_STAGES - 2>();  // this lane's copies of tile i have landed …
+    __syncwarp();  // … and every lane's; also: all lanes are done with tile i − 1's stage
+    const unsigned mk = masks[0];
+#pragma unroll
+    for (int s = 0; s + 1 < FE_STAGES - 1; ++s) masks[s] = masks[s + 1];
+    masks[FE_STAGES - 2] =
+        i + FE_STAGES - 1 < ntiles ? issue(i + FE_STAGES - 1, off_n, val_n) : 0u;
+    cp_async_commit();  // (empty past the end: keeps the group count uniform)
+    val_n = locate(i + FE_STAGES, off_n);
+
+    const T* ks = ring + (i % FE_STAGES) * (2 * MTILE);
+    const T* vs = ks + MTILE;
+
+    // S = Q·Kᵀ for keys 0–7 (sc[0]) and 8–15 (sc[1]).
+    float sc[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[t][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < KC; c += 2) {
+        const T* kp = ks + 8 * t * RS + k_off + 16 * c;
+        if (c + 1 < KC) {
+          unsigned kb[4];
+          ldsm_x4(kb, kp);
+          mma16816(sc[t], qa[c][0], 0u, qa[c][1], 0u, kb[0], kb[1]);
+          mma16816(sc[t], qa[c + 1][0], 0u, qa[c + 1][1], 0u, kb[2], kb[3]);
+        } else {  // odd KC: the last chunk alone (lanes 0–15 address its two matrices)
+          unsigned kb[2];
+          ldsm_x2(kb, kp);
+          mma16816(sc[t], qa[c][0], 0u, qa[c][1], 0u, kb[0], kb[1]);
+        }
+      }
+    }
+
+    // Online softmax over the tile: x = scores of head gid for keys 2tig, 2tig+1, 8+2tig, 9+2tig.
+    float x[4] = {sc[0][0], sc[0][1], sc[1][0], sc[1][1]};
+    float tmax = NEG_INF;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = 8 * (e >> 1) + 2 * tig + (e & 1);
+      x[e] = (mk >> key) & 1u ? score_log2(x[e], scale, softcap, inv_cap) : NEG_INF;
+      tmax = fmaxf(tmax, x[e]);
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(FULL_MASK, tmax, 1));
+    tmax = fmaxf(tmax, __shfl_xor_sync(FULL_MASK, tmax, 2));
+    const float m_new = fmaxf(m_run, tmax);
+    const float alpha = rescale(m_run, m_new);
+    float p[4], psum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[e] = x[e] == NEG_INF ? 0.f : exp2f(x[e] - m_new);
+      psum += p[e];
+    }
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+
+    // Rescale Oᵀ's columns (heads 2tig, 2tig+1) once per tile, skipped when no max grew.
+    if (!__all_sync(FULL_MASK, alpha == 1.f)) {
+      const float a0 = __shfl_sync(FULL_MASK, alpha, 8 * tig);
+      const float a1 = __shfl_sync(FULL_MASK, alpha, 8 * tig + 4);
+#pragma unroll
+      for (int m = 0; m < KC; ++m) {
+        oacc[m][0] *= a0;
+        oacc[m][1] *= a1;
+        oacc[m][2] *= a0;
+        oacc[m][3] *= a1;
+      }
+    }
+
+    // Oᵀ += Vᵀ·Pᵀ: Pᵀ's B fragment (k = keys 2tig.., n = head gid) is this lane's p.
+    const unsigned pb0 = pack2(p[0], p[1]), pb1 = pack2(p[2], p[3]);
+#pragma unroll
+    for (int m = 0; m < KC; ++m) {
+      unsigned va[4];
+      ldsm_x4_t(va, vs + v_off + 16 * m);
+      mma16816(oacc[m], va[0], va[1], va[2], va[3], pb0, pb1);
+    }
+  }
+  cp_async_wait<0>();  // the trailing (empty or unused) groups
+
+  // Head gid's sum over its 4 lanes.
+  l_run += __shfl_xor_sync(FULL_MASK, l_run, 1);
+  l_run += __shfl_xor_sync(FULL_MASK, l_run, 2);
+
+  __syncthreads();  // every warp is done with its ring: the area becomes the merge buffer
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [FE_WARPS][FE_G][FE_D]
+  float* sm_m = sm_acc + FE_WARPS * FE_G * FE_D;   // [FE_WARPS][FE_G]
+  float* sm_l = sm_m + FE_WARPS * FE_G;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int h = 2 * tig + j;
+    if (h < FE_G) {
+#pragma unroll
+      for (int m = 0; m < KC; ++m) {
+        sm_acc[(warp * FE_G + h) * FE_D + 16 * m + gid] = oacc[m][j];
+        sm_acc[(warp * FE_G + h) * FE_D + 16 * m + 8 + gid] = oacc[m][2 + j];
+      }
+    }
+  }
+  if (tig == 0 && gid < FE_G) {
+    sm_m[warp * FE_G + gid] = m_run;
+    sm_l[warp * FE_G + gid] = l_run;
+  }
+  __syncthreads();
+
+  // Merge the warps; one thread per (head, dim).
+  const i64 rows = batch * hq;
+  for (int idx = threadIdx.x; idx < FE_G * FE_D; idx += FE_WARPS * 32) {
+    const int g = idx / FE_D, dd = idx % FE_D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < FE_WARPS; ++w) mx = fmaxf(mx, sm_m[w * FE_G + g]);
+    float ls = 0.f, av = 0.f;
+#pragma unroll
+    for (int w = 0; w < FE_WARPS; ++w) {
+      const float c = rescale(sm_m[w * FE_G + g], mx);
+      ls += sm_l[w * FE_G + g] * c;
+      av += sm_acc[(w * FE_G + g) * FE_D + dd] * c;
+    }
+    const i64 row = b * hq + h0 + g;
+    if (num_parts == 1) {
+      o[row * FE_D + dd] = from_float<T>(av * inverse_or_zero(ls));
+      if (dd == 0 && lse != nullptr) lse[row] = ls > 0.f ? (mx + log2f(ls)) * LN2 : NEG_INF;
+    } else {
+      part[(row * num_parts + pi) * FE_D + dd] = av;
+      if (dd == 0) {
+        float* ml = part + rows * num_parts * FE_D + (row * num_parts + pi) * 2;
+        ml[0] = mx;
+        ml[1] = ls;
+      }
+    }
+  }
+}
+
+#endif  // FE_MMA
