@@ -91,9 +91,10 @@ def main():
     ap.add_argument("bench_json")
     ap.add_argument("out_json")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["attention", "decode"], default=None, help="one of the two peer sets")
     a = ap.parse_args()
     torch.manual_seed(0)
-    peers = attention_cases(a.quick) + decode_cases(a.quick)
+    peers = (attention_cases(a.quick) if a.only != "decode" else []) + (decode_cases(a.quick) if a.only != "attention" else [])
     ours = []
     for path in a.bench_json.split(","):  # several bench JSONs may be given, comma-separated
         try:
