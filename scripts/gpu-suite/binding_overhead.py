@@ -118,6 +118,19 @@ def main():
         rm = f"{r['median_ms']:.4f}" if r else "-"
         rt = f"{ratio:.3f}" if ratio else "-"
         print(f"{op:<14} {shape:<30} {rv:<14} {rm:>9} {ms:>10.4f} {q:>10.4f} {h:>8.1f} {rt:>12}")
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+
+        for op, shape, dtype, fn in cases()[:2]:
+            print(f"\n== cProfile of 300 calls: {op} {shape} (host side; tottime = own time)")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(300):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(14)
     with open(out_path, "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ferrite=ferrite.__version__, rows=rows), fh, indent=1)
 
