@@ -175,10 +175,18 @@ def _native_call(fn, *args, **kwargs):
     return fn(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
 
 
+# torch's raw current-stream getter (what inductor's generated code calls): an int, without
+# building a torch.cuda.Stream object per call. Falls back to the public API if it is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _where(t: Tensor) -> Tuple[int, int]:
     """(device index, raw CUDA stream) for the native call; (-1, 0) on the CPU."""
     if t.device.type == "cuda":
-        return t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+        idx = t.device.index
+        if _raw_stream is not None:
+            return idx, _raw_stream(idx)
+        return idx, torch.cuda.current_stream(t.device).cuda_stream
     return -1, 0
 
 
