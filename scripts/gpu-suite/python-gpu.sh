@@ -11,6 +11,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linu
 export FERRITE_CACHE_DIR=${FERRITE_CACHE_DIR:-/tmp/ferrite-cache}
 site=$(mktemp -d)
 python3 -m zipfile -e "$(ls "$wheels"/ferrite-*.whl | head -1)" "$site"
+# The package's Python files from this tree over the wheel's (the native module is the wheel's):
+# Python-only edits need no wheel rebuild. OVERLAY_PY=0 tests the wheel exactly as built.
+if [ "${OVERLAY_PY:-1}" = 1 ]; then cp python/ferrite/*.py "$site/ferrite/"; fi
 export PYTHONPATH=$site
 status=0
 python3 -c 'import sys, torch, ferrite; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else ""); print("ferrite", ferrite.__version__, "from", ferrite.__file__, "| cuda_status", ferrite.cuda_status())' 2>&1 | tee "$OUT/env.txt"
