@@ -3,6 +3,9 @@
 //! the peak device memory one call needed (the stream-ordered pool's high-water mark, so the
 //! naive variant's O(n²) score buffers show against the flash variants' O(n)).
 //!
+//! The GPU backward rows are the default backward (dQ through atomics, what a call without
+//! `deterministic` gets); `flash (deterministic)` is the three-kernel backward without atomics.
+//!
 //! Shapes (B, H, S, D; Hkv = H): GPU default B4 H16 S4096 with D128 and D64, causal and not, and
 //! when not quick also S1024 and S16384, and B1 H16 S8192 D128 (the memory comparison); quick:
 //! B1 H8 S1024. CPU: B1 H4 S512 D64 (S256 quick). `--size N` sets S.
@@ -250,21 +253,30 @@ fn bench_gpu(
             for backward in [false, true] {
                 let dir = if backward { "bwd" } else { "fwd" };
                 let (mut group, mut skipped) = (Vec::new(), Vec::new());
-                for v in variants()
+                // (variant, row name, deterministic): flash's backward in both modes.
+                let runs: Vec<(&str, &str, bool)> = variants()
                     .iter()
                     .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
-                {
-                    if backward && v.name == "hopper" {
-                        continue; // its backward is flash's
-                    }
+                    // hopper's backward is flash's
+                    .filter(|v| !(backward && v.name == "hopper"))
+                    .flat_map(|v| {
+                        let det = (backward && v.name == "flash").then_some((
+                            v.name,
+                            "flash (deterministic)",
+                            true,
+                        ));
+                        std::iter::once((v.name, v.name, false)).chain(det)
+                    })
+                    .collect();
+                for (vname, row, deterministic) in runs {
                     let label = format!("{} {dir}", s.label());
                     let workspaces = if backward { 2 } else { 1 };
-                    if v.name == "naive" && s.score_bytes() * workspaces > NAIVE_WORKSPACE_CAP {
+                    if vname == "naive" && s.score_bytes() * workspaces > NAIVE_WORKSPACE_CAP {
                         let mut rec = BenchRecord::new(
                             d,
                             &name,
                             OP,
-                            v.name,
+                            row,
                             dtype,
                             label,
                             Stats::default(),
@@ -279,11 +291,12 @@ fn bench_gpu(
                         skipped.push(rec);
                         continue;
                     }
-                    progress(&format!("attention {d} {} {dtype} {label}", v.name));
+                    progress(&format!("attention {d} {row} {dtype} {label}"));
                     let opts = AttentionOptions {
-                        variant: Some(v.name.into()),
+                        variant: Some(vname.into()),
                         causal: s.causal,
                         stream: Some(stream.clone()),
+                        deterministic,
                         ..Default::default()
                     };
                     set.forward(&opts)?;
@@ -296,7 +309,7 @@ fn bench_gpu(
                     };
                     let peak = peak_of(dev, set.bytes(), call)?;
                     // The naive variant takes seconds per call at S4096: fewer repeats.
-                    let budget = if v.name == "naive" {
+                    let budget = if vname == "naive" {
                         Budget {
                             warmup: 1,
                             min_reps: 3,
@@ -308,7 +321,10 @@ fn bench_gpu(
                     };
                     let st = time_gpu(dev, &stream, budget, |_| call())?;
                     let f = s.flops_forward() * if backward { 2.5 } else { 1.0 };
-                    let mut rec = BenchRecord::new(d, &name, OP, v.name, dtype, label, st, f, 0.0);
+                    let mut rec = BenchRecord::new(d, &name, OP, row, dtype, label, st, f, 0.0);
+                    if backward && vname == "flash" {
+                        rec.config = super::flash::BwdMode::of(deterministic, s.d).describe();
+                    }
                     rec.peak_device_bytes = Some(peak);
                     rec.note = format!("peak memory {}", gib(peak));
                     group.push(rec);

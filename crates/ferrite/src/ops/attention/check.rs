@@ -3,6 +3,10 @@
 //! with Sq ≠ Sk, sliding windows, GQA/MQA, variable length with empty sequences, custom scale,
 //! soft-capping, fully masked rows, strided (packed-qkv) views. Outputs are NaN-poisoned first.
 //!
+//! The GPU tensor-core variants have two backwards: the default one (dQ summed with atomics, its
+//! low bits vary between runs) and the deterministic one; each case runs both, and the
+//! deterministic one is run twice and must give the same bits.
+//!
 //! The reference below is its own plain code on host f64 copies, nested per (sequence, head,
 //! row): no indexing or arithmetic is shared with the variants.
 
@@ -104,7 +108,7 @@ impl Case {
         s
     }
 
-    pub fn options(&self, variant: &str) -> AttentionOptions {
+    pub fn options(&self, variant: &str, deterministic: bool) -> AttentionOptions {
         AttentionOptions {
             variant: Some(variant.into()),
             layout: self.layout,
@@ -112,7 +116,7 @@ impl Case {
             causal: self.causal,
             window: self.window,
             softcap: self.softcap,
-            deterministic: true,
+            deterministic,
             ..Default::default()
         }
     }
@@ -422,13 +426,21 @@ fn i32_tensor(v: &[usize], dev: Device) -> Result<Tensor> {
     .to_device(dev)
 }
 
-/// Runs one case; returns (worst error, which output).
+/// Whether `variant` on `dev` has a separate deterministic backward (the others always are).
+pub fn has_atomic_backward(dev: Device, variant: &str) -> bool {
+    dev.is_cuda() && matches!(variant, "flash" | "hopper")
+}
+
+/// Runs one case; returns (worst error, which output). With `deterministic` on a variant that
+/// has an atomic backward, the backward runs a second time into fresh poisoned outputs and any
+/// bit that differs fails the case.
 fn check_one(
     dev: Device,
     dtype: DType,
     variant: &str,
     c: &Case,
     seed: u64,
+    deterministic: bool,
 ) -> Result<(f64, String)> {
     let (lq, lk) = c.lens();
     let qshape = c.shape(c.hq, c.sq, &lq);
@@ -467,7 +479,7 @@ fn check_one(
         max_seqlen_q: c.sq,
         max_seqlen_k: c.sk,
     });
-    let opts = c.options(variant);
+    let opts = c.options(variant, deterministic);
     attention_forward_into(&q, &k, &v, &o, &lse, vl.as_ref(), &opts)?;
     attention_backward_into(
         &dout,
@@ -482,6 +494,50 @@ fn check_one(
         vl.as_ref(),
         &opts,
     )?;
+
+    // The deterministic backward again, into fresh poisoned buffers: the same bits or a failure.
+    let mut repeat_note = String::new();
+    if deterministic && has_atomic_backward(dev, variant) {
+        let (dq2, dq2_buf) = make(c, &qshape, dtype, dev, 0, 0, false)?;
+        let (dk2, dk2_buf) = make(c, &kshape, dtype, dev, 0, 1, false)?;
+        let (dv2, dv2_buf) = make(c, &kshape, dtype, dev, 0, 2, false)?;
+        for t in [&dq2_buf, &dk2_buf, &dv2_buf] {
+            t.poison(None)?;
+        }
+        attention_backward_into(
+            &dout,
+            &q,
+            &k,
+            &v,
+            &o,
+            &lse,
+            &dq2,
+            &dk2,
+            &dv2,
+            vl.as_ref(),
+            &opts,
+        )?;
+        let bits = |t: &Tensor| -> Result<Vec<u64>> {
+            Ok(t.to_f64_vec()?.into_iter().map(f64::to_bits).collect())
+        };
+        let differ: Vec<&str> = [("dq", &dq, &dq2), ("dk", &dk, &dk2), ("dv", &dv, &dv2)]
+            .into_iter()
+            .filter_map(|(n, a, b)| match (bits(a), bits(b)) {
+                (Ok(x), Ok(y)) if x == y => None,
+                _ => Some(n),
+            })
+            .collect();
+        if !differ.is_empty() {
+            return Ok((
+                f64::INFINITY,
+                format!(
+                    "deterministic backward not reproducible: {} differ between two runs",
+                    differ.join(", ")
+                ),
+            ));
+        }
+        repeat_note = "; repeated: same bits".into();
+    }
 
     let nq = |t: &Tensor| -> Result<Nested> { Ok(nest(c, &t.to_f64_vec()?, c.hq, c.sq, &lq)) };
     let nk = |t: &Tensor| -> Result<Nested> { Ok(nest(c, &t.to_f64_vec()?, c.hkv, c.sk, &lk)) };
@@ -532,7 +588,7 @@ fn check_one(
         } else {
             worst.1
         },
-        format!("worst: {}; {}", worst.0, all.join(", ")),
+        format!("worst: {}; {}{repeat_note}", worst.0, all.join(", ")),
     ))
 }
 
@@ -544,15 +600,29 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
         {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
-                for c in cases(cfg.quick) {
-                    let rec = match check_one(dev, dtype, v.name, &c, rng.next_u64()) {
+                // Default (atomic) backward first; the deterministic one as its own record.
+                let modes: &[bool] = if has_atomic_backward(dev, v.name) {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for (c, &det) in cases(cfg.quick)
+                    .iter()
+                    .flat_map(|c| modes.iter().map(move |m| (c, m)))
+                {
+                    let label = if det {
+                        format!("{} · deterministic bwd", c.label())
+                    } else {
+                        c.label()
+                    };
+                    let rec = match check_one(dev, dtype, v.name, c, rng.next_u64(), det) {
                         Ok((e, note)) => CheckRecord::compared(
                             OP,
                             v.name,
                             dev,
                             dtype,
                             Precision::of(dtype),
-                            c.label(),
+                            label,
                             e,
                             note,
                         ),
@@ -564,7 +634,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                             continue;
                         }
                         Err(e) => {
-                            CheckRecord::errored(OP, v.name, dev, dtype, c.label(), e.to_string())
+                            CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string())
                         }
                     };
                     out.push(rec);

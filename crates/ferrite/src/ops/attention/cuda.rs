@@ -159,9 +159,25 @@ pub(super) fn backward(
     let prm = Params::new(p, seqs, cu_ptrs(varlen)?);
     match variant {
         "naive" => naive_backward(&dev, &stream, &prm, p.dtype, t),
-        // hopper's backward is flash's (deterministic, no atomics).
+        // hopper's backward is flash's: one pass with atomic dQ by default, the three-kernel
+        // path without atomics when `deterministic` is asked for.
         "flash" | "hopper" => super::flash::backward(
-            &dev, &stream, p, t.dout, t.q, t.k, t.v, t.o, t.lse, t.dq, t.dk, t.dv, varlen,
+            &dev,
+            &stream,
+            p,
+            &super::flash::Bwd {
+                dout: t.dout,
+                q: t.q,
+                k: t.k,
+                v: t.v,
+                o: t.o,
+                lse: t.lse,
+                dq: t.dq,
+                dk: t.dk,
+                dv: t.dv,
+            },
+            varlen,
+            super::flash::BwdMode::of(opts.deterministic, p.head_dim),
         ),
         other => Err(no_variant(OP_BWD, other)),
     }

@@ -54,7 +54,7 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: HALVES,
             min_arch: Some(Arch::SM80),
             constraints: "bf16/f16; head dim 32, 64, 96 or 128; 16-byte aligned tensors, strides multiples of 8 elements",
-            summary: "FlashAttention-2 on mma.sync: Q·Kᵀ and P·V on tensor cores, online softmax in registers, K/V tiles through a cp.async ring (S never leaves the SM); deterministic two-kernel backward without atomics",
+            summary: "FlashAttention-2 on mma.sync: Q·Kᵀ and P·V on tensor cores, online softmax in registers, K/V tiles through a cp.async ring (S never leaves the SM); backward in one pass over the keys with dQ added through f32 atomics (5 GEMMs), or with `deterministic` the dK/dV and dQ kernels without atomics (7 GEMMs)",
             rank: 2,
         },
         VariantInfo {
@@ -88,7 +88,9 @@ pub struct AttentionOptions {
     pub window: (i64, i64),
     /// 0 = off.
     pub softcap: f32,
-    /// Backward: same bits every run.
+    /// Backward: same bits every run. The CPU variants and CUDA `naive` always are; `flash` and
+    /// `hopper` then run their backward without atomics (recomputing S and dP once more for dQ:
+    /// 7 GEMMs of work instead of 5, slower).
     pub deterministic: bool,
 }
 

@@ -13,7 +13,8 @@
 // S is never written anywhere: memory O(S·D) instead of the naive rung's O(S²), and K/V are read
 // once per 128 queries instead of once per query.
 //
-// Backward (deterministic by construction, no atomics: two kernels instead of FA2's atomic dQ):
+// Backward, deterministic (`AttentionOptions::deterministic`; the default is the one-pass
+// `flash_bwd_fused` further down), by construction, no atomics: two kernels after Δ:
 // - `flash_bwd_dot`: Δ_i = Σ_d dO_i·O_i (fp32), one warp per row.
 // - `flash_bwd_dkdv`: a block of 4 warps owns 64 keys of one (sequence, kv head), 16 per warp,
 //   and loops over every query head of the group and every 32-query tile: it recomputes Sᵀ = K·Qᵀ
@@ -738,4 +739,298 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   cp_async_wait<0>();
   T* dqb = dq + (cu_q ? 0 : (i64)b * dqs.b) + sq.start * dqs.s + (i64)h * dqs.h;
   store_acc(dqb, dqs.s, m0 + warp * 16, sq.len, acc, scale);
+}
+
+// ---- non-deterministic backward: dQ through f32 atomics (the default) ---------------------------
+//
+// `flash_bwd_fused` is `flash_bwd_dkdv` plus dQ: for each query tile it also computes the tile's
+// share of dQ, dQ_tile = dS·K over the block's keys, and adds it into an f32 accumulator
+// [rows like lse][D] in global memory with red.global.add (vectorised .v2 on sm_90). dS goes
+// through shared memory (dSᵀ, 16-bit, the same rounding the dK product uses) because each warp
+// holds dSᵀ for its own 16 keys only, while a dQ row sums over all the block's keys.
+// This drops the second recomputation of S, P and dP that `flash_bwd_dq` does: 5 GEMMs of work
+// instead of 7. The order of the atomic additions varies from run to run, so dQ's low bits do;
+// `flash_bwd_dq_convert` then writes dq = scale·acc in the output dtype and strides.
+//
+// Geometry (the host picks it per head dim and defines all three):
+// - FE_BWD_WARPS warps × 16 keys per block (the dK/dV accumulators of 16 keys × D are what a
+//   warp can hold at D = 128);
+// - FE_BWD_BM queries per step (the width of the warp's Sᵀ/dPᵀ tile);
+// - FE_BWD_QM m16 tiles per warp in dQ_tile = dS·K; the warps tile dQ_tile's [BM × D] as a grid
+//   of (BM / 16·QM) × (WARPS / that) warps, each (16·QM) rows × (16·QN) columns.
+#ifndef FE_BWD_WARPS
+#define FE_BWD_WARPS 4
+#endif
+#ifndef FE_BWD_BM
+#define FE_BWD_BM 32
+#endif
+#ifndef FE_BWD_QM
+#define FE_BWD_QM 1
+#endif
+constexpr int U_WARPS = FE_BWD_WARPS, U_NT = U_WARPS * 32;
+constexpr int U_BN = 16 * U_WARPS;  // keys per block
+constexpr int U_BM = FE_BWD_BM;     // queries per step
+constexpr int U_LDT = U_BM + 8;     // padded row of sdSᵀ (elements): conflict-free at BM 32 and 64
+constexpr int U_QM = FE_BWD_QM;
+constexpr int U_WGM = U_BM / (16 * U_QM);  // warp grid over dQ_tile: rows ...
+constexpr int U_WGN = U_WARPS / U_WGM;     // ... and columns
+constexpr int U_QN = D / 16 / U_WGN;       // 16-column groups per warp
+static_assert(U_BM % 32 == 0 && U_BM % (16 * U_QM) == 0 && U_WARPS % U_WGM == 0 &&
+                  (D / 16) % U_WGN == 0 && U_QN >= 1,
+              "FE_BWD_* geometry does not tile dQ_tile");
+
+// acc[0] += x, acc[1] += y in global memory (8-byte aligned), no return value.
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(y) : "memory");
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(U_NT, 1)
+flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const float* __restrict__ lse,
+                const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                float* __restrict__ dq_acc, const int* __restrict__ cu_q,
+                const int* __restrict__ cu_k, int hq, int hkv, int max_sq, int max_sk, Strides qs,
+                Strides ks, Strides vs, Strides os, Strides dks, Strides dvs, i64 lse_rows, i64 wl,
+                i64 wr, ScoreMap smap, float scale) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);  // [U_BN][LDS]
+  T* sV = sK + U_BN * LDS;                 // [U_BN][LDS]
+  T* sQ = sV + U_BN * LDS;                 // [2][U_BM][LDS]
+  T* sdO = sQ + 2 * U_BM * LDS;            // [2][U_BM][LDS]
+  T* sdS = sdO + 2 * U_BM * LDS;           // [U_BN][U_LDT]: dSᵀ of the current step
+  float* sL = reinterpret_cast<float*>(sdS + U_BN * U_LDT);  // [2][U_BM] lse·log2(e)
+  float* sD = sL + 2 * U_BM;                                  // [2][U_BM] Δ
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int group = hq / hkv;
+  const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
+  const i64 n0 = (i64)blockIdx.x * U_BN;
+  if (n0 >= sk.len) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const i64 off = sk.len - sq.len;
+
+  const T* kb = k + (cu_k ? 0 : (i64)b * ks.b) + sk.start * ks.s + (i64)hk * ks.h;
+  const T* vb = v + (cu_k ? 0 : (i64)b * vs.b) + sk.start * vs.s + (i64)hk * vs.h;
+  load_rows<U_BN, U_NT>(sK, kb, ks.s, n0, sk.len);
+  load_rows<U_BN, U_NT>(sV, vb, vs.s, n0, sk.len);
+  cp_async_commit();
+
+  // Query rows that can see any of the keys [n0, n0 + U_BN): i + off − wl ≤ j ≤ i + off + wr.
+  const i64 n1 = min(n0 + U_BN, sk.len);
+  const i64 q_lo = wr >= 0 ? max((i64)0, n0 - off - wr) : 0;
+  const i64 q_hi = wl >= 0 ? min(sq.len, n1 - 1 - off + wl + 1) : sq.len;
+  const i64 mb_lo = q_lo / U_BM, mb_hi = q_hi > q_lo ? (q_hi + U_BM - 1) / U_BM : mb_lo;
+  const i64 tiles = mb_hi - mb_lo, steps = tiles * group;
+  // The key blocks of one head run at the same time; each starts at a different query tile so
+  // that their atomic additions go to different dQ rows instead of queueing on the same ones.
+  const i64 rot = tiles > 0 ? (i64)blockIdx.x % tiles : 0;
+  auto tile_start = [&](i64 st) { return (mb_lo + (st % tiles + rot) % tiles) * U_BM; };
+  // Row 0 of query head hh's dQ accumulator (rows indexed like lse, D floats each).
+  auto acc_head = [&](int hh) {
+    return dq_acc + (cu_q ? (i64)hh * lse_rows + sq.start : ((i64)b * hq + hh) * (i64)max_sq) * D;
+  };
+
+  float dK[D / 8][4], dV[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dK[i][e] = dV[i][e] = 0.f;
+
+  // Loads step `st` (query tile × head of the group) into ring slot st & 1.
+  auto load_step = [&](i64 st) {
+    const int hh = hk * group + (int)(st / tiles);
+    const i64 m0 = tile_start(st);
+    const int slot = (int)(st & 1);
+    const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)hh * qs.h;
+    const T* db = dout + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)hh * os.h;
+    load_rows<U_BM, U_NT>(sQ + slot * U_BM * LDS, qb, qs.s, m0, sq.len);
+    load_rows<U_BM, U_NT>(sdO + slot * U_BM * LDS, db, os.s, m0, sq.len);
+    if (threadIdx.x < U_BM) {
+      const i64 i = m0 + threadIdx.x;
+      float l = INFINITY, dl = 0.f;  // rows past the end: P = exp(−inf) = 0
+      if (i < sq.len) {
+        const i64 idx = cu_q ? (i64)hh * lse_rows + sq.start + i : ((i64)b * hq + hh) * (i64)max_sq + i;
+        l = lse[idx] * LOG2E;
+        dl = delta[idx];
+        if (l == -INFINITY) l = INFINITY;  // a row that saw nothing has P = 0 everywhere
+      }
+      sL[slot * U_BM + threadIdx.x] = l;
+      sD[slot * U_BM + threadIdx.x] = dl;
+    }
+  };
+  if (steps > 0) load_step(0);
+  cp_async_commit();
+
+  const int kw = warp * 16;      // this warp's keys in the block: kw + g and kw + g + 8
+  const i64 key_w = n0 + kw;
+  // This warp's part of dQ_tile: rows qr0 .. qr0 + 16·QM, columns c0 .. c0 + 16·QN.
+  const int qr0 = (warp / U_WGN) * 16 * U_QM, c0 = (warp % U_WGN) * 16 * U_QN;
+  // Barriers per step: one after the step's tiles land (every warp then reads them), one after
+  // dSᵀ is complete (before dQ reads it). The next step's prefetch into the other slot is issued
+  // after the second, when no warp still reads that slot; the next step's dSᵀ writes come after
+  // the next first barrier, when every warp has finished this step's dQ.
+  for (i64 st = 0; st < steps; ++st) {
+    const int slot = (int)(st & 1);
+    if (st + 1 < steps) load_step(st + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* cQ = sQ + slot * U_BM * LDS;
+    const T* cdO = sdO + slot * U_BM * LDS;
+    const float* cL = sL + slot * U_BM;
+    const float* cD = sD + slot * U_BM;
+    const int hh = hk * group + (int)(st / tiles);
+    const i64 m0 = tile_start(st);
+
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 16 keys × U_BM queries per warp.
+    float s[U_BM / 8][4], dp[U_BM / 8][4];
+#pragma unroll
+    for (int i = 0; i < U_BM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned ak[4], av[4];
+      ldsm_x4(ak, sK + (kw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(av, sV + (kw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < U_BM / 16; ++np) {
+        unsigned r[4];
+        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+        ldsm_x4(r, cQ + row * LDS + col);
+        mma(s[2 * np], ak, r[0], r[1]);
+        mma(s[2 * np + 1], ak, r[2], r[3]);
+        ldsm_x4(r, cdO + row * LDS + col);
+        mma(dp[2 * np], av, r[0], r[1]);
+        mma(dp[2 * np + 1], av, r[2], r[3]);
+      }
+    }
+    // Pᵀ and dSᵀ in place. Element (key key_w + g + 8·(e>>1), query m0 + 8·nt + 2t + (e&1)).
+#pragma unroll
+    for (int nt = 0; nt < U_BM / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + 2 * t + (e & 1);
+        const i64 i = m0 + qi, j = key_w + g + (e >> 1) * 8;
+        const float x = smap(s[nt][e]);
+        float p = exp2_fast(x - cL[qi]);
+        if (!visible(i, j, off, sk.len, wl, wr) || i >= sq.len) p = 0.f;
+        s[nt][e] = p;
+        dp[nt][e] = p * (dp[nt][e] - cD[qi]) * capped_grad(smap, x);
+      }
+    // 16-bit Pᵀ and dSᵀ, as the A fragments of the next products: element pairs (rows g, g + 8)
+    // of accumulator nt; dSᵀ also into shared memory for dQ (row = key, 32-bit word = 2 queries).
+    unsigned pp[U_BM / 8][2], dd[U_BM / 8][2];
+#pragma unroll
+    for (int nt = 0; nt < U_BM / 8; ++nt) {
+      pp[nt][0] = pack2(s[nt][0], s[nt][1]);
+      pp[nt][1] = pack2(s[nt][2], s[nt][3]);
+      dd[nt][0] = pack2(dp[nt][0], dp[nt][1]);
+      dd[nt][1] = pack2(dp[nt][2], dp[nt][3]);
+      *reinterpret_cast<unsigned*>(sdS + (kw + g) * U_LDT + nt * 8 + 2 * t) = dd[nt][0];
+      *reinterpret_cast<unsigned*>(sdS + (kw + g + 8) * U_LDT + nt * 8 + 2 * t) = dd[nt][1];
+    }
+    // dV += Pᵀ·dO and dK += dSᵀ·Q: the k dim is the query tile; dO and Q through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < U_BM / 16; ++kk) {
+      const unsigned ap[4] = {pp[2 * kk][0], pp[2 * kk][1], pp[2 * kk + 1][0], pp[2 * kk + 1][1]};
+      const unsigned ad[4] = {dd[2 * kk][0], dd[2 * kk][1], dd[2 * kk + 1][0], dd[2 * kk + 1][1]};
+#pragma unroll
+      for (int dq = 0; dq < D / 16; ++dq) {
+        unsigned r[4];
+        const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int col = dq * 16 + (lane >> 4) * 8;
+        ldsm_x4_t(r, cdO + row * LDS + col);
+        mma(dV[2 * dq], ap, r[0], r[1]);
+        mma(dV[2 * dq + 1], ap, r[2], r[3]);
+        ldsm_x4_t(r, cQ + row * LDS + col);
+        mma(dK[2 * dq], ad, r[0], r[1]);
+        mma(dK[2 * dq + 1], ad, r[2], r[3]);
+      }
+    }
+    __syncthreads();  // dSᵀ complete; every warp is done with this slot's Q and dO
+
+    // dQ_tile = dS·K over the block's keys (k dim): dS from dSᵀ and K from [key][d], both
+    // through ldmatrix.trans.
+    float qa[U_QM][2 * U_QN][4];
+#pragma unroll
+    for (int mi = 0; mi < U_QM; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < 2 * U_QN; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[mi][nj][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < U_BN / 16; ++kk) {
+      unsigned a[U_QM][4];
+#pragma unroll
+      for (int mi = 0; mi < U_QM; ++mi)
+        ldsm_x4_t(a[mi], sdS + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * U_LDT + qr0 +
+                             mi * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int nj = 0; nj < U_QN; ++nj) {
+        unsigned r[4];
+        ldsm_x4_t(r, sK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + c0 + nj * 16 +
+                         (lane >> 4) * 8);
+#pragma unroll
+        for (int mi = 0; mi < U_QM; ++mi) {
+          mma(qa[mi][2 * nj], a[mi], r[0], r[1]);
+          mma(qa[mi][2 * nj + 1], a[mi], r[2], r[3]);
+        }
+      }
+    }
+    float* acc_h = acc_head(hh);
+#pragma unroll
+    for (int mi = 0; mi < U_QM; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const i64 i = m0 + qr0 + mi * 16 + g + 8 * r;
+        if (i >= sq.len) continue;
+        float* row = acc_h + i * D + c0 + 2 * t;
+#pragma unroll
+        for (int nj = 0; nj < 2 * U_QN; ++nj) red_add2(row + nj * 8, qa[mi][nj][2 * r], qa[mi][nj][2 * r + 1]);
+      }
+  }
+  cp_async_wait<0>();
+
+  T* dkb = dk + (cu_k ? 0 : (i64)b * dks.b) + sk.start * dks.s + (i64)hk * dks.h;
+  T* dvb = dv + (cu_k ? 0 : (i64)b * dvs.b) + sk.start * dvs.s + (i64)hk * dvs.h;
+  store_acc(dkb, dks.s, key_w, sk.len, dK, scale);
+  store_acc(dvb, dvs.s, key_w, sk.len, dV, 1.f);
+}
+
+// dq = scale·acc in dq's dtype and strides; acc holds rows like lse ([B, Hq, Sq] padded,
+// [Hq, total_q] varlen), D floats each. A thread per 8 elements: two 16-byte loads, one store.
+extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ acc, T* __restrict__ dq,
+                                                const int* __restrict__ cu_q, int batch, int hq,
+                                                int max_sq, Strides dqs, i64 lse_rows,
+                                                float scale) {
+  constexpr int CPR = D / 8;
+  const i64 rows = cu_q ? (i64)hq * lse_rows : (i64)batch * hq * max_sq;
+  const i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= rows * CPR) return;
+  const i64 idx = e / CPR;
+  const int c = (int)(e % CPR) * 8;
+  i64 at;
+  if (cu_q) {
+    // Packed row r of head h: cu_q is not needed, the packed row is the sequence row.
+    const i64 h = idx / lse_rows, r = idx % lse_rows;
+    at = r * dqs.s + h * dqs.h;
+  } else {
+    const i64 bb = idx / ((i64)hq * max_sq), h = (idx / max_sq) % hq, i = idx % max_sq;
+    at = bb * dqs.b + i * dqs.s + h * dqs.h;
+  }
+  const float4 x = *reinterpret_cast<const float4*>(acc + idx * D + c);
+  const float4 y = *reinterpret_cast<const float4*>(acc + idx * D + c + 4);
+  uint4 out;
+  out.x = pack2(x.x * scale, x.y * scale);
+  out.y = pack2(x.z * scale, x.w * scale);
+  out.z = pack2(y.x * scale, y.y * scale);
+  out.w = pack2(y.z * scale, y.w * scale);
+  *reinterpret_cast<uint4*>(dq + at + c) = out;
 }
