@@ -103,34 +103,43 @@ pub struct BwdGeom {
 impl BwdGeom {
     /// The geometry `backward` uses at a head dim.
     pub fn default_for(head_dim: usize) -> BwdGeom {
-        // Same tile as the deterministic dK/dV kernel (4 warps × 16 keys, 32-query steps); the
-        // dQ product's warp tile is 32×32 at D128 (4 ldmatrix per 8 mma), 16×16·QN below.
-        let qm = if head_dim == 128 { 2 } else { 1 };
-        BwdGeom {
-            warps: 4,
-            bm: 32,
-            qm,
+        if head_dim <= 64 {
+            // 64-query steps: the K/V fragments of Sᵀ and dPᵀ feed 8 mma instead of 4, and the
+            // per-step barriers and copies are amortised over twice the FLOPs. Registers allow it
+            // here (dK/dV 64 + Sᵀ/dPᵀ 64 accumulators at D64), not at D96/D128. dQ warp tile
+            // 32×32 at D64 (32×16 at D32).
+            BwdGeom {
+                warps: 4,
+                bm: 64,
+                qm: 2,
+            }
+        } else {
+            // 32-query steps; dQ warp tile 32×32 at D128 (4 ldmatrix per 8 mma), 16×48 at D96.
+            BwdGeom {
+                warps: 4,
+                bm: 32,
+                qm: if head_dim == 128 { 2 } else { 1 },
+            }
         }
     }
 
     /// The default first, then the alternatives worth timing against it (the GPU smoke test
-    /// runs them all; `flash_speed` times them).
+    /// runs them all; `flash_speed` times them; `kernel_specs` lists them for ptxas).
     pub fn candidates(head_dim: usize) -> Vec<BwdGeom> {
-        let d = BwdGeom::default_for(head_dim);
-        let alts = [
-            BwdGeom {
-                warps: 4,
-                bm: 32,
-                qm: 1,
-            },
-            BwdGeom {
-                warps: 4,
-                bm: 32,
-                qm: 2,
-            },
-        ];
-        let mut v = vec![d];
-        v.extend(alts.into_iter().filter(|g| *g != d && g.fits(head_dim)));
+        let g = |warps, bm, qm| BwdGeom { warps, bm, qm };
+        // (4, 32, ·): 32-query steps, the first geometry. (4, 64, 2) at D128: 64-query steps
+        // with 255 registers (fewer ldmatrix per mma, half the barriers per FLOP, but ptxas has
+        // no room left to overlap; at D96 it spills). (8, ·, ·): 8 warps × 16 keys per block,
+        // half the dQ reductions and Q/dO copies per FLOP, narrower dQ warp tiles, one block
+        // per SM.
+        let alts: &[BwdGeom] = match head_dim {
+            32 => &[g(4, 32, 1)],
+            64 => &[g(4, 32, 1), g(8, 64, 2)],
+            128 => &[g(4, 64, 2), g(8, 64, 2), g(8, 32, 1), g(4, 32, 1)],
+            _ => &[],
+        };
+        let mut v = vec![BwdGeom::default_for(head_dim)];
+        v.extend(alts.iter().copied().filter(|g| g.fits(head_dim)));
         v
     }
 
@@ -215,6 +224,28 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
                 functions: FUNCS.iter().map(|s| s.to_string()).collect(),
                 min_arch: Arch::SM80,
             });
+            // The backward's alternative geometries, and soft-capping at D128 (the kernels
+            // shortest of registers); bf16 only: f16 compiles alike.
+            if d == DType::BF16 {
+                for g in BwdGeom::candidates(hd).into_iter().skip(1) {
+                    v.push(KernelSpec {
+                        program: program(d, hd, false, default_fwd_mt(hd), g),
+                        functions: vec!["flash_bwd_fused".into()],
+                        min_arch: Arch::SM80,
+                    });
+                }
+                if hd == 128 {
+                    // (The soft-capped forward is not listed: it spills 12 bytes at sm_90a, a
+                    // known cost of that rare path.)
+                    v.push(KernelSpec {
+                        program: program(d, hd, true, default_fwd_mt(hd), BwdGeom::default_for(hd)),
+                        functions: ["flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_fused"]
+                            .map(String::from)
+                            .to_vec(),
+                        min_arch: Arch::SM80,
+                    });
+                }
+            }
         }
     }
     v
@@ -241,6 +272,13 @@ pub fn unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
         return Some(format!(
             "needs head dim in {HEAD_DIMS:?} (got {})",
             p.head_dim
+        ));
+    }
+    // Positions and in-sequence indices are 32-bit in the kernels (with room for a tile).
+    if p.seqlen_q.max(p.seqlen_k) > i32::MAX as usize - 256 {
+        return Some(format!(
+            "needs sequence lengths below 2³¹ − 256 (got {} and {})",
+            p.seqlen_q, p.seqlen_k
         ));
     }
     let strides = [p.q_stride, p.k_stride, p.v_stride, p.o_stride];

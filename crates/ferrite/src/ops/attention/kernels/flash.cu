@@ -1,7 +1,8 @@
 // attention/flash — the `flash` rung: FlashAttention-2-style forward and backward on tensor cores
 // through mma.sync (sm_80+; runs on Hopper too, where the `hopper` rung is the faster one).
 //
-// Specialised by -DFE_ELEM (__half or __nv_bfloat16) and -DFE_HEAD_DIM (64, 96 or 128).
+// Specialised by -DFE_ELEM (__half or __nv_bfloat16), -DFE_HEAD_DIM (32, 64, 96 or 128),
+// -DFE_SOFTCAP, -DFE_FWD_MT (forward tile) and -DFE_BWD_WARPS/_BM/_QM (one-pass backward tile).
 //
 // Forward (`flash_fwd`): a block of 8 warps owns 128 query rows of one (sequence, head); each warp
 // owns 16 rows and keeps its Q fragments, its 16×D output accumulator and the running row max and
@@ -752,10 +753,19 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // instead of 7. The order of the atomic additions varies from run to run, so dQ's low bits do;
 // `flash_bwd_dq_convert` then writes dq = scale·acc in the output dtype and strides.
 //
+// The loop is lean because, at 16 keys per warp, the kernel issues far more non-tensor
+// instructions than mma (the first version: 2.0k SASS instructions per step for 160 HMMA, bound
+// by instruction issue at 2 warps per scheduler): no 64-bit division in the loop (head and tile
+// counters advance by one), per-thread copy offsets and ldmatrix addresses computed once (32-bit
+// shared addresses, per-step changes are one add), the mask applied only to warp tiles that
+// cross a sequence end or a mask edge (a tile inside the visible region skips it; causal at
+// S = 4096 has ~3 % of such tiles), soft-capping's derivative chosen at compile time.
+//
 // Geometry (the host picks it per head dim and defines all three):
 // - FE_BWD_WARPS warps × 16 keys per block (the dK/dV accumulators of 16 keys × D are what a
 //   warp can hold at D = 128);
-// - FE_BWD_BM queries per step (the width of the warp's Sᵀ/dPᵀ tile);
+// - FE_BWD_BM queries per step (the width of the warp's Sᵀ/dPᵀ tile: 64 halves the K/V fragment
+//   reloads per mma of Sᵀ and dPᵀ and the barriers per FLOP, and fits at D ≤ 64);
 // - FE_BWD_QM m16 tiles per warp in dQ_tile = dS·K; the warps tile dQ_tile's [BM × D] as a grid
 //   of (BM / 16·QM) × (WARPS / that) warps, each (16·QM) rows × (16·QN) columns.
 #ifndef FE_BWD_WARPS
@@ -778,6 +788,9 @@ constexpr int U_QN = D / 16 / U_WGN;       // 16-column groups per warp
 static_assert(U_BM % 32 == 0 && U_BM % (16 * U_QM) == 0 && U_WARPS % U_WGM == 0 &&
                   (D / 16) % U_WGN == 0 && U_QN >= 1,
               "FE_BWD_* geometry does not tile dQ_tile");
+constexpr int INT32_MIN_ = -0x7fffffff - 1, INT32_MAX_ = 0x7fffffff;
+constexpr unsigned ROWB = LDS * sizeof(T);     // bytes per padded K/V/Q/dO row
+constexpr unsigned ROWT = U_LDT * sizeof(T);   // bytes per padded dSᵀ row
 
 // acc[0] += x, acc[1] += y in global memory (8-byte aligned), no return value.
 __device__ __forceinline__ void red_add2(float* p, float x, float y) {
@@ -787,6 +800,58 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(y) : "memory");
 #endif
+}
+// ldmatrix from a 32-bit shared address (constant offsets fold into the instruction).
+__device__ __forceinline__ void ldsm_x4_s(unsigned (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_ts(unsigned (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void sts32(unsigned a, unsigned x) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(x) : "memory");
+}
+__device__ __forceinline__ void cp_async16_s(unsigned s, const void* g, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Copies rows [row0, row0 + R) of a [len, D] slab (row stride `ld`, rows at or past len
+// zero-filled) into a padded shared tile at shared address `s`; NT threads. When NT is a multiple
+// of the 16-byte chunks per row, a thread's chunks sit in one column, NT/CPR rows apart: one
+// 64-bit address per tile, then adds (`load_rows` multiplies per chunk).
+template <int R, int NT>
+__device__ __forceinline__ void copy_tile(unsigned s, const T* __restrict__ g, i64 ld, int row0,
+                                          int len) {
+  constexpr int CPR = D / 8, CH = R * CPR / NT;
+  static_assert((R * CPR) % NT == 0, "whole chunks per thread");
+  if constexpr (NT % CPR == 0) {
+    constexpr int RSTEP = NT / CPR;
+    const int r0 = threadIdx.x / CPR, c0 = (threadIdx.x % CPR) * 8;
+    const unsigned s0 = s + (unsigned)(r0 * LDS + c0) * sizeof(T);
+    const T* p = g + (i64)(row0 + r0) * ld + c0;
+    const i64 pstep = (i64)RSTEP * ld;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const bool ok = row0 + r0 + i * RSTEP < len;
+      cp_async16_s(s0 + i * RSTEP * ROWB, ok ? p : g, ok);
+      p += pstep;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const int e = threadIdx.x + i * NT;
+      const int r = e / CPR, c = (e % CPR) * 8;
+      const bool ok = row0 + r < len;
+      cp_async16_s(s + (unsigned)(r * LDS + c) * sizeof(T), ok ? g + (i64)(row0 + r) * ld + c : g,
+                   ok);
+    }
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(U_NT, 1)
@@ -798,41 +863,51 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 Strides ks, Strides vs, Strides os, Strides dks, Strides dvs, i64 lse_rows, i64 wl,
                 i64 wr, ScoreMap smap, float scale) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);  // [U_BN][LDS]
-  T* sV = sK + U_BN * LDS;                 // [U_BN][LDS]
-  T* sQ = sV + U_BN * LDS;                 // [2][U_BM][LDS]
-  T* sdO = sQ + 2 * U_BM * LDS;            // [2][U_BM][LDS]
-  T* sdS = sdO + 2 * U_BM * LDS;           // [U_BN][U_LDT]: dSᵀ of the current step
-  float* sL = reinterpret_cast<float*>(sdS + U_BN * U_LDT);  // [2][U_BM] lse·log2(e)
-  float* sD = sL + 2 * U_BM;                                  // [2][U_BM] Δ
+  // Byte offsets in shared memory: K, V [U_BN][LDS]; Q, dO [2][U_BM][LDS]; dSᵀ [U_BN][U_LDT];
+  // lse·log2(e) and Δ [2][U_BM] floats.
+  constexpr unsigned O_K = 0, O_V = O_K + U_BN * ROWB, O_Q = O_V + U_BN * ROWB;
+  constexpr unsigned O_DO = O_Q + 2 * U_BM * ROWB, O_DS = O_DO + 2 * U_BM * ROWB;
+  constexpr unsigned O_L = O_DS + U_BN * ROWT, O_D = O_L + 2 * U_BM * 4;
+  constexpr unsigned SLOT = U_BM * ROWB;  // bytes between the two Q (or dO) slots
+  const unsigned sbase = smem_u32(smem_raw);
+  float* sL = reinterpret_cast<float*>(smem_raw + O_L);
+  float* sD = reinterpret_cast<float*>(smem_raw + O_D);
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int group = hq / hkv;
   const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
-  const i64 n0 = (i64)blockIdx.x * U_BN;
-  if (n0 >= sk.len) return;
+  // Lengths and positions fit in 32 bits (max_sq, max_sk are ints).
+  const int sqn = (int)sq.len, skn = (int)sk.len;
+  const int n0 = blockIdx.x * U_BN;
+  if (n0 >= skn) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const i64 off = sk.len - sq.len;
 
   const T* kb = k + (cu_k ? 0 : (i64)b * ks.b) + sk.start * ks.s + (i64)hk * ks.h;
   const T* vb = v + (cu_k ? 0 : (i64)b * vs.b) + sk.start * vs.s + (i64)hk * vs.h;
-  load_rows<U_BN, U_NT>(sK, kb, ks.s, n0, sk.len);
-  load_rows<U_BN, U_NT>(sV, vb, vs.s, n0, sk.len);
+  copy_tile<U_BN, U_NT>(sbase + O_K, kb, ks.s, n0, skn);
+  copy_tile<U_BN, U_NT>(sbase + O_V, vb, vs.s, n0, skn);
   cp_async_commit();
 
   // Query rows that can see any of the keys [n0, n0 + U_BN): i + off − wl ≤ j ≤ i + off + wr.
-  const i64 n1 = min(n0 + U_BN, sk.len);
-  const i64 q_lo = wr >= 0 ? max((i64)0, n0 - off - wr) : 0;
+  const i64 n1 = min((i64)n0 + U_BN, sk.len);
+  const i64 q_lo = wr >= 0 ? max((i64)0, (i64)n0 - off - wr) : 0;
   const i64 q_hi = wl >= 0 ? min(sq.len, n1 - 1 - off + wl + 1) : sq.len;
-  const i64 mb_lo = q_lo / U_BM, mb_hi = q_hi > q_lo ? (q_hi + U_BM - 1) / U_BM : mb_lo;
-  const i64 tiles = mb_hi - mb_lo, steps = tiles * group;
+  const int mb_lo = (int)(q_lo / U_BM);
+  const int tiles = q_hi > q_lo ? (int)((q_hi + U_BM - 1) / U_BM) - mb_lo : 0;
+  const int steps = tiles * group;
   // The key blocks of one head run at the same time; each starts at a different query tile so
   // that their atomic additions go to different dQ rows instead of queueing on the same ones.
-  const i64 rot = tiles > 0 ? (i64)blockIdx.x % tiles : 0;
-  auto tile_start = [&](i64 st) { return (mb_lo + (st % tiles + rot) % tiles) * U_BM; };
-  // Row 0 of query head hh's dQ accumulator (rows indexed like lse, D floats each).
-  auto acc_head = [&](int hh) {
-    return dq_acc + (cu_q ? (i64)hh * lse_rows + sq.start : ((i64)b * hq + hh) * (i64)max_sq) * D;
+  const int rot = tiles > 0 ? (int)(blockIdx.x % (unsigned)tiles) : 0;
+  // A step is (query head of the group, rotated tile index); advancing wraps the tile index and
+  // moves to the next head when it comes back to `rot`.
+  struct Step {
+    int hh, rt;
+  };
+  auto advance = [&](Step s) {
+    s.rt = s.rt + 1 == tiles ? 0 : s.rt + 1;
+    if (s.rt == rot) ++s.hh;
+    return s;
   };
 
   float dK[D / 8][4], dV[D / 8][4];
@@ -841,20 +916,23 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
     for (int e = 0; e < 4; ++e) dK[i][e] = dV[i][e] = 0.f;
 
-  // Loads step `st` (query tile × head of the group) into ring slot st & 1.
-  auto load_step = [&](i64 st) {
-    const int hh = hk * group + (int)(st / tiles);
-    const i64 m0 = tile_start(st);
-    const int slot = (int)(st & 1);
-    const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)hh * qs.h;
-    const T* db = dout + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)hh * os.h;
-    load_rows<U_BM, U_NT>(sQ + slot * U_BM * LDS, qb, qs.s, m0, sq.len);
-    load_rows<U_BM, U_NT>(sdO + slot * U_BM * LDS, db, os.s, m0, sq.len);
+  // Row 0 of head hh in lse/Δ (and, times D, in the dQ accumulator).
+  auto lse_row0 = [&](int hh) {
+    return cu_q ? (i64)hh * lse_rows + sq.start : ((i64)b * hq + hh) * (i64)max_sq;
+  };
+  // Loads step `s` into ring slot `slot`.
+  auto load_step = [&](Step s, int slot) {
+    const int m0 = (mb_lo + s.rt) * U_BM;
+    // (The bases are recomputed per step rather than held: this kernel is short of registers.)
+    const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)s.hh * qs.h;
+    const T* db = dout + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)s.hh * os.h;
+    copy_tile<U_BM, U_NT>(sbase + O_Q + slot * SLOT, qb, qs.s, m0, sqn);
+    copy_tile<U_BM, U_NT>(sbase + O_DO + slot * SLOT, db, os.s, m0, sqn);
     if (threadIdx.x < U_BM) {
-      const i64 i = m0 + threadIdx.x;
+      const int i = m0 + threadIdx.x;
       float l = INFINITY, dl = 0.f;  // rows past the end: P = exp(−inf) = 0
-      if (i < sq.len) {
-        const i64 idx = cu_q ? (i64)hh * lse_rows + sq.start + i : ((i64)b * hq + hh) * (i64)max_sq + i;
+      if (i < sqn) {
+        const i64 idx = lse_row0(s.hh) + i;
         l = lse[idx] * LOG2E;
         dl = delta[idx];
         if (l == -INFINITY) l = INFINITY;  // a row that saw nothing has P = 0 everywhere
@@ -863,29 +941,45 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
       sD[slot * U_BM + threadIdx.x] = dl;
     }
   };
-  if (steps > 0) load_step(0);
+  Step cur{hk * group, rot};
+  if (steps > 0) load_step(cur, 0);
   cp_async_commit();
 
-  const int kw = warp * 16;      // this warp's keys in the block: kw + g and kw + g + 8
-  const i64 key_w = n0 + kw;
+  const int kw = warp * 16;  // this warp's keys in the block: kw + g and kw + g + 8
+  const int key_w = n0 + kw;
   // This warp's part of dQ_tile: rows qr0 .. qr0 + 16·QM, columns c0 .. c0 + 16·QN.
   const int qr0 = (warp / U_WGN) * 16 * U_QM, c0 = (warp % U_WGN) * 16 * U_QN;
+  // Per-lane ldmatrix addresses (slot 0 for Q and dO); the unrolled loops add constants.
+  // A fragments of K and V (rows = keys), B fragments of Q and dO (rows = queries), B fragments
+  // through .trans of dO and Q (rows = queries, the k dim) and of K (rows = keys), A fragments
+  // through .trans of dSᵀ (rows = keys, the k dim).
+  // (Absolute shared addresses: the other tensor of a pair is a constant offset away, and only
+  // three registers stay live across the loop for all of them.)
+  const unsigned a_k = sbase + O_K + (unsigned)((kw + (lane & 15)) * LDS + (lane >> 4) * 8) * sizeof(T);
+  const unsigned b_q = sbase + O_Q + (unsigned)(((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8) * sizeof(T);
+  const unsigned bt_q = sbase + O_Q + (unsigned)(((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8) * sizeof(T);
+  const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
+  // The mask as bounds on j − i (key index minus query index, which 32 bits hold for lengths
+  // below 2³¹): visible iff off − wl ≤ j − i ≤ off + wr; the bounds clamped to 32 bits, which
+  // is exact for every j − i.
+  const auto clamp32 = [](i64 x) { return (int)max((i64)INT32_MIN_, min((i64)INT32_MAX_, x)); };
+  const int dlo = wl >= 0 ? clamp32(off - wl) : INT32_MIN_;
+  const int dhi = wr >= 0 ? clamp32(off + wr) : INT32_MAX_;
+
   // Barriers per step: one after the step's tiles land (every warp then reads them), one after
   // dSᵀ is complete (before dQ reads it). The next step's prefetch into the other slot is issued
   // after the second, when no warp still reads that slot; the next step's dSᵀ writes come after
   // the next first barrier, when every warp has finished this step's dQ.
-  for (i64 st = 0; st < steps; ++st) {
-    const int slot = (int)(st & 1);
-    if (st + 1 < steps) load_step(st + 1);
+  for (int st = 0; st < steps; ++st) {
+    const int slot = st & 1;
+    if (st + 1 < steps) load_step(advance(cur), slot ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    const T* cQ = sQ + slot * U_BM * LDS;
-    const T* cdO = sdO + slot * U_BM * LDS;
+    const unsigned bq = b_q + slot * SLOT, btq = bt_q + slot * SLOT;
     const float* cL = sL + slot * U_BM;
     const float* cD = sD + slot * U_BM;
-    const int hh = hk * group + (int)(st / tiles);
-    const i64 m0 = tile_start(st);
+    const int m0 = (mb_lo + cur.rt) * U_BM;
 
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 16 keys × U_BM queries per warp.
     float s[U_BM / 8][4], dp[U_BM / 8][4];
@@ -896,45 +990,65 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       unsigned ak[4], av[4];
-      ldsm_x4(ak, sK + (kw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
-      ldsm_x4(av, sV + (kw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4_s(ak, a_k + kk * 32);
+      ldsm_x4_s(av, a_k + (O_V - O_K) + kk * 32);
 #pragma unroll
       for (int np = 0; np < U_BM / 16; ++np) {
         unsigned r[4];
-        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
-        ldsm_x4(r, cQ + row * LDS + col);
+        ldsm_x4_s(r, bq + np * 16 * ROWB + kk * 32);
         mma(s[2 * np], ak, r[0], r[1]);
         mma(s[2 * np + 1], ak, r[2], r[3]);
-        ldsm_x4(r, cdO + row * LDS + col);
+        ldsm_x4_s(r, bq + (O_DO - O_Q) + np * 16 * ROWB + kk * 32);
         mma(dp[2 * np], av, r[0], r[1]);
         mma(dp[2 * np + 1], av, r[2], r[3]);
       }
     }
     // Pᵀ and dSᵀ in place. Element (key key_w + g + 8·(e>>1), query m0 + 8·nt + 2t + (e&1)).
 #pragma unroll
-    for (int nt = 0; nt < U_BM / 8; ++nt)
+    for (int nt = 0; nt < U_BM / 8; ++nt) {
+      const float2 l2 = *reinterpret_cast<const float2*>(cL + nt * 8 + 2 * t);
+      const float2 d2 = *reinterpret_cast<const float2*>(cD + nt * 8 + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int qi = nt * 8 + 2 * t + (e & 1);
-        const i64 i = m0 + qi, j = key_w + g + (e >> 1) * 8;
-        const float x = smap(s[nt][e]);
-        float p = exp2_fast(x - cL[qi]);
-        if (!visible(i, j, off, sk.len, wl, wr) || i >= sq.len) p = 0.f;
+        const float lq = (e & 1) ? l2.y : l2.x, dq = (e & 1) ? d2.y : d2.x;
+        float p, grad = 1.f;
+        if (FE_SOFTCAP) {
+          const float th = tanh_fast(s[nt][e] * smap.cap_in);
+          p = exp2_fast(smap.cap_out_log2 * th - lq);
+          grad = 1.f - th * th;
+        } else {
+          p = exp2_fast(fmaf(s[nt][e], mul, -lq));
+        }
         s[nt][e] = p;
-        dp[nt][e] = p * (dp[nt][e] - cD[qi]) * capped_grad(smap, x);
+        dp[nt][e] = p * (dp[nt][e] - dq) * grad;
       }
+    }
+    // The mask, only where this warp's 16 keys × U_BM queries are not all visible: past either
+    // sequence end, or crossing a window edge for some row.
+    const bool full = m0 + U_BM <= sqn && key_w + 16 <= skn && key_w - (m0 + U_BM - 1) >= dlo &&
+                      key_w + 15 - m0 <= dhi;
+    if (!full) {
+#pragma unroll
+      for (int nt = 0; nt < U_BM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = m0 + nt * 8 + 2 * t + (e & 1), j = key_w + g + (e >> 1) * 8;
+          const int d = j - i;
+          if (i >= sqn || j >= skn || d < dlo || d > dhi) s[nt][e] = dp[nt][e] = 0.f;
+        }
+    }
     // 16-bit Pᵀ and dSᵀ, as the A fragments of the next products: element pairs (rows g, g + 8)
     // of accumulator nt; dSᵀ also into shared memory for dQ (row = key, 32-bit word = 2 queries).
     unsigned pp[U_BM / 8][2], dd[U_BM / 8][2];
+    const unsigned st_ds = sbase + O_DS + (unsigned)((kw + g) * U_LDT + 2 * t) * sizeof(T);
 #pragma unroll
     for (int nt = 0; nt < U_BM / 8; ++nt) {
       pp[nt][0] = pack2(s[nt][0], s[nt][1]);
       pp[nt][1] = pack2(s[nt][2], s[nt][3]);
       dd[nt][0] = pack2(dp[nt][0], dp[nt][1]);
       dd[nt][1] = pack2(dp[nt][2], dp[nt][3]);
-      *reinterpret_cast<unsigned*>(sdS + (kw + g) * U_LDT + nt * 8 + 2 * t) = dd[nt][0];
-      *reinterpret_cast<unsigned*>(sdS + (kw + g + 8) * U_LDT + nt * 8 + 2 * t) = dd[nt][1];
+      sts32(st_ds + nt * 16, dd[nt][0]);
+      sts32(st_ds + 8 * ROWT + nt * 16, dd[nt][1]);
     }
     // dV += Pᵀ·dO and dK += dSᵀ·Q: the k dim is the query tile; dO and Q through ldmatrix.trans.
 #pragma unroll
@@ -942,22 +1056,23 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
       const unsigned ap[4] = {pp[2 * kk][0], pp[2 * kk][1], pp[2 * kk + 1][0], pp[2 * kk + 1][1]};
       const unsigned ad[4] = {dd[2 * kk][0], dd[2 * kk][1], dd[2 * kk + 1][0], dd[2 * kk + 1][1]};
 #pragma unroll
-      for (int dq = 0; dq < D / 16; ++dq) {
+      for (int dc = 0; dc < D / 16; ++dc) {
         unsigned r[4];
-        const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int col = dq * 16 + (lane >> 4) * 8;
-        ldsm_x4_t(r, cdO + row * LDS + col);
-        mma(dV[2 * dq], ap, r[0], r[1]);
-        mma(dV[2 * dq + 1], ap, r[2], r[3]);
-        ldsm_x4_t(r, cQ + row * LDS + col);
-        mma(dK[2 * dq], ad, r[0], r[1]);
-        mma(dK[2 * dq + 1], ad, r[2], r[3]);
+        ldsm_x4_ts(r, btq + (O_DO - O_Q) + kk * 16 * ROWB + dc * 32);
+        mma(dV[2 * dc], ap, r[0], r[1]);
+        mma(dV[2 * dc + 1], ap, r[2], r[3]);
+        ldsm_x4_ts(r, btq + kk * 16 * ROWB + dc * 32);
+        mma(dK[2 * dc], ad, r[0], r[1]);
+        mma(dK[2 * dc + 1], ad, r[2], r[3]);
       }
     }
     __syncthreads();  // dSᵀ complete; every warp is done with this slot's Q and dO
 
     // dQ_tile = dS·K over the block's keys (k dim): dS from dSᵀ and K from [key][d], both
     // through ldmatrix.trans.
+    const unsigned at_ds = sbase + O_DS + (unsigned)(((lane & 7) + ((lane >> 4) << 3)) * U_LDT + qr0 +
+                                                     ((lane >> 3) & 1) * 8) * sizeof(T);
+    const unsigned bt_k = bt_q - O_Q + O_K + c0 * sizeof(T);
     float qa[U_QM][2 * U_QN][4];
 #pragma unroll
     for (int mi = 0; mi < U_QM; ++mi)
@@ -969,14 +1084,11 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int kk = 0; kk < U_BN / 16; ++kk) {
       unsigned a[U_QM][4];
 #pragma unroll
-      for (int mi = 0; mi < U_QM; ++mi)
-        ldsm_x4_t(a[mi], sdS + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * U_LDT + qr0 +
-                             mi * 16 + ((lane >> 3) & 1) * 8);
+      for (int mi = 0; mi < U_QM; ++mi) ldsm_x4_ts(a[mi], at_ds + kk * 16 * ROWT + mi * 32);
 #pragma unroll
       for (int nj = 0; nj < U_QN; ++nj) {
         unsigned r[4];
-        ldsm_x4_t(r, sK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + c0 + nj * 16 +
-                         (lane >> 4) * 8);
+        ldsm_x4_ts(r, bt_k + kk * 16 * ROWB + nj * 32);
 #pragma unroll
         for (int mi = 0; mi < U_QM; ++mi) {
           mma(qa[mi][2 * nj], a[mi], r[0], r[1]);
@@ -984,17 +1096,18 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
       }
     }
-    float* acc_h = acc_head(hh);
+    float* acc_h = dq_acc + lse_row0(cur.hh) * D + c0 + 2 * t;
 #pragma unroll
     for (int mi = 0; mi < U_QM; ++mi)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const i64 i = m0 + qr0 + mi * 16 + g + 8 * r;
-        if (i >= sq.len) continue;
-        float* row = acc_h + i * D + c0 + 2 * t;
+        const int i = m0 + qr0 + mi * 16 + g + 8 * r;
+        if (i >= sqn) continue;
+        float* row = acc_h + (i64)i * D;
 #pragma unroll
         for (int nj = 0; nj < 2 * U_QN; ++nj) red_add2(row + nj * 8, qa[mi][nj][2 * r], qa[mi][nj][2 * r + 1]);
       }
+    cur = advance(cur);
   }
   cp_async_wait<0>();
 
