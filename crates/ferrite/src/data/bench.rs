@@ -553,6 +553,7 @@ pub fn run(ds: &Dataset, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> R
         }
     }
     let config_from = match (best.is_some(), cfg.fixed_request, cfg.fixed_depth) {
+        (false, false, false) => "the defaults (no sweep point ran)",
         (false, _, _) | (true, true, true) => "fixed by the user",
         (true, false, false) => "the sweep's best mean",
         (true, true, false) => "read size fixed by the user, depth from the sweep",

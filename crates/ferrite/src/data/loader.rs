@@ -852,7 +852,7 @@ struct Piece {
     got: usize,
 }
 
-/// A window's reads, planned by the planner thread (no buffer yet).
+/// A window's reads and buffer, prepared by the planner thread.
 struct Plan {
     rows: Vec<Row>,
     extents: Vec<Extent>,
@@ -1071,7 +1071,8 @@ fn thread_cpu_seconds(h: &std::thread::JoinHandle<()>) -> f64 {
         return 0.0;
     }
     let mut clock: libc::clockid_t = 0;
-    // SAFETY: the pthread is alive (not finished, and not joined: we hold its handle); the
+    // SAFETY: a pthread_t stays valid until it is joined, and we hold its unjoined handle (a
+    // thread that ended meanwhile gives an error or a final value, both harmless); the
     // out-pointer is a local.
     if unsafe { libc::pthread_getcpuclockid(h.as_pthread_t(), &mut clock) } != 0 {
         return 0.0;
