@@ -378,7 +378,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     );
     for (i, l) in r.runs.iter().enumerate() {
         println!(
-            "  run {:>2} → {:<6}: {:5.2} GB/s of tokens ({:.2} read) between ceilings {:.2} and {:.2} = {:3.0}%; {:.2} cores = {:.2} per GB/s (busy s: plan {:.2}, io {:.2}, verify {:.2}, assemble {:.2}; {} buffers)",
+            "  run {:>2} → {:<6}: {:5.2} GB/s of tokens ({:.2} read) between ceilings {:.2} and {:.2} = {:3.0}%; first batch {:.0} ms; {:.2} cores = {:.2} per GB/s (CPU s: plan {:.2}, io {:.2}, verify {:.2}, assemble {:.2}; {} buffers)",
             i + 1,
             l.device,
             l.gbps,
@@ -386,6 +386,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
             l.ceiling_before_gbps,
             l.ceiling_after_gbps,
             l.ratio * 100.0,
+            l.first_batch_ms,
             l.cpu_cores,
             l.cores_per_gbps,
             l.stats.plan_s,

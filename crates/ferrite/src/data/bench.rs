@@ -48,6 +48,8 @@ pub struct LoaderRun {
     pub device: String,
     pub batches: u64,
     pub seconds: f64,
+    /// From building the loader to its first batch (counted in `seconds`).
+    pub first_batch_ms: f64,
     /// Unique payload bytes delivered per second (T tokens per row: the file's rate).
     pub gbps: f64,
     /// Bytes read from the files per second (with alignment/chunk widening).
@@ -336,7 +338,9 @@ pub fn loader_run(ds: &Dataset, cfg: &BenchConfig, device: Device) -> Result<Loa
     let (c0, t0) = (cpu_seconds(), Instant::now());
     let mut l = Loader::new(ds, loader_config(cfg, device, Some(1)), None)?;
     let mut payload = 0u64;
+    let mut first = None;
     while let Some(b) = l.next_batch()? {
+        first.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1e3);
         payload += b.valid_rows as u64 * cfg.seq as u64 * es;
         if device.is_cuda() {
             // Wait for the copy to land, as a consumer's kernel would.
@@ -355,6 +359,7 @@ pub fn loader_run(ds: &Dataset, cfg: &BenchConfig, device: Device) -> Result<Loa
         device: device.to_string(),
         batches: st.batches,
         seconds: secs,
+        first_batch_ms: first.unwrap_or(0.0),
         gbps,
         read_gbps: st.bytes_read as f64 / secs / 1e9,
         cpu_cores: cpu / secs,

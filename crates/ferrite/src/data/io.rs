@@ -67,8 +67,12 @@ fn map_huge(len: usize) -> Option<*mut u8> {
         if base + span > end {
             libc::munmap(end as *mut libc::c_void, base + span - end);
         }
-        // Advice only: without huge pages the buffer works the same.
-        libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        // Advice only: without huge pages the buffer works the same. FERRITE_DATA_NO_THP=1
+        // leaves it out (to measure it: in a VM whose host backs guest memory lazily, a huge page
+        // taken from never-used memory is slow to touch the first time).
+        if std::env::var_os("FERRITE_DATA_NO_THP").is_none() {
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
     }
     Some(start as *mut u8)
 }
