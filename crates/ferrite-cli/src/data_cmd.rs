@@ -70,39 +70,63 @@ pub struct BenchArgs {
     batch: usize,
     #[arg(long, default_value_t = 1024)]
     seq: usize,
-    /// io_uring queue depth of the loader.
-    #[arg(long, default_value_t = 64)]
-    queue_depth: u32,
+    /// io_uring queue depth of the loader (default: the sweep's best).
+    #[arg(long)]
+    queue_depth: Option<u32>,
     /// Skip the loader's chunk checksum verification (to measure its cost).
     #[arg(long)]
     no_verify: bool,
-    /// Windows (64 MiB each) the loader reads ahead.
-    #[arg(long, default_value_t = 3)]
+    /// Verified windows (64 MiB each) the loader queues ahead of its assembler.
+    #[arg(long, default_value_t = 4)]
     read_ahead: usize,
+    /// Batches the loader assembles ahead of the consumer. The simulated steps last well under
+    /// a millisecond, so the queue is sized in time (16 × ~0.4 ms) rather than left at the
+    /// library's default of 4, which suits real steps (tens of ms and more).
+    #[arg(long, default_value_t = 16)]
+    prefetch: usize,
     /// pread pool threads (the fallback).
     #[arg(long, default_value_t = 8)]
     threads: usize,
-    /// Loader read size in KiB.
-    #[arg(long, default_value_t = 4096)]
-    request_kib: usize,
+    /// Loader read size in KiB (default: the sweep's best).
+    #[arg(long)]
+    request_kib: Option<usize>,
     /// auto (io_uring + O_DIRECT, fallback pread) or pread.
     #[arg(long, default_value = "auto")]
     engine: String,
-    /// Read sizes (KiB) tried for the raw ceiling.
+    /// Read sizes (KiB) tried by the sweep.
     #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
     ceiling_kib: Vec<usize>,
-    /// Queue depths tried for the raw ceiling.
+    /// Queue depths tried by the sweep.
     #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
     ceiling_qd: Vec<u32>,
-    /// Stop each phase after this many GB (0: the whole data set once).
+    /// GB read per sweep sample (0: the whole data set).
+    #[arg(long, default_value_t = 1.0)]
+    sweep_gb: f64,
+    /// Passes over the sweep's points (alternating order; each point's mean decides).
+    #[arg(long, default_value_t = 2)]
+    sweep_repeats: usize,
+    /// Loader runs per device, each between two ceiling passes at the loader's configuration.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Stop each loader run and paired ceiling pass after this many GB (0: the whole data set).
     #[arg(long, default_value_t = 0.0)]
     max_gb: f64,
+    /// Skip the first, uncounted pass over the data.
+    #[arg(long)]
+    no_warmup: bool,
+    /// Load in shard order (sequential reads) instead of shuffled: isolates the cost of the
+    /// shuffled access pattern.
+    #[arg(long)]
+    no_shuffle: bool,
     /// Simulated compute per batch, as a multiple of the loader's measured time per batch.
     #[arg(long, default_value_t = 1.2)]
     compute_factor: f64,
-    /// Steps of the simulated training loop (after the first batch).
+    /// Minimum steps of the simulated training loop (after the first batch).
     #[arg(long, default_value_t = 2000)]
     sim_steps: u64,
+    /// Minimum seconds of the simulated training loop.
+    #[arg(long, default_value_t = 8.0)]
+    sim_seconds: f64,
     /// The simulated compute sleeps instead of spinning (for machines with few cores).
     #[arg(long)]
     sim_sleep: bool,
@@ -297,20 +321,29 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         seq: a.seq,
         io: IoConfig {
             engine,
-            queue_depth: a.queue_depth,
+            queue_depth: a.queue_depth.unwrap_or(64),
             threads: a.threads,
             direct: true,
-            request_bytes: a.request_kib * 1024,
+            request_bytes: a.request_kib.unwrap_or(4096) * 1024,
         },
+        fixed_request: a.request_kib.is_some(),
+        fixed_depth: a.queue_depth.is_some(),
         ceiling_requests: a.ceiling_kib.iter().map(|k| k * 1024).collect(),
         ceiling_depths: a.ceiling_qd.clone(),
+        sweep_bytes: (a.sweep_gb * 1e9) as u64,
+        sweep_repeats: a.sweep_repeats,
+        rounds: a.rounds,
         max_bytes: (a.max_gb * 1e9) as u64,
         compute_factor: a.compute_factor,
         gpu,
         sim_steps: a.sim_steps,
+        sim_seconds: a.sim_seconds,
         sim_sleep: a.sim_sleep,
         read_ahead: a.read_ahead,
+        prefetch: a.prefetch,
         verify: !a.no_verify,
+        warmup: !a.no_warmup,
+        shuffle: !a.no_shuffle,
     };
     let pb = ProgressBar::new_spinner();
     pb.enable_steady_tick(std::time::Duration::from_millis(120));
@@ -322,45 +355,97 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         r.dataset,
         r.dataset_bytes as f64 / 1e9
     );
-    println!("raw read ceiling (O_DIRECT, reads in flight):");
-    for c in &r.ceiling {
+    if let Some(w) = &r.warmup {
+        println!("warm-up pass (not counted): {:.2} GB/s", w.gbps);
+    }
+    println!("sweep: raw O_DIRECT reads (GB/s per sample, each on another part of the data):");
+    for p in &r.sweep {
+        let v: Vec<String> = p.gbps.iter().map(|g| format!("{g:.2}")).collect();
         println!(
-            "  {:>5} KiB × {:>3}: {:6.2} GB/s  ({})",
-            c.request_bytes / 1024,
-            c.queue_depth,
-            c.gbps,
-            c.engine
+            "  {:>5} KiB × {:>3}: mean {:5.2}  ({})",
+            p.request_bytes / 1024,
+            p.queue_depth,
+            p.mean_gbps,
+            v.join(", ")
         );
     }
-    println!("  ceiling: {:.2} GB/s", r.ceiling_gbps);
-    let show = |name: &str, l: &bench::LoaderRun, ratio: f64| {
+    println!(
+        "  best single sample: {:.2} GB/s; loader runs at {} KiB × {} ({})",
+        r.sweep_max_gbps,
+        r.request_bytes / 1024,
+        r.queue_depth,
+        r.config_from
+    );
+    for (i, l) in r.runs.iter().enumerate() {
         println!(
-            "loader → {name}: {:.2} GB/s of tokens ({:.2} GB/s read), {:.0}% of the ceiling; {:.2} CPU cores = {:.2} cores per GB/s; {}{}",
+            "  run {:>2} → {:<6}: {:5.2} GB/s of tokens ({:.2} read) between ceilings {:.2} and {:.2} = {:3.0}%; first batch {:.0} ms; {:.2} cores = {:.2} per GB/s (CPU s: plan {:.2}, io {:.2}, verify {:.2}, assemble {:.2}; {} buffers)",
+            i + 1,
+            l.device,
             l.gbps,
             l.read_gbps,
-            ratio * 100.0,
+            l.ceiling_before_gbps,
+            l.ceiling_after_gbps,
+            l.ratio * 100.0,
+            l.first_batch_ms,
             l.cpu_cores,
             l.cores_per_gbps,
-            l.io,
-            l.fallback.as_ref().map(|f| format!(" (fallback: {f})")).unwrap_or_default()
-        )
-    };
-    if let (Some(h), Some(x)) = (&r.host, r.host_ratio) {
-        show("host", h, x);
+            l.stats.plan_s,
+            l.stats.io_s,
+            l.stats.verify_s,
+            l.stats.assemble_s,
+            l.stats.buffers
+        );
     }
-    if let (Some(g), Some(x)) = (&r.gpu, r.gpu_ratio) {
-        show("GPU", g, x);
+    for s in [&r.host, &r.gpu].into_iter().flatten() {
+        println!(
+            "loader → {}: {:.2} GB/s, {:.0}% of the same-configuration ceiling (median of {} runs, {:.0}–{:.0}%; ceiling median {:.2} GB/s); {:.0}% of the sweep's best sample; {:.2} cores per GB/s",
+            s.device,
+            s.gbps,
+            s.ratio * 100.0,
+            s.runs,
+            s.ratio_min * 100.0,
+            s.ratio_max * 100.0,
+            s.ceiling_gbps,
+            s.ratio_vs_sweep_max * 100.0,
+            s.cores_per_gbps
+        );
+    }
+    println!(
+        "raw read alone: {:.2} cores per GB/s (median of the paired ceiling passes)",
+        r.raw_cores_per_gbps
+    );
+    if let Some(l) = r.runs.first() {
+        if let Some(f) = &l.fallback {
+            println!("loader I/O: {} (fallback: {f})", l.io);
+        } else {
+            println!("loader I/O: {}", l.io);
+        }
     }
     for s in &r.sim {
         println!(
-            "simulated training ({}): compute {:.3} ms/batch (read {:.3} ms/batch), {} steps: consumer waited {:.3}% of the loop (startup {:.1} ms)",
+            "simulated training ({}): compute {:.3} ms/batch = {:.2} × the loader's {:.3} ms ({:.2} × the raw read's {:.3} ms), {} steps in {:.1} s: waited {:.3}% of the loop; per step p50 {:.3} ms, p99 {:.3} ms, max {:.1} ms, {} over 1 ms (startup {:.0} ms apart); ceiling right after {:.2} GB/s",
             s.device,
             s.compute_ms_per_batch,
+            s.compute_ms_per_batch / s.read_ms_per_batch,
             s.read_ms_per_batch,
+            s.compute_ms_per_batch / s.raw_read_ms_per_batch,
+            s.raw_read_ms_per_batch,
             s.steps,
+            s.loop_seconds,
             s.wait_fraction * 100.0,
-            s.startup_ms
+            s.wait_p50_ms,
+            s.wait_p99_ms,
+            s.wait_max_ms,
+            s.waits_over_1ms,
+            s.startup_ms,
+            s.ceiling_after_gbps
         );
+        let v: Vec<String> = s
+            .wait_ms_by_second
+            .iter()
+            .map(|w| format!("{w:.0}"))
+            .collect();
+        println!("  ms waited in each second of the loop: {}", v.join(" "));
     }
     if let Some(p) = &a.json {
         let s = serde_json::to_string_pretty(&r).map_err(|e| Error::Other(e.to_string()))?;

@@ -25,10 +25,56 @@ pub fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN as u64) * ALIGN as u64
 }
 
-/// Host memory aligned for O_DIRECT.
+/// Host memory aligned for O_DIRECT, zeroed. Buffers of 2 MiB and more are mapped on their own,
+/// 2 MiB-aligned, and offered transparent huge pages: a 64 MiB window then costs 32 page faults
+/// instead of 16 384, O_DIRECT pins 2 MiB pages, and the assembler's gathers from random rows
+/// of the window miss the TLB far less.
 pub struct AlignedBuf {
     ptr: *mut u8,
     cap: usize,
+    /// Mapped with mmap (else from the global allocator).
+    mapped: bool,
+}
+
+const HUGE: usize = 2 << 20;
+
+/// An anonymous mapping of `len` bytes (a multiple of HUGE) aligned to HUGE, or None.
+fn map_huge(len: usize) -> Option<*mut u8> {
+    let span = len + HUGE;
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    let base = p as usize;
+    let start = base.next_multiple_of(HUGE);
+    // SAFETY: the head [base, start) and tail [start + len, base + span) lie inside the mapping
+    // just made, are page-aligned (mmap and HUGE both are) and nothing refers to them.
+    unsafe {
+        if start > base {
+            libc::munmap(base as *mut libc::c_void, start - base);
+        }
+        let end = start + len;
+        if base + span > end {
+            libc::munmap(end as *mut libc::c_void, base + span - end);
+        }
+        // Advice only: without huge pages the buffer works the same. FERRITE_DATA_NO_THP=1
+        // leaves it out (to measure it: in a VM whose host backs guest memory lazily, a huge page
+        // taken from never-used memory is slow to touch the first time).
+        if std::env::var_os("FERRITE_DATA_NO_THP").is_none() {
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
+    }
+    Some(start as *mut u8)
 }
 
 // SAFETY: the buffer is plain heap memory owned by this value; access goes through &/&mut.
@@ -37,6 +83,17 @@ unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     pub fn new(cap: usize) -> AlignedBuf {
+        if cap >= HUGE {
+            let cap = cap.next_multiple_of(HUGE);
+            // The kernel zeroes anonymous pages as they are first touched.
+            if let Some(ptr) = map_huge(cap) {
+                return AlignedBuf {
+                    ptr,
+                    cap,
+                    mapped: true,
+                };
+            }
+        }
         let cap = align_up(cap.max(1) as u64) as usize;
         let layout = std::alloc::Layout::from_size_align(cap, ALIGN).expect("aligned layout");
         // SAFETY: the layout has non-zero size; zeroed so the bytes are initialised for slices.
@@ -44,7 +101,11 @@ impl AlignedBuf {
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        AlignedBuf { ptr, cap }
+        AlignedBuf {
+            ptr,
+            cap,
+            mapped: false,
+        }
     }
     pub fn capacity(&self) -> usize {
         self.cap
@@ -60,6 +121,11 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: mapped in `new` with exactly this start and length; unmapped only here.
+            unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.cap) };
+            return;
+        }
         let layout = std::alloc::Layout::from_size_align(self.cap, ALIGN).expect("aligned layout");
         // SAFETY: allocated in `new` with this layout; freed only here.
         unsafe { std::alloc::dealloc(self.ptr, layout) };

@@ -11,11 +11,16 @@
 //! next global step's first position: the same on every rank, and independent of W, B and the
 //! I/O configuration, so a run may resume with a different worker count or world size.
 //!
-//! Threads: an I/O thread plans each window's reads (only the byte ranges holding this rank's
-//! samples, widened to checksum chunks and O_DIRECT alignment), keeps `queue_depth` reads in flight
-//! across window boundaries, verifies every chunk it read against the index and hands windows on;
-//! an assembler thread copies rows into batches (a host tensor, or a pinned slot copied to the GPU
-//! on a dedicated stream) up to `prefetch` batches ahead.
+//! Threads, one per stage, so that no stage's work stalls another's:
+//! - the planner computes each window's rows and reads (only the byte ranges holding this rank's
+//!   samples, widened to checksum chunks and O_DIRECT alignment) and gives it a buffer (reused,
+//!   or fresh and faulted in);
+//! - the I/O thread does nothing but keep `queue_depth` reads in flight, across window boundaries,
+//!   and go on reading into the windows it holds while the next stage is busy;
+//! - the verifier checks every chunk read against the index;
+//! - the assembler copies rows into batches (a host tensor, or a pinned slot copied to the GPU on
+//!   a dedicated stream) up to `prefetch` batches ahead, and returns window buffers to the
+//!   planner.
 
 use super::format::{self, read_header, shard_error, Index, ShardHeader, INDEX_FILE};
 use super::gpu::DeviceRing;
@@ -29,7 +34,7 @@ use crate::core::tensor::Tensor;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -243,7 +248,8 @@ pub struct LoaderConfig {
     pub device: Device,
     /// Batches prepared ahead of the consumer (ring slots in flight).
     pub prefetch: usize,
-    /// Windows read ahead.
+    /// Windows read and verified ahead of the assembler (on top of those the I/O thread holds
+    /// while reading: enough for `queue_depth` reads of `request_bytes`, and at least two).
     pub read_ahead: usize,
     /// Target bytes per shuffle block (defines K; part of the order).
     pub block_bytes: usize,
@@ -344,6 +350,15 @@ pub struct LoaderStats {
     /// Which read engine runs, and why it fell back if it did.
     pub io: String,
     pub fallback: Option<String>,
+    /// CPU seconds used so far by each stage's thread: the planner (sample order, read plans),
+    /// the I/O thread (queueing reads, handling completions), the verifier (chunk checksums)
+    /// and the assembler (gathering rows into batches, queueing GPU copies).
+    pub plan_s: f64,
+    pub io_s: f64,
+    pub verify_s: f64,
+    pub assemble_s: f64,
+    /// Window buffers allocated (the rest were reused).
+    pub buffers: u64,
 }
 
 enum Msg {
@@ -364,6 +379,10 @@ struct Shared {
     stop: AtomicBool,
     bytes_read: AtomicU64,
     io_desc: std::sync::Mutex<(String, Option<String>)>,
+    /// Window buffers allocated.
+    buffers: AtomicU64,
+    /// CPU nanoseconds of each stage's thread, recorded as it ends (see `STAGES`).
+    cpu_ns: [AtomicU64; 4],
 }
 
 pub struct Loader {
@@ -373,7 +392,8 @@ pub struct Loader {
     ring: Option<Arc<DeviceRing>>,
     free_tx: Option<SyncSender<usize>>,
     shared: Arc<Shared>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    /// The pipeline's threads, by stage name.
+    threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
     stats: LoaderStats,
     state: LoaderState,
     out_dtype: DType,
@@ -388,6 +408,8 @@ struct Geometry {
     shards: Vec<ShardMeta>,
     chunk_bytes: u64,
     verify: bool,
+    /// Bytes a full window reads (about; sizes the I/O thread's windows in flight).
+    window_bytes: u64,
 }
 
 impl Geometry {
@@ -545,11 +567,14 @@ impl Loader {
             shards: dataset.shards.clone(),
             chunk_bytes: dataset.chunk_bytes,
             verify: cfg.verify && dataset.checksummed(),
+            window_bytes: spec.block_samples * spec.window_blocks * seq * es,
         });
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             bytes_read: AtomicU64::new(0),
             io_desc: std::sync::Mutex::new((String::new(), None)),
+            buffers: AtomicU64::new(0),
+            cpu_ns: Default::default(),
         });
         let row_bytes = (cfg.seq + 1) * out_dtype.size_in_bytes();
         let prefetch = cfg.prefetch.max(1);
@@ -564,6 +589,12 @@ impl Loader {
                 )?))
             }
         };
+        // Planner → I/O thread → (verifier →) assembler → consumer; window buffers go back from
+        // the assembler to the planner. Window buffers alive when the consumer is the slower
+        // end: one planned (handed over when the I/O thread asks: a rendezvous), those the I/O
+        // thread holds (`pending_windows`), one at the verifier, `read_ahead` verified and
+        // waiting, and the assembler's current one.
+        let (plan_tx, plan_rx) = mpsc::sync_channel::<Plan>(0);
         let (win_tx, win_rx) = mpsc::sync_channel::<Result<Window>>(cfg.read_ahead.max(1));
         let (recycle_tx, recycle_rx) = mpsc::channel::<AlignedBuf>();
         let (tx, rx) = mpsc::sync_channel::<Result<Ready>>(prefetch);
@@ -573,25 +604,49 @@ impl Loader {
                 free_tx.send(i).expect("fresh channel");
             }
         }
+        let spawn = |stage: &'static str, f: Box<dyn FnOnce() + Send>| {
+            let sh = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("ferrite-data-{stage}"))
+                .spawn(move || {
+                    f();
+                    let i = STAGES.iter().position(|&s| s == stage).unwrap_or(0);
+                    sh.cpu_ns[i].store((own_cpu_seconds() * 1e9) as u64, Ordering::Relaxed);
+                })
+                .map(|h| (stage, h))
+                .map_err(|e| Error::io(format!("spawning the loader's {stage} thread"), e))
+        };
         let mut threads = Vec::new();
         {
-            let (geo, shared, schedule, io_cfg) = (
-                geo.clone(),
-                shared.clone(),
-                schedule.clone(),
-                cfg.io.clone(),
-            );
-            let inflight = cfg.read_ahead.max(1);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("ferrite-data-io".into())
-                    .spawn(move || {
-                        io_thread(
-                            geo, spec, schedule, io_cfg, inflight, win_tx, recycle_rx, shared,
-                        )
-                    })
-                    .map_err(|e| Error::io("spawning the loader's I/O thread", e))?,
-            );
+            let (geo, shared, schedule) = (geo.clone(), shared.clone(), schedule.clone());
+            let req = cfg.io.request_bytes;
+            threads.push(spawn(
+                "plan",
+                Box::new(move || {
+                    plan_thread(geo, spec, schedule, req, plan_tx, recycle_rx, shared)
+                }),
+            )?);
+        }
+        {
+            // With verification, the I/O thread hands windows to the verifier when it is free (a
+            // rendezvous: no window waits between the two).
+            let (io_tx, verify) = if geo.verify {
+                let (t, r) = mpsc::sync_channel::<Result<Window>>(0);
+                (t, Some(r))
+            } else {
+                (win_tx.clone(), None)
+            };
+            let (g, sh, io_cfg) = (geo.clone(), shared.clone(), cfg.io.clone());
+            threads.push(spawn(
+                "io",
+                Box::new(move || io_thread(g, io_cfg, plan_rx, io_tx, sh)),
+            )?);
+            if let Some(r) = verify {
+                let (g, out) = (geo.clone(), win_tx);
+                threads.push(spawn("verify", Box::new(move || verify_thread(g, r, out)))?);
+            } else {
+                drop(win_tx);
+            }
         }
         {
             let geo = geo.clone();
@@ -605,12 +660,10 @@ impl Loader {
                 pad_token: cfg.pad_token,
                 ring,
             };
-            threads.push(
-                std::thread::Builder::new()
-                    .name("ferrite-data-assemble".into())
-                    .spawn(move || a.run(win_rx, recycle_tx, tx, free_rx, shared))
-                    .map_err(|e| Error::io("spawning the loader's assembler thread", e))?,
-            );
+            threads.push(spawn(
+                "assemble",
+                Box::new(move || a.run(win_rx, recycle_tx, tx, free_rx, shared)),
+            )?);
         }
         Ok(Loader {
             state: LoaderState {
@@ -722,7 +775,19 @@ impl Loader {
     }
     pub fn stats(&self) -> LoaderStats {
         let mut s = self.stats.clone();
-        s.bytes_read = self.shared.bytes_read.load(Ordering::Relaxed);
+        let sh = &self.shared;
+        s.bytes_read = sh.bytes_read.load(Ordering::Relaxed);
+        let mut cpu = [0f64; 4];
+        for (i, c) in cpu.iter_mut().enumerate() {
+            *c = sh.cpu_ns[i].load(Ordering::Relaxed) as f64 * 1e-9;
+        }
+        for (stage, h) in &self.threads {
+            if let Some(i) = STAGES.iter().position(|s| s == stage) {
+                cpu[i] = cpu[i].max(thread_cpu_seconds(h));
+            }
+        }
+        [s.plan_s, s.io_s, s.verify_s, s.assemble_s] = cpu;
+        s.buffers = sh.buffers.load(Ordering::Relaxed);
         if let Ok(d) = self.shared.io_desc.lock() {
             s.io = d.0.clone();
             s.fallback = d.1.clone();
@@ -744,7 +809,7 @@ impl Drop for Loader {
         // Closing our ends unblocks the threads' sends; they see `stop` on their timed receives.
         self.rx = None;
         self.free_tx = None;
-        for t in self.threads.drain(..) {
+        for (_, t) in self.threads.drain(..) {
             let _ = t.join();
         }
     }
@@ -759,8 +824,10 @@ struct Row {
     shard: u32,
 }
 
+/// A window read (and, past the verifier, verified): its rows in position order and its bytes.
 struct Window {
     rows: VecDeque<Row>,
+    extents: Vec<Extent>,
     buf: AlignedBuf,
 }
 
@@ -785,12 +852,19 @@ struct Piece {
     got: usize,
 }
 
-struct Pending {
-    seq: u64,
+/// A window's reads and buffer, prepared by the planner thread.
+struct Plan {
     rows: Vec<Row>,
     extents: Vec<Extent>,
-    buf: AlignedBuf,
     pieces: Vec<Piece>,
+    /// The buffer to read into (reused, or fresh and already faulted in).
+    buf: AlignedBuf,
+}
+
+/// A window whose reads are in progress on the I/O thread.
+struct Pending {
+    seq: u64,
+    plan: Plan,
     next_piece: usize,
     left: usize,
 }
@@ -798,14 +872,14 @@ struct Pending {
 /// Merges ranges that are closer than this: reading a small gap beats another request.
 const MERGE_GAP: u64 = 64 << 10;
 
-/// Plans the reads of one window's rows.
+/// Plans the reads of one window's rows; `buffer` gives a buffer of at least the bytes asked.
 fn plan(
     geo: &Geometry,
-    rows: &mut [Row],
+    mut rows: Vec<Row>,
     located: &[(usize, u64, u64)],
-    spare: Option<AlignedBuf>,
     request_bytes: usize,
-) -> Pending {
+    buffer: &mut dyn FnMut(usize) -> AlignedBuf,
+) -> Plan {
     let mut ranges: Vec<(usize, u64, u64)> = located
         .iter()
         .map(|&(s, off, len)| {
@@ -847,11 +921,8 @@ fn plan(
         let e = &extents[i];
         debug_assert!(e.shard == s && off >= e.lo && off < e.hi);
         r.off = e.buf_off + (off - e.lo) as usize;
+        r.shard = s as u32;
     }
-    let buf = match spare {
-        Some(b) if b.capacity() >= at => b,
-        _ => AlignedBuf::new(at),
-    };
     let mut pieces = Vec::new();
     for e in &extents {
         let mut off = e.lo;
@@ -868,24 +939,19 @@ fn plan(
             off += data as u64;
         }
     }
-    let left = pieces.len();
-    Pending {
-        seq: 0,
-        rows: rows.to_vec(),
+    Plan {
+        rows,
         extents,
-        buf,
         pieces,
-        next_piece: 0,
-        left,
+        buf: buffer(at),
     }
 }
 
 /// Verifies every whole checksum chunk an extent covers (extents are widened to whole chunks).
-fn verify(geo: &Geometry, p: &Pending) -> Result<()> {
-    use rayon::prelude::*;
+fn verify(geo: &Geometry, w: &Window) -> Result<()> {
     let c = geo.chunk_bytes;
     let mut jobs = Vec::new();
-    for e in &p.extents {
+    for e in &w.extents {
         let sh = &geo.shards[e.shard];
         let po = sh.header.payload_offset;
         let first = (e.lo.max(po) - po).div_ceil(c);
@@ -900,10 +966,13 @@ fn verify(geo: &Geometry, p: &Pending) -> Result<()> {
             k += 1;
         }
     }
-    let buf = p.buf.as_slice();
-    jobs.par_iter().try_for_each(|&(s, k, a, b, at)| {
+    let buf = w.buf.as_slice();
+    let check = |&(s, k, a, b, at): &(usize, u64, u64, u64, usize)| -> Result<()> {
         let sh = &geo.shards[s];
-        let want = sh.chunk_crc32.as_ref().and_then(|v| v.get(k as usize).copied());
+        let want = sh
+            .chunk_crc32
+            .as_ref()
+            .and_then(|v| v.get(k as usize).copied());
         let got = crc32fast::hash(&buf[at..at + (b - a) as usize]);
         match want {
             Some(w) if w == got => Ok(()),
@@ -914,7 +983,11 @@ fn verify(geo: &Geometry, p: &Pending) -> Result<()> {
             )),
             None => Err(shard_error(&sh.path, a, format!("no checksum for chunk {k} in the index"))),
         }
-    })
+    };
+    // On the verifier's own thread, in sequence: one core hashes 5–10 GB/s (CRC-32 with
+    // carry-less multiplies), several times the disks this loader meets; the global thread pool
+    // is left to the training's CPU work.
+    jobs.iter().try_for_each(check)
 }
 
 /// Walks the schedule and yields, window by window, this rank's rows.
@@ -975,33 +1048,126 @@ impl Planner {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn io_thread(
+/// The pipeline's stages, in `LoaderStats`'s order.
+const STAGES: [&str; 4] = ["plan", "io", "verify", "assemble"];
+
+/// CPU seconds the calling thread has used.
+fn own_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a local out-pointer.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// CPU seconds a thread has used so far (0 once it has ended, or where the clock is refused).
+fn thread_cpu_seconds(h: &std::thread::JoinHandle<()>) -> f64 {
+    use std::os::unix::thread::JoinHandleExt;
+    if h.is_finished() {
+        return 0.0;
+    }
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: a pthread_t stays valid until it is joined, and we hold its unjoined handle (a
+    // thread that ended meanwhile gives an error or a final value, both harmless); the
+    // out-pointer is a local.
+    if unsafe { libc::pthread_getcpuclockid(h.as_pthread_t(), &mut clock) } != 0 {
+        return 0.0;
+    }
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a local out-pointer.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// The planner thread: the sample order, each window's reads and its buffer, prepared ahead of
+/// the I/O thread so that the I/O thread does nothing but keep the queue full. Buffers come back
+/// from the assembler; a fresh one is faulted in here, since first touches of memory cost the
+/// kernel a zeroing pass (slow in some VMs) that would otherwise hold up the I/O thread's reads.
+fn plan_thread(
     geo: Arc<Geometry>,
     spec: OrderSpec,
     schedule: Schedule,
-    cfg: IoConfig,
-    inflight: usize,
-    out: SyncSender<Result<Window>>,
+    request_bytes: usize,
+    out: SyncSender<Plan>,
     recycle: Receiver<AlignedBuf>,
     shared: Arc<Shared>,
 ) {
-    if let Err(e) = io_loop(
-        &geo, spec, schedule, &cfg, inflight, &out, &recycle, &shared,
-    ) {
+    let mut planner = Planner {
+        spec,
+        schedule,
+        eo: None,
+        cur: None,
+    };
+    let mut pool: Vec<AlignedBuf> = Vec::new();
+    let mut largest = 0usize;
+    let mut buffer = |bytes: usize| {
+        pool.extend(recycle.try_iter());
+        largest = largest.max(bytes);
+        if let Some(i) = pool.iter().position(|b| b.capacity() >= bytes) {
+            return pool.swap_remove(i);
+        }
+        // Drop a buffer too small to reuse; size the new one for the largest window so far,
+        // with headroom (windows vary a little with how their ranges merge), so that buffers
+        // converge to one size that fits all.
+        pool.pop();
+        shared.buffers.fetch_add(1, Ordering::Relaxed);
+        let mut b = AlignedBuf::new(align_up((largest + largest / 16) as u64) as usize);
+        let base = b.as_mut_ptr();
+        for off in (0..b.capacity()).step_by(ALIGN) {
+            // SAFETY: off < capacity; nothing else refers to the fresh buffer. Volatile so the
+            // touch is not elided (the memory already reads as zero).
+            unsafe { base.add(off).write_volatile(0) };
+        }
+        b
+    };
+    loop {
+        if shared.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(rows) = planner.next_window() else {
+            return;
+        };
+        let located: Vec<_> = rows.iter().map(|r| geo.locate(r.sample)).collect();
+        let p = plan(&geo, rows, &located, request_bytes, &mut buffer);
+        if out.send(p).is_err() {
+            return;
+        }
+    }
+}
+
+fn io_thread(
+    geo: Arc<Geometry>,
+    cfg: IoConfig,
+    plans: Receiver<Plan>,
+    out: SyncSender<Result<Window>>,
+    shared: Arc<Shared>,
+) {
+    if let Err(e) = io_loop(&geo, &cfg, &plans, &out, &shared) {
         let _ = out.send(Err(e));
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Windows a loader keeps in flight on the I/O thread (being read, or read and waiting to be
+/// handed on): enough that, while the oldest finishes, the others still hold a full queue's
+/// worth of reads (`queue_bytes`), and at least two.
+fn pending_windows(queue_bytes: u64, window_bytes: u64) -> usize {
+    (queue_bytes.div_ceil(window_bytes.max(1)) as usize + 1).max(2)
+}
+
 fn io_loop(
     geo: &Geometry,
-    spec: OrderSpec,
-    schedule: Schedule,
     cfg: &IoConfig,
-    inflight: usize,
+    plans: &Receiver<Plan>,
     out: &SyncSender<Result<Window>>,
-    recycle: &Receiver<AlignedBuf>,
     shared: &Shared,
 ) -> Result<()> {
     let paths: Vec<PathBuf> = geo.shards.iter().map(|s| s.path.clone()).collect();
@@ -1015,51 +1181,77 @@ fn io_loop(
         *d = (setup.description.clone(), setup.fallback.clone());
     }
     let engine = &mut setup.engine;
-    let mut planner = Planner {
-        spec,
-        schedule,
-        eo: None,
-        cur: None,
-    };
-    let mut planned_all = false;
+    let max_pending = pending_windows(
+        (engine.capacity() * cfg.request_bytes) as u64,
+        geo.window_bytes,
+    );
+    // Windows read completely, in order, that the next stage has not taken yet.
+    let mut ready: VecDeque<Window> = VecDeque::new();
+    // A plan received while nothing was in flight, to start next.
+    let mut stash: Option<Plan> = None;
+    let mut plans_done = false;
     let mut seq = 0u64;
     let mut done = Vec::new();
     loop {
         if shared.stop.load(Ordering::Relaxed) {
             return Ok(());
         }
-        while !planned_all && windows.len() < inflight {
-            match planner.next_window() {
-                None => planned_all = true,
-                Some(mut rows) => {
-                    let located: Vec<_> = rows.iter().map(|r| geo.locate(r.sample)).collect();
-                    for (r, l) in rows.iter_mut().zip(&located) {
-                        r.shard = l.0 as u32;
-                    }
-                    let spare = recycle.try_recv().ok();
-                    let mut p = plan(geo, &mut rows, &located, spare, cfg.request_bytes);
-                    p.seq = seq;
-                    seq += 1;
-                    windows.push_back(p);
-                }
+        // Take planned windows while the reads not yet queued would not refill the whole queue.
+        while !plans_done && windows.len() + ready.len() < max_pending {
+            let unqueued: usize = windows
+                .iter()
+                .map(|w| w.plan.pieces.len() - w.next_piece)
+                .sum();
+            if unqueued >= engine.capacity() {
+                break;
             }
+            let p = if let Some(p) = stash.take() {
+                p
+            } else if windows.is_empty() && ready.is_empty() {
+                // Nothing else to do: wait for the planner.
+                let r = plans.recv();
+                match r {
+                    Ok(p) => p,
+                    Err(_) => {
+                        plans_done = true;
+                        break;
+                    }
+                }
+            } else {
+                match plans.try_recv() {
+                    Ok(p) => p,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        plans_done = true;
+                        break;
+                    }
+                }
+            };
+            let left = p.pieces.len();
+            windows.push_back(Pending {
+                seq,
+                plan: p,
+                next_piece: 0,
+                left,
+            });
+            seq += 1;
         }
         // Keep the queue full, across window boundaries.
         'fill: for w in windows.iter_mut() {
-            while w.next_piece < w.pieces.len() {
+            while w.next_piece < w.plan.pieces.len() {
                 if engine.outstanding() >= engine.capacity() {
                     break 'fill;
                 }
                 let i = w.next_piece;
-                let pc = &w.pieces[i];
+                let pc = &w.plan.pieces[i];
                 let req = Req {
                     token: (w.seq << 32) | i as u64,
                     fd: files.fd(pc.shard),
                     off: pc.off,
                     len: pc.len,
-                    // SAFETY: dst + len stays inside the buffer: plan() sized it to hold every
-                    // extent rounded up to ALIGN.
-                    dst: unsafe { w.buf.as_mut_ptr().add(pc.dst) },
+                    // SAFETY: dst + len stays inside the buffer: its capacity is at least the
+                    // plan's bytes, which hold every extent rounded up to ALIGN.
+                    dst: unsafe { w.plan.buf.as_mut_ptr().add(pc.dst) },
                 };
                 // SAFETY: the buffer lives in `windows` until this read's completion is
                 // processed (the engine is dropped first on every exit path); offsets, lengths
@@ -1068,24 +1260,49 @@ fn io_loop(
                 w.next_piece += 1;
             }
         }
-        // Hand on finished windows, in order.
+        // Finished windows move on in order; the next stage takes them when it is free, and
+        // meanwhile reads go on (into the windows still pending).
         while windows.front().is_some_and(|w| w.left == 0) {
             let w = windows.pop_front().unwrap();
-            if geo.verify {
-                verify(geo, &w)?;
-            }
-            let win = Window {
-                rows: w.rows.into(),
-                buf: w.buf,
-            };
-            if out.send(Ok(win)).is_err() {
-                return Ok(());
+            ready.push_back(Window {
+                rows: w.plan.rows.into(),
+                extents: w.plan.extents,
+                buf: w.plan.buf,
+            });
+        }
+        while let Some(w) = ready.pop_front() {
+            match out.try_send(Ok(w)) {
+                Ok(()) => {}
+                Err(TrySendError::Full(Ok(w))) => {
+                    ready.push_front(w);
+                    break;
+                }
+                Err(_) => return Ok(()),
             }
         }
-        if windows.is_empty() && planned_all {
+        if windows.is_empty() && ready.is_empty() && plans_done {
             return Ok(());
         }
         if engine.outstanding() == 0 {
+            // Nothing in flight (so `windows` is empty: every window read has moved to `ready`).
+            if ready.is_empty() {
+                continue; // the top of the loop waits for the planner, or ends
+            }
+            // The next stage is full: the consumer is the slower end.
+            if !plans_done && windows.len() + ready.len() < max_pending {
+                // Read on into another buffer meanwhile (the planner is far ahead, or nearly).
+                let r = plans.recv();
+                match r {
+                    Ok(p) => stash = Some(p),
+                    Err(_) => plans_done = true,
+                }
+            } else if let Some(w) = ready.pop_front() {
+                // Every buffer is read: wait until the next stage takes one.
+                let r = out.send(Ok(w));
+                if r.is_err() {
+                    return Ok(());
+                }
+            }
             continue;
         }
         done.clear();
@@ -1096,7 +1313,7 @@ fn io_loop(
                 .iter_mut()
                 .find(|w| w.seq == wseq)
                 .ok_or_else(|| Error::Other("internal: completion for an unknown window".into()))?;
-            let pc = &mut w.pieces[i];
+            let pc = &mut w.plan.pieces[i];
             let want = pc.expect - pc.got;
             let n = io::check_done(
                 &geo.shards[pc.shard].path,
@@ -1121,7 +1338,7 @@ fn io_loop(
             let r = unsafe {
                 io::pread_full(
                     fd,
-                    w.buf.as_mut_ptr().add(pc.dst + pc.got),
+                    w.plan.buf.as_mut_ptr().add(pc.dst + pc.got),
                     rest,
                     pc.off + pc.got as u64,
                 )
@@ -1137,6 +1354,23 @@ fn io_loop(
             shared.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
             pc.got += n;
             w.left -= 1;
+        }
+    }
+}
+
+/// The verifier thread: checks each window's chunks against the index between the I/O thread
+/// and the assembler, so neither waits on it (it used to run on the I/O thread, which stopped
+/// queueing reads while it hashed).
+fn verify_thread(
+    geo: Arc<Geometry>,
+    windows: Receiver<Result<Window>>,
+    out: SyncSender<Result<Window>>,
+) {
+    for w in windows.iter() {
+        let r = w.and_then(|w| verify(&geo, &w).map(|()| w));
+        let failed = r.is_err();
+        if out.send(r).is_err() || failed {
+            return;
         }
     }
 }

@@ -347,6 +347,123 @@ fn fallback_path_yields_the_same_batches() {
     assert_eq!(fast, wide);
 }
 
+/// The pipeline's flow control: a consumer slower than the disk (so the I/O thread fills every
+/// buffer it may and blocks), shallow queues, both engines, and a drop while threads are blocked.
+/// The batches must not change, window buffers must be reused, and nothing may hang.
+#[test]
+fn slow_consumer_and_shallow_queues_keep_batches_and_reuse_buffers() {
+    let dir = TmpDir::new("flow");
+    let vocab = 50257;
+    let shards: Vec<Vec<u32>> = (0..2).map(|i| tokens(100_000, 90 + i, vocab)).collect();
+    write_shards(
+        &dir.0,
+        ShardFormat::Ferrite,
+        DType::U16,
+        4096,
+        &shards,
+        vocab,
+    )
+    .unwrap();
+    let ds = Dataset::open(&dir.0).unwrap();
+    let t = 16usize;
+    // Windows of 2 blocks × 128 samples (8 KiB of tokens): about 49 windows per epoch.
+    let base = LoaderConfig {
+        block_bytes: 4096,
+        window_blocks: 2,
+        prefetch: 1,
+        read_ahead: 1,
+        io: IoConfig {
+            queue_depth: 2,
+            threads: 1,
+            request_bytes: 4096,
+            ..IoConfig::default()
+        },
+        ..cfg(8, t, 0, 1)
+    };
+    let (reference, _, _) = run(
+        &ds,
+        LoaderConfig {
+            prefetch: 8,
+            read_ahead: 8,
+            ..base.clone()
+        },
+        None,
+        None,
+    );
+    assert!(reference.len() > 2000, "{} batches", reference.len());
+    for engine in [EngineKind::Auto, EngineKind::Pread] {
+        let c = LoaderConfig {
+            io: IoConfig {
+                engine,
+                ..base.io.clone()
+            },
+            ..base.clone()
+        };
+        let mut l = Loader::new(&ds, c.clone(), None).unwrap();
+        let mut trace = Vec::new();
+        while let Some(b) = l.next_batch().unwrap() {
+            if trace.len() % 400 < 20 {
+                // Slow stretches: every buffer ahead fills up and the I/O thread waits.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            trace.push((b.epoch, b.position, b.samples.clone(), rows(&b)));
+        }
+        assert!(trace == reference, "{engine:?}: batches differ");
+        let st = l.stats();
+        eprintln!(
+            "{engine:?}: {} batches, {} window buffers, {}",
+            trace.len(),
+            st.buffers,
+            st.io
+        );
+        assert!(
+            st.buffers <= 16,
+            "{engine:?}: {} window buffers allocated for ~100 windows",
+            st.buffers
+        );
+        // Dropped while the threads are blocked on full queues.
+        let mut l = Loader::new(&ds, c, None).unwrap();
+        l.next_batch().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let t0 = std::time::Instant::now();
+        drop(l);
+        assert!(
+            t0.elapsed().as_secs_f64() < 2.0,
+            "drop took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+/// The bench's raw reads: a whole pass reads every byte once; a partial pass from any start
+/// reads what was asked (to 4096 bytes), wrapping around the end of the data.
+#[test]
+fn raw_read_covers_the_data_from_any_start() {
+    use super::bench::raw_read;
+    let dir = TmpDir::new("raw");
+    corpus(&dir.0, ShardFormat::Ferrite, DType::U16);
+    let ds = Dataset::open(&dir.0).unwrap();
+    let total = ds.total_bytes();
+    for engine in [EngineKind::Auto, EngineKind::Pread] {
+        let all = raw_read(&ds, 8192, 3, engine, 0, 0).unwrap();
+        assert_eq!(all.bytes, total, "{engine:?}");
+        for (start, want) in [
+            (0, 5000),
+            (4096, total),
+            (total - 10, 9000),
+            (7777, 3 * total),
+        ] {
+            let c = raw_read(&ds, 8192, 2, engine, start, want).unwrap();
+            let want = want.min(total);
+            assert!(
+                c.bytes >= want && c.bytes < want + 4096 * ds.shards.len() as u64,
+                "{engine:?} from {start}: {} bytes for {want}",
+                c.bytes
+            );
+        }
+    }
+}
+
 fn err_of<T>(r: crate::Result<T>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
