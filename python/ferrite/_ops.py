@@ -354,6 +354,14 @@ def _rows2(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
+# On CUDA the linear forward runs the `naive` variant: ferrite's best plain GEMM, then the bias /
+# activation kernels. Measured on the H100 (bench/results/2026-11-22-h100-session2/linear.txt)
+# it beats both in-GEMM epilogue variants at every LLM shape (0.57–0.78× the bare GEMM against
+# 0.47–0.78× for `persistent`), whose per-tile epilogue is being reworked; once that lands the
+# default selection (None) is the right choice again.
+_CUDA_LINEAR_VARIANT = "naive"
+
+
 def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, save_z: bool):
     """(y, z) of y = act(x·Wᵀ + b) with ferrite's linear (bias and activation in the GEMM's
     epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else an empty placeholder)."""
@@ -383,6 +391,7 @@ def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, sav
         tf32=_tf32(x),
         device=dev,
         stream=stream,
+        variant=_CUDA_LINEAR_VARIANT if x.is_cuda else None,
     )
     return y, z
 
