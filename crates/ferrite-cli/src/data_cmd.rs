@@ -423,8 +423,9 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     }
     for s in &r.sim {
         println!(
-            "simulated training ({}): compute {:.3} ms/batch = {:.2} × the loader's {:.3} ms ({:.2} × the raw read's {:.3} ms), {} steps in {:.1} s: waited {:.3}% of the loop; per step p50 {:.3} ms, p99 {:.3} ms, max {:.1} ms, {} over 1 ms (startup {:.0} ms apart); ceiling right after {:.2} GB/s",
+            "simulated training ({}; waiting: {}): compute {:.3} ms/batch = {:.2} × the loader's {:.3} ms ({:.2} × the raw read's {:.3} ms), {} steps in {:.1} s: waited {:.3}% of the loop; per step p50 {:.3} ms, p99 {:.3} ms, max {:.1} ms, {} over 1 ms (startup {:.0} ms apart); ceiling right after {:.2} GB/s",
             s.device,
+            s.consumer,
             s.compute_ms_per_batch,
             s.compute_ms_per_batch / s.read_ms_per_batch,
             s.read_ms_per_batch,

@@ -91,6 +91,9 @@ pub struct LoaderSummary {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct SimRun {
     pub device: String,
+    /// Who waits: the host (blocked in `next_batch`, plus a stream synchronisation for a GPU
+    /// batch) or the GPU stream (idle between compute kernels).
+    pub consumer: String,
     pub steps: u64,
     pub compute_ms_per_batch: f64,
     /// The loader's time per batch (median rate of its runs): compute = factor × this.
@@ -427,10 +430,45 @@ pub fn sim_run(ds: &Dataset, cfg: &BenchConfig, device: Device, compute_ms: f64)
         drop(b);
     }
     let loop_s = loop_start.elapsed().as_secs_f64();
-    let wait: f64 = waits.iter().sum();
     let stats = l.stats();
     drop(l);
-    let mut sorted = waits.clone();
+    Ok(sim_report(
+        SimTimeline {
+            device: device.to_string(),
+            consumer: if device.is_cuda() {
+                "host, synchronising on each batch's copy".into()
+            } else {
+                "host".into()
+            },
+            steps,
+            compute_ms,
+            loop_s,
+            waits,
+            by_second,
+            startup_s: startup,
+            payload,
+        },
+        stats,
+    ))
+}
+
+/// What one simulated loop measured, before the statistics.
+struct SimTimeline {
+    device: String,
+    consumer: String,
+    steps: u64,
+    compute_ms: f64,
+    loop_s: f64,
+    /// Seconds waited at each step (the first batch excluded).
+    waits: Vec<f64>,
+    by_second: Vec<f64>,
+    startup_s: f64,
+    payload: u64,
+}
+
+fn sim_report(t: SimTimeline, stats: LoaderStats) -> SimRun {
+    let wait: f64 = t.waits.iter().sum();
+    let mut sorted = t.waits.clone();
     sorted.sort_by(f64::total_cmp);
     let pct = |p: f64| {
         sorted
@@ -439,25 +477,111 @@ pub fn sim_run(ds: &Dataset, cfg: &BenchConfig, device: Device, compute_ms: f64)
             .unwrap_or(0.0)
             * 1e3
     };
-    Ok(SimRun {
-        device: device.to_string(),
-        steps,
-        compute_ms_per_batch: compute_ms,
+    SimRun {
+        device: t.device,
+        consumer: t.consumer,
+        steps: t.steps,
+        compute_ms_per_batch: t.compute_ms,
         read_ms_per_batch: 0.0,
         raw_read_ms_per_batch: 0.0,
-        loop_seconds: loop_s,
+        loop_seconds: t.loop_s,
         wait_seconds: wait,
-        wait_fraction: wait / loop_s,
+        wait_fraction: wait / t.loop_s.max(1e-12),
         wait_p50_ms: pct(0.5),
         wait_p99_ms: pct(0.99),
         wait_max_ms: sorted.last().copied().unwrap_or(0.0) * 1e3,
-        waits_over_1ms: waits.iter().filter(|&&w| w > 1e-3).count() as u64,
-        wait_ms_by_second: by_second,
-        startup_ms: startup * 1e3,
-        consumed_gbps: payload as f64 / loop_s / 1e9,
+        waits_over_1ms: t.waits.iter().filter(|&&w| w > 1e-3).count() as u64,
+        wait_ms_by_second: t.by_second,
+        startup_ms: t.startup_s * 1e3,
+        consumed_gbps: t.payload as f64 / t.loop_s.max(1e-12) / 1e9,
         ceiling_after_gbps: 0.0,
         stats,
-    })
+    }
+}
+
+const SIM_SRC: crate::core::cuda::jit::KernelSource =
+    crate::kernel_source!("data_sim", "kernels/sim_compute.cu");
+
+/// The simulated step's GPU "compute" kernel (compiled by `ferrite kernels` with the families').
+pub fn sim_program() -> crate::core::cuda::jit::Program {
+    crate::core::cuda::jit::Program::new(SIM_SRC)
+}
+
+/// The simulated loop as a GPU training step sees it: the host queues, per step, the stream's
+/// wait on the batch's copy (`next_batch_on`), then a kernel that keeps the compute stream busy
+/// `compute_ms`, between two events, and never synchronises; the loader can run at most its
+/// ring ahead (a slot is refilled only once the step that read it is over). The wait is the
+/// stream's idle time between one step's kernel and the next — what a real GPU step would lose
+/// to data — so the host's own per-call costs (a few µs, overlapped with the GPU's queue in a real
+/// loop) are not counted, unlike the host-synchronous loop above.
+pub fn sim_run_gpu(
+    ds: &Dataset,
+    cfg: &BenchConfig,
+    ordinal: usize,
+    compute_ms: f64,
+) -> Result<SimRun> {
+    use crate::core::cuda::{device, GpuTimer, KernelArgs};
+    let steps = cfg
+        .sim_steps
+        .max((cfg.sim_seconds * 1e3 / compute_ms.max(1e-6)).ceil() as u64);
+    let es = ds.dtype().size_in_bytes() as u64;
+    let dev = device(ordinal)?;
+    let stream = dev.new_stream()?;
+    let kernel = dev.kernel(&sim_program(), "sim_compute")?;
+    let timers = (0..=steps)
+        .map(|_| GpuTimer::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
+    let ns = (compute_ms * 1e6).round().max(1.0) as u64;
+    let mut l = Loader::new(ds, loader_config(cfg, Device::Cuda(ordinal), None), None)?;
+    let t0 = Instant::now();
+    let mut startup = 0.0;
+    let mut payload = 0u64;
+    for (step, timer) in timers.iter().enumerate() {
+        let b = l
+            .next_batch_on(&stream)?
+            .ok_or_else(|| Error::Other("the loader ended during the simulated loop".into()))?;
+        if step == 0 {
+            startup = t0.elapsed().as_secs_f64();
+        } else {
+            payload += b.valid_rows as u64 * cfg.seq as u64 * es;
+        }
+        timer.start(&stream)?;
+        let mut a = KernelArgs::new();
+        a.push(ns);
+        kernel.launch(&stream, (1, 1, 1), (32, 1, 1), 0, &mut a)?;
+        timer.stop(&stream)?;
+        drop(b);
+    }
+    dev.synchronize(&stream, "the simulated GPU loop")?;
+    let stats = l.stats();
+    drop(l);
+    let mut waits = Vec::with_capacity(steps as usize);
+    let mut by_second: Vec<f64> = Vec::new();
+    let mut at_ms = 0.0;
+    for w in timers.windows(2) {
+        let gap = w[0].gap_ms(&w[1])?;
+        let sec = (at_ms / 1e3) as usize;
+        if by_second.len() <= sec {
+            by_second.resize(sec + 1, 0.0);
+        }
+        by_second[sec] += gap;
+        at_ms += gap + w[1].elapsed_ms()?;
+        waits.push(gap / 1e3);
+    }
+    Ok(sim_report(
+        SimTimeline {
+            device: Device::Cuda(ordinal).to_string(),
+            consumer: "GPU stream (idle time between compute kernels)".into(),
+            steps,
+            compute_ms,
+            loop_s: at_ms / 1e3,
+            waits,
+            by_second,
+            startup_s: startup,
+            payload,
+        },
+        stats,
+    ))
 }
 
 fn summarise(runs: &[LoaderRun], device: &str, sweep_max: f64) -> Option<LoaderSummary> {
@@ -622,11 +746,20 @@ pub fn run(ds: &Dataset, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> R
             "simulated training loop ({}), ≥ {} s",
             s.device, cfg.sim_seconds
         ));
-        let mut r = sim_run(ds, &cfg, dev, read_ms * cfg.compute_factor)?;
-        r.read_ms_per_batch = read_ms;
-        r.raw_read_ms_per_batch = batch_bytes / (s.ceiling_gbps.max(1e-12) * 1e9) * 1e3;
-        r.ceiling_after_gbps = ceiling(progress, "after the simulated loop")?.gbps;
-        sim.push(r);
+        let mut loops = vec![sim_run(ds, &cfg, dev, read_ms * cfg.compute_factor)?];
+        if let Device::Cuda(i) = dev {
+            progress(&format!(
+                "simulated training loop ({}, GPU compute), ≥ {} s",
+                s.device, cfg.sim_seconds
+            ));
+            loops.push(sim_run_gpu(ds, &cfg, i, read_ms * cfg.compute_factor)?);
+        }
+        for mut r in loops {
+            r.read_ms_per_batch = read_ms;
+            r.raw_read_ms_per_batch = batch_bytes / (s.ceiling_gbps.max(1e-12) * 1e9) * 1e3;
+            r.ceiling_after_gbps = ceiling(progress, "after the simulated loop")?.gbps;
+            sim.push(r);
+        }
     }
     Ok(BenchReport {
         dataset: ds.summary(Some(cfg.seq as u64)),

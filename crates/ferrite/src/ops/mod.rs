@@ -204,6 +204,11 @@ pub fn build_kernels(
     let jobs: Vec<(KernelSpec, Arch)> = registry()
         .into_iter()
         .flat_map(|fam| fam.kernels())
+        .chain(std::iter::once(KernelSpec {
+            program: crate::data::bench::sim_program(),
+            functions: vec!["sim_compute".into()],
+            min_arch: Arch::SM80,
+        }))
         .filter(|spec| only.is_none_or(|o| spec.program.label().contains(o)))
         .flat_map(|spec| {
             archs

@@ -515,6 +515,17 @@ impl GpuTimer {
             .map(|v| v as f64)
             .map_err(|e| Error::cuda("cuEventElapsedTime", e))
     }
+    /// Milliseconds from this timer's stop to `later`'s start (both recorded on one stream, this
+    /// one first): the stream's idle or busy time between two timed spans.
+    pub fn gap_ms(&self, later: &GpuTimer) -> Result<f64> {
+        // SAFETY: live events; the caller recorded both, this stop before `later`'s start.
+        unsafe { sys::cuEventSynchronize(later.start).result() }
+            .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
+        // SAFETY: both events were recorded on the same stream.
+        unsafe { drv::event::elapsed(self.stop, later.start) }
+            .map(|v| v as f64)
+            .map_err(|e| Error::cuda("cuEventElapsedTime", e))
+    }
 }
 
 impl Drop for GpuTimer {

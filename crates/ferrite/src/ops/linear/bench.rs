@@ -1,7 +1,8 @@
 //! `ferrite bench linear`: per shape (tokens × out ← in), the bare GEMM (ferrite's best and
-//! cuBLAS), the unfused `naive`, `fused` and `persistent` with bias + GELU, each as a ratio of the
-//! bare GEMM's speed (target ≥ 0.95); the backward dX + dW + db against the two cuBLAS GEMMs alone
-//! (target ≥ 0.9); and the CPU against the GPU on a ~1M-parameter layer.
+//! cuBLAS), the unfused `naive` and every fused variant with bias + GELU, each as a ratio of the
+//! bare GEMM's speed (target ≥ 0.95), with the bare GEMM's time and the row's own kernel config
+//! beside it; the backward dX + dW + db against the two cuBLAS GEMMs alone (target ≥ 0.9); and
+//! the CPU against the GPU on a ~1M-parameter layer.
 
 use super::{
     backward_into, forward_into, variants, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, OP,
@@ -250,8 +251,24 @@ fn bench_gpu(
                     fwd_bytes(shape, es),
                 );
                 r.dtype = label.into();
-                r.note = format!("{:.3}× the bare GEMM's speed", gemm_ms / r.median_ms);
-                r.config = v.summary.split(':').next().unwrap_or("").into();
+                // The bare GEMM beside each fused row: its time, and this row's kernel config, so
+                // a gap between them is visible as a config or an epilogue difference.
+                r.note = format!(
+                    "{:.3}× the bare GEMM's speed (bare `{gemm_variant}` {gemm_ms:.4} ms)",
+                    gemm_ms / r.median_ms
+                );
+                let kernel = match v.name {
+                    "naive" => Ok(format!(
+                        "GEMM `{gemm_variant}` ({}) + 3 element-wise kernels",
+                        gl.config
+                    )),
+                    name => super::cuda::plan_fused(name, &g, dev, ACT).map(|l| l.config),
+                };
+                r.config = format!(
+                    "{}; {}",
+                    v.summary.split(':').next().unwrap_or(""),
+                    kernel.unwrap_or_else(|e| format!("(plan: {e})"))
+                );
                 group.push(r);
             }
             relate(

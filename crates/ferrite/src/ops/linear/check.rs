@@ -67,7 +67,8 @@ impl Case {
 }
 
 /// Odd shapes (1, 3, 127, 4097 as m, n or k), a 3-D X, k = 0, and shapes whose rows are 16-byte
-/// aligned (in a multiple of 8) so `persistent` (TMA) runs them, with edges in every dim.
+/// aligned (in a multiple of 8) so `persistent` (TMA) runs them, with edges in every dim and (from
+/// 264×520 on) whole interior tiles, which take the kernels' pair epilogue.
 pub fn cases(quick: bool) -> Vec<Case> {
     let mut v = vec![
         Case::new(&[1], 1, 1, true),
@@ -75,6 +76,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
         Case::new(&[2, 3], 17, 9, true),
         Case::new(&[127], 255, 33, true),
         Case::new(&[72], 136, 64, true),
+        // Whole interior tiles of `persistent` (128×256 per block, clusters of two along m) beside
+        // edge tiles in both dims and a cluster's block past the last row: the pair epilogue of
+        // the interior tiles and the element-wise one of the edges, in every combination.
+        Case::new(&[264], 520, 64, true),
         Case::new(&[5], 7, 0, false),
     ];
     if !quick {
@@ -88,8 +93,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
     v
 }
 
-/// (activation, bias, residual) combinations of a case; Z is requested whenever the residual
-/// is, so both Z paths (with and without bias) are covered.
+/// (activation, bias, residual) combinations of a case. Z is requested when bias and residual
+/// are both present or both absent (`wants_z`), so every activation meets all four Z × residual
+/// pairings (the pair epilogue of `persistent_pairs` is one kernel copy per pairing) and Z both
+/// with and without bias.
 fn combos(all: bool) -> Vec<(Activation, bool, bool)> {
     if all {
         let mut v = Vec::new();
@@ -218,15 +225,21 @@ fn check_forward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) -> 
     let acc = gemm_ref(&x.to_f64_vec()?, &w.to_f64_vec()?, m, n, k);
     let (bv, rv) = (b.to_f64_vec()?, r.to_f64_vec()?);
     for (act, has_b, has_r) in combos(c.all_combos) {
+        let wants_z = has_b == has_r;
         let label = format!(
             "{} {act}{}{}",
             c.label(),
             if has_b { "+b" } else { "" },
-            if has_r { "+res+Z" } else { "" }
+            match (has_r, wants_z) {
+                (true, true) => "+res+Z",
+                (true, false) => "+res",
+                (false, true) => "+Z",
+                (false, false) => "",
+            }
         );
         let y = Tensor::empty(&ys, dtype, dev)?;
         y.poison(None)?;
-        let z = if has_r {
+        let z = if wants_z {
             let z = Tensor::empty(&ys, dtype, dev)?;
             z.poison(None)?;
             Some(z)
@@ -439,7 +452,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                 for c in cases(cfg.quick) {
                     let ran = check_forward(&c, &rec, rng.next_u64(), out)?;
                     // The GPU backward is one path for every variant: check it under `naive`
-                    // (true fp32 GEMMs for f32) and `fused` (tf32), not again under `persistent`.
+                    // (true fp32 GEMMs for f32) and `fused` (tf32), not again under the others.
                     let bwd = backend == Backend::Cpu || matches!(v.name, "naive" | "fused");
                     if ran && bwd {
                         check_backward(&c, &rec, rng.next_u64(), out)?;

@@ -124,19 +124,34 @@ pub fn forward(
     };
     match variant {
         "naive" => forward_unfused(p, g, ptrs, e, opts, &dev, &stream),
-        "fused" | "persistent" => {
-            let gemm = if variant == "fused" {
-                "mma_pipelined"
-            } else {
-                "wgmma"
-            };
-            let l = mmc::plan_epilogue(gemm, g, &dev, opts.activation)?;
+        "fused" | "persistent" | "fused_pairs" | "persistent_pairs" => {
+            let l = plan_fused(variant, g, &dev, opts.activation)?;
             mmc::launch_with_epilogue(&l, g, ptrs, 1.0, 0.0, e, &stream)
         }
         other => Err(Error::NoVariant {
             op: OP.into(),
             msg: format!("no CUDA variant named `{other}`"),
         }),
+    }
+}
+
+/// The matmul epilogue kernel a fused variant launches: `fused*` = `mma_pipelined`,
+/// `persistent*` = `wgmma`; `*_pairs` with the pair epilogue.
+pub fn plan_fused(
+    variant: &str,
+    g: &Gemm,
+    dev: &Arc<CudaDevice>,
+    act: Activation,
+) -> Result<mmc::Launch> {
+    let gemm = if variant.starts_with("fused") {
+        "mma_pipelined"
+    } else {
+        "wgmma"
+    };
+    if variant.ends_with("_pairs") {
+        mmc::plan_epilogue_pairs(gemm, g, dev, act)
+    } else {
+        mmc::plan_epilogue(gemm, g, dev, act)
     }
 }
 

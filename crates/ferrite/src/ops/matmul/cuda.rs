@@ -97,8 +97,10 @@ const SIMT: &[Simt] = &[
 
 /// Stages of the cp.async ring of `mma_pipelined` (`mma` has one).
 const MMA_STAGES: u32 = 4;
-/// Stages of `mma_pipelined` with a fused epilogue: at 3 and 4 the 16-bit epilogue kernels spill
-/// (ptxas: 255 registers + 8–212 bytes); at 2 none does (238 registers).
+/// Stages of `mma_pipelined` with the element-wise fused epilogue (all four layouts in one
+/// module): at 3 and 4 the 16-bit epilogue kernels spill (ptxas: 255 registers + 8–1200 bytes);
+/// at 2 none does (236–253 registers). The pair epilogue is compiled for one layout and runs the
+/// plain kernel's MMA_STAGES (155–175 registers, no spills).
 const MMA_EPI_STAGES: u32 = 2;
 /// Shared memory per stage of the mma kernels: A and B tiles of 128 rows × (64 + 16) bytes.
 const MMA_STAGE_BYTES: u32 = 2 * 128 * 80;
@@ -299,11 +301,28 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
     Ok((a, b))
 }
 
-/// The `FE_EPI` define of an epilogue kernel (absent for the plain GEMM, so its module, cache key
-/// and code are exactly the plain kernel's).
-fn with_epilogue(p: Program, epi: Option<Activation>) -> Program {
+/// Which fused epilogue a kernel is compiled with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Epi {
+    pub act: Activation,
+    /// The pair epilogue (`-DFE_EPI_PAIRS=1`: interior tiles stored as 2-element pairs with the
+    /// bias in registers, SFU activations for 16-bit outputs; `mma_pipelined` and `wgmma` only)
+    /// instead of the element-wise one.
+    pub pairs: bool,
+}
+
+/// The `FE_EPI` (and `FE_EPI_PAIRS`) defines of an epilogue kernel (absent for the plain GEMM, so
+/// its module, cache key and code are exactly the plain kernel's).
+fn with_epilogue(p: Program, epi: Option<Epi>) -> Program {
     match epi {
-        Some(a) => p.define("FE_EPI", 1 + a.code()),
+        Some(Epi { act, pairs }) => {
+            let p = p.define("FE_EPI", 1 + act.code());
+            if pairs {
+                p.define("FE_EPI_PAIRS", 1)
+            } else {
+                p
+            }
+        }
         None => p,
     }
 }
@@ -313,7 +332,7 @@ fn wgmma_program(
     a_trans: bool,
     b_trans: bool,
     cluster: u32,
-    epi: Option<Activation>,
+    epi: Option<Epi>,
 ) -> Program {
     let p = Program::new(WGMMA)
         .define("FE_ELEM", dtype.cuda_name())
@@ -334,27 +353,45 @@ pub struct Ptrs {
 }
 
 fn naive_program(dtype: DType, epi: Option<Activation>) -> Program {
+    let epi = epi.map(|act| Epi { act, pairs: false });
     with_epilogue(
         Program::new(NAIVE).define("FE_ELEM", dtype.cuda_name()),
         epi,
     )
 }
 
-/// The mma kernel for `dtype` (f32 = tf32 inputs) with `stages` cp.async stages.
-fn mma_program(dtype: DType, stages: u32, epi: Option<Activation>) -> Program {
+/// The mma kernel for `dtype` (f32 = tf32 inputs) with `stages` cp.async stages. `layout` (A
+/// transposed, B transposed) compiles that layout only (the pair epilogue kernels: one body
+/// instead of four keeps their registers at ~160, see mma.cu); None compiles all four, picked at
+/// run time.
+fn mma_program(
+    dtype: DType,
+    stages: u32,
+    epi: Option<Epi>,
+    layout: Option<(bool, bool)>,
+) -> Program {
     let kind = match dtype {
         DType::BF16 => 1,
         DType::F32 => 2,
         _ => 0,
     };
-    with_epilogue(
-        Program::new(MMA)
-            .define("FE_ELEM", dtype.cuda_name())
-            .define("FE_MMA_KIND", kind)
-            .define("FE_STAGES", stages),
-        epi,
-    )
+    let mut p = Program::new(MMA)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_MMA_KIND", kind)
+        .define("FE_STAGES", stages);
+    if let Some((at, bt)) = layout {
+        p = p
+            .define("FE_A_TRANS", at as u32)
+            .define("FE_B_TRANS", bt as u32);
+    }
+    with_epilogue(p, epi)
 }
+
+/// Layouts (A transposed, B transposed) the mma pair-epilogue kernels are build-checked in: the
+/// linear layer's (X row-major, W `[out, in]` = B transposed) for every activation and dtype, the
+/// other three for one activation (their bodies are the plain kernel's, checked there too).
+const EPI_LINEAR_LAYOUT: (bool, bool) = (false, true);
+const EPI_OTHER_LAYOUTS: [(bool, bool); 3] = [(false, false), (true, false), (true, true)];
 
 /// Every module and specialisation this family compiles (for `ferrite kernels`).
 pub fn kernel_specs() -> Vec<KernelSpec> {
@@ -370,7 +407,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     v.extend(SIMT.iter().map(|r| spec(Program::new(r.source), r.func)));
     for stages in [1, MMA_STAGES] {
         for d in [DType::F16, DType::BF16, DType::F32] {
-            v.push(spec(mma_program(d, stages, None), "matmul_mma"));
+            v.push(spec(mma_program(d, stages, None, None), "matmul_mma"));
         }
     }
     for d in [DType::F16, DType::BF16] {
@@ -390,10 +427,13 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 
 /// The epilogue specialisations a linear layer launches: every activation for `naive` and
 /// `mma_pipelined` (f32 = tf32, f16, bf16) and for `wgmma` in the layer's layout (X row-major,
-/// W `[out, in]` row-major = B transposed) with the cluster it runs.
+/// W `[out, in]` row-major = B transposed) with the cluster it runs; element-wise and pair
+/// epilogues (`mma_pipelined` with pairs: one module per layout, see EPI_LINEAR_LAYOUT).
 pub fn epilogue_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for act in Activation::ALL {
+        let elem = Some(Epi { act, pairs: false });
+        let pairs = Some(Epi { act, pairs: true });
         for d in [DType::F32, DType::F16, DType::BF16] {
             v.push(KernelSpec {
                 program: naive_program(d, Some(act)),
@@ -401,17 +441,31 @@ pub fn epilogue_specs() -> Vec<KernelSpec> {
                 min_arch: Arch::SM80,
             });
             v.push(KernelSpec {
-                program: mma_program(d, MMA_EPI_STAGES, Some(act)),
+                program: mma_program(d, MMA_EPI_STAGES, elem, None),
                 functions: vec!["matmul_mma".into()],
                 min_arch: Arch::SM80,
             });
+            let others: &[(bool, bool)] = if act == Activation::GeluTanh {
+                &EPI_OTHER_LAYOUTS
+            } else {
+                &[]
+            };
+            for &layout in std::iter::once(&EPI_LINEAR_LAYOUT).chain(others) {
+                v.push(KernelSpec {
+                    program: mma_program(d, MMA_STAGES, pairs, Some(layout)),
+                    functions: vec!["matmul_mma".into()],
+                    min_arch: Arch::SM80,
+                });
+            }
         }
         for d in [DType::F16, DType::BF16] {
-            v.push(KernelSpec {
-                program: wgmma_program(d, false, true, WG_CLUSTER, Some(act)),
-                functions: vec!["matmul_wgmma".into()],
-                min_arch: Arch::SM90,
-            });
+            for epi in [elem, pairs] {
+                v.push(KernelSpec {
+                    program: wgmma_program(d, false, true, WG_CLUSTER, epi),
+                    functions: vec!["matmul_wgmma".into()],
+                    min_arch: Arch::SM90,
+                });
+            }
         }
     }
     v
@@ -436,6 +490,32 @@ pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
     plan_inner(variant, g, dev, None)
 }
 
+/// The variants that have the pair epilogue (`plan_epilogue_pairs`).
+pub const EPILOGUE_PAIR_VARIANTS: [&str; 2] = ["mma_pipelined", "wgmma"];
+
+/// `plan_epilogue` with the pair epilogue: interior tiles (every row and column of the
+/// warpgroup's / warp's block inside C, pairs of C, Z, R and the bias 2-element aligned,
+/// beta == 0) stored as 2-element pairs with the bias pairs in registers, activations on the SFU
+/// for 16-bit outputs; other tiles element by element. `mma_pipelined` is compiled for `g`'s
+/// layout only and runs the plain kernel's 4 stages. Launch it with `launch_with_epilogue`.
+pub fn plan_epilogue_pairs(
+    variant: &str,
+    g: &Gemm,
+    dev: &Arc<CudaDevice>,
+    act: Activation,
+) -> Result<Launch> {
+    if !EPILOGUE_PAIR_VARIANTS.contains(&variant) {
+        return Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!(
+                "CUDA variant `{variant}` has no pair epilogue (those that do: {})",
+                EPILOGUE_PAIR_VARIANTS.join(", ")
+            ),
+        });
+    }
+    plan_inner(variant, g, dev, Some(Epi { act, pairs: true }))
+}
+
 /// The variants that have the fused epilogue.
 pub const EPILOGUE_VARIANTS: [&str; 3] = ["naive", "mma_pipelined", "wgmma"];
 
@@ -456,15 +536,10 @@ pub fn plan_epilogue(
             ),
         });
     }
-    plan_inner(variant, g, dev, Some(act))
+    plan_inner(variant, g, dev, Some(Epi { act, pairs: false }))
 }
 
-fn plan_inner(
-    variant: &str,
-    g: &Gemm,
-    dev: &Arc<CudaDevice>,
-    epi: Option<Activation>,
-) -> Result<Launch> {
+fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) -> Result<Launch> {
     let refuse = |why: &str| Error::NoVariant {
         op: OP.into(),
         msg: format!("CUDA variant `{variant}` {why}"),
@@ -485,21 +560,23 @@ fn plan_inner(
     }
     match variant {
         "naive" => Ok(Launch {
-            kernel: dev.kernel(&naive_program(g.dtype, epi), "matmul_naive")?,
+            kernel: dev.kernel(&naive_program(g.dtype, epi.map(|e| e.act)), "matmul_naive")?,
             block: (32, 8, 1),
             smem: 0,
             tile: (8, 32),
             config: "block 32×8, 1 output/thread".into(),
             persistent: None,
-            epilogue: epi,
+            epilogue: epi.map(|e| e.act),
         }),
         "mma" | "mma_pipelined" => {
             let stages = match (variant, epi) {
                 ("mma", _) => 1,
-                (_, Some(_)) => MMA_EPI_STAGES,
+                (_, Some(Epi { pairs: false, .. })) => MMA_EPI_STAGES,
                 _ => MMA_STAGES,
             };
-            let kernel = dev.kernel(&mma_program(g.dtype, stages, epi), "matmul_mma")?;
+            // The pair epilogue kernel is compiled for this problem's layout only.
+            let layout = epi.filter(|e| e.pairs).map(|_| (g.a.trans, g.b.trans));
+            let kernel = dev.kernel(&mma_program(g.dtype, stages, epi, layout), "matmul_mma")?;
             let smem = stages * MMA_STAGE_BYTES;
             if smem > 48 * 1024 {
                 kernel.set_max_dynamic_smem(smem)?;
@@ -515,12 +592,13 @@ fn plan_inner(
                 smem,
                 tile: (128, 128),
                 config: format!(
-                    "tile 128×128×{}, warps 2×4 of 64×32, {what}, {stages} cp.async stage{}",
+                    "tile 128×128×{}, warps 2×4 of 64×32, {what}, {stages} cp.async stage{}{}",
                     64 / g.dtype.size_in_bytes(),
-                    if stages > 1 { "s" } else { "" }
+                    if stages > 1 { "s" } else { "" },
+                    epilogue_note(epi)
                 ),
                 persistent: None,
-                epilogue: epi,
+                epilogue: epi.map(|e| e.act),
             })
         }
         "wgmma" => {
@@ -544,18 +622,29 @@ fn plan_inner(
                 smem: WG_SMEM,
                 tile: WG_TILE,
                 config: format!(
-                    "tile {}×{}×{WG_BK}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k16, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast)",
-                    WG_TILE.0, WG_TILE.1, WG_TILE.1
+                    "tile {}×{}×{WG_BK}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k16, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast){}",
+                    WG_TILE.0, WG_TILE.1, WG_TILE.1, epilogue_note(epi)
                 ),
                 persistent: Some(Persistent {
                     ctas: sms,
                     group_m,
                     cluster,
                 }),
-                epilogue: epi,
+                epilogue: epi.map(|e| e.act),
             })
         }
         _ => Err(refuse("does not exist")),
+    }
+}
+
+/// The config suffix of an epilogue kernel.
+fn epilogue_note(epi: Option<Epi>) -> String {
+    match epi {
+        Some(Epi { act, pairs: true }) => format!(
+            ", fused {act} pair epilogue (interior tiles: bias pairs in registers, 2-element stores)"
+        ),
+        Some(Epi { act, pairs: false }) => format!(", fused {act} epilogue element by element"),
+        None => String::new(),
     }
 }
 

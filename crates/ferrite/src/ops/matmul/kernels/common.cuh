@@ -183,15 +183,57 @@ __device__ __forceinline__ void fe_store4(float* c, i64 j, i64 n, float4 acc, fl
 #define FE_EPI 0
 #endif
 
+// -DFE_EPI_PAIRS=1 (with FE_EPI): the pair epilogue of the `*_pairs` linear variants — interior
+// tiles stored as 2-element pairs with the bias in registers (wgmma.cu, mma.cu), and for 16-bit
+// outputs the activations on the SFU (below). Absent or 0: the element-wise epilogue, unchanged.
+#ifndef FE_EPI_PAIRS
+#define FE_EPI_PAIRS 0
+#endif
+
+// tanh on the SFU: one MUFU.TANH (sm_75+), max relative error about 2^-11 — below the rounding
+// of a 16-bit output (2^-9 bf16, 2^-11 f16). tanhf is ~20 instructions with two range branches
+// plus an EX2 and an RCP. f32 outputs keep tanhf / erff / expf: their checks hold fp32 accuracy.
+__device__ __forceinline__ float fe_tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr bool FE_FAST_ACT = FE_EPI_PAIRS && sizeof(T) == 2;
+
 __device__ __forceinline__ float fe_act(float v) {
 #if FE_EPI == 2
   return v > 0.f ? v : 0.f;
 #elif FE_EPI == 3
+  if (FE_FAST_ACT) {
+    // ½v(1 + tanh u) as h + h·tanh u: one FFMA after the tanh.
+    const float u = v * fmaf(0.7978845608028654f * 0.044715f, v * v, 0.7978845608028654f);
+    const float h = 0.5f * v;
+    return fmaf(h, fe_tanh_approx(u), h);
+  }
   const float u = 0.7978845608028654f * fmaf(0.044715f * v, v * v, v);
   return 0.5f * v * (1.f + tanhf(u));
 #elif FE_EPI == 4
+  if (FE_FAST_ACT) {
+    // Φ(v) through erfc(|v|/√2) = t·P(t)·exp(−x²), t = 1/(1 + p·x) (a five-term rational fit,
+    // absolute error ≤ 1.5e-7; one RCP and one EX2, no branches). erff branches on |x| per
+    // element: in the unrolled wgmma pair epilogue its blocks pushed ptxas into spills. The
+    // negative side takes ½erfc directly, so the tail has no cancellation.
+    const float x = fabsf(v) * 0.7071067811865476f;
+    const float t = __fdividef(1.f, fmaf(0.3275911f, x, 1.f));
+    float p = fmaf(t, 1.061405429f, -1.453152027f);
+    p = fmaf(t, p, 1.421413741f);
+    p = fmaf(t, p, -0.284496736f);
+    p = fmaf(t, p, 0.254829592f);
+    const float e = t * p * __expf(-x * x);  // erfc(x)
+    return v * (v >= 0.f ? fmaf(-0.5f, e, 1.f) : 0.5f * e);
+  }
   return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
 #elif FE_EPI == 5
+  if (FE_FAST_ACT) {
+    // v·σ(v) = ½v(1 + tanh(v/2)): one SFU op instead of EX2 + RCP.
+    const float h = 0.5f * v;
+    return fmaf(h, fe_tanh_approx(h), h);
+  }
   return v / (1.f + expf(-v));
 #else
   return v;
@@ -263,4 +305,42 @@ __device__ __forceinline__ void fe_store_epi(T* c, float acc, float alpha, float
   float v = alpha * acc;
   if (beta != 0.f) v = fmaf(beta, to_float(*c), v);
   *c = from_float<T>(fe_epilogue(e, v, zb, row, col));
+}
+
+// ---- two adjacent elements as one access (the fast epilogue paths) -----------------------------
+// T2: the 2-element vector of T (4 bytes for 16-bit T, 8 for float). fe_ld2 reads one through
+// the read-only path (ld.global.nc: the compiler may hoist it above the kernel's own stores),
+// fe_st2 rounds two fp32 values and writes them as one store. Both need a T2-aligned address.
+template <typename U> struct FeTwo;
+template <> struct FeTwo<float> { typedef float2 type; };
+template <> struct FeTwo<__half> { typedef __half2 type; };
+template <> struct FeTwo<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+typedef typename FeTwo<T>::type T2;
+
+__device__ __forceinline__ float2 fe_f2(float2 v) { return v; }
+__device__ __forceinline__ float2 fe_f2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 fe_f2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+
+template <typename V> __device__ __forceinline__ V fe_pack2(float a, float b);
+template <> __device__ __forceinline__ float2 fe_pack2<float2>(float a, float b) {
+  return make_float2(a, b);
+}
+template <> __device__ __forceinline__ __half2 fe_pack2<__half2>(float a, float b) {
+  return __floats2half2_rn(a, b);
+}
+template <> __device__ __forceinline__ __nv_bfloat162 fe_pack2<__nv_bfloat162>(float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+
+__device__ __forceinline__ float2 fe_ld2(const T* p) {
+  return fe_f2(__ldg(reinterpret_cast<const T2*>(p)));
+}
+__device__ __forceinline__ void fe_st2(T* p, float a, float b) {
+  *reinterpret_cast<T2*>(p) = fe_pack2<T2>(a, b);
+}
+
+// Whether pairs (even column, next) of a row-major matrix at p (rows ld, batches stride apart)
+// are T2-aligned; a null (absent) operand is. Block-uniform.
+__device__ __forceinline__ bool fe_pairs_aligned(const void* p, i64 ld, i64 stride) {
+  return p == nullptr || ((u64)p % sizeof(T2) == 0 && ld % 2 == 0 && stride % 2 == 0);
 }

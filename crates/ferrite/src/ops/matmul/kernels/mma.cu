@@ -240,6 +240,47 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* c, float v0, float v1,
   *reinterpret_cast<__nv_bfloat162*>(c) = __floats2bfloat162_rn(v0, v1);
 }
 
+#if FE_EPI && FE_EPI_PAIRS
+// The fused epilogue of one warp's 64×32 block when all of it lies inside C (pairs aligned,
+// beta == 0): rows row0 + 16mt + 8h, column pairs col0 + 8nt. No predicates, no per-element
+// 64-bit index math (one row pointer per row), alpha·acc + bias as one FFMA with the bias pair
+// from a register, one T2 store per pair for Y and Z; the row's residual pairs are loaded
+// together before use. Z and R are uniform branches.
+__device__ __forceinline__ void mma_epilogue(const float (&acc)[MT][NTL][4],
+                                             const T2 (&bias2)[NTL], float alpha, const FeEpi& e,
+                                             T* Cz, i64 ldc, i64 zb, i64 row0, i64 col0) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const i64 row = row0 + mt * 16 + h * 8;
+      T* crow = Cz + row * ldc + col0;
+      T2 rv[NTL];
+      if (e.r) {
+        const T* rrow = e.r + zb * e.stride_r + row * e.ldr + col0;
+#pragma unroll
+        for (int nt = 0; nt < NTL; ++nt) rv[nt] = __ldg(reinterpret_cast<const T2*>(rrow + nt * 8));
+      }
+      T* zrow = e.z ? e.z + zb * e.stride_z + row * e.ldz + col0 : nullptr;
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt) {
+        const float2 b = fe_f2(bias2[nt]);
+        float v0 = fmaf(alpha, acc[mt][nt][2 * h], b.x);
+        float v1 = fmaf(alpha, acc[mt][nt][2 * h + 1], b.y);
+        if (zrow) fe_st2(zrow + nt * 8, v0, v1);
+        v0 = fe_act(v0);
+        v1 = fe_act(v1);
+        if (e.r) {
+          const float2 r = fe_f2(rv[nt]);
+          v0 += r.x;
+          v1 += r.y;
+        }
+        fe_st2(crow + nt * 8, v0, v1);
+      }
+    }
+}
+#endif
+
 template <bool AT, bool BT>
 __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_PARAMS) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -252,6 +293,24 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
   const i64 nk = ceil_div(k, BK);
   FE_FOR_EACH_TILE(BM) {
     const Ctx x{A + z * stride_a, B + z * stride_b, lda, ldb, m, n, k, m0, n0, fa, fb};
+#if FE_EPI && FE_EPI_PAIRS
+    // This warp's 64×32 block lies inside C: mma_epilogue runs it. Its 4 bias pairs are loaded
+    // now and used after the mainloop, so their latency is hidden (4–8 registers; the
+    // one-layout epilogue kernel has ~80 to spare).
+    const bool fast = m0 + wm * WM + WM <= m && n0 + wn * WN + WN <= n && pair_ok && beta == 0.f &&
+                      fe_pairs_aligned(epi.bias, 0, 0) &&
+                      fe_pairs_aligned(epi.z, epi.ldz, epi.stride_z) &&
+                      fe_pairs_aligned(epi.r, epi.ldr, epi.stride_r);
+    T2 bias2[NTL];
+    if (fast && epi.bias) {
+      const T* bp = epi.bias + n0 + wn * WN + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt) bias2[nt] = __ldg(reinterpret_cast<const T2*>(bp + nt * 8));
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt) bias2[nt] = fe_pack2<T2>(0.f, 0.f);
+    }
+#endif
     float acc[MT][NTL][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -295,6 +354,12 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
     }
 
     T* Cz = C + z * stride_c;
+#if FE_EPI && FE_EPI_PAIRS
+    if (fast) {
+      mma_epilogue(acc, bias2, alpha, epi, Cz, ldc, z, m0 + wm * WM + g, n0 + wn * WN + 2 * tq);
+      continue;
+    }
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -344,10 +409,20 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
 // No register cap: capping at 128 (two blocks per SM) made NVRTC spill a few bytes even for one
 // stage, so both configurations run one 8-warp block per SM (~150–245 registers).
 // With -DFE_EPI the stores apply the fused epilogue (common.cuh), its parameters after the common ones.
+// -DFE_A_TRANS / -DFE_B_TRANS (the `fused_pairs` epilogue kernels): one layout compiled instead
+// of the four of FE_LAYOUT_DISPATCH. ptxas allocates registers over the whole kernel, and with four inlined
+// bodies the 4-stage kernel sits at 238–242 registers; the epilogue's few extra live values then
+// spilled 8–1200 bytes (which is why the `fused` epilogue kernels run at 2 stages). One body:
+// 155–175 registers at 4 stages, no spills. The host compiles the module of the problem's layout.
 extern "C" __global__ void __launch_bounds__(NT) matmul_mma(FE_MATMUL_PARAMS FE_EPI_PARAMS) {
   // The tile code assumes exactly NT threads: a host/kernel mismatch must fail loudly.
   if (blockDim.x * blockDim.y * blockDim.z != NT) __trap();
   extern __shared__ __align__(128) char smem[];
   const FeEpi epi = FE_EPI_MAKE;
+#if defined(FE_A_TRANS) && defined(FE_B_TRANS)
+  if ((a_trans != 0) != (FE_A_TRANS != 0) || (b_trans != 0) != (FE_B_TRANS != 0)) __trap();
+  mma_body<FE_A_TRANS != 0, FE_B_TRANS != 0>(smem, epi, FE_MATMUL_ARGS);
+#else
   FE_LAYOUT_DISPATCH(mma_body, smem, epi, );
+#endif
 }

@@ -38,7 +38,11 @@
 // (2026-11-22): 3.2× mma_pipelined, 0.89–1.0× cuBLAS at 4096³ and 0.81–0.96× at 8192³ (medians
 // vary between runs; minimums match cuBLAS). With -DFE_EPI the consumers' stores apply the fused
 // epilogue of common.cuh (bias per column, pre-activation Z, activation, residual), its seven
-// parameters after group_m. Not done yet: an epilogue that overlaps the next
+// parameters after group_m, element by element in the store loop; with -DFE_EPI_PAIRS=1
+// (`persistent_pairs`) interior tiles go through wg_epilogue instead (bias pairs loaded into
+// registers before the tile's mainloop, branch-free, one 4-byte store per pair). Same
+// configuration as the plain kernel either way (tile, stages, cluster, grid, 168 registers, no
+// spills). Not done yet: an epilogue that overlaps the next
 // tile's math (TMA store or ping-pong consumers), last-wave balancing, autotuned tile shapes.
 
 #ifndef FE_A_TRANS
@@ -217,6 +221,50 @@ __device__ __forceinline__ void tile_of(i64 t, i64 tiles_m, i64 tiles_n, i64 gro
   tn = q / gm;
 }
 
+#if FE_EPI && FE_EPI_PAIRS
+// The fused epilogue of one consumer thread's fragment of an interior tile (all 64 rows × 256
+// columns of the warpgroup inside C, every pair T2-aligned, beta == 0): rows r and r+8 at
+// c / zp / rp + {0, 8·ld}, column pairs at +8j. Branch-free and with 64-bit index math only in
+// the two row pointers: per pair one FFMA each for alpha·acc + bias (the bias pair sits in a
+// register since the tile started), the activation, one 4-byte store of Y (and Z). The residual
+// pairs of 8 column groups are loaded before any of them is used, so their latencies overlap.
+template <bool HZ, bool HR>
+__device__ __forceinline__ void wg_epilogue(const float (&d)[128], const T2 (&bias2)[BN / 8],
+                                            float alpha, T* c, i64 ldc, T* zp, i64 ldz,
+                                            const T* rp, i64 ldr) {
+#pragma unroll
+  for (int jb = 0; jb < BN / 8; jb += 8) {
+    T2 rv[8][2];  // packed until used: 16 registers
+    if (HR) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          rv[jj][i] = __ldg(reinterpret_cast<const T2*>(rp + i * 8 * ldr + 8 * (jb + jj)));
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = jb + jj;
+      const float2 b = fe_f2(bias2[j]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float v0 = fmaf(alpha, d[4 * j + 2 * i], b.x);
+        float v1 = fmaf(alpha, d[4 * j + 2 * i + 1], b.y);
+        if (HZ) fe_st2(zp + i * 8 * ldz + 8 * j, v0, v1);
+        v0 = fe_act(v0);
+        v1 = fe_act(v1);
+        if (HR) {
+          const float2 r = fe_f2(rv[jj][i]);
+          v0 += r.x;
+          v1 += r.y;
+        }
+        fe_st2(c + i * 8 * ldc + 8 * j, v0, v1);
+      }
+    }
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #if FE_CLUSTER > 1
     __cluster_dims__(FE_CLUSTER, 1, 1)
@@ -314,9 +362,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     const bool pair_ok = ((u64)C % 4 == 0) && (ldc % 2 == 0) && (stride_c % 2 == 0);
 #if FE_EPI
     // The epilogue (bias, Z, activation, residual; common.cuh) needs each element's global row
-    // and column, which the store loop below has: col is the thread's fragment column
-    // tn·BN + 8j + 2(lane%4) (+1), row its fragment row.
+    // and column: col is the thread's fragment column tn·BN + 8j + 2(lane%4) (+1), row its
+    // fragment row. With FE_EPI_PAIRS interior tiles take wg_epilogue (pairs, no predicates);
+    // edge tiles, beta ≠ 0, unaligned operands and the FE_EPI_PAIRS=0 kernel the element-wise
+    // store loop below.
     const FeEpi epi = FE_EPI_MAKE;
+#endif
+#if FE_EPI && FE_EPI_PAIRS
+    const bool epi_pairs = pair_ok && beta == 0.f && fe_pairs_aligned(epi.bias, 0, 0) &&
+                           fe_pairs_aligned(epi.z, epi.ldz, epi.stride_z) &&
+                           fe_pairs_aligned(epi.r, epi.ldr, epi.stride_r);
 #endif
     // A stage is free again once every consumer warp of the cluster is done with it (the
     // peers' producers multicast into it too).
@@ -335,6 +390,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       i64 z, tm, tn;
       tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
       tm = tm * CL + rank;
+#if FE_EPI && FE_EPI_PAIRS
+      const bool fast = epi_pairs && (tn + 1) * BN <= n && tm * BM + c * 64 + 64 <= m;
+      // The thread's 32 bias pairs, loaded before the mainloop (32 independent 4-byte loads, 32
+      // registers beside the 128 accumulators): their latency hides behind the k-loop.
+      T2 bias2[BN / 8];
+      if (fast && epi.bias) {
+        const T* bp = epi.bias + tn * BN + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) bias2[j] = __ldg(reinterpret_cast<const T2*>(bp + 8 * j));
+      } else {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) bias2[j] = fe_pack2<T2>(0.f, 0.f);
+      }
+#endif
 #pragma unroll
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
       acc_fence(d);
@@ -368,6 +437,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const i64 row0 = tm * BM + c * 64 + warp * 16 + lane / 4;
       const i64 col0 = tn * BN + 2 * (lane % 4);
       T* Cz = C + z * stride_c;
+#if FE_EPI && FE_EPI_PAIRS
+      if (fast) {
+        T* cp = Cz + row0 * ldc + col0;
+        T* zp = epi.z ? epi.z + z * epi.stride_z + row0 * epi.ldz + col0 : nullptr;
+        const T* rp = epi.r ? epi.r + z * epi.stride_r + row0 * epi.ldr + col0 : nullptr;
+        if (zp) {
+          if (rp)
+            wg_epilogue<true, true>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+          else
+            wg_epilogue<true, false>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+        } else {
+          if (rp)
+            wg_epilogue<false, true>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+          else
+            wg_epilogue<false, false>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+        }
+        continue;
+      }
+#endif
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         const i64 col = col0 + 8 * j;
