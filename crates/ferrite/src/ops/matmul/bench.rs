@@ -160,11 +160,13 @@ fn bench_cpu(
     Ok(())
 }
 
-/// Input sets for rotation: (a, b, c) per set, so a pass over them exceeds L2.
+/// Input sets for rotation: (a, b, c) per set, so a pass over them exceeds L2. With `b_trans`, B
+/// is stored [n, k] and passed as its transposed view (the NT layout of a linear layer).
 fn gpu_sets(
     dev: &Arc<CudaDevice>,
     dtype: DType,
     [m, n, k]: [usize; 3],
+    b_trans: bool,
 ) -> Result<Vec<(Tensor, Tensor, Tensor)>> {
     let d = Device::Cuda(dev.ordinal());
     let es = dtype.size_in_bytes();
@@ -177,12 +179,14 @@ fn gpu_sets(
     // One random set on the host, copied to every slot: random data, without paying the host RNG
     // once per set.
     let a = Tensor::rand(&[m, k], dtype, Device::Cpu, 11, -1.0, 1.0)?;
-    let b = Tensor::rand(&[k, n], dtype, Device::Cpu, 12, -1.0, 1.0)?;
+    let b_shape = if b_trans { [n, k] } else { [k, n] };
+    let b = Tensor::rand(&b_shape, dtype, Device::Cpu, 12, -1.0, 1.0)?;
     (0..sets)
         .map(|_| {
+            let bd = b.to_device(d)?;
             Ok((
                 a.to_device(d)?,
-                b.to_device(d)?,
+                if b_trans { bd.transpose(0, 1)? } else { bd },
                 Tensor::empty(&[m, n], dtype, d)?,
             ))
         })
@@ -225,9 +229,20 @@ fn bench_gpu(
         if !cfg.quick && prec != Precision::F32 {
             defaults.extend_from_slice(TC_LARGE);
         }
-        for shape in shapes(cfg, &defaults) {
-            // Beyond the default cube, only the tensor-core variants (unless shapes were asked for).
-            let tc_only = cfg.shapes.is_empty() && shape != [cube; 3];
+        let mut runs_of: Vec<([usize; 3], bool)> = shapes(cfg, &defaults)
+            .into_iter()
+            .map(|s| (s, false))
+            .collect();
+        // tf32 also in the NT layout (B stored [n, k], a linear layer's weight): the layout tf32
+        // `wgmma` reads in place; NN first packs B K-major (its transpose pre-pass is timed).
+        if tf32 {
+            let first = runs_of[0].0;
+            runs_of.insert(1, (first, true));
+        }
+        for (shape, b_trans) in runs_of {
+            // Beyond the default cube in NN, only the tensor-core variants (unless shapes were
+            // asked for).
+            let tc_only = (cfg.shapes.is_empty() && shape != [cube; 3]) || b_trans;
             let runs: Vec<&'static str> = variants()
                 .iter()
                 .filter(|v| {
@@ -243,7 +258,7 @@ fn bench_gpu(
             if runs.is_empty() && !cfg.variants.is_empty() {
                 continue;
             }
-            let sets = gpu_sets(dev, dtype, shape)?;
+            let sets = gpu_sets(dev, dtype, shape, b_trans)?;
             let g: Gemm = validate(&sets[0].0, &sets[0].1, &sets[0].2)?;
             let ptrs: Vec<Ptrs> = sets
                 .iter()

@@ -147,6 +147,17 @@ pub fn cases(quick: bool) -> Vec<Case> {
             beta: -1.5,
             ..Case::nn(100, 136, 72)
         },
+        // The same with B transposed: tf32 wgmma reads both operands in place (NT, 16-byte rows),
+        // B through a broadcast tensor map; in NN above it packs B once for all batches.
+        Case {
+            batch: 3,
+            broadcast_b: true,
+            b_trans: true,
+            pad: 4,
+            alpha: 0.5,
+            beta: -1.5,
+            ..Case::nn(100, 136, 72)
+        },
     ];
     if !quick {
         v.extend([

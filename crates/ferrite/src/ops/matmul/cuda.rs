@@ -1,10 +1,10 @@
 //! CUDA host code of the matmul family: launching each variant's kernel, and cuBLAS as the peer.
 
 use super::epilogue::{Activation, EpiPtrs};
-use super::{Gemm, MatmulOptions, OP};
+use super::{Gemm, MatmulOptions, Operand, OP};
 use crate::core::cuda::jit::KernelSource;
 use crate::core::cuda::jit::Program;
-use crate::core::cuda::{blas, device, CudaDevice, Kernel, KernelArgs, Stream};
+use crate::core::cuda::{blas, device, CudaDevice, DeviceBuffer, Kernel, KernelArgs, Stream};
 use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -105,9 +105,10 @@ const MMA_EPI_STAGES: u32 = 2;
 /// Shared memory per stage of the mma kernels: A and B tiles of 128 rows × (64 + 16) bytes.
 const MMA_STAGE_BYTES: u32 = 2 * 128 * 80;
 
-/// C tile of one `wgmma` block (rows, columns), k per stage, ring depth and threads (3 warpgroups).
+/// C tile of one `wgmma` block (rows, columns), bytes of k per stage (one 128-byte swizzle row:
+/// 64 bf16/f16 or 32 f32 elements, see `wg_bk`), ring depth and threads (3 warpgroups).
 const WG_TILE: (u32, u32) = (128, 256);
-const WG_BK: u32 = 64;
+const WG_ROW_BYTES: u32 = 128;
 const WG_STAGES: u32 = 4;
 const WG_THREADS: u32 = 384;
 /// Cluster sizes `wgmma` is compiled for, and the one it runs with: pairs of blocks along m
@@ -117,9 +118,65 @@ const WG_CLUSTER: u32 = 2;
 /// Cluster rows per group of the grouped tile order (8 and 32 measured within noise of each
 /// other at 8192³; 4 was slower).
 const WG_GROUP_M: u32 = 8;
-/// Dynamic shared memory of `wgmma`: the ring (A 128×64 + B 64×256 per stage), its 2·stages
-/// mbarriers, and 1 KiB of slack to align the ring to the 128-byte swizzle atom.
-const WG_SMEM: u32 = WG_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_BK * 2 + 16 * WG_STAGES + 1024;
+/// Dynamic shared memory of `wgmma`: the ring (A 128 rows + B 256 rows of 128 bytes of k per
+/// stage: 48 KiB for every dtype), its 2·stages mbarriers, and 1 KiB of slack to align the ring
+/// to the 1024-byte swizzle atom.
+const WG_SMEM: u32 = WG_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES + 16 * WG_STAGES + 1024;
+
+/// k per `wgmma` stage in elements (wgmma.cu's BK): 64 for bf16/f16, 32 for f32 (tf32).
+fn wg_bk(dtype: DType) -> u32 {
+    WG_ROW_BYTES / dtype.size_in_bytes() as u32
+}
+
+/// k of one wgmma instruction (wgmma.cu's KSTEP: 32 bytes of a K-major row): 16 for bf16/f16,
+/// 8 for tf32.
+fn wg_kstep(dtype: DType) -> u32 {
+    32 / dtype.size_in_bytes() as u32
+}
+
+/// Leading dimension of an operand packed K-major for tf32 `wgmma`: k rounded up to 4 floats, so
+/// every row starts 16-byte aligned (TMA).
+fn tf32_packed_ld(k: usize) -> usize {
+    k.max(1).div_ceil(4) * 4
+}
+
+/// Pack (and so round to nearest tf32) every operand of tf32 `wgmma`, even those it could read in
+/// place. Off: an operand read in place is multiplied as the tensor core reads f32 bits as tf32
+/// (the low 13 mantissa bits dropped, as cuBLAS's shared-memory tf32 kernels do), about twice the
+/// error of rounding (docs/matmul.md); on: mma_pipelined's rounding everywhere, for one extra
+/// read and write of each operand.
+const TF32_PACK_ALWAYS: bool = false;
+
+/// Whether tf32 `wgmma` reads this operand straight from the caller's memory (K-major: A
+/// row-major / B transposed, rows 16-byte aligned, base 16-byte aligned) or first packs it
+/// (`matmul_wgmma_pack`: a K-major, tf32-rounded copy in stream-ordered scratch).
+fn tf32_direct(o: &Operand, is_a: bool, base: u64) -> bool {
+    let k_major = if is_a { !o.trans } else { o.trans };
+    k_major && o.ld.is_multiple_of(4) && o.batch_stride.is_multiple_of(4) && base.is_multiple_of(16)
+}
+
+/// Strides (sr, sp) with op(X)[r][p] = X[r·sr + p·sp] (r along m for A / n for B, p along k):
+/// what the pack pre-pass reads; sp = 1 when X is k-contiguous.
+fn tf32_pack_strides(o: &Operand, is_a: bool) -> (usize, usize) {
+    let k_major = if is_a { !o.trans } else { o.trans };
+    if k_major {
+        (o.ld, 1)
+    } else {
+        (1, o.ld)
+    }
+}
+
+/// The operand as the tf32 kernel sees it after packing (`rows` = m for A, n for B): K-major
+/// (A row-major, B transposed), rows `tf32_packed_ld(k)` apart, batches `rows · ld` apart, or one
+/// shared copy when the original broadcasts (batch stride 0).
+fn tf32_packed(o: &Operand, is_a: bool, rows: usize, k: usize) -> Operand {
+    let ld = tf32_packed_ld(k);
+    Operand {
+        ld,
+        trans: !is_a,
+        batch_stride: if o.batch_stride == 0 { 0 } else { rows * ld },
+    }
+}
 
 /// Whether a CUDA variant runs on tensor cores: f32 inputs then run as tf32, and only when the
 /// caller asks for `Precision::Tf32`.
@@ -130,16 +187,23 @@ pub fn tensor_core(variant: &str) -> bool {
 /// wgmma, setmaxnreg and the sm_90a target exist on Hopper only (later GPUs have other MMAs).
 pub const WGMMA_ARCH: &str = "needs sm_90a (Hopper, compute capability 9.x)";
 
-/// Why `wgmma` cannot run `g` (None: it can). The tensor maps need 16-byte aligned rows: leading
-/// dims and batch strides multiples of 8 elements (the base address is checked at launch).
+/// Why `wgmma` cannot run `g` (None: it can). bf16/f16: the tensor maps need 16-byte aligned
+/// rows, leading dims and batch strides multiples of 8 elements (the base address is checked at
+/// launch). f32 (tf32): any layout and alignment (operands TMA cannot read as they are are packed
+/// first).
 pub fn wgmma_declines(g: &Gemm) -> Option<String> {
-    if !matches!(g.dtype, DType::BF16 | DType::F16) {
-        return Some("is bf16/f16 only".into());
+    if !matches!(g.dtype, DType::BF16 | DType::F16 | DType::F32) {
+        return Some("is bf16/f16 (and f32 as tf32) only".into());
     }
     if g.k == 0 {
         return None; // nothing is read: C = beta·C
     }
-    for (name, o) in [("a", &g.a), ("b", &g.b)] {
+    let halves = if g.dtype == DType::F32 {
+        &[][..]
+    } else {
+        &[("a", &g.a), ("b", &g.b)][..]
+    };
+    for &(name, o) in halves {
         if o.ld % 8 != 0 || o.batch_stride % 8 != 0 {
             return Some(format!(
                 "needs 16-byte aligned rows for TMA: {name} has ld {} / batch stride {} (not multiples of 8 elements)",
@@ -187,6 +251,8 @@ fn tensor_map(
     let es = dtype.size_in_bytes() as u64;
     let dt = match dtype {
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        // tf32 inputs are loaded as the f32 bits they are (wgmma reads them as tf32).
+        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
     let (inner, outer) = (inner.max(1) as u64, outer.max(1) as u64);
@@ -235,7 +301,8 @@ fn tensor_map(
 }
 
 /// Tensor maps of A and B for `wgmma`: an operand whose contiguous dim is k is one box of
-/// 64 (k) × tile rows; one whose contiguous dim is m / n is loaded in 64×64 boxes.
+/// 128 bytes of k (64 bf16/f16, 32 f32) × tile rows; one whose contiguous dim is m / n (16-bit
+/// only) is loaded in 64×64 boxes.
 fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
     if g.k == 0 {
         return Ok((TmaDesc([0; 16]), TmaDesc([0; 16])));
@@ -248,6 +315,7 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
     }
     // With a cluster, each block loads (and multicasts) 1/cluster of the B tile.
     let (bm, bn) = (WG_TILE.0, WG_TILE.1 / cluster);
+    let bk = wg_bk(g.dtype);
     let a = if g.a.trans {
         tensor_map(
             g.dtype,
@@ -269,7 +337,7 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
             g.a.ld,
             g.batch,
             g.a.batch_stride,
-            64,
+            bk,
             bm,
         )?
     };
@@ -282,7 +350,7 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
             g.b.ld,
             g.batch,
             g.b.batch_stride,
-            64,
+            bk,
             bn,
         )?
     } else {
@@ -334,9 +402,13 @@ fn wgmma_program(
     cluster: u32,
     epi: Option<Epi>,
 ) -> Program {
-    let p = Program::new(WGMMA)
+    let mut p = Program::new(WGMMA)
         .define("FE_ELEM", dtype.cuda_name())
-        .define("FE_WGMMA_BF16", (dtype == DType::BF16) as u32)
+        .define("FE_WGMMA_BF16", (dtype == DType::BF16) as u32);
+    if dtype == DType::F32 {
+        p = p.define("FE_WGMMA_TF32", 1);
+    }
+    let p = p
         .define("FE_A_TRANS", a_trans as u32)
         .define("FE_B_TRANS", b_trans as u32)
         .define("FE_STAGES", WG_STAGES)
@@ -421,6 +493,14 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             }
         }
     }
+    // tf32: one layout (K-major A and B; others are packed into it) and its pack pre-pass.
+    for cluster in WG_CLUSTERS {
+        v.push(KernelSpec {
+            program: wgmma_program(DType::F32, false, true, cluster, None),
+            functions: vec!["matmul_wgmma".into(), "matmul_wgmma_pack".into()],
+            min_arch: Arch::SM90,
+        });
+    }
     v.extend(epilogue_specs());
     v
 }
@@ -484,6 +564,10 @@ pub struct Launch {
     pub persistent: Option<Persistent>,
     /// Compiled with the fused epilogue of this activation: its parameters follow the others.
     pub epilogue: Option<Activation>,
+    /// tf32 `wgmma`: the pre-pass that packs an operand the kernel cannot read as it is (m/n-
+    /// contiguous, or rows not 16-byte aligned) into a K-major tf32-rounded copy; `launch` runs
+    /// it first where needed (see `tf32_direct`).
+    pub pack: Option<Kernel>,
 }
 
 pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
@@ -556,6 +640,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
             config: r.config.into(),
             persistent: None,
             epilogue: None,
+            pack: None,
         });
     }
     match variant {
@@ -567,6 +652,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
             config: "block 32×8, 1 output/thread".into(),
             persistent: None,
             epilogue: epi.map(|e| e.act),
+            pack: None,
         }),
         "mma" | "mma_pipelined" => {
             let stages = match (variant, epi) {
@@ -599,6 +685,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
                 ),
                 persistent: None,
                 epilogue: epi.map(|e| e.act),
+                pack: None,
             })
         }
         "wgmma" => {
@@ -608,22 +695,51 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
             if dev.arch().major != 9 {
                 return Err(refuse(WGMMA_ARCH));
             }
+            let tf32 = g.dtype == DType::F32;
+            if tf32 && epi.is_some() {
+                return Err(refuse(
+                    "has no fused epilogue for f32/tf32 (mma_pipelined has one)",
+                ));
+            }
             let cluster = WG_CLUSTER;
-            let kernel = dev.kernel(
-                &wgmma_program(g.dtype, g.a.trans, g.b.trans, cluster, epi),
-                "matmul_wgmma",
-            )?;
+            // tf32 wgmma reads K-major operands only: one kernel (A row-major, B transposed),
+            // other layouts packed into it at launch.
+            let (at, bt) = if tf32 {
+                (false, true)
+            } else {
+                (g.a.trans, g.b.trans)
+            };
+            let program = wgmma_program(g.dtype, at, bt, cluster, epi);
+            let kernel = dev.kernel(&program, "matmul_wgmma")?;
             kernel.set_max_dynamic_smem(WG_SMEM)?;
+            let pack = if tf32 {
+                Some(dev.kernel(&program, "matmul_wgmma_pack")?)
+            } else {
+                None
+            };
             let sms = (dev.props().sm_count / cluster * cluster).max(cluster);
             let group_m = WG_GROUP_M;
+            let (ty, note) = match g.dtype {
+                DType::F32 => (
+                    "tf32",
+                    ", m/n-contiguous or unaligned operands first packed K-major (tf32-rounded)",
+                ),
+                DType::BF16 => ("bf16", ""),
+                _ => ("f16", ""),
+            };
             Ok(Launch {
                 kernel,
                 block: (WG_THREADS, 1, 1),
                 smem: WG_SMEM,
                 tile: WG_TILE,
                 config: format!(
-                    "tile {}×{}×{WG_BK}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k16, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast){}",
-                    WG_TILE.0, WG_TILE.1, WG_TILE.1, epilogue_note(epi)
+                    "tile {}×{}×{}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k{} {ty}, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast){note}{}",
+                    WG_TILE.0,
+                    WG_TILE.1,
+                    wg_bk(g.dtype),
+                    WG_TILE.1,
+                    wg_kstep(g.dtype),
+                    epilogue_note(epi)
                 ),
                 persistent: Some(Persistent {
                     ctas: sms,
@@ -631,6 +747,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
                     cluster,
                 }),
                 epilogue: epi.map(|e| e.act),
+                pack,
             })
         }
         _ => Err(refuse("does not exist")),
@@ -684,6 +801,14 @@ fn launch_inner(
     e: EpiPtrs,
     stream: &Stream,
 ) -> Result<()> {
+    // tf32 wgmma: operands it cannot read as they are go through the pack pre-pass first; the
+    // scratch is freed (stream-ordered, after the GEMM) when `_scratch` drops.
+    let mut _scratch = Vec::new();
+    let (g, p) = match &l.pack {
+        Some(k) => tf32_pack(k, g, p, stream, &mut _scratch)?,
+        None => (*g, p),
+    };
+    let g = &g;
     // Kernels stride over row tiles and batches beyond the y/z limits.
     let grid = match l.persistent {
         Some(Persistent { ctas, cluster, .. }) => {
@@ -734,6 +859,59 @@ fn launch_inner(
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
 }
 
+/// Runs the tf32 pack pre-pass on every operand `tf32_direct` rejects and returns the problem and
+/// pointers as the tf32 `wgmma` kernel then reads them; `keep` holds the scratch until the caller
+/// has queued the GEMM.
+fn tf32_pack(
+    k: &Kernel,
+    g: &Gemm,
+    p: Ptrs,
+    stream: &Stream,
+    keep: &mut Vec<DeviceBuffer>,
+) -> Result<(Gemm, Ptrs)> {
+    let (mut g2, mut p2) = (*g, p);
+    if g.k == 0 || g.batch == 0 || g.m == 0 || g.n == 0 {
+        return Ok((g2, p2));
+    }
+    for is_a in [true, false] {
+        let (o, rows, base) = if is_a {
+            (g.a, g.m, p.a)
+        } else {
+            (g.b, g.n, p.b)
+        };
+        if !TF32_PACK_ALWAYS && tf32_direct(&o, is_a, base) {
+            continue;
+        }
+        let packed = tf32_packed(&o, is_a, rows, g.k);
+        let copies = if o.batch_stride == 0 { 1 } else { g.batch };
+        let buf = k.dev.alloc(copies * rows * packed.ld * 4, stream)?;
+        let (sr, sp) = tf32_pack_strides(&o, is_a);
+        let mut args = KernelArgs::new();
+        args.push(buf.ptr())
+            .push(base)
+            .push(rows as i64)
+            .push(g.k as i64)
+            .push(sr as i64)
+            .push(sp as i64)
+            .push(o.batch_stride as i64)
+            .push(packed.ld as i64)
+            .push(copies as i64);
+        let grid = (
+            (rows as u32).div_ceil(32),
+            (g.k as u32).div_ceil(32).clamp(1, 65535),
+            (copies as u32).clamp(1, 65535),
+        );
+        k.launch(stream, grid, (32, 8, 1), 0, &mut args)?;
+        if is_a {
+            (g2.a, p2.a) = (packed, buf.ptr());
+        } else {
+            (g2.b, p2.b) = (packed, buf.ptr());
+        }
+        keep.push(buf);
+    }
+    Ok((g2, p2))
+}
+
 pub(super) fn run(
     variant: &str,
     g: &Gemm,
@@ -773,6 +951,7 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
     let variant = if variant == "wgmma"
         && opts.variant.is_none()
         && g.k > 0
+        && g.dtype != DType::F32
         && (!p.a.is_multiple_of(16) || !p.b.is_multiple_of(16))
     {
         "mma_pipelined"
@@ -859,4 +1038,129 @@ pub fn cublas(
             format!("{e:?}"),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// op(X)[r][p] of an operand in the kernels' convention (common.cuh): A (is_a) is m×k,
+    /// A[a_trans ? p·lda + i : i·lda + p]; B is k×n, B[b_trans ? j·ldb + p : p·ldb + j]; plus
+    /// z·batch_stride. `r` is i for A and j for B.
+    fn op_at(x: &[f32], o: &Operand, is_a: bool, z: usize, r: usize, p: usize) -> f32 {
+        let idx = if is_a == o.trans {
+            p * o.ld + r
+        } else {
+            r * o.ld + p
+        };
+        x[z * o.batch_stride + idx]
+    }
+
+    #[test]
+    fn tf32_pack_keeps_op_x_and_makes_it_k_major() {
+        // (is_a, trans, ld, batch_stride, rows, k, batch): every layout, odd and aligned ld,
+        // batched and broadcast.
+        let cases = [
+            (true, false, 5, 0, 3, 5, 1),
+            (true, true, 7, 7 * 6, 7, 6, 2),
+            (false, false, 9, 0, 9, 4, 3),
+            (false, true, 8, 8 * 9, 9, 8, 2),
+            (false, false, 33, 33 * 3, 33, 3, 2),
+            (true, true, 1, 0, 1, 1, 1),
+        ];
+        for (is_a, trans, ld, bs, rows, k, batch) in cases {
+            let o = Operand {
+                ld,
+                trans,
+                batch_stride: bs,
+            };
+            // Source storage with distinct values.
+            let len = bs * batch.max(1) + ld * rows.max(k) + 1;
+            let x: Vec<f32> = (0..len).map(|i| i as f32 + 0.5).collect();
+            // Mirror of matmul_wgmma_pack: Y[z][r][p] = X[z·stride + r·sr + p·sp].
+            let packed = tf32_packed(&o, is_a, rows, k);
+            let (sr, sp) = tf32_pack_strides(&o, is_a);
+            let copies = if bs == 0 { 1 } else { batch };
+            let mut y = vec![f32::NAN; copies * rows * packed.ld];
+            for z in 0..copies {
+                for r in 0..rows {
+                    for p in 0..k {
+                        y[z * rows * packed.ld + r * packed.ld + p] = x[z * bs + r * sr + p * sp];
+                    }
+                }
+            }
+            assert_eq!(packed.ld % 4, 0, "16-byte rows");
+            assert!(packed.ld >= k);
+            // K-major and aligned: the kernel reads it in place (at a 16-byte aligned base).
+            assert!(tf32_direct(&packed, is_a, 256));
+            for z in 0..batch {
+                for r in 0..rows {
+                    for p in 0..k {
+                        assert_eq!(
+                            op_at(&y, &packed, is_a, z, r, p),
+                            op_at(&x, &o, is_a, z, r, p),
+                            "is_a {is_a} trans {trans} ld {ld} z {z} r {r} p {p}"
+                        );
+                    }
+                }
+            }
+        }
+        // Operands read in place: K-major with 16-byte rows and base only.
+        let km = |is_a: bool, ld| Operand {
+            ld,
+            trans: !is_a,
+            batch_stride: 0,
+        };
+        assert!(tf32_direct(&km(true, 64), true, 0x1000));
+        assert!(tf32_direct(&km(false, 64), false, 0x1000));
+        assert!(!tf32_direct(&km(true, 66), true, 0x1000));
+        assert!(!tf32_direct(&km(true, 64), true, 0x1004));
+        assert!(!tf32_direct(&km(true, 64), false, 0x1000)); // B row-major: n-contiguous
+    }
+
+    /// 128-byte swizzle as TMA writes it and wgmma reads it: the 16-byte chunk index (address
+    /// bits 4–6) XORed with the row within the 1024-byte atom (bits 7–9).
+    fn sw128(off: u32) -> u32 {
+        off ^ (((off >> 7) & 7) << 4)
+    }
+
+    #[test]
+    fn wgmma_stage_layout_is_the_same_bytes_for_every_dtype() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let es = dtype.size_in_bytes() as u32;
+            let (bk, ks) = (wg_bk(dtype), wg_kstep(dtype));
+            assert_eq!(
+                bk * es,
+                WG_ROW_BYTES,
+                "{dtype:?}: a stage is one swizzle row of k"
+            );
+            assert_eq!(
+                ks * es,
+                32,
+                "{dtype:?}: one wgmma reads 32 bytes of each row"
+            );
+            assert_eq!(bk / ks, 4, "{dtype:?}: 4 wgmmas per stage");
+            // A tile (128 rows × bk) as the K-major box lands (row r at r·128 bytes, element c
+            // at c·es, swizzled), against what the consumers' descriptors address: start
+            // kk·32 (+ warpgroup c·8 KiB), 8-row groups SBO = 1024 bytes apart, rows 128 apart.
+            let mut seen = std::collections::HashSet::new();
+            for r in 0..WG_TILE.0 {
+                for c in 0..bk {
+                    let written = sw128(r * 128 + c * es);
+                    let (wg, i) = (r / 64, r % 64);
+                    let (kk, j) = (c / ks, c % ks);
+                    let start = wg * 64 * 128 + kk * 32;
+                    let read = sw128(start + (i / 8) * 1024 + (i % 8) * 128 + j * es);
+                    assert_eq!(written, read, "{dtype:?} row {r} k {c}");
+                    assert!(written < WG_TILE.0 * WG_ROW_BYTES);
+                    assert!(seen.insert(written), "two elements at byte {written}");
+                }
+            }
+        }
+        assert_eq!(
+            WG_SMEM,
+            WG_STAGES * 48 * 1024 + 16 * WG_STAGES + 1024,
+            "48 KiB per stage"
+        );
+    }
 }

@@ -1,5 +1,5 @@
 // matmul/wgmma — step 10 of the CUDA ladder: Hopper warpgroup MMA fed by the tensor memory
-// accelerator (sm_90a only; bf16 and f16 in, fp32 accumulate).
+// accelerator (sm_90a only; bf16 and f16 in, or f32 in as tf32; fp32 accumulate).
 //
 // What changes vs `mma_pipelined` (mma.sync m16n8k16 + ldmatrix + 4-stage cp.async, 8 warps that
 // all both copy and compute):
@@ -34,6 +34,15 @@
 // layouts NN/NT/TN/TT. Batches are the third tensor-map dimension (broadcast: extent 1).
 // TMA needs 16-byte aligned bases and leading dims / batch strides that are multiples of 16
 // bytes; the host declines anything else (mma_pipelined runs it).
+// tf32 (-DFE_WGMMA_TF32=1, f32 storage): `wgmma...m64n256k8.f32.tf32.tf32`. A stage holds the
+// same bytes (one 128-byte swizzle row of k = 32 floats: A 128×32 + B 256×32 = 48 KiB), so the
+// tensor maps (FLOAT32, boxes of 32 × rows), the 1024-byte swizzle atoms, the descriptors (kk·32
+// bytes into each row, SBO 1024) and the barrier byte counts are the 16-bit kernel's; a stage is
+// 4 wgmmas of k8 instead of k16, which take as long (tf32 runs at half the bf16 rate). tf32 wgmma
+// has no transpose bit, so both operands must be K-major: the host compiles only A row-major /
+// B transposed and runs `matmul_wgmma_pack` (end of file) first on any operand that is m/n-
+// contiguous or not 16-byte aligned (a K-major tf32-rounded copy in scratch). Operands read in
+// place are not rounded: the tensor core uses the top 19 bits of each f32 (truncation).
 // Prediction (H100, 4096³ bf16): ≈ 2.5–3.5× mma_pipelined, 0.7–0.9× cuBLAS. Measured there
 // (2026-11-22): 3.2× mma_pipelined, 0.89–1.0× cuBLAS at 4096³ and 0.81–0.96× at 8192³ (medians
 // vary between runs; minimums match cuBLAS). With -DFE_EPI the consumers' stores apply the fused
@@ -62,7 +71,13 @@
 #ifndef FE_WGMMA_BF16
 #define FE_WGMMA_BF16 1
 #endif
-#if FE_WGMMA_BF16
+// -DFE_WGMMA_TF32=1 (FE_ELEM float): f32 storage multiplied as tf32, wgmma m64n256k8.
+#ifndef FE_WGMMA_TF32
+#define FE_WGMMA_TF32 0
+#endif
+#if FE_WGMMA_TF32
+#define FE_WG_TY "tf32"
+#elif FE_WGMMA_BF16
 #define FE_WG_TY "bf16"
 #else
 #define FE_WG_TY "f16"
@@ -73,15 +88,28 @@ struct alignas(64) TmaDesc {
   unsigned long long v[16];
 };
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = FE_STAGES, CL = FE_CLUSTER;
+// Element size, and k per stage: one 128-byte swizzle row (64 bf16/f16, 32 f32), so the ring's
+// byte layout (and every descriptor offset below) is the same for 16-bit and tf32 inputs.
+constexpr int ES = (int)sizeof(T);
+constexpr int BM = 128, BN = 256, BK = 128 / ES, STAGES = FE_STAGES, CL = FE_CLUSTER;
+// k of one wgmma: 32 bytes of a K-major row (k16 for 16-bit inputs, k8 for tf32).
+constexpr int KSTEP = 32 / ES;
 static_assert(CL == 1 || CL == 2, "cluster of 1 or 2 blocks");
 constexpr int NTHREADS = 384;
 constexpr int A_MN = FE_A_TRANS;      // A stored m-contiguous: MN-major smem operand
 constexpr int B_MN = FE_B_TRANS ? 0 : 1;  // B stored n-contiguous (not transposed): MN-major
-constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+constexpr int A_BYTES = BM * BK * ES, B_BYTES = BN * BK * ES;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows: 8 KiB
-static_assert(sizeof(T) == 2, "wgmma kernel is for 16-bit inputs");
+constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 KiB
+#if FE_WGMMA_TF32
+static_assert(ES == 4, "tf32 wgmma takes f32 storage");
+// wgmma has no transpose bit for tf32: both operands must be K-major in shared memory. The host
+// compiles only NT (A row-major, B transposed) and first packs an m/n-contiguous operand into a
+// K-major tf32-rounded copy (matmul_wgmma_pack below).
+static_assert(!A_MN && !B_MN, "tf32 wgmma reads K-major operands only");
+#else
+static_assert(ES == 2, "16-bit wgmma kernel takes f16/bf16 storage");
+#endif
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return (unsigned)__cvta_generic_to_shared(p);
@@ -167,11 +195,17 @@ __device__ __forceinline__ void acc_fence(float (&d)[128]) {
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (64×256 fp32, wgmma accumulator layout) += A(64×16, desc da) · B(16×256, desc db).
+#if FE_WGMMA_TF32
+#define FE_WG_K "8"
+#else
+#define FE_WG_K "16"
+#endif
+// d (64×256 fp32, wgmma accumulator layout) += A(64×KSTEP, desc da) · B(KSTEP×256, desc db).
+// (The tf32 form has no transpose immediates; %131/%132 are then unused.)
 __device__ __forceinline__ void wgmma_256(float (&d)[128], u64 da, u64 db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "wgmma.mma_async.sync.aligned.m64n256k" FE_WG_K ".f32." FE_WG_TY "." FE_WG_TY " {"
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
       "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
@@ -180,7 +214,11 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], u64 da, u64 db, int s
       "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
       "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
       "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+#if FE_WGMMA_TF32
+      "}, %128, %129, p, 1, 1;\n}\n"
+#else
       "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+#endif
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
         "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
         "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
@@ -359,7 +397,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int c = wg - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const bool pair_ok = ((u64)C % 4 == 0) && (ldc % 2 == 0) && (stride_c % 2 == 0);
+    // Pairs of C (2 elements: 4 bytes for 16-bit, 8 for f32) stored as one access when aligned.
+    const bool pair_ok = ((u64)C % (2 * ES) == 0) && (ldc % 2 == 0) && (stride_c % 2 == 0);
 #if FE_EPI
     // The epilogue (bias, Z, activation, residual; common.cuh) needs each element's global row
     // and column: col is the thread's fragment column tn·BN + 8j + 2(lane%4) (+1), row its
@@ -413,7 +452,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
+        for (int kk = 0; kk < BK / KSTEP; ++kk) {
+          // K-major: the kk-th 32-byte slice of each 128-byte row; MN-major (16-bit only): the
+          // kk-th block of 16 k rows (2 KiB) of each 64-wide box.
           const u64 da = A_MN ? smem_desc(sa + c * BOX64 + kk * 2048, BOX64, 1024)
                               : smem_desc(sa + c * BOX64 + kk * 32, 16, 1024);
           const u64 db = B_MN ? smem_desc(sb + kk * 2048, BOX64, 1024)
@@ -475,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
               v0 = fe_epilogue(epi, v0, z, row, col);
               v1 = fe_epilogue(epi, v1, z, row, col + 1);
 #endif
-              struct alignas(4) Pair { T x, y; };
+              struct alignas(2 * ES) Pair { T x, y; };
               *reinterpret_cast<Pair*>(p) = Pair{from_float<T>(v0), from_float<T>(v1)};
             } else {
 #if FE_EPI
@@ -494,3 +535,54 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   // No block leaves while its peer may still arrive on its barriers.
   if (CL > 1) cluster_sync();
 }
+
+#if FE_WGMMA_TF32
+__device__ __forceinline__ float fe_tf32_rna(float x) {
+  unsigned u;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(u) : "f"(x));
+  return __uint_as_float(u);
+}
+
+// The tf32 pre-pass for an operand TMA/wgmma cannot read as it is: m- or n-contiguous (A
+// transposed, B not transposed: tf32 wgmma has no transpose bit), or k-contiguous with rows or
+// base not 16-byte aligned. It writes the K-major copy Y[z][r][p] = tf32(op(X)[r][p]) =
+// tf32(X[z·stride_x + r·sr + p·sp]) (r < rows, p < k; rows ldy apart, ldy a multiple of 4;
+// batches rows·ldy apart), rounded to nearest (cvt.rna, as mma_pipelined rounds its fragments).
+// m/n-contiguous sources (sr = 1) go through a 32×32 shared tile (rows padded to 33 floats:
+// conflict-free both ways) so that reads are coalesced along r and writes along p; k-contiguous
+// ones (sp = 1) are copied with lanes along p. One extra read and write of the operand: ≈ 45 µs
+// for a 4096×4096 f32 operand at ~3 TB/s, against ≈ 0.4 ms of GEMM at 4096³.
+extern "C" __global__ void __launch_bounds__(256)
+    matmul_wgmma_pack(float* __restrict__ Y, const float* __restrict__ X, i64 rows, i64 k, i64 sr,
+                      i64 sp, i64 stride_x, i64 ldy, i64 batch) {
+  __shared__ float t[32][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;  // block 32×8
+  const i64 r0 = (i64)blockIdx.x * 32;
+  for (i64 z = blockIdx.z; z < batch; z += gridDim.z) {
+    const float* Xz = X + z * stride_x;
+    float* Yz = Y + z * rows * ldy;
+    for (i64 p0 = (i64)blockIdx.y * 32; p0 < k; p0 += (i64)gridDim.y * 32) {
+      if (sp == 1) {
+#pragma unroll
+        for (int i = ty; i < 32; i += 8) {
+          const i64 r = r0 + i, p = p0 + tx;
+          if (r < rows && p < k) Yz[r * ldy + p] = fe_tf32_rna(Xz[r * sr + p]);
+        }
+        continue;  // block-uniform: no barrier skipped by part of the block
+      }
+#pragma unroll
+      for (int i = ty; i < 32; i += 8) {
+        const i64 p = p0 + i, r = r0 + tx;
+        t[i][tx] = (p < k && r < rows) ? Xz[r * sr + p * sp] : 0.f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = ty; i < 32; i += 8) {
+        const i64 r = r0 + i, p = p0 + tx;
+        if (r < rows && p < k) Yz[r * ldy + p] = fe_tf32_rna(t[tx][i]);
+      }
+      __syncthreads();
+    }
+  }
+}
+#endif
