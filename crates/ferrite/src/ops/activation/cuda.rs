@@ -491,7 +491,7 @@ pub fn run_act_bwd(
                     kernel(dev, p, "act_col_sum")?.launch(
                         stream,
                         (c.div_ceil(32) as u32, 1, 1),
-                        (32, 8, 1),
+                        (32, 16, 1),
                         0,
                         &mut a,
                     )?;
