@@ -318,7 +318,9 @@ pub fn bwd_geometry(
     if let Some(g) = variant_geometry(variant)? {
         return Ok(g);
     }
-    let key = format!("norm_bwd/{}", p.kind.name());
+    // "ring": the shared-memory-ring kernel; configurations remembered for the register-prefetch
+    // kernel it replaced are not reused.
+    let key = format!("norm_bwd_ring/{}", p.kind.name());
     let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[2, 4, 8], |c| {
         rows::time_briefly(dev, stream, || {
             run_bwd(Geometry::Vectorized(*c), p, dev, q, stream)

@@ -26,7 +26,7 @@
 //   ~1.7 GHz, the forward has ~0.30 SM-cycles = ~38 issue slots (128 lanes/cycle) per element,
 //   the backward ~57. Measured from SASS, the first fused build spent ~33 slots per element on
 //   bias + GELU (IEEE expf and a division with a slow-path call) and ~14 on Philox (one block
-//   per 4 elements): issue-bound, 63% / 75% of copy. Now: ex2.approx + rcp.approx for the
+//   per 4 elements, 32-bit draws): issue-bound, 63% / 75% of copy. Now: ex2.approx + rcp.approx for the
 //   sigmoid (≤ 4·10⁻⁷ relative, far below the f32 check's 5·10⁻⁶; 16-bit storage rounds at
 //   4·10⁻³) and one Philox block per 8 elements, with the 16-bit compare done on whole words.
 
