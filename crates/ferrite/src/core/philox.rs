@@ -4,10 +4,13 @@
 //! can be redrawn on the CPU (or in a backward pass) instead of being stored.
 //!
 //! How ferrite addresses the stream (the user's handle is `(seed, offset)`, as PyTorch's philox
-//! seed/offset): key = (seed low 32 bits, seed high 32 bits); element `i` of a tensor takes word
-//! `i % 4` of the block at counter `offset + i / 4` (a 64-bit counter, wrapping, in counter words
-//! 0 and 1, low first; words 2 and 3 are 0). One call over `n` elements consumes
-//! `blocks_used(n) = ⌈n/4⌉` counters: the next call continues at `offset + blocks_used(n)`.
+//! seed/offset): key = (seed low 32 bits, seed high 32 bits); element `i` of a tensor takes a
+//! **16-bit draw**: half `i % 2` (the low half first) of word `(i / 2) % 4` of the block at counter
+//! `offset + i / 8` (a 64-bit counter, wrapping, in counter words 0 and 1, low first; words 2 and
+//! 3 are 0). One Philox block (128 bits, ~40 integer instructions on the GPU) thus serves eight
+//! elements — one 16-byte vector of a 16-bit dtype — instead of four: at bf16 and the copy
+//! bandwidth the RNG was the kernels' limit (docs/activation.md). One call over `n` elements
+//! consumes `blocks_used(n) = ⌈n/8⌉` counters: the next call continues at `offset + blocks_used(n)`.
 
 /// Multipliers and Weyl key increments of Philox4x32 (Random123's constants).
 pub const M0: u32 = 0xD251_1F53;
@@ -54,24 +57,39 @@ pub fn block(seed: u64, offset: u64, block: u64) -> [u32; 4] {
     )
 }
 
-/// The 32-bit word of element `i` of the stream `(seed, offset)`.
+/// The 16-bit draw of element `i` of the stream `(seed, offset)` (see the module doc), in
+/// `0..2¹⁶`.
 #[inline]
-pub fn word(seed: u64, offset: u64, i: u64) -> u32 {
-    block(seed, offset, i / 4)[(i % 4) as usize]
+pub fn draw(seed: u64, offset: u64, i: u64) -> u32 {
+    draw_of(&block(seed, offset, i / 8), i)
+}
+
+/// The 16-bit draw of element `i` from its block (`block(seed, offset, i / 8)`).
+#[inline]
+pub fn draw_of(blk: &[u32; 4], i: u64) -> u32 {
+    let w = blk[((i / 2) % 4) as usize];
+    (w >> (16 * (i & 1))) & 0xFFFF
+}
+
+/// Whether dropout keeps element `i` at threshold `thr` (= `keep_threshold(p)`).
+#[inline]
+pub fn keep(seed: u64, offset: u64, i: u64, thr: u32) -> bool {
+    draw(seed, offset, i) < thr
 }
 
 /// Counters one call over `n` elements consumes.
 pub fn blocks_used(n: u64) -> u64 {
-    n.div_ceil(4)
+    n.div_ceil(8)
 }
 
 /// The keep threshold of dropout with drop probability `p` ∈ (0, 1): an element is kept when its
-/// word is `< keep_threshold(p)` = ⌊(1 − p)·2³²⌋ (computed in f64 from the f32 `p`), so
-/// P(keep) = threshold / 2³², within 2⁻³² of 1 − p. An integer compare: no float conversion of
-/// the random word, hence the same decision on every device.
+/// 16-bit draw is `< keep_threshold(p)` = ⌊(1 − p)·2¹⁶⌋ (computed in f64 from the f32 `p`, at most
+/// 2¹⁶ − 1), so P(keep) = threshold / 2¹⁶ ∈ (1 − p − 2⁻¹⁶, 1 − p]: the drop rate is never below
+/// p and at most 1.5·10⁻⁵ above it (p = 0.1 drops 0.100006). An integer compare: no float
+/// conversion of the random bits, hence the same decision on every device.
 pub fn keep_threshold(p: f32) -> u32 {
-    let t = ((1.0 - p as f64) * 4_294_967_296.0).floor();
-    t.clamp(0.0, u32::MAX as f64) as u32
+    let t = ((1.0 - p as f64) * 65_536.0).floor();
+    t.clamp(0.0, 65_535.0) as u32
 }
 
 /// The scale kept elements get: 1/(1 − p) rounded to f32 (the value the kernels receive).
@@ -139,17 +157,34 @@ mod tests {
 
     #[test]
     fn addressing_and_threshold() {
-        // Element i ↔ counter offset + i/4, word i%4; the counter is 64-bit and wraps.
-        assert_eq!(word(7, 5, 9), block(7, 5, 2)[1]);
-        assert_eq!(word(7, 5, 9), word(7, 6, 5));
+        // Element i ↔ counter offset + i/8, word (i/2)%4, low half for even i; the counter is
+        // 64-bit and wraps.
+        assert_eq!(draw(7, 5, 19), block(7, 5, 2)[1] >> 16);
+        assert_eq!(draw(7, 5, 18), block(7, 5, 2)[1] & 0xFFFF);
+        assert_eq!(draw(7, 5, 8 * 3 + 7), draw(7, 6, 8 * 2 + 7));
+        assert_eq!(draw(7, 5, 0), block(7, 5, 0)[0] & 0xFFFF);
         assert_eq!(
             block(1 << 40 | 3, u64::MAX, 1),
             philox4x32_10([0, 0, 0, 0], [3, 1 << 8])
         );
-        assert_eq!(blocks_used(9), 3);
-        assert_eq!(keep_threshold(0.5), 1 << 31);
-        assert_eq!(keep_threshold(0.75), 1 << 30);
-        assert_eq!(keep_threshold(0.0), u32::MAX);
+        assert_eq!(blocks_used(0), 0);
+        assert_eq!(blocks_used(8), 1);
+        assert_eq!(blocks_used(9), 2);
+        assert_eq!(keep_threshold(0.5), 1 << 15);
+        assert_eq!(keep_threshold(0.75), 1 << 14);
+        assert_eq!(keep_threshold(0.1), 58_982);
+        // p → 0: the threshold stays below 2¹⁶ (a 16-bit draw can still be dropped), and the
+        // GPU's compare of (thr << 16) against 32-bit words cannot overflow.
+        assert_eq!(keep_threshold(0.0), 65_535);
+        assert_eq!(keep_threshold(1e-9), 65_535);
+        assert_eq!(keep_threshold(0.999_999), 0);
         assert_eq!(keep_scale(0.5), 2.0);
+        // Every draw is 16 bits, and the eight draws of a block are its four words split.
+        let blk = block(11, 22, 33);
+        for e in 0..8u64 {
+            let d = draw(11, 22, 33 * 8 + e);
+            assert!(d < 1 << 16);
+            assert_eq!(d, draw_of(&blk, e));
+        }
     }
 }

@@ -119,7 +119,7 @@ fn act_reference(
         let m = match params {
             None => 1.0,
             Some((thr, scale)) => {
-                if philox::word(d.seed, d.offset, i as u64) < thr {
+                if philox::keep(d.seed, d.offset, i as u64, thr) {
                     scale as f64
                 } else {
                     0.0
@@ -256,7 +256,7 @@ fn check_glu(
 }
 
 /// Dropout alone (act none, no bias, p = 0.5: kept values are exactly 2x in every dtype): the
-/// forward's kept/dropped pattern and values, and the backward's, against `philox::word` element
+/// forward's kept/dropped pattern and values, and the backward's, against `philox::keep` element
 /// by element. Returns (mismatched elements, kept fraction of the forward).
 pub fn mask_identity(
     dev: Device,
@@ -292,7 +292,7 @@ pub fn mask_identity(
     let mut bad = 0;
     let mut kept = 0usize;
     for i in 0..xv.len() {
-        let keep = philox::word(d.seed, d.offset, i as u64) < thr;
+        let keep = philox::keep(d.seed, d.offset, i as u64, thr);
         kept += keep as usize;
         // The kept value as the kernels round it: x·scale in f32, then to the dtype.
         let want = if keep {

@@ -84,16 +84,16 @@ pub fn act_fg(act: Activation, h: f32) -> (f32, f32) {
 }
 
 /// Applies dropout to `vals`, the elements `start..start + len` of the tensor: kept ones scaled,
-/// dropped ones zeroed (one Philox block per 4 elements).
+/// dropped ones zeroed (one Philox block per 8 elements, 16-bit draws: `philox::draw`).
 pub fn apply_mask(vals: &mut [f32], start: u64, d: &Dropout, thr: u32, scale: f32) {
     let (mut blk, mut have) = ([0u32; 4], u64::MAX);
     for (k, v) in vals.iter_mut().enumerate() {
         let i = start + k as u64;
-        if i / 4 != have {
-            have = i / 4;
+        if i / 8 != have {
+            have = i / 8;
             blk = philox::block(d.seed, d.offset, have);
         }
-        *v = if blk[(i % 4) as usize] < thr {
+        *v = if philox::draw_of(&blk, i) < thr {
             *v * scale
         } else {
             0.0

@@ -4,8 +4,9 @@
 //! optional, `act` ∈ none / relu / gelu_tanh / gelu_erf / silu, dropout probability `p` ∈ [0, 1)
 //! (p = 0: no RNG, no mask), kept values scaled by 1/(1 − p). The mask is Philox4x32-10
 //! (`core::philox`) addressed by the caller's `(seed, offset)`: element `i` (row-major over the
-//! whole tensor) keeps word `i % 4` of the block at counter `offset + i/4`, kept when that word is
-//! `< ⌊(1 − p)·2³²⌋` (an integer compare). The same bits on the CPU and the GPU, so the backward
+//! whole tensor) takes the 16-bit half `i % 2` (low first) of word `(i/2) % 4` of the block at
+//! counter `offset + i/8` (`philox::draw`), kept when that draw is `< ⌊(1 − p)·2¹⁶⌋` (an integer
+//! compare; one block per 8 elements). The same bits on the CPU and the GPU, so the backward
 //! redraws the mask instead of storing it; a call consumes `core::philox::blocks_used(numel)`
 //! counters, so the next call passes `offset + blocks_used(numel)`.
 //! Backward: `dx = dy · mask/(1 − p) · act'(x + b)` from x (pre-bias) and b, and optionally

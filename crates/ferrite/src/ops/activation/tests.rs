@@ -100,7 +100,7 @@ fn semantics() {
         .unwrap();
     assert_ne!(y0, y1);
     for i in 0..240 {
-        let keep = philox::word(42, 0, i as u64) < philox::keep_threshold(0.5);
+        let keep = philox::keep(42, 0, i as u64, philox::keep_threshold(0.5));
         assert_eq!(y0[i], if keep { 2.0 * xv[i] } else { 0.0 }, "element {i}");
     }
     // Naive and parallel give the same bits, forward and backward, db included.
@@ -145,16 +145,25 @@ fn semantics() {
 
 #[test]
 fn dropout_keeps_one_minus_p() {
-    let n = 1 << 20;
+    // Over 2²⁰ elements, and separately over the elements drawing low and high 16-bit halves
+    // (each half of a word is its own uniform draw).
+    let n = 1u64 << 20;
     for p in [0.1f32, 0.5, 0.9] {
         let thr = philox::keep_threshold(p);
-        let kept = (0..n as u64)
-            .filter(|&i| philox::word(99, 1234, i) < thr)
-            .count() as f64
-            / n as f64;
-        let q = 1.0 - p as f64;
-        let sigma = (q * (1.0 - q) / n as f64).sqrt();
-        assert!((kept - q).abs() < 5.0 * sigma, "p={p}: kept {kept}");
+        let q = thr as f64 / 65_536.0;
+        assert!(q <= 1.0 - p as f64 && 1.0 - p as f64 - q < 1.0 / 65_536.0);
+        for (parity, count) in [(None, n), (Some(0), n / 2), (Some(1), n / 2)] {
+            let kept = (0..n)
+                .filter(|&i| parity.is_none_or(|par| i % 2 == par))
+                .filter(|&i| philox::keep(99, 1234, i, thr))
+                .count() as f64
+                / count as f64;
+            let sigma = (q * (1.0 - q) / count as f64).sqrt();
+            assert!(
+                (kept - q).abs() < 5.0 * sigma,
+                "p={p} parity {parity:?}: kept {kept}"
+            );
+        }
     }
 }
 

@@ -158,13 +158,15 @@ fn bench_gpu(
                 let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
                     cc::launch(var.name, &p, dev, &stream, ptrs, &scratch, &opts)
                 })?;
-                let (kname, threads) = if var.name == "fused" {
-                    ("ce_fused", cc::fused_threads(&p))
-                } else {
-                    (
+                let rg = cc::resident_geom(dev, &p);
+                let (kname, threads, smem) = match var.name {
+                    "fused" => ("ce_fused", cc::fused_threads(&p), 0),
+                    "resident" => ("ce_resident", rg.threads, rg.smem),
+                    _ => (
                         "ce_naive_logsoftmax",
                         crate::core::cuda::rows::threads_scalar(v),
-                    )
+                        0,
+                    ),
                 };
                 let k = dev.kernel(&cc::program(dtype, DType::I64), kname)?;
                 let mut rec = BenchRecord::new(
@@ -178,10 +180,16 @@ fn bench_gpu(
                     0.0,
                     ideal,
                 )
-                .with_kernel(&k, threads, 0)?;
-                rec.config = format!("{kname}: {threads} threads/row");
+                .with_kernel(&k, threads, smem)?;
+                rec.config = if var.name == "resident" {
+                    format!("{kname}: {}", rg.describe(&p))
+                } else {
+                    format!("{kname}: {threads} threads/row")
+                };
                 rec.note = if var.name == "fused" {
                     "bytes: logits read once + dlogits written once (the kernel reads twice)".into()
+                } else if var.name == "resident" {
+                    "bytes: logits read once + dlogits written once (the part of a row beyond shared memory is read twice)".into()
                 } else {
                     format!(
                         "bytes as fused; also writes and reads an N×V f32 intermediate ({:.1} GB)",

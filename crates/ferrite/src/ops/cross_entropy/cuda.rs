@@ -13,12 +13,13 @@ use crate::kernel_source;
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("cross_entropy", "kernels/cross_entropy.cu");
-const FUNCS: [&str; 6] = [
+const FUNCS: [&str; 7] = [
     "ce_targets",
     "ce_naive_logsoftmax",
     "ce_naive_loss",
     "ce_naive_grad",
     "ce_fused",
+    "ce_resident",
     "ce_reduce",
 ];
 
@@ -66,6 +67,73 @@ pub fn fused_threads(p: &Problem) -> u32 {
     }
     let vecs = p.vocab.div_ceil(rows::vec_width(p.dtype));
     (vecs.div_ceil(4).div_ceil(32) * 32).clamp(32, 512) as u32
+}
+
+/// Launch shape of `resident`: fused's threads, and the row vectors each block keeps in shared
+/// memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResidentGeom {
+    pub threads: u32,
+    /// Blocks per SM the shared memory was sized for.
+    pub blocks_per_sm: usize,
+    /// 16-byte vectors of a row kept on chip (the rest is read twice, from L2).
+    pub cap: usize,
+    /// Dynamic shared memory per block, bytes (cap × 16).
+    pub smem: u32,
+}
+
+impl ResidentGeom {
+    pub fn describe(&self, p: &Problem) -> String {
+        let row = p.vocab * p.dtype.size_in_bytes();
+        format!(
+            "{} threads/row, {}/SM, {} KiB of the {} KiB row in shared memory",
+            self.threads,
+            self.blocks_per_sm,
+            self.smem / 1024,
+            row.div_ceil(1024)
+        )
+    }
+}
+
+/// The most blocks per SM (as the threads allow) whose shared memory still holds a whole row;
+/// when even one block cannot, one block per SM keeping as much of the row as fits (at
+/// V = 128256 bf16: 227 of 251 KiB on an H100; the remainder, ~3 MB over all SMs, is re-read
+/// from L2).
+pub fn resident_geom(dev: &CudaDevice, p: &Problem) -> ResidentGeom {
+    let threads = fused_threads(p);
+    let props = dev.props();
+    let (blocks_per_sm, cap) = resident_shape(
+        threads,
+        props.max_threads_per_sm,
+        props.smem_per_sm as usize,
+        props.smem_per_block_optin as usize,
+        p.vocab / rows::vec_width(p.dtype),
+    );
+    ResidentGeom {
+        threads,
+        blocks_per_sm,
+        cap,
+        smem: (cap * 16) as u32,
+    }
+}
+
+/// (blocks per SM, vectors kept) for blocks of `threads` on an SM with `smem_per_sm` bytes of
+/// shared memory (`smem_optin` at most per block) and rows of `full` 16-byte vectors.
+pub fn resident_shape(
+    threads: u32,
+    max_threads_per_sm: u32,
+    smem_per_sm: usize,
+    smem_optin: usize,
+    full: usize,
+) -> (usize, usize) {
+    // Per block: the kernel's static 256 bytes and the 1 KiB the driver reserves.
+    let reserve = 256 + 1024;
+    let per_block_max = smem_optin.saturating_sub(256);
+    let fit =
+        |blocks: usize| ((smem_per_sm / blocks).saturating_sub(reserve)).min(per_block_max) / 16;
+    let most = (max_threads_per_sm / threads.max(1)).max(1) as usize;
+    let blocks = (1..=most).rev().find(|&b| fit(b) >= full).unwrap_or(1);
+    (blocks, full.min(fit(blocks)))
 }
 
 /// Scratch a call needs on the device: the status block and, for `naive`, the N×V f32 log-probs.
@@ -176,6 +244,27 @@ pub fn launch(
                 .push(opts.dloss)
                 .push(mean);
             k.launch(stream, grid, (fused_threads(p), 1, 1), 0, &mut a)?;
+        }
+        "resident" => {
+            let g = resident_geom(dev, p);
+            let k = dev.kernel(&prog, "ce_resident")?;
+            if g.smem > 48 * 1024 {
+                k.set_max_dynamic_smem(g.smem)?;
+            }
+            let mut a = KernelArgs::new();
+            a.push(ptrs.grad)
+                .push(ptrs.loss_rows)
+                .push(ptrs.logits)
+                .push(ptrs.targets)
+                .push(status)
+                .push(n)
+                .push(v)
+                .push(opts.ignore_index)
+                .push(opts.label_smoothing)
+                .push(opts.dloss)
+                .push(mean)
+                .push(g.cap as i64);
+            k.launch(stream, grid, (g.threads, 1, 1), g.smem, &mut a)?;
         }
         other => {
             return Err(Error::NoVariant {

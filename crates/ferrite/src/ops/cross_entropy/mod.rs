@@ -23,7 +23,8 @@
 //! CUDA: `naive` (unfused: log-softmax into an N×V f32 intermediate, then the loss, then the
 //! gradient — three kernels, the row read five times) → `fused` (a block per row: one online
 //! max/Σexp pass with 16-byte loads, one pass writing the gradient; the row read twice, nothing
-//! materialised). See kernels/cross_entropy.cu.
+//! materialised) → `resident` (fused with the row kept in shared memory between the passes, so
+//! HBM sees each logit once). See kernels/cross_entropy.cu.
 //!
 //! ## Bad targets
 //! A target neither equal to `ignore_index` nor in [0, V) is an error. On the CPU it is found
@@ -74,6 +75,15 @@ pub fn variants() -> Vec<VariantInfo> {
             constraints: "dlogits and logits at the same address mod 16 bytes (always so in place or for fresh allocations)",
             summary: "a block per row: online max/Σexp with 16-byte loads, then the gradient; two reads of the row, one write, no intermediate",
             rank: 2,
+        },
+        VariantInfo {
+            name: "resident",
+            backend: Backend::Cuda,
+            dtypes: FLOATS,
+            min_arch: Some(Arch::SM80),
+            constraints: "as fused",
+            summary: "fused with the row kept in shared memory between the passes (all of it up to ~113 KiB, else one block per SM with ~227 KiB of it): logits read from HBM once; ex2.approx, fewer instructions per element",
+            rank: 3,
         },
     ]
 }
@@ -261,7 +271,7 @@ fn validate(
     })
 }
 
-/// Why `fused` cannot take these buffers, if so: the gradient rows must split at the same
+/// Why `fused` (and `resident`) cannot take these buffers, if so: the gradient rows must split at the same
 /// 16-byte boundaries as the logits rows. `ptrs` = [logits, dlogits] (dlogits 0 when none).
 pub fn fused_unfit(ptrs: &[u64]) -> Option<String> {
     match ptrs {
@@ -288,7 +298,7 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static
         p.dtype,
         arch,
         |v| {
-            (v.backend == Backend::Cuda && v.name == "fused")
+            (v.backend == Backend::Cuda && (v.name == "fused" || v.name == "resident"))
                 .then(|| fused_unfit(ptrs))
                 .flatten()
         },

@@ -134,3 +134,29 @@ fn bad_input_is_refused() {
     };
     assert!(run(&x, &tg, &lr, None, GradOut::Skip, &o).contains("cuda"));
 }
+
+#[test]
+fn resident_keeps_whole_rows_when_they_fit() {
+    // H100: 228 KiB of shared memory per SM, 227 KiB per block, 2048 threads per SM.
+    let h100 = |threads, full| cuda::resident_shape(threads, 2048, 233_472, 232_448, full);
+    // V = 50257 bf16 (6282 vectors): two 1024-thread blocks per SM, each holding its whole row.
+    assert_eq!(h100(1024, 50257 / 8), (2, 6282));
+    // V = 128256 bf16 (16032 vectors, 251 KiB): one block per SM keeping 226.75 KiB of it.
+    assert_eq!(h100(1024, 128_256 / 8), (1, 14_512));
+    // V = 50257 f32 (201 KiB): one block per SM, the whole row.
+    assert_eq!(h100(1024, 50257 / 4), (1, 12_564));
+    // Short rows: as many blocks as the threads allow; tiny vocabularies keep nothing.
+    assert_eq!(h100(512, 4099 / 8), (4, 512));
+    assert_eq!(h100(32, 0), (64, 0));
+    // Every choice fits the SM: blocks × (kept bytes + 1.25 KiB) ≤ 228 KiB.
+    for full in [1, 100, 6282, 7216, 7217, 14_512, 16_032, 100_000] {
+        for threads in [32, 256, 512, 1024] {
+            let (b, cap) = h100(threads, full);
+            assert!(
+                b * (cap * 16 + 1280) <= 233_472,
+                "{threads} threads, {full} vectors"
+            );
+            assert!(cap <= full && cap * 16 + 256 <= 232_448);
+        }
+    }
+}

@@ -219,7 +219,7 @@ fn bench_gpu(
                         0.0,
                         bytes(&p, true),
                     );
-                    r = r.with_kernel(&l.kernel, l.threads, 0)?;
+                    r = r.with_kernel(&l.kernel, l.threads, l.smem)?;
                     r.config = format!(
                         "{}; {} blocks, dw/db partials {} rows",
                         geo.describe(&p),

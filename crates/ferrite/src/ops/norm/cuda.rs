@@ -25,6 +25,7 @@ pub fn program(kind: NormKind, dtype: DType, chunks: usize) -> Program {
         .define("FE_ELEM", dtype.cuda_name())
         .define("FE_RMS", (kind == NormKind::Rms) as i32)
         .define("FE_CHUNKS", chunks)
+        .define("FE_STAGES", BWD_STAGES)
 }
 
 pub fn kernel_specs() -> Vec<KernelSpec> {
@@ -188,6 +189,9 @@ pub(super) fn forward(
     launch_fwd(&plan_fwd(g, p, &dev)?, p, q, opts.eps, &stream)
 }
 
+/// Rows in the vectorized backward's shared-memory ring (the kernel's FE_STAGES).
+pub const BWD_STAGES: usize = 3;
+
 /// The backward: the dx kernel (writing dw/db partials) and the column sums, with the partials in
 /// stream-ordered scratch.
 pub struct BwdLaunch {
@@ -196,12 +200,14 @@ pub struct BwdLaunch {
     pub threads: u32,
     /// Blocks of the dx kernel = partial rows.
     pub grid: u32,
+    /// Dynamic shared memory of the dx kernel (the vectorized ring: stages × (dy, x) rows).
+    pub smem: u32,
 }
 
 pub fn plan_bwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLaunch> {
     let prog = program(p.kind, p.dtype, g.chunks());
-    let (f, grid) = match g {
-        Geometry::Naive => ("norm_bwd_naive", rows::grid(p.rows)),
+    let (f, grid, smem) = match g {
+        Geometry::Naive => ("norm_bwd_naive", rows::grid(p.rows), 0),
         // A fixed grid (a function of the device and the tuned configuration only) keeps the
         // reduction order, and so the bits, the same on every run.
         Geometry::Vectorized(c) => (
@@ -209,13 +215,19 @@ pub fn plan_bwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLa
             (dev.props().sm_count as usize * c.blocks_per_sm.max(1) as usize)
                 .min(p.rows)
                 .max(1) as u32,
+            (BWD_STAGES * 2 * p.cols * p.dtype.size_in_bytes()) as u32,
         ),
     };
+    let kernel = dev.kernel(&prog, f)?;
+    if smem > 48 * 1024 {
+        kernel.set_max_dynamic_smem(smem)?;
+    }
     Ok(BwdLaunch {
-        kernel: dev.kernel(&prog, f)?,
+        kernel,
         col_sum: dev.kernel(&prog, "norm_col_sum")?,
         threads: g.threads(p),
         grid,
+        smem,
     })
 }
 
@@ -263,22 +275,20 @@ pub fn launch_bwd(
         .push(p.rows as i64)
         .push(p.cols as i64);
     l.kernel
-        .launch(stream, (l.grid, 1, 1), (l.threads, 1, 1), 0, &mut a)?;
-    for (out, part_ptr) in [(q.dw, dw_part), (q.db, db_part)] {
-        if out != 0 {
-            let mut a = KernelArgs::new();
-            a.push(out)
-                .push(part_ptr)
-                .push(l.grid as i64)
-                .push(p.cols as i64);
-            l.col_sum.launch(
-                stream,
-                ((p.cols as u32).div_ceil(256), 1, 1),
-                (256, 1, 1),
-                0,
-                &mut a,
-            )?;
-        }
+        .launch(stream, (l.grid, 1, 1), (l.threads, 1, 1), l.smem, &mut a)?;
+    if q.dw != 0 || q.db != 0 {
+        // One launch sums both partial sets (blockIdx.y picks dw or db; a null output is skipped).
+        let mut a = KernelArgs::new();
+        a.push(q.dw)
+            .push(dw_part)
+            .push(q.db)
+            .push(db_part)
+            .push(l.grid as i64)
+            .push(p.cols as i64);
+        let gx = u32::try_from(p.cols.div_ceil(32))
+            .map_err(|_| Error::bad_arg(OP, "x", "fewer than 2³⁷ columns", p.cols))?;
+        l.col_sum
+            .launch(stream, (gx, 2, 1), (32, 16, 1), 0, &mut a)?;
     }
     Ok(())
 }
@@ -308,7 +318,9 @@ pub fn bwd_geometry(
     if let Some(g) = variant_geometry(variant)? {
         return Ok(g);
     }
-    let key = format!("norm_bwd/{}", p.kind.name());
+    // "ring": the shared-memory-ring kernel; configurations remembered for the register-prefetch
+    // kernel it replaced are not reused.
+    let key = format!("norm_bwd_ring/{}", p.kind.name());
     let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[2, 4, 8], |c| {
         rows::time_briefly(dev, stream, || {
             run_bwd(Geometry::Vectorized(*c), p, dev, q, stream)

@@ -1,5 +1,6 @@
 // philox.cuh — Philox4x32-10, the CUDA twin of core/philox.rs (same bits; see that file for the
-// addressing: key = seed, element i takes word i%4 of the block at counter offset + i/4).
+// addressing: key = seed, element i takes the 16-bit half i%2 (low first) of word (i/2)%4 of the
+// block at counter offset + i/8).
 #ifndef FERRITE_PHILOX_CUH
 #define FERRITE_PHILOX_CUH
 
@@ -33,6 +34,14 @@ __device__ __forceinline__ Philox4 philox4x32_10(unsigned long long c, unsigned 
   o.w[2] = c2;
   o.w[3] = c3;
   return o;
+}
+
+// Whether the element drawing half `hi` of word `w` is kept, given T = thr << 16 (thr = the 16-bit
+// keep threshold, < 2¹⁶, so T does not overflow): low half kept ⇔ (w & 0xFFFF) < thr ⇔ (w << 16)
+// < T; high half ⇔ (w >> 16) < thr ⇔ w < T (T's low 16 bits are 0). One shift and one compare per
+// two elements, no extraction.
+__device__ __forceinline__ bool philox_keep16(unsigned int w, bool hi, unsigned int T) {
+  return (hi ? w : (w << 16)) < T;
 }
 
 }  // namespace ferrite

@@ -3,9 +3,10 @@
 //
 // Specialisation: -DFE_ELEM=<storage type>, -DFE_ACT=<0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf,
 // 4 silu>. Arithmetic in fp32. Dropout draws Philox4x32-10 (philox.cuh): element i of the
-// tensor keeps word i%4 of the block at counter offset + i/4, kept when word < thr (an integer
-// compare), kept values scaled by `scale` = 1/(1−p). The backward redraws the same mask from
-// (seed, offset) instead of reading a stored one.
+// tensor takes the 16-bit half i%2 (low first) of word (i/2)%4 of the block at counter
+// offset + i/8, kept when that draw < thr (thr < 2¹⁶, an integer compare), kept values scaled by
+// `scale` = 1/(1−p). The backward redraws the same mask from (seed, offset) instead of reading a
+// stored one.
 //
 // step 1 — naive (unfused): one scalar kernel per op, as an eager framework runs it: bias add,
 //   activation, dropout (and for the GLU: activation, multiply), each reading and writing a
@@ -15,11 +16,19 @@
 //   registers) and walks rows gridDim.y apart, UNROLL rows' loads in flight before any compute
 //   (entries _u1, _u2, _u4; the host times them at first use: more rows in flight hide more
 //   latency but cost registers, and so resident blocks);
-//   the dropout mask comes from one Philox block per 4 elements (a 16-byte vector holds 4 or 8
-//   elements, always whole blocks). Forward moves x in, y out: a copy's traffic. The backward
+//   the dropout mask comes from one Philox block per 8 elements (16-bit draws: a 16-byte vector
+//   of a 16-bit dtype is one whole block; an f32 vector half of one). Forward moves x in, y out:
+//   a copy's traffic. The backward
 //   adds db: each block accumulates its column vector over its rows in registers and writes one
 //   fp32 partial row; act_col_sum adds the partials in a fixed order (deterministic, no
 //   atomics: the same bits on every run on the same GPU).
+//   Per-element instruction budget (docs/activation.md): at bf16, 3.0 TB/s and 132 SMs at
+//   ~1.7 GHz, the forward has ~0.30 SM-cycles = ~38 issue slots (128 lanes/cycle) per element,
+//   the backward ~57. Measured from SASS, the first fused build spent ~33 slots per element on
+//   bias + GELU (IEEE expf and a division with a slow-path call) and ~14 on Philox (one block
+//   per 4 elements, 32-bit draws): issue-bound, 63% / 75% of copy. Now: ex2.approx + rcp.approx for the
+//   sigmoid (≤ 4·10⁻⁷ relative, far below the f32 check's 5·10⁻⁶; 16-bit storage rounds at
+//   4·10⁻³) and one Philox block per 8 elements, with the 16-bit compare done on whole words.
 
 #include "ferrite.cuh"
 #include "philox.cuh"
@@ -42,6 +51,24 @@ constexpr int VEC = Vec::N;
 #define INV_SQRT2 0.7071067811865476f
 #define INV_SQRT_2PI 0.3989422804014327f
 
+#define LOG2E 1.4426950408889634f
+
+// 2^x and 1/x on the special-function unit, one MUFU instruction each (ex2.approx: ≤ 2⁻²² relative
+// error; rcp.approx: ≤ 1 ulp; subnormal results flush to 0). The IEEE expf and 1.f/x cost ~10 and
+// ~8 instructions plus a slow-path call each, the largest share of the first fused build's issue.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// σ(z) = 1/(1 + 2^(−z·log₂e)) from t = −z·log₂e: t → +∞ gives 1/∞ = 0, t → −∞ gives 1; NaN stays NaN.
+__device__ __forceinline__ float sigmoid_of_neg_log2(float t) { return rcp_approx(1.f + ex2_approx(t)); }
+
 // a = act(h) and d = act'(h); callers using one of them let the compiler drop the other.
 __device__ __forceinline__ void act_fg(float h, float& a, float& d) {
 #if FE_ACT == 0
@@ -51,18 +78,20 @@ __device__ __forceinline__ void act_fg(float h, float& a, float& d) {
   a = h > 0.f ? h : 0.f;
   d = h > 0.f ? 1.f : 0.f;
 #elif FE_ACT == 2
-  // 0.5·(1 + tanh(u)) = σ(2u): one expf instead of tanhf, and no cancellation where tanh → −1.
-  // Then a = h·σ(2u), d = σ + 2h·σ(1 − σ)·u'.
-  const float u = SQRT_2_OVER_PI * (h + GELU_C * h * h * h);
-  const float s = 1.f / (1.f + expf(-2.f * u));
+  // 0.5·(1 + tanh(u)) = σ(2u): one exponential instead of tanhf, and no cancellation where
+  // tanh → −1. With u = k·(h + c·h³): −2u·log₂e = h·(C1 + C2·h²), C1 = −2k·log₂e, C2 = C1·c.
+  // Then a = h·σ, d = σ + σ(1 − σ)·h·(2k + 6kc·h²).
+  const float h2 = h * h;
+  const float s = sigmoid_of_neg_log2(h * fmaf(-2.f * SQRT_2_OVER_PI * LOG2E * GELU_C, h2,
+                                                -2.f * SQRT_2_OVER_PI * LOG2E));
   a = h * s;
-  d = s + 2.f * h * s * (1.f - s) * SQRT_2_OVER_PI * (1.f + 3.f * GELU_C * h * h);
+  d = fmaf(s * (1.f - s), h * fmaf(6.f * SQRT_2_OVER_PI * GELU_C, h2, 2.f * SQRT_2_OVER_PI), s);
 #elif FE_ACT == 3
   const float e = erff(h * INV_SQRT2);
   a = 0.5f * h * (1.f + e);
-  d = 0.5f * (1.f + e) + h * INV_SQRT_2PI * expf(-0.5f * h * h);
+  d = 0.5f * (1.f + e) + h * INV_SQRT_2PI * ex2_approx(-0.5f * LOG2E * h * h);
 #elif FE_ACT == 4
-  const float s = 1.f / (1.f + expf(-h));
+  const float s = sigmoid_of_neg_log2(-LOG2E * h);
   a = h * s;
   d = s * (1.f + h * (1.f - s));
 #else
@@ -85,13 +114,13 @@ __device__ __forceinline__ float act_grad(float h) {
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }
 __device__ __forceinline__ i64 global_thread() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
 
-// Whether element i of the stream (seed, offset) is kept.
+// Whether element i of the stream (seed, offset) is kept (thr: the 16-bit threshold).
 __device__ __forceinline__ bool keep_scalar(u64 seed, u64 offset, i64 i, unsigned int thr) {
-  const Philox4 r = philox4x32_10(offset + (u64)i / 4, seed);
-  const int w = (int)(i & 3);
+  const Philox4 r = philox4x32_10(offset + (u64)i / 8, seed);
+  const int w = (int)((i >> 1) & 3);
   // A select chain, not r.w[w]: a dynamic index would put the block in local memory.
   const unsigned int v = w == 0 ? r.w[0] : w == 1 ? r.w[1] : w == 2 ? r.w[2] : r.w[3];
-  return v < thr;
+  return philox_keep16(v, i & 1, thr << 16);
 }
 
 // ---------------------------------------------------------------- step 1: naive (unfused) ----
@@ -156,15 +185,25 @@ extern "C" __global__ void act_col_sum_naive(T* __restrict__ db, const T* __rest
 
 // ------------------------------------------------------------------------ step 2: fused ------
 
-// Applies the mask of the 16-byte vector starting at element i0 (a multiple of 4) to o.
+// Applies the mask of the 16-byte vector starting at element i0 (a multiple of VEC) to o. One
+// Philox block covers 8 elements: all of a 16-bit vector; for f32 (VEC = 4) words 0–1 or 2–3.
 __device__ __forceinline__ void apply_dropout(float (&o)[VEC], i64 i0, u64 seed, u64 offset,
                                               unsigned int thr, float scale) {
+  static_assert(VEC == 8 || VEC == 4, "16-byte vectors of 2- or 4-byte elements");
+  const unsigned int T = thr << 16;
+  const Philox4 r = philox4x32_10(offset + (u64)i0 / 8, seed);
+  unsigned int w[VEC / 2];
+  if constexpr (VEC == 8) {
 #pragma unroll
-  for (int q = 0; q < VEC / 4; ++q) {
-    const Philox4 r = philox4x32_10(offset + (u64)(i0 / 4) + q, seed);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) o[q * 4 + w] = r.w[w] < thr ? o[q * 4 + w] * scale : 0.f;
+    for (int j = 0; j < 4; ++j) w[j] = r.w[j];
+  } else {
+    const bool upper = (i0 >> 2) & 1;
+    w[0] = upper ? r.w[2] : r.w[0];
+    w[1] = upper ? r.w[3] : r.w[1];
   }
+  // A select, not a multiply by 0: a dropped element is 0 even where o is inf or NaN.
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) o[e] = philox_keep16(w[e / 2], e & 1, T) ? o[e] * scale : 0.f;
 }
 
 __device__ __forceinline__ void load_bias(float (&bias)[VEC], const T* b, i64 v) {
@@ -282,21 +321,22 @@ extern "C" __global__ void act_bwd_fused_u4(T* __restrict__ dx, float* __restric
   act_bwd_fused_body<4>(dx, db_part, dy, x, b, rows, cols, seed, offset, thr, scale, dropout);
 }
 
-// db[c] = Σ_p part[p, c] over `parts` partial rows, in a fixed order: block (32, 8) owns 32
-// columns; thread row ty sums parts ty, ty+8, ... in order, then the 8 sums are added in ty order.
+// db[c] = Σ_p part[p, c] over `parts` partial rows, in a fixed order: block (32, 16) owns 32
+// columns; thread row ty sums parts ty, ty+16, ... in order, then the 16 sums are added in ty
+// order (16 loads in flight per column: the partial rows number ~330 on an H100).
 extern "C" __global__ void act_col_sum(T* __restrict__ db, const float* __restrict__ part,
                                        i64 parts, i64 cols) {
-  __shared__ float s[8][33];
+  __shared__ float s[16][33];
   const i64 c = (i64)blockIdx.x * 32 + threadIdx.x;
   float a = 0.f;
   if (c < cols)
-    for (i64 p = threadIdx.y; p < parts; p += 8) a += part[p * cols + c];
+    for (i64 p = threadIdx.y; p < parts; p += 16) a += part[p * cols + c];
   s[threadIdx.y][threadIdx.x] = a;
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
     float t = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) t += s[k][threadIdx.x];
+    for (int k = 0; k < 16; ++k) t += s[k][threadIdx.x];
     db[c] = from_float<T>(t);
   }
 }

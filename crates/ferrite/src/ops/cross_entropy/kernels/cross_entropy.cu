@@ -22,6 +22,16 @@
 //   written once, and nothing else touches memory. dx may be the logits buffer itself (in place):
 //   each element is read and then overwritten by the same thread, after the reductions, and the
 //   target logit is read before the first barrier.
+// resident (CUDA `resident`), ce_resident — ce_fused with the row kept on chip: pass 1 also
+//   stores each 16-byte vector into dynamic shared memory (the first `cap` vectors of the row:
+//   all of it when 2 rows' worth fit an SM, ~90% of a 256 KB row at one block per SM), pass 2
+//   reads them back from there, so HBM sees each logit once (ce_fused's second read came from
+//   L2 at best, from DRAM once the rows in flight outgrew the L2: 66% of copy at V = 128256).
+//   A thread reads back only the vectors it stored (same i ↔ same thread for every row), so no
+//   extra barrier. Also fewer instructions per element (ce_fused counted ~30 of a ~38-slot budget
+//   at bf16, 3 TB/s): the max is taken on x per vector and log2(e) folded into one FFMA before a
+//   bare ex2.approx; pass 2 is ex2(x·log2e − M)·(scale/S) − scale·(ε/V + (1−ε)[j = t]) with the
+//   target compared as a 32-bit lane index per vector.
 // ce_reduce — one block: the scalar loss, Σ loss_i (÷ count for mean) in a fixed order.
 //
 // A target outside [0, V) (and ≠ ignore_index) is never used as an index: the row's loss and
@@ -267,6 +277,135 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
       }
       gv[i] = o;
     }
+    for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) {
+      const float p = exp2f(to_float(xr[c]) * LOG2E - M) * inv_s;
+      gr[c] = from_float<T>(scale * (p - off - (c == t ? hit : 0.f)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- resident (CUDA `resident`)
+
+// 2^x on the special-function unit (ex2.approx.ftz: ≤ 2⁻²² relative; results below 2⁻¹²⁶ flush
+// to 0, 2^−∞ = 0, NaN stays NaN). exp2f adds a subnormal-scaling sequence around the same MUFU.
+__device__ __forceinline__ float ex2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Same contract as ce_fused, plus `cap`: the vectors of a row kept in dynamic shared memory
+// (cap·16 bytes of it; 0 = none). Launched with ≤ 1024 threads; (1024, 2) keeps a 1024-thread
+// block at ≤ 32 registers so two share an SM.
+extern "C" __global__ void __launch_bounds__(1024, 2)
+    ce_resident(T* dx, float* __restrict__ loss_rows, const T* x, const TG* __restrict__ tgt,
+                const Status* status, i64 n, i64 v, i64 ignore, float smoothing, float dloss,
+                int mean, i64 cap) {
+  __shared__ float red[64];
+  extern __shared__ __align__(16) unsigned char ce_smem[];
+  Vec* sm = reinterpret_cast<Vec*>(ce_smem);
+  const float scale = dx ? grad_scale(status, dloss, mean) : 0.f;
+  const float off = smoothing / (float)v;
+  for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+    const T* xr = x + row * v;
+    const i64 t = (i64)tgt[row];
+    bool ignored;
+    const bool ok = target_ok(t, v, ignore, ignored);
+    if (!ok || ignored) {
+      const float g = ok ? 0.f : f_nan();
+      if (threadIdx.x == 0) loss_rows[row] = g;
+      if (dx) {
+        T* gr = dx + row * v;
+        for (i64 c = threadIdx.x; c < v; c += blockDim.x) gr[c] = from_float<T>(g);
+      }
+      continue;
+    }
+    const float xt = threadIdx.x == 0 ? to_float(xr[t]) : 0.f;
+    i64 head = (i64)(((16u - (unsigned)((u64)xr & 15u)) & 15u) / sizeof(T));
+    if (head > v) head = v;
+    const i64 nvec = (v - head) / VEC;
+    const i64 tail = head + nvec * VEC;
+    const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
+
+    // Pass 1: running (m, s) in log2 units, m = max of x·log2e so far.
+    float m = f_ninf(), s = 0.f, sx = 0.f;
+    for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
+      const float xf = to_float(xr[c]);
+      const float y = xf * LOG2E;
+      sx += xf;
+      online_add(m, s, &y, 1);
+    }
+    // Vectors below `lim` are kept in shared memory; two loops, so neither carries a per-vector
+    // select between the two memories.
+    const i64 lim = cap < nvec ? cap : nvec;
+    auto add_vec = [&](const Vec& a) {
+      float xf[VEC];
+      float mx = f_ninf();
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        xf[e] = to_float(a.v[e]);
+        sx += xf[e];
+        mx = fmaxf(mx, xf[e]);
+      }
+      const float mv = mx * LOG2E;
+      if (mv > m) {
+        s *= ex2_fast(m - mv);
+        m = mv;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s += ex2_fast(fmaf(xf[e], LOG2E, -m));
+    };
+    i64 i = threadIdx.x;
+#pragma unroll 4
+    for (; i < lim; i += blockDim.x) {
+      const Vec a = xv[i];
+      sm[i] = a;
+      add_vec(a);
+    }
+#pragma unroll 4
+    for (; i < nvec; i += blockDim.x) add_vec(xv[i]);
+    for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) {
+      const float xf = to_float(xr[c]);
+      const float y = xf * LOG2E;
+      sx += xf;
+      online_add(m, s, &y, 1);
+    }
+    const float M = block_max(m, red);
+    const float2 tot = block_sum2(m == f_ninf() ? 0.f : s * exp2f(m - M), sx, red);
+    const float inv_s = 1.f / tot.x;
+    if (threadIdx.x == 0) {
+      const float lse = (M + log2f(tot.x)) * LN2;
+      loss_rows[row] = lse - (1.f - smoothing) * xt - off * tot.y;
+    }
+    if (!dx) continue;
+
+    // Pass 2: dx_j = 2^(x_j·log2e − M)·(scale/S) − scale·(ε/V + (1−ε)[j = t]).
+    T* gr = dx + row * v;
+    Vec* gv = reinterpret_cast<Vec*>(gr + head);
+    const float hit = 1.f - smoothing;
+    for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
+      const float p = exp2f(to_float(xr[c]) * LOG2E - M) * inv_s;
+      gr[c] = from_float<T>(scale * (p - off - (c == t ? hit : 0.f)));
+    }
+    const float pa = scale * inv_s, pb = scale * off, pbh = scale * (off + hit);
+    // The target's vector index and lane (−1 when it is in the head or tail).
+    const i64 tv = t >= head && t < tail ? (t - head) / VEC : -1;
+    const int tl = (int)((t - head) & (VEC - 1));
+    auto grad_vec = [&](i64 i, const Vec& a) {
+      const int lane = i == tv ? tl : -1;
+      Vec o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float q = ex2_fast(fmaf(to_float(a.v[e]), LOG2E, -M));
+        o.v[e] = from_float<T>(fmaf(q, pa, -(e == lane ? pbh : pb)));
+      }
+      gv[i] = o;
+    };
+    i = threadIdx.x;
+#pragma unroll 4
+    for (; i < lim; i += blockDim.x) grad_vec(i, sm[i]);
+#pragma unroll 4
+    for (; i < nvec; i += blockDim.x) grad_vec(i, xv[i]);
     for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) {
       const float p = exp2f(to_float(xr[c]) * LOG2E - M) * inv_s;
       gr[c] = from_float<T>(scale * (p - off - (c == t ? hit : 0.f)));

@@ -21,7 +21,16 @@
 //   column sum. Deterministic (same bits every run on the same GPU) and ~one pass over dy, x, dx.
 //   The next row's dy and x are loaded before the current row's reduction (a two-row software
 //   pipeline): measured without it, bf16 reached 74–81% of copy with the loads idle during the
-//   barriers; prediction with it: ~90%.
+//   barriers; with it 82–86% (bf16) — the prefetched vectors cost registers (121 at chunks = 2,
+//   occupancy 25%), so one bf16 row (16 KB of dy + x) per block, 32 KB per SM, was in flight.
+// backward, step 3 (same rung, replacing the register prefetch) — rows stream through a
+//   STAGES-deep cp.async ring in shared memory: each thread copies its own 16-byte vectors of
+//   rows r+1 … r+STAGES−1 while it computes row r and reads back only what it copied (so the
+//   ring needs cp.async.wait_group, no barrier). STAGES − 1 = 2 rows in flight per block at no
+//   register cost (the raw prefetch vectors leave the registers): 64 KB per SM for bf16 at
+//   2 blocks/SM, what f32 had when it reached 94%. The partial rows are then summed by
+//   norm_col_sum with 16 threads per column (it was one thread per column walking all G partial
+//   rows, ~10 µs of latency per launch, run once for dw and again for db).
 
 #include "ferrite.cuh"
 
@@ -35,6 +44,10 @@ using namespace ferrite;
 #endif
 #ifndef FE_CHUNKS
 #define FE_CHUNKS 4
+#endif
+// Rows in the backward's shared-memory ring (STAGES − 1 of them in flight ahead of the one used).
+#ifndef FE_STAGES
+#define FE_STAGES 3
 #endif
 
 typedef FE_ELEM T;
@@ -189,15 +202,36 @@ extern "C" __global__ void norm_bwd_naive(T* __restrict__ dx, float* __restrict_
   }
 }
 
-// Requires what norm_fwd_vec requires. gridDim.x blocks each own rows blockIdx.x + k·gridDim.x and
-// write one partial row (G × cols) of dw and db.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Requires what norm_fwd_vec requires, and FE_STAGES·2·cols·sizeof(T) bytes of dynamic shared
+// memory (the ring: stage s holds dy then x of one row, cols/VEC vectors each). gridDim.x blocks
+// each own rows blockIdx.x + j·gridDim.x and write one partial row (G × cols) of dw and db.
 extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ dw_part,
                                         float* __restrict__ db_part, const T* __restrict__ dy,
                                         const T* __restrict__ x, const T* __restrict__ w,
                                         const float* __restrict__ mean,
                                         const float* __restrict__ rstd, i64 rows, i64 cols) {
+  constexpr int S = FE_STAGES;
+  static_assert(S >= 2, "the ring needs a stage being read and one being filled");
   __shared__ float red[64];
+  extern __shared__ __align__(16) unsigned char ring_raw[];
+  Vec* ring = reinterpret_cast<Vec*>(ring_raw);
   const i64 nvec = cols / VEC;
+  const i64 G = gridDim.x;
   float wr[FE_CHUNKS][VEC], dwa[FE_CHUNKS][VEC], dba[FE_CHUNKS][VEC];
 #pragma unroll
   for (int k = 0; k < FE_CHUNKS; ++k) {
@@ -211,40 +245,56 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
       dba[k][e] = 0.f;
     }
   }
-  // Software pipeline: the next row's dy and x are loaded (raw 16-byte vectors) before this
-  // row's reduction, so a block keeps loads in flight through its barriers.
-  Vec ca[FE_CHUNKS], cb[FE_CHUNKS];
-  float cmu = 0.f, crs = 0.f;
-  auto load_row = [&](i64 r, Vec* a, Vec* b, float& m_, float& s_) {
-    const Vec* dyr = reinterpret_cast<const Vec*>(dy + r * cols);
-    const Vec* xr = reinterpret_cast<const Vec*>(x + r * cols);
+  // The block's j-th row is blockIdx.x + j·G; it lives in stage j % S. Each thread copies (and
+  // later reads) only its own vectors, so a stage is reused without a barrier. mean/rstd of the
+  // rows in flight ride along in registers (mq/rq[t] = row j + t).
+  float mq[S], rq[S];
+  auto issue = [&](i64 j, int stage) {
+    const i64 r = blockIdx.x + j * G;
+    if (r < rows) {
+      Vec* st = ring + stage * 2 * nvec;
+      const Vec* dyr = reinterpret_cast<const Vec*>(dy + r * cols);
+      const Vec* xr = reinterpret_cast<const Vec*>(x + r * cols);
 #pragma unroll
-    for (int k = 0; k < FE_CHUNKS; ++k) {
-      const i64 i = threadIdx.x + (i64)k * blockDim.x;
-      if (i < nvec) {
-        a[k] = dyr[i];
-        b[k] = xr[i];
+      for (int k = 0; k < FE_CHUNKS; ++k) {
+        const i64 i = threadIdx.x + (i64)k * blockDim.x;
+        if (i < nvec) {
+          cp_async16(st + i, dyr + i);
+          cp_async16(st + nvec + i, xr + i);
+        }
       }
     }
-    m_ = mean ? mean[r] : 0.f;
-    s_ = rstd[r];
+    cp_async_commit();  // an empty group past the last row keeps the wait count uniform
   };
-  if (blockIdx.x < rows) load_row(blockIdx.x, ca, cb, cmu, crs);
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    Vec na[FE_CHUNKS], nb[FE_CHUNKS];
-    float nmu = 0.f, nrs = 0.f;
-    if (row + gridDim.x < rows) load_row(row + gridDim.x, na, nb, nmu, nrs);
-    const float mu = cmu, rs = crs;
+  auto stats = [&](i64 j, float& m_, float& s_) {
+    const i64 r = blockIdx.x + j * G;
+    m_ = (mean && r < rows) ? mean[r] : 0.f;
+    s_ = r < rows ? rstd[r] : 0.f;
+  };
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    issue(t, t);
+    stats(t, mq[t], rq[t]);
+  }
+  // cur = j % S (read), nxt = (j + S − 1) % S (filled now: the stage row j − 1 used).
+  int cur = 0, nxt = S - 1;
+  for (i64 j = 0, row = blockIdx.x; row < rows; ++j, row += G) {
+    issue(j + S - 1, nxt);  // this thread finished reading that stage in the previous iteration
+    stats(j + S - 1, mq[S - 1], rq[S - 1]);
+    cp_async_wait<S - 1>();  // row j's group (and every older one) has landed
+    const float mu = mq[0], rs = rq[0];
+    const Vec* st = ring + cur * 2 * nvec;
     float d[FE_CHUNKS][VEC], xh[FE_CHUNKS][VEC];
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int k = 0; k < FE_CHUNKS; ++k) {
       const i64 i = threadIdx.x + (i64)k * blockDim.x;
       if (i < nvec) {
+        const Vec a = st[i], b = st[nvec + i];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          d[k][e] = to_float(ca[k].v[e]);
-          xh[k][e] = (to_float(cb[k].v[e]) - mu) * rs;
+          d[k][e] = to_float(a.v[e]);
+          xh[k][e] = (to_float(b.v[e]) - mu) * rs;
           const float g = d[k][e] * wr[k][e];
           sg += g;
           sgx += g * xh[k][e];
@@ -266,19 +316,20 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
         for (int e = 0; e < VEC; ++e) {
           o.v[e] = from_float<T>(rs * (d[k][e] * wr[k][e] - mg - xh[k][e] * mgx));
           dwa[k][e] += d[k][e] * xh[k][e];
-          dba[k][e] += d[k][e];
+          if (!FE_RMS) dba[k][e] += d[k][e];  // RMSNorm has no bias (the API refuses dbias)
         }
         dxr[i] = o;
       }
     }
 #pragma unroll
-    for (int k = 0; k < FE_CHUNKS; ++k) {
-      ca[k] = na[k];
-      cb[k] = nb[k];
+    for (int u = 0; u < S - 1; ++u) {
+      mq[u] = mq[u + 1];
+      rq[u] = rq[u + 1];
     }
-    cmu = nmu;
-    crs = nrs;
+    nxt = cur;
+    cur = cur + 1 == S ? 0 : cur + 1;
   }
+  cp_async_wait<0>();  // no copy may still target shared memory when the block exits
 #pragma unroll
   for (int k = 0; k < FE_CHUNKS; ++k) {
     const i64 i = threadIdx.x + (i64)k * blockDim.x;
@@ -287,19 +338,34 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
       for (int e = 0; e < VEC; ++e) {
         const i64 c = i * VEC + e;
         if (dw_part) dw_part[blockIdx.x * cols + c] = dwa[k][e];
-        if (db_part) db_part[blockIdx.x * cols + c] = dba[k][e];
+        if (!FE_RMS && db_part) db_part[blockIdx.x * cols + c] = dba[k][e];
       }
     }
   }
 }
 
-// out[c] = Σ_p part[p·cols + c] for p = 0..parts−1 in order: the deterministic second stage of
-// the weight/bias gradients. A thread per column, coalesced across the warp.
-extern "C" __global__ void norm_col_sum(T* __restrict__ out, const float* __restrict__ part,
+// out[c] = Σ_p part[p·cols + c] over `parts` partial rows: the deterministic second stage of the
+// weight/bias gradients, for up to two (out, part) pairs at once (blockIdx.y; a null out skips
+// its pair). Block (32, 16) owns 32 columns: thread row ty sums parts ty, ty+16, … in order, then
+// the 16 sums are added in ty order — a fixed order, 16 loads in flight per column instead of one
+// thread walking all the parts.
+extern "C" __global__ void norm_col_sum(T* __restrict__ out0, const float* __restrict__ part0,
+                                        T* __restrict__ out1, const float* __restrict__ part1,
                                         i64 parts, i64 cols) {
-  const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  float s = 0.f;
-  for (i64 p = 0; p < parts; ++p) s += part[p * cols + c];
-  out[c] = from_float<T>(s);
+  __shared__ float s[16][33];
+  T* out = blockIdx.y ? out1 : out0;
+  const float* part = blockIdx.y ? part1 : part0;
+  if (!out) return;  // uniform across the block: no barrier is skipped by part of it
+  const i64 c = (i64)blockIdx.x * 32 + threadIdx.x;
+  float a = 0.f;
+  if (c < cols)
+    for (i64 p = threadIdx.y; p < parts; p += 16) a += part[p * cols + c];
+  s[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) t += s[k][threadIdx.x];
+    out[c] = from_float<T>(t);
+  }
 }
