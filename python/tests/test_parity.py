@@ -124,3 +124,30 @@ def test_empty_tensors():
     assert torch.equal(ferrite.linear(torch.randn(2, 0), torch.randn(3, 0), torch.ones(3)), torch.ones(2, 3))
     assert ferrite.rms_norm(torch.randn(0, 8), [8]).shape == (0, 8)
     assert ferrite.layer_norm(torch.randn(2, 0, 8), [8]).shape == (2, 0, 8)
+
+
+def test_cpu_operands_borrowed_or_copied():
+    """CPU operands are used in place when 8-byte aligned and not overlapping another operand of
+    the call, copied otherwise: the same tensor passed twice, views sharing storage, a 2-byte
+    offset bf16 view and a strided view all give torch's results and leave the inputs as they
+    were."""
+    x = torch.randn(33, 33)
+    before = x.clone()
+    close(ferrite.matmul(x, x), x @ x)  # one buffer as both operands (the second is copied)
+    close(ferrite.matmul(x, x.t()), x @ x.t())
+    big = torch.randn(40, 33)
+    close(ferrite.matmul(big[:20], big[7:]), big[:20] @ big[7:])  # overlapping views
+    assert torch.equal(x, before)
+    hb = torch.randn(9, 65, dtype=torch.bfloat16)
+    odd = hb[:, 1:]  # data pointer 2 bytes past an 8-byte boundary: copied
+    assert odd.data_ptr() % 8 != 0
+    close(ferrite.rms_norm(odd, [64]), F.rms_norm(odd.float(), [64]).to(torch.bfloat16), scale=2.0)
+    close(ferrite.softmax(odd, -1), torch.softmax(odd.float(), -1).to(torch.bfloat16), scale=2.0)
+    # In place: AdamW writes params and moments straight into the borrowed tensors.
+    p = torch.randn(37, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    g = torch.randn(37)
+    p.grad, q.grad = g.clone(), g.clone()
+    ferrite.optim.AdamW([p], lr=1e-2, weight_decay=0.1).step()
+    torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1).step()
+    close(p.detach(), q.detach())

@@ -239,7 +239,17 @@ fn info() -> Result<()> {
                 v.min_arch
                     .map(|a| a.target().to_string())
                     .unwrap_or_else(|| "-".into()),
-                v.summary.into(),
+                match ferrite::core::variant::PENDING_GPU_RUN
+                    .iter()
+                    .find(|&&(o, n, _)| o == f.name() && n == v.name)
+                {
+                    Some((_, _, d)) => format!(
+                        "[not yet run on a GPU{}: picked only by name] {}",
+                        d.map(|d| format!(" for {d}")).unwrap_or_default(),
+                        v.summary
+                    ),
+                    None => v.summary.into(),
+                },
             ]);
         }
     }

@@ -10,24 +10,77 @@ use super::layout::{checked_bytes, checked_numel, Layout};
 use super::rng::Rng;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-/// Host bytes, 8-byte aligned so every dtype can be viewed in place.
+/// Host bytes, 8-byte aligned so every dtype can be viewed in place: owned, or borrowed from
+/// the caller (a PyTorch CPU tensor's memory, see [`Tensor::from_host_ptr`]).
 pub struct HostBytes {
-    words: Vec<u64>,
+    mem: HostMem,
     len: usize,
 }
+
+enum HostMem {
+    Owned(Vec<u64>),
+    /// Memory owned elsewhere; never freed here.
+    Borrowed(std::ptr::NonNull<u8>),
+}
+
+// SAFETY: an owned buffer is a Vec. A borrowed one is only created through
+// `HostBytes::borrowed`, whose contract makes the memory valid for the storage's whole life and
+// accessed by nobody else while the tensor does; every access then goes through the storage's
+// RwLock like an owned buffer's, so sharing the handle between threads is as safe as the Vec's.
+unsafe impl Send for HostBytes {}
+// SAFETY: as above.
+unsafe impl Sync for HostBytes {}
 
 impl HostBytes {
     pub fn zeroed(len: usize) -> Self {
         HostBytes {
-            words: vec![0u64; len.div_ceil(8)],
+            mem: HostMem::Owned(vec![0u64; len.div_ceil(8)]),
             len,
         }
     }
+
+    /// Wraps `len` bytes at `ptr` without copying.
+    ///
+    /// # Safety
+    /// `ptr` is non-null, 8-byte aligned and valid for reads and writes of `len` bytes for as
+    /// long as the returned value (and every tensor sharing it) lives; while it does, no one
+    /// else writes those bytes, and no other `HostBytes` borrows any of them (two borrows of
+    /// overlapping memory behind two different locks could alias a `&mut`).
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Self {
+        // An empty span is never dereferenced: any aligned non-null address stands in for it.
+        let p = match std::ptr::NonNull::new(ptr) {
+            Some(p) if len > 0 => p,
+            _ => std::ptr::NonNull::<u64>::dangling().cast(),
+        };
+        debug_assert!(p.as_ptr() as usize % 8 == 0);
+        HostBytes {
+            mem: HostMem::Borrowed(p),
+            len,
+        }
+    }
+
+    /// Whether the bytes belong to the caller (borrowed) rather than to this value.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.mem, HostMem::Borrowed(_))
+    }
+
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        match &self.mem {
+            HostMem::Owned(w) => &bytemuck::cast_slice(w)[..self.len],
+            // SAFETY: `borrowed`'s contract: valid for `len` bytes, not written by anyone else
+            // while this shared borrow (taken under the storage's read lock) lives.
+            HostMem::Borrowed(p) => unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len) },
+        }
     }
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        match &mut self.mem {
+            HostMem::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..self.len],
+            // SAFETY: `borrowed`'s contract, and `&mut self` (the storage's write lock): no other
+            // reference to these bytes exists while this one lives.
+            HostMem::Borrowed(p) => unsafe {
+                std::slice::from_raw_parts_mut(p.as_ptr(), self.len)
+            },
+        }
     }
     pub fn as_slice<T: Element>(&self) -> &[T] {
         bytemuck::cast_slice(self.as_bytes())
@@ -168,6 +221,43 @@ impl Tensor {
             layout,
             dtype,
             device: Device::Cuda(ordinal),
+        })
+    }
+
+    /// Wraps host memory owned elsewhere (e.g. a PyTorch CPU tensor) as a tensor view, without
+    /// copying: ops read and write it in place.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of every element the layout (`shape`, `strides`,
+    /// offset 0) addresses, for as long as the tensor (and its views) live; meanwhile nothing
+    /// else may write that memory, and no other borrowed tensor may cover any of it (see
+    /// [`HostBytes::borrowed`]). A `ptr` that is not 8-byte aligned is refused (an error, not
+    /// UB): ferrite's CPU code may view host bytes as any element type.
+    pub unsafe fn from_host_ptr(
+        ptr: u64,
+        shape: &[usize],
+        strides: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let layout = Layout::new(shape.to_vec(), strides.to_vec(), 0)?;
+        let end = layout.max_offset("Tensor::from_host_ptr")?;
+        let bytes = checked_bytes("Tensor::from_host_ptr", end, dtype.size_in_bytes())?;
+        if bytes > 0 && (ptr == 0 || ptr % 8 != 0) {
+            return Err(Error::bad_arg(
+                "Tensor::from_host_ptr",
+                "ptr",
+                "a non-null, 8-byte aligned address",
+                format!("{ptr:#x}"),
+            ));
+        }
+        // SAFETY: forwarded to the caller's contract (alignment checked above; an empty span is
+        // never dereferenced).
+        let hb = unsafe { HostBytes::borrowed(ptr as *mut u8, bytes) };
+        Ok(Tensor {
+            storage: Arc::new(RwLock::new(Storage::Cpu(hb))),
+            layout,
+            dtype,
+            device: Device::Cpu,
         })
     }
 

@@ -70,8 +70,27 @@ impl VariantInfo {
     }
 }
 
-/// Picks `requested` (checked) or the best-ranked applicable variant. `extra` lets the op add
-/// shape constraints: it returns Some(reason) when a variant cannot take this request.
+/// Variants (op, variant, dtype — None: every dtype) written in a session without a GPU: they
+/// compile for sm_80/sm_90a with no spills and their CPU-side logic is tested, but no GPU has
+/// checked and timed them yet. They run when asked for by name; the default selection passes
+/// over them (unless nothing else applies) until a GPU run promotes them off this list.
+pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
+    ("linear", "fused_pairs", None),
+    ("linear", "persistent_pairs", None),
+    ("matmul", "wgmma", Some(DType::F32)),
+    ("cross_entropy", "resident", None),
+];
+
+/// Whether `variant` of `op` for `dtype` waits for its first GPU run (see [`PENDING_GPU_RUN`]).
+pub fn pending_gpu_run(op: &str, variant: &str, dtype: DType) -> bool {
+    PENDING_GPU_RUN
+        .iter()
+        .any(|&(o, v, d)| o == op && v == variant && d.is_none_or(|d| d == dtype))
+}
+
+/// Picks `requested` (checked) or the best-ranked applicable variant (passing over those in
+/// [`PENDING_GPU_RUN`] while another applies). `extra` lets the op add shape constraints: it
+/// returns Some(reason) when a variant cannot take this request.
 pub fn select<'a>(
     op: &str,
     variants: &'a [VariantInfo],
@@ -111,10 +130,11 @@ pub fn select<'a>(
         }
         return Ok(v);
     }
-    variants
-        .iter()
-        .filter(|v| why(v).is_none())
+    let fits = || variants.iter().filter(|v| why(v).is_none());
+    fits()
+        .filter(|v| !pending_gpu_run(op, v.name, dtype))
         .max_by_key(|v| v.rank)
+        .or_else(|| fits().max_by_key(|v| v.rank))
         .ok_or_else(|| {
             let reasons: Vec<String> = variants
                 .iter()

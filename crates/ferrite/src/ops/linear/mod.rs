@@ -50,10 +50,6 @@ pub const OP: &str = "linear";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 const HALVES: &[DType] = &[DType::F16, DType::BF16];
 
-/// The pair-epilogue rungs were written in a session without a GPU: until `ferrite check linear`
-/// and `ferrite bench linear` have run them on one, the default selection skips them.
-pub const PENDING_GPU_MEASUREMENT: [&str; 2] = ["fused_pairs", "persistent_pairs"];
-
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo {
@@ -432,9 +428,6 @@ fn precision_of(dtype: DType, opts: &LinearOptions) -> Precision {
 
 /// Picks the variant for a forward problem; `ptrs` (GPU) are X's and W's addresses, for the TMA
 /// alignment rule of `persistent`.
-///
-/// Rungs in [`PENDING_GPU_MEASUREMENT`] run only when asked for by name: they compile (NVRTC and
-/// ptxas, 0 spills) and their CPU-side logic is tested, but no GPU has checked and timed them yet.
 pub fn select(
     p: &Problem,
     g: Option<&matmul::Gemm>,
@@ -457,13 +450,6 @@ pub fn select(
         |v| {
             if v.backend != Backend::Cuda {
                 return None;
-            }
-            if opts.variant.is_none() && PENDING_GPU_MEASUREMENT.contains(&v.name) {
-                return Some(
-                    "is not picked by default until its GPU check and bench have run (ask for \
-                     it by name)"
-                        .to_string(),
-                );
             }
             match v.name {
                 "fused" | "fused_pairs" if prec == Precision::F32 => Some(

@@ -476,11 +476,6 @@ fn precision_of(g: &Gemm, opts: &MatmulOptions) -> Precision {
 }
 
 /// Picks the variant that will run `g` under `opts`.
-/// tf32 on `wgmma` was written in a session without a GPU: until `ferrite check matmul` and
-/// `ferrite bench matmul` have run it on one, the default selection keeps `mma_pipelined` for
-/// tf32 (bf16/f16 `wgmma` is measured and unaffected).
-pub const TF32_WGMMA_PENDING: bool = true;
-
 pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
     let vs = variants();
     let backend = Backend::of(g.device);
@@ -504,13 +499,6 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
                 }
                 if let Some(why) = cuda::wgmma_declines(g) {
                     return Some(why);
-                }
-                if g.dtype == DType::F32 && opts.variant.is_none() && TF32_WGMMA_PENDING {
-                    return Some(
-                        "is not picked by default for tf32 until its GPU check and bench have run \
-                         (ask for it by name)"
-                            .to_string(),
-                    );
                 }
             }
             match prec {
