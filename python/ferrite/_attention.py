@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._eager import eager
 from ._ops import _check_tensors, _describe, _fail, _native_call, _where
 
 _LAYOUTS = ("bshd", "bhsd")
@@ -193,7 +194,7 @@ def _attn_setup(ctx, inputs, output):
 
 def _attn_bwd(ctx, dout, _dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ferrite.attention_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = eager.attention_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 11
 
 
@@ -232,7 +233,7 @@ def flash_attn_func(
     op = "ferrite.flash_attn_func"
     _no_dropout(op, dropout_p)
     wl, wr = _window(op, window_size)
-    o, lse = torch.ops.ferrite.attention(
+    o, lse = eager.attention(
         q, k, v, None, None, 0, 0, "bshd", softmax_scale, bool(causal), wl, wr, float(softcap), bool(deterministic)
     )
     return (o, lse) if return_lse else o
@@ -261,7 +262,7 @@ def flash_attn_varlen_func(
     wl, wr = _window(op, window_size)
     if cu_seqlens_q is None or cu_seqlens_k is None:
         _fail(op, "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k", "an int32 tensor [B+1]", "None")
-    o, lse = torch.ops.ferrite.attention(
+    o, lse = eager.attention(
         q,
         k,
         v,
@@ -310,7 +311,7 @@ def scaled_dot_product_attention(
         )
     if key.shape[1] != query.shape[1] and not enable_gqa:
         _fail(op, "key", f"{query.shape[1]} heads like query (or enable_gqa=True)", _describe(key))
-    return torch.ops.ferrite.attention(
+    return eager.attention(
         query, key, value, None, None, 0, 0, "bhsd", scale, bool(is_causal), -1, -1, 0.0, False
     )[0]
 
@@ -383,7 +384,7 @@ def paged_decode(
     ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` (tokens in the cache, the new one included).
     Block-table entries and lengths are checked (on the GPU through a device flag: a bad entry is
     an error, never an out-of-bounds read). Returns out ``[B, Hq, D]`` (and lse ``[B, Hq]``)."""
-    o, lse = torch.ops.ferrite.paged_decode(
+    o, lse = eager.paged_decode(
         q, key_cache, value_cache, block_table, seq_lens, softmax_scale, float(softcap), int(window_left)
     )
     return (o, lse) if return_lse else o

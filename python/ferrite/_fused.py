@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._eager import eager
 from ._ops import _activation, _check_tensors, _describe, _empty, _fail, _native_call, _where
 
 # ----------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def _softmax_setup(ctx, inputs, output):
 
 def _softmax_bwd(ctx, grad):
     (y,) = ctx.saved_tensors
-    return torch.ops.ferrite.softmax_backward(grad, y, ctx.scale), None
+    return eager.softmax_backward(grad, y, ctx.scale), None
 
 
 _softmax.register_autograd(_softmax_bwd, setup_context=_softmax_setup)
@@ -99,9 +100,9 @@ def softmax(input: Tensor, dim: int = -1, scale: float = 1.0) -> Tensor:
         _fail("ferrite.softmax", "dim", f"a dim in [{-nd}, {nd})", str(dim))
     d = dim % nd
     if input.dim() == 0 or d == input.dim() - 1:
-        return torch.ops.ferrite.softmax(input, float(scale))
+        return eager.softmax(input, float(scale))
     moved = input.movedim(d, -1)
-    return torch.ops.ferrite.softmax(moved, float(scale)).movedim(-1, d)
+    return eager.softmax(moved, float(scale)).movedim(-1, d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ def _bad_setup(ctx, inputs, output):
 def _bad_bwd(ctx, grad):
     x, bias, seed = ctx.saved_tensors
     need_b = bias is not None and ctx.needs_input_grad[1]
-    dx, db = torch.ops.ferrite.bias_act_dropout_backward(grad, x, bias, ctx.activation, ctx.p, seed, need_b)
+    dx, db = eager.bias_act_dropout_backward(grad, x, bias, ctx.activation, ctx.p, seed, need_b)
     return dx, (db if need_b else None), None, None, None
 
 
@@ -254,7 +255,7 @@ def bias_act_dropout(
     act = _activation("ferrite.bias_act_dropout", activation)
     if not training:
         p = 0.0
-    return torch.ops.ferrite.bias_act_dropout(input, bias, act, float(p), _seed_tensor(seed))
+    return eager.bias_act_dropout(input, bias, act, float(p), _seed_tensor(seed))
 
 
 def dropout(input: Tensor, p: float = 0.5, training: bool = True, seed=None) -> Tensor:
@@ -321,7 +322,7 @@ def _glu_setup(ctx, inputs, output):
 
 def _glu_bwd(ctx, grad):
     (x,) = ctx.saved_tensors
-    return torch.ops.ferrite.glu_backward(grad, x, ctx.activation), None
+    return eager.glu_backward(grad, x, ctx.activation), None
 
 
 _glu.register_autograd(_glu_bwd, setup_context=_glu_setup)
@@ -329,14 +330,14 @@ _glu.register_autograd(_glu_bwd, setup_context=_glu_setup)
 
 def swiglu(input: Tensor) -> Tensor:
     """``silu(gate) * up`` for ``input = cat([gate, up], -1)``."""
-    return torch.ops.ferrite.glu(input, "silu")
+    return eager.glu(input, "silu")
 
 
 def geglu(input: Tensor, approximate: str = "none") -> Tensor:
     """``gelu(gate) * up`` for ``input = cat([gate, up], -1)`` (``approximate`` as in F.gelu)."""
     if approximate not in ("none", "tanh"):
         _fail("ferrite.geglu", "approximate", "'none' or 'tanh'", repr(approximate))
-    return torch.ops.ferrite.glu(input, "gelu_tanh" if approximate == "tanh" else "gelu_erf")
+    return eager.glu(input, "gelu_tanh" if approximate == "tanh" else "gelu_erf")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +469,6 @@ def cross_entropy(
     ``check_targets=True``, the kernel's error flag is read back (a sync) and a ``ValueError``
     names the row."""
     need = torch.is_grad_enabled() and input.requires_grad
-    return torch.ops.ferrite.cross_entropy(
+    return eager.cross_entropy(
         input, target, int(ignore_index), float(label_smoothing), reduction, need, bool(check_targets)
     )[0]

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._eager import eager
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -305,7 +306,7 @@ def _matmul_setup(ctx, inputs, output):
 def _matmul_bwd(ctx, grad):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    da, db = torch.ops.ferrite.matmul_backward(grad, a, b, need_a, need_b)
+    da, db = eager.matmul_backward(grad, a, b, need_a, need_b)
     return (da if need_a else None), (db if need_b else None)
 
 
@@ -480,7 +481,7 @@ def _linear_bwd(ctx, grad):
     x, weight = ctx.saved_tensors
     nx, nw, nb = ctx.needs_input_grad
     nb = bool(nb) and ctx.has_bias
-    dx, dw, db = torch.ops.ferrite.linear_backward(grad, x, weight, nx, nw, nb)
+    dx, dw, db = eager.linear_backward(grad, x, weight, nx, nw, nb)
     return (dx if nx else None), (dw if nw else None), (db if nb else None)
 
 
@@ -549,7 +550,7 @@ def _linear_act_bwd(ctx, grad, _grad_z):
         )
     nx, nw, nb = ctx.needs_input_grad[:3]
     nb = bool(nb) and ctx.has_bias
-    dx, dw, db = torch.ops.ferrite.linear_act_backward(grad, x, weight, z, ctx.activation, nx, nw, nb)
+    dx, dw, db = eager.linear_act_backward(grad, x, weight, z, ctx.activation, nx, nw, nb)
     return (dx if nx else None), (dw if nw else None), (db if nb else None), None, None
 
 
@@ -661,7 +662,7 @@ def _rms_setup(ctx, inputs, output):
 def _rms_bwd(ctx, grad, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[2]
-    dx, dw = torch.ops.ferrite.rms_norm_backward(grad, x, ctx.ns, weight, rstd, need_w)
+    dx, dw = eager.rms_norm_backward(grad, x, ctx.ns, weight, rstd, need_w)
     return dx, None, (dw if need_w else None), None
 
 
@@ -715,7 +716,7 @@ def _ln_bwd(ctx, grad, _grad_mean, _grad_rstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[2]
     need_b = ctx.has_bias and ctx.needs_input_grad[3]
-    dx, dw, db = torch.ops.ferrite.layer_norm_backward(grad, x, ctx.ns, weight, mean, rstd, need_w, need_b)
+    dx, dw, db = eager.layer_norm_backward(grad, x, ctx.ns, weight, mean, rstd, need_w, need_b)
     return dx, None, (dw if need_w else None), (db if need_b else None), None
 
 
@@ -728,7 +729,7 @@ _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
 
 def matmul(input: Tensor, other: Tensor) -> Tensor:
     """``torch.matmul`` for ``input [..., m, k]`` and ``other [k, n]`` or ``[..., k, n]``."""
-    return torch.ops.ferrite.matmul(input, other)
+    return eager.matmul(input, other)
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
@@ -738,11 +739,11 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     pre-activation is kept for the backward only when a gradient will be needed."""
     act = _activation("ferrite.linear", activation)
     if act == "none":
-        return torch.ops.ferrite.linear(input, weight, bias)
+        return eager.linear(input, weight, bias)
     need = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, weight, bias)
     )
-    return torch.ops.ferrite.linear_act(input, weight, bias, act, need)[0]
+    return eager.linear_act(input, weight, bias, act, need)[0]
 
 
 def rms_norm(
@@ -754,7 +755,7 @@ def rms_norm(
     """``torch.nn.functional.rms_norm`` (eps None: ``torch.finfo(input.dtype).eps``, as torch)."""
     if eps is None:
         eps = torch.finfo(input.dtype).eps if input.is_floating_point() else 1e-6
-    return torch.ops.ferrite.rms_norm(input, _norm_shape(normalized_shape), weight, float(eps))[0]
+    return eager.rms_norm(input, _norm_shape(normalized_shape), weight, float(eps))[0]
 
 
 def layer_norm(
@@ -765,7 +766,7 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> Tensor:
     """``torch.nn.functional.layer_norm``."""
-    return torch.ops.ferrite.layer_norm(input, _norm_shape(normalized_shape), weight, bias, float(eps))[0]
+    return eager.layer_norm(input, _norm_shape(normalized_shape), weight, bias, float(eps))[0]
 
 
 def cuda_status() -> Tuple[int, Optional[str]]:
