@@ -155,7 +155,7 @@ fn wrap(op: &str, arg: &str, d: &Desc, tgt: &Target) -> ferrite::Result<Operand>
                 .lock()
                 .map_err(|_| Error::Other(format!("{op}: operand list lock poisoned")))?;
             let shared = spans.iter().any(|&(a, b)| lo < b && a < hi);
-            if bytes == 0 || (ptr % 8 == 0 && !shared) {
+            if bytes == 0 || (ptr.is_multiple_of(8) && !shared) {
                 spans.push((lo, hi));
                 // SAFETY: the Python layer built this descriptor from a live torch CPU tensor,
                 // kept alive (and not touched by Python) for the whole call, whose layout

@@ -52,7 +52,7 @@ impl HostBytes {
             Some(p) if len > 0 => p,
             _ => std::ptr::NonNull::<u64>::dangling().cast(),
         };
-        debug_assert!(p.as_ptr() as usize % 8 == 0);
+        debug_assert!((p.as_ptr() as usize).is_multiple_of(8));
         HostBytes {
             mem: HostMem::Borrowed(p),
             len,
@@ -77,9 +77,7 @@ impl HostBytes {
             HostMem::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..self.len],
             // SAFETY: `borrowed`'s contract, and `&mut self` (the storage's write lock): no other
             // reference to these bytes exists while this one lives.
-            HostMem::Borrowed(p) => unsafe {
-                std::slice::from_raw_parts_mut(p.as_ptr(), self.len)
-            },
+            HostMem::Borrowed(p) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), self.len) },
         }
     }
     pub fn as_slice<T: Element>(&self) -> &[T] {
@@ -242,7 +240,7 @@ impl Tensor {
         let layout = Layout::new(shape.to_vec(), strides.to_vec(), 0)?;
         let end = layout.max_offset("Tensor::from_host_ptr")?;
         let bytes = checked_bytes("Tensor::from_host_ptr", end, dtype.size_in_bytes())?;
-        if bytes > 0 && (ptr == 0 || ptr % 8 != 0) {
+        if bytes > 0 && (ptr == 0 || !ptr.is_multiple_of(8)) {
             return Err(Error::bad_arg(
                 "Tensor::from_host_ptr",
                 "ptr",

@@ -319,6 +319,35 @@ fn bench_gpu(
                 }
             );
             group.push(r);
+            // The second vendor peer: cuBLASLt with its heuristic's pick, planned once. A
+            // failure (no libcublasLt, no algorithm) leaves the row out rather than the group.
+            progress(&format!("matmul {d} cublaslt {label} {}", g.label()));
+            let lt = mm_cuda::LtPlan::new(dev, &g, prec, &stream).and_then(|plan| {
+                let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
+                    plan.run(ptrs[i % ptrs.len()], 1.0, 0.0)
+                })?;
+                Ok((stats, plan.config.clone()))
+            });
+            match lt {
+                Ok((stats, config)) => {
+                    let mut r = BenchRecord::new(
+                        d,
+                        &name,
+                        OP,
+                        "cublaslt",
+                        dtype,
+                        g.label(),
+                        stats,
+                        g.flops(),
+                        g.min_bytes(0.0),
+                    );
+                    r.dtype = label.into();
+                    r.is_peer = true;
+                    r.config = config;
+                    group.push(r);
+                }
+                Err(e) => progress(&format!("matmul {d} cublaslt {label}: skipped ({e})")),
+            }
             let ceiling_label = format!("cuBLAS {cube}³");
             let ceiling = ceilings
                 .gpu_gemm(label)

@@ -313,13 +313,50 @@ fn check_one(
         precision,
         ..Default::default()
     };
-    matmul_into(&a, &b, &out, &opts)?;
+    match variant {
+        PEER_CUBLAS | PEER_CUBLASLT => run_peer(variant, &a, &b, &out, c, precision)?,
+        _ => matmul_into(&a, &b, &out, &opts)?,
+    }
     if let Device::Cuda(i) = dev {
         let d = crate::core::cuda::device(i)?;
         d.synchronize(d.stream(), &format!("matmul/{variant}"))?;
     }
     let r = reference(c, &a, &b, c0.as_ref())?;
     Ok(rel_error(&out.to_f64_vec()?, &r))
+}
+
+/// The vendor peers, checked like the variants so a wrong layout or transpose in the bench's
+/// peer calls (which would time a different problem) shows up as an error here.
+const PEER_CUBLAS: &str = "cublas";
+const PEER_CUBLASLT: &str = "cublaslt";
+
+fn run_peer(
+    peer: &str,
+    a: &Tensor,
+    b: &Tensor,
+    out: &Tensor,
+    c: &Case,
+    precision: Precision,
+) -> Result<()> {
+    let g = super::validate(a, b, out)?;
+    let Device::Cuda(i) = g.device else {
+        return Ok(());
+    };
+    let dev = crate::core::cuda::device(i)?;
+    let p = super::cuda::Ptrs {
+        a: a.device_ptr()?,
+        b: b.device_ptr()?,
+        c: out.device_ptr()?,
+    };
+    let stream = dev.stream().clone();
+    if peer == PEER_CUBLAS {
+        super::cuda::cublas(&dev, &g, p, c.alpha, c.beta, precision, &stream)
+    } else {
+        let plan = super::cuda::LtPlan::new(&dev, &g, precision, &stream)?;
+        plan.run(p, c.alpha, c.beta)?;
+        // The plan (and its workspace) is freed when this returns: finish its work first.
+        dev.synchronize(&stream, "cublaslt check")
+    }
 }
 
 pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
@@ -365,6 +402,41 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                         }
                     };
                     out.push(rec);
+                }
+            }
+        }
+        if backend == Backend::Cuda && crate::core::cuda::blas::available().is_ok() {
+            for peer in [PEER_CUBLAS, PEER_CUBLASLT]
+                .into_iter()
+                .filter(|p| cfg.wants_variant(p))
+            {
+                for (dtype, precision) in [
+                    (DType::F32, Precision::F32),
+                    (DType::F32, Precision::Tf32),
+                    (DType::F16, Precision::F16),
+                    (DType::BF16, Precision::Bf16),
+                ] {
+                    if !cfg.wants_dtype(dtype) {
+                        continue;
+                    }
+                    for c in cases(true) {
+                        let seed = rng.next_u64();
+                        out.push(match check_one(&c, dev, dtype, peer, precision, seed) {
+                            Ok(err) => CheckRecord::compared(
+                                OP,
+                                peer,
+                                dev,
+                                dtype,
+                                precision,
+                                c.label(),
+                                err,
+                                String::new(),
+                            ),
+                            Err(e) => {
+                                CheckRecord::errored(OP, peer, dev, dtype, c.label(), e.to_string())
+                            }
+                        });
+                    }
                 }
             }
         }
