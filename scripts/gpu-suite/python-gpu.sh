@@ -29,6 +29,10 @@ if [ "${SKIP_DEMO:-0}" != 1 ]; then
   python3 -m ferrite.demo --mode training --json "$OUT/demo-cuda-training.json" > "$OUT/demo-cuda-training.txt" 2>&1 || status=1
   cat "$OUT/demo-cuda-training.txt"
 fi
+if [ "${HOST_OVERHEAD:-0}" = 1 ]; then
+  echo "== host time per call: dispatcher vs eager fast path"
+  python3 scripts/host_overhead.py --device cuda --json "$OUT/host-overhead.json" 2>&1 | tee "$OUT/host-overhead.txt" || status=1
+fi
 if [ -n "$bench" ]; then
   echo "== binding overhead (python op vs the same kernel from ferrite bench)"
   python3 scripts/gpu-suite/binding_overhead.py "$bench" "$OUT/binding-overhead.json" 2>&1 | tee "$OUT/binding-overhead.txt" || status=1
