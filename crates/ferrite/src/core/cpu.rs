@@ -51,3 +51,125 @@ pub fn with_f32_out(t: &crate::Tensor, f: impl FnOnce(&mut [f32])) -> crate::Res
         t.write_f32(&buf)
     }
 }
+
+/// e^x of every element, in place, vectorised: the CPU rungs' replacement for libm's scalar
+/// `expf` (one call per element, ~20 cycles) in the exp-heavy row ops.
+///
+/// Method (Cody–Waite): n = round(x·log₂e), r = x − n·ln2 split in two constants so r is exact to
+/// a few ulps, e^r by a degree-7 polynomial on |r| ≤ ln2/2 (Cephes' coefficients), times 2ⁿ built
+/// in the exponent bits. Branch-free, so LLVM vectorises the loop: 16 lanes with AVX-512, 8 with
+/// AVX2+FMA (both compiled in and picked at run time), 4 with the baseline SSE2.
+/// Accuracy: ≤ 2 ulp for −87.3 ≤ x ≤ 88.7 (tested against f64); below −87.3 the result is 0
+/// (true values there are subnormal, < 1.2e−38); above 88.72, +inf; NaN stays NaN.
+pub fn exp_in_place(v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above).
+            return unsafe { exp_avx512(v) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            return unsafe { exp_avx2(v) };
+        }
+    }
+    exp_loop(v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_avx512(v: &mut [f32]) {
+    exp_loop(v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_avx2(v: &mut [f32]) {
+    exp_loop(v)
+}
+
+#[inline(always)]
+fn exp_loop(v: &mut [f32]) {
+    for x in v.iter_mut() {
+        *x = exp_one(*x);
+    }
+}
+
+/// One lane of [`exp_in_place`] (selects only, so the loop around it vectorises).
+#[inline(always)]
+pub fn exp_one(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 = C1 + C2, C1 with few mantissa bits so n·C1 is exact for |n| ≤ 128.
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    // Adding 1.5·2²³ rounds a float of magnitude < 2²² to an integer (round to nearest even).
+    const ROUND: f32 = 12_582_912.0;
+    const LO: f32 = -87.336_55;
+    const HI: f32 = 88.722_83;
+    let xc = x.clamp(LO, HI);
+    let n = ((xc * LOG2E + ROUND) - ROUND).min(127.0);
+    let r = xc - n * C1 - n * C2;
+    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+        * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5)
+        * (r * r)
+        + r
+        + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let e = p * scale;
+    if x < LO {
+        0.0
+    } else if x > HI {
+        f32::INFINITY
+    } else if x.is_nan() {
+        x
+    } else {
+        e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_f64_within_2_ulp_and_handles_the_edges() {
+        let mut rng = crate::core::rng::Rng::new(11);
+        let mut xs: Vec<f32> = (0..20_000)
+            .map(|_| rng.uniform(-87.3, 88.7) as f32)
+            .collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            1.0,
+            -1.0,
+            0.5 * std::f32::consts::LN_2,
+            -87.3,
+            88.7,
+        ]);
+        xs.extend((0..2000).map(|i| -20.0 + i as f32 * 0.02)); // dense where softmax lives
+        let mut got = xs.clone();
+        exp_in_place(&mut got);
+        for (&x, &g) in xs.iter().zip(&got) {
+            let want = (x as f64).exp();
+            let ulp = (want as f32).abs() * f32::EPSILON;
+            assert!(
+                ((g as f64) - want).abs() <= 2.0 * ulp as f64,
+                "exp({x}) = {g}, want {want}"
+            );
+        }
+        let mut edges = [f32::NEG_INFINITY, -100.0, f32::INFINITY, 100.0, f32::NAN];
+        exp_in_place(&mut edges);
+        assert_eq!(edges[..4], [0.0, 0.0, f32::INFINITY, f32::INFINITY]);
+        assert!(edges[4].is_nan());
+        // The portable loop (SSE2 lanes) gives the same bits as the dispatched one.
+        let mut a: Vec<f32> = xs.iter().take(999).copied().collect();
+        let b: Vec<f32> = a.iter().map(|&x| exp_one(x)).collect();
+        exp_in_place(&mut a);
+        assert_eq!(a, b);
+    }
+}

@@ -63,7 +63,7 @@ fn bench_cpu(
                 0.0,
                 8.0 * (r * c) as f64,
             );
-            rec.config = cpu_threads_note(v.name == "parallel");
+            rec.config = cpu_threads_note(v.name != "naive");
             group.push(rec);
         }
         relate(&mut group, "naive", None);
