@@ -4,12 +4,14 @@
 //! `naive`: per (batch, head), the whole score matrix S and probability matrix P are built, then
 //! P·V — O(Sq·Sk) memory per head, one thread; the backward builds P, dP and dS the same way.
 //! `tiled`: per (batch, head, block of 32 queries), keys are visited in tiles of 64 with an online
-//! softmax (running max and sum rescale the partial output), so S is never stored; only the keys
+//! softmax (running max and sum rescale the partial output; a tile's exponentials vectorised by
+//! `core::cpu::exp_in_place`), so S is never stored; only the keys
 //! some row of the block can see are visited (causal / window tiles skipped), and blocks run
 //! across cores. The backward recomputes P from lse in two passes without atomics: dk/dv per
 //! (batch, kv head, key block), dq per (batch, head, query block) — the same bits every run.
 
 use super::{visible_keys, BwdTensors, Problem, Seqs};
+use crate::core::cpu::exp_in_place;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::tensor::Tensor;
@@ -321,9 +323,12 @@ fn forward_block(c: &Ctx, b: usize, h: usize, i0: usize, i1: usize) -> (Vec<f32>
             if alpha != 1.0 {
                 a.iter_mut().for_each(|x| *x *= alpha);
             }
+            // The block's probabilities at once: the exponentials vectorise (exp_in_place).
+            let p = &mut s[rlo - j0..rhi - j0];
+            p.iter_mut().for_each(|x| *x -= m_new);
+            exp_in_place(p);
             let mut ls = 0f32;
-            for j in rlo..rhi {
-                let pj = (s[j - j0] - m_new).exp();
+            for (j, &pj) in (rlo..rhi).zip(p.iter()) {
                 ls += pj;
                 axpy(a, pj, c.v_row(b, j, hk));
             }
