@@ -93,7 +93,7 @@ fn bench_cpu(
                 0.0,
                 8.0 * (n * v) as f64,
             );
-            rec.config = cpu_threads_note(var.name == "parallel");
+            rec.config = cpu_threads_note(var.name != "naive");
             group.push(rec);
         }
         relate(&mut group, "naive", None);

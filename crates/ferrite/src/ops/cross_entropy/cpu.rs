@@ -1,9 +1,10 @@
 //! CPU cross-entropy: fp32 inputs (16-bit widened), log-sum-exp and row sums in f64. `naive`:
 //! one thread; `parallel`: rows across cores (rayon) through the same row function, so the
-//! results are identical. Targets are checked before anything is written.
+//! results are identical; `simd`: `parallel` with the exponentials in f32 through the vectorised
+//! `core::cpu::exp_in_place` (two per logit: the sum and the gradient). Targets are checked before anything is written.
 
 use super::{bad_target, CrossEntropyOptions, GradOut, Problem, Reduction};
-use crate::core::cpu::{with_f32, with_f32_out};
+use crate::core::cpu::{exp_in_place, sum_f64, with_f32, with_f32_out};
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::tensor::Tensor;
@@ -22,8 +23,9 @@ struct Row<'a> {
     t: i64,
 }
 
-/// Loss of one row, writing its gradient into `g` (when not empty).
-fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64) -> f32 {
+/// Loss of one row, writing its gradient into `g` (when not empty). `simd`: the exponentials in
+/// f32 through `exp_in_place` (vectorised, ≤ 2 ulp; sums still in f64) instead of f64 `exp`.
+fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64, simd: bool) -> f32 {
     let v = r.x.len();
     if r.t == ignore {
         g.iter_mut().for_each(|o| *o = 0.0);
@@ -31,15 +33,36 @@ fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64) -> f32 {
     }
     let t = r.t as usize; // checked in [0, V) by the caller
     let m = r.x.iter().fold(f64::NEG_INFINITY, |m, &a| m.max(a as f64));
-    let s: f64 = r.x.iter().map(|&a| (a as f64 - m).exp()).sum();
+    let s: f64 = if simd {
+        let mut buf = [0f32; 512];
+        r.x.chunks(buf.len())
+            .map(|c| {
+                let b = &mut buf[..c.len()];
+                b.iter_mut().zip(c).for_each(|(o, &a)| *o = a - m as f32);
+                exp_in_place(b);
+                sum_f64(b.iter().copied())
+            })
+            .sum()
+    } else {
+        r.x.iter().map(|&a| (a as f64 - m).exp()).sum()
+    };
     let lse = m + s.ln();
     let sx: f64 = r.x.iter().map(|&a| a as f64).sum();
     let off = eps / v as f64;
     if !g.is_empty() {
-        for (j, (o, &a)) in g.iter_mut().zip(r.x).enumerate() {
-            let p = (a as f64 - lse).exp();
+        if simd {
+            g.iter_mut()
+                .zip(r.x)
+                .for_each(|(o, &a)| *o = a - lse as f32);
+            exp_in_place(g);
+        } else {
+            g.iter_mut()
+                .zip(r.x)
+                .for_each(|(o, &a)| *o = (a as f64 - lse).exp() as f32);
+        }
+        for (j, o) in g.iter_mut().enumerate() {
             let hit = if j == t { 1.0 - eps } else { 0.0 };
-            *o = (scale * (p - off - hit)) as f32;
+            *o = (scale * (*o as f64 - off - hit)) as f32;
         }
     }
     (lse - (1.0 - eps) * r.x[t] as f64 - off * sx) as f32
@@ -72,7 +95,8 @@ pub fn run(
         _ => opts.dloss as f64,
     };
     let eps = opts.label_smoothing as f64;
-    let parallel = variant == "parallel";
+    let parallel = variant != "naive";
+    let simd = variant == "simd";
     let mut lr = vec![0f32; n];
     let compute = |x: &[f32], g: &mut [f32], lr: &mut [f32]| {
         let one = |i: usize, gr: &mut [f32]| {
@@ -80,7 +104,7 @@ pub fn run(
                 x: &x[i * v..][..v],
                 t: tg[i],
             };
-            row(r, gr, ignore, eps, scale)
+            row(r, gr, ignore, eps, scale, simd)
         };
         match (g.is_empty(), parallel) {
             (true, true) => lr
