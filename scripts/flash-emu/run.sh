@@ -1,7 +1,8 @@
 #!/bin/bash
 # Host emulation of the attention `flash` backward kernels (kernels/flash.cu), for checking their
 # index math without a GPU: every thread of a block is an OS thread, __syncthreads a barrier,
-# ldmatrix / mma.m16n8k16 / shfl exchange lane data through a warp barrier (emu.h); bf16 only.
+# ldmatrix / mma.m16n8k16 / shfl exchange lane data through a warp barrier (../emu-common/emu.h,
+# shared with scripts/mma-emu; emu.h here holds flash.cu's PTX wrappers); bf16 only.
 # Each case runs the deterministic kernels (known good on the GPU: they validate the emulation)
 # and flash_bwd_fused + flash_bwd_dq_convert against an f64 reference. Not covered: timing,
 # cp.async ordering (copies are synchronous), the memory model.
@@ -13,8 +14,11 @@ set -e
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 "$here/extract.py" "$here/../../crates/ferrite/src/ops/attention/kernels/flash.cu" "$work/flash_host.cpp"
-cp "$here/emu.h" "$here/driver.cpp" "$work/"
+src="$here/../../crates/ferrite/src"
+python3 "$here/../emu-common/extract.py" "$work/flash_host.cpp" "$here/emu.h" "$src/core/cuda/kernels/ferrite.cuh" \
+  --remove smem_u32,cp_async16,cp_async_commit,cp_async_wait,ldsm_x4,ldsm_x4_t,mma,exp2_fast,tanh_fast,red_add2,ldsm_x4_s,ldsm_x4_ts,sts32,cp_async16_s \
+  "$src/ops/attention/kernels/flash.cu"
+cp "$here/driver.cpp" "$work/"
 if [ $# -eq 4 ]; then
   cfgs=("$1 $2 $3 $4")
 else
@@ -26,7 +30,7 @@ for cfg in "${cfgs[@]}"; do
   set -- $cfg
   for sc in 0 1; do
     exe="$work/drv_$1_$2_$3_$4_$sc"
-    g++ -std=c++20 -O1 -pthread -DFE_HEAD_DIM=$1 -DFE_BWD_WARPS=$2 -DFE_BWD_BM=$3 -DFE_BWD_QM=$4 \
+    g++ -std=c++20 -O1 -fno-strict-aliasing -pthread -I"$here" -DFE_HEAD_DIM=$1 -DFE_BWD_WARPS=$2 -DFE_BWD_BM=$3 -DFE_BWD_QM=$4 \
       -DFE_SOFTCAP=$sc "$work/driver.cpp" -o "$exe"
     for p in 0 1 2 3 4; do
       out=$("$exe" $p 2>&1) || fail=1
