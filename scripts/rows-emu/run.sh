@@ -7,7 +7,7 @@
 # kernels on emu_rows.h with the launch geometry of the family's cuda.rs and compare. Not
 # covered: timing, the memory model, the SFU's approximation error (libm stands in).
 #
-#   scripts/rows-emu/run.sh [act|norm|ce ...]     (all three by default; ~25 min on 2 cores)
+#   scripts/rows-emu/run.sh [act|norm|ce ...]     (all three by default; ~15 min on 2 cores)
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)

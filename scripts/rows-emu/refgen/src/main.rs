@@ -292,7 +292,14 @@ fn ce_case(a: &Args, o: &mut Out) -> Result<()> {
     let loss_rows = cpu(&[rows], DType::F32)?;
     let loss = cpu(&[1], DType::F32)?;
     let g = cpu(&[rows, v], dtype)?;
-    ce::cross_entropy_into(&logits, &targets, &loss_rows, Some(&loss), GradOut::Into(&g), &opts)?;
+    ce::cross_entropy_into(
+        &logits,
+        &targets,
+        &loss_rows,
+        Some(&loss),
+        GradOut::Into(&g),
+        &opts,
+    )?;
     o.raw("logits", &logits)?;
     o.raw("targets", &targets)?;
     o.f32("loss_rows", &loss_rows)?;
