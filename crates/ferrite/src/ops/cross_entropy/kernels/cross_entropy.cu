@@ -57,6 +57,10 @@ constexpr int VEC = Vec::N;
 
 __device__ __forceinline__ float f_nan() { return __int_as_float(0x7fffffff); }
 __device__ __forceinline__ float f_ninf() { return -__int_as_float(0x7f800000); }
+// The running maxima of ce_fused / ce_resident start here, not at −inf: a thread whose first
+// elements are all −inf (masked classes) would otherwise add 2^(−inf − (−inf)) = NaN to its sum;
+// from −FLT_MAX they add 2^−inf = 0 (and the rescale of the still-zero sum stays 0).
+__device__ __forceinline__ float f_lowest() { return -__int_as_float(0x7f7fffff); }
 
 // Status layout written by ce_targets (32 bytes).
 struct Status {
@@ -223,7 +227,7 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
     const i64 tail = head + nvec * VEC;
     const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
 
-    float m = f_ninf(), s = 0.f, sx = 0.f;
+    float m = f_lowest(), s = 0.f, sx = 0.f;
     for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
       const float xf = to_float(xr[c]);
       const float y = xf * LOG2E;
@@ -249,7 +253,7 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
       online_add(m, s, &y, 1);
     }
     const float M = block_max(m, red);
-    const float2 tot = block_sum2(m == f_ninf() ? 0.f : s * exp2f(m - M), sx, red);
+    const float2 tot = block_sum2(m == f_lowest() ? 0.f : s * exp2f(m - M), sx, red);
     const float inv_s = 1.f / tot.x;
     if (threadIdx.x == 0) {
       const float lse = (M + log2f(tot.x)) * LN2;
@@ -328,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
 
     // Pass 1: running (m, s) in log2 units, m = max of x·log2e so far.
-    float m = f_ninf(), s = 0.f, sx = 0.f;
+    float m = f_lowest(), s = 0.f, sx = 0.f;
     for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
       const float xf = to_float(xr[c]);
       const float y = xf * LOG2E;
@@ -371,7 +375,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
       online_add(m, s, &y, 1);
     }
     const float M = block_max(m, red);
-    const float2 tot = block_sum2(m == f_ninf() ? 0.f : s * exp2f(m - M), sx, red);
+    const float2 tot = block_sum2(m == f_lowest() ? 0.f : s * exp2f(m - M), sx, red);
     const float inv_s = 1.f / tot.x;
     if (threadIdx.x == 0) {
       const float lse = (M + log2f(tot.x)) * LN2;
