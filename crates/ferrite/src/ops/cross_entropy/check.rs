@@ -1,6 +1,7 @@
 //! `ferrite check cross_entropy`: per-row loss, scalar loss and dlogits of every variant against
 //! an f64 reference, outputs poisoned first; odd vocabularies (1, 3, 4099, 50257, 128256), ignored
-//! rows, label smoothing, every reduction, i64 and i32 targets, in-place and separate gradients.
+//! rows, label smoothing, every reduction, i64 and i32 targets, in-place and separate gradients,
+//! masked (−inf) logits.
 //! Then the bad-target path: an out-of-range target must be an error naming the row and value,
 //! and with the check off (GPU) only that row may be NaN.
 
@@ -32,6 +33,9 @@ pub struct Case {
     pub ignore_index: i64,
     /// Logits uniform in ±range.
     pub range: f64,
+    /// Some logits −inf (masked classes, never the target): a contiguous prefix of the even rows
+    /// (whole 16-byte vectors and whole threads' first vectors) and ~40 % scattered elsewhere.
+    pub masked: bool,
 }
 
 pub fn cases(quick: bool) -> Vec<Case> {
@@ -46,6 +50,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
         targets,
         ignore_index,
         range,
+        masked: false,
     };
     let mut v = vec![
         c(1, 1, Mean, 0.0, Into, DType::I64, -100, 1.0),
@@ -54,6 +59,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
         c(3, 50257, Mean, 0.1, InPlace, DType::I64, -100, 8.0),
         c(33, 4099, Mean, 0.0, Into, DType::I32, -100, 8.0),
         c(129, 257, Sum, 0.0, Skip, DType::I64, 5, 8.0),
+        Case {
+            masked: true,
+            ..c(37, 3001, Mean, 0.0, Into, DType::I64, -100, 8.0)
+        },
     ];
     if !quick {
         v.extend([
@@ -123,7 +132,12 @@ pub fn reference(
         lr[r] = (0..vocab)
             .map(|j| {
                 let q = eps / vocab as f64 + if j == tt { 1.0 - eps } else { 0.0 };
-                q * (lse - row[j])
+                // A class with no weight adds nothing, even a masked (−inf) one.
+                if q == 0.0 {
+                    0.0
+                } else {
+                    q * (lse - row[j])
+                }
             })
             .sum();
         for j in 0..vocab {
@@ -148,8 +162,21 @@ fn check_one(
     seed: u64,
 ) -> Result<(f64, String)> {
     let (n, v) = (c.rows, c.vocab);
-    let logits = Tensor::rand(&[n, v], dtype, dev, seed, -c.range, c.range)?;
     let t = make_targets(c, seed ^ 0x55);
+    let logits = Tensor::rand(&[n, v], dtype, Device::Cpu, seed, -c.range, c.range)?;
+    if c.masked {
+        let mut x = logits.to_f32_vec()?;
+        for (r, row) in x.chunks_mut(v).enumerate() {
+            for (j, e) in row.iter_mut().enumerate() {
+                let prefix = r % 2 == 0 && j < v / 3;
+                if j as i64 != t[r] && (prefix || (j * 7 + r * 3) % 5 < 2) {
+                    *e = f32::NEG_INFINITY;
+                }
+            }
+        }
+        logits.write_f32(&x)?;
+    }
+    let logits = logits.to_device(dev)?;
     let targets = target_tensor(&t, c.targets, dev)?;
     let x = logits.to_f64_vec()?;
     let loss_rows = Tensor::empty(&[n], DType::F32, dev)?;
@@ -293,7 +320,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
                 for c in cases(cfg.quick) {
                     let label = format!(
-                        "{}×{} {} ε={} {:?} {} targets{}",
+                        "{}×{} {} ε={} {:?} {} targets{}{}",
                         c.rows,
                         c.vocab,
                         c.reduction.name(),
@@ -304,7 +331,8 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                             String::new()
                         } else {
                             format!(" ignore={}", c.ignore_index)
-                        }
+                        },
+                        if c.masked { " masked −inf" } else { "" }
                     );
                     out.push(match check_one(dev, dtype, v.name, &c, rng.next_u64()) {
                         Ok((e, note)) => CheckRecord::compared(

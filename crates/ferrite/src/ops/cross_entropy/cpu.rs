@@ -65,7 +65,10 @@ fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64, simd: bool) -> 
             *o = (scale * (*o as f64 - off - hit)) as f32;
         }
     }
-    (lse - (1.0 - eps) * r.x[t] as f64 - off * sx) as f32
+    // Without smoothing the other classes carry no weight: skip the term (a masked −inf logit
+    // would make it 0·(−inf) = NaN).
+    let smooth = if eps > 0.0 { off * sx } else { 0.0 };
+    (lse - (1.0 - eps) * r.x[t] as f64 - smooth) as f32
 }
 
 #[allow(clippy::too_many_arguments)]

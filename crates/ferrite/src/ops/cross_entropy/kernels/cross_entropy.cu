@@ -257,7 +257,9 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
     const float inv_s = 1.f / tot.x;
     if (threadIdx.x == 0) {
       const float lse = (M + log2f(tot.x)) * LN2;
-      loss_rows[row] = lse - (1.f - smoothing) * xt - off * tot.y;
+      // No smoothing: the other classes add nothing (a masked −inf logit would make the term
+      // 0·(−inf) = NaN).
+      loss_rows[row] = lse - (1.f - smoothing) * xt - (smoothing > 0.f ? off * tot.y : 0.f);
     }
     if (!dx) continue;
 
@@ -379,7 +381,9 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     const float inv_s = 1.f / tot.x;
     if (threadIdx.x == 0) {
       const float lse = (M + log2f(tot.x)) * LN2;
-      loss_rows[row] = lse - (1.f - smoothing) * xt - off * tot.y;
+      // No smoothing: the other classes add nothing (a masked −inf logit would make the term
+      // 0·(−inf) = NaN).
+      loss_rows[row] = lse - (1.f - smoothing) * xt - (smoothing > 0.f ? off * tot.y : 0.f);
     }
     if (!dx) continue;
 
