@@ -4,7 +4,7 @@
 //! `core::cpu::exp_in_place` (two per logit: the sum and the gradient). Targets are checked before anything is written.
 
 use super::{bad_target, CrossEntropyOptions, GradOut, Problem, Reduction};
-use crate::core::cpu::{exp_in_place, sum_f64, with_f32, with_f32_out};
+use crate::core::cpu::{exp_in_place, max_lanes, sum_lanes, with_f32, with_f32_out};
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::tensor::Tensor;
@@ -23,8 +23,7 @@ struct Row<'a> {
     t: i64,
 }
 
-/// Loss of one row, writing its gradient into `g` (when not empty). `simd`: the exponentials in
-/// f32 through `exp_in_place` (vectorised, ≤ 2 ulp; sums still in f64) instead of f64 `exp`.
+/// Loss of one row, writing its gradient into `g` (when not empty); `simd` hands it to `row_simd`.
 fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64, simd: bool) -> f32 {
     let v = r.x.len();
     if r.t == ignore {
@@ -32,43 +31,50 @@ fn row(r: Row, g: &mut [f32], ignore: i64, eps: f64, scale: f64, simd: bool) -> 
         return 0.0;
     }
     let t = r.t as usize; // checked in [0, V) by the caller
+    let off = eps / v as f64;
+    if simd {
+        return row_simd(r.x, t, g, eps, off, scale);
+    }
     let m = r.x.iter().fold(f64::NEG_INFINITY, |m, &a| m.max(a as f64));
-    let s: f64 = if simd {
-        let mut buf = [0f32; 512];
-        r.x.chunks(buf.len())
-            .map(|c| {
-                let b = &mut buf[..c.len()];
-                b.iter_mut().zip(c).for_each(|(o, &a)| *o = a - m as f32);
-                exp_in_place(b);
-                sum_f64(b.iter().copied())
-            })
-            .sum()
-    } else {
-        r.x.iter().map(|&a| (a as f64 - m).exp()).sum()
-    };
+    let s: f64 = r.x.iter().map(|&a| (a as f64 - m).exp()).sum();
     let lse = m + s.ln();
     let sx: f64 = r.x.iter().map(|&a| a as f64).sum();
-    let off = eps / v as f64;
     if !g.is_empty() {
-        if simd {
-            g.iter_mut()
-                .zip(r.x)
-                .for_each(|(o, &a)| *o = a - lse as f32);
-            exp_in_place(g);
-        } else {
-            g.iter_mut()
-                .zip(r.x)
-                .for_each(|(o, &a)| *o = (a as f64 - lse).exp() as f32);
-        }
-        for (j, o) in g.iter_mut().enumerate() {
+        for (j, (o, &a)) in g.iter_mut().zip(r.x).enumerate() {
             let hit = if j == t { 1.0 - eps } else { 0.0 };
-            *o = (scale * (*o as f64 - off - hit)) as f32;
+            *o = (scale * ((a as f64 - lse).exp() - off - hit)) as f32;
         }
     }
     // Without smoothing the other classes carry no weight: skip the term (a masked −inf logit
     // would make it 0·(−inf) = NaN).
     let smooth = if eps > 0.0 { off * sx } else { 0.0 };
     (lse - (1.0 - eps) * r.x[t] as f64 - smooth) as f32
+}
+
+/// `row` for `simd`: max and sums over 16 f32 lanes (`max_lanes`, `sum_lanes`: block partials in
+/// f64), the exponentials through `exp_in_place`, the gradient in f32; the loss itself in f64.
+fn row_simd(x: &[f32], t: usize, g: &mut [f32], eps: f64, off: f64, scale: f64) -> f32 {
+    let m = max_lanes(x);
+    let mut buf = [0f32; 1024];
+    let s: f64 = x
+        .chunks(buf.len())
+        .map(|c| {
+            let b = &mut buf[..c.len()];
+            b.iter_mut().zip(c).for_each(|(o, &a)| *o = a - m);
+            exp_in_place(b);
+            sum_lanes(b)
+        })
+        .sum();
+    let lse = m as f64 + s.ln();
+    if !g.is_empty() {
+        g.iter_mut().zip(x).for_each(|(o, &a)| *o = a - lse as f32);
+        exp_in_place(g);
+        let (sc, of) = (scale as f32, off as f32);
+        g.iter_mut().for_each(|o| *o = sc * (*o - of));
+        g[t] -= sc * (1.0 - eps) as f32;
+    }
+    let smooth = if eps > 0.0 { off * sum_lanes(x) } else { 0.0 };
+    (lse - (1.0 - eps) * x[t] as f64 - smooth) as f32
 }
 
 #[allow(clippy::too_many_arguments)]

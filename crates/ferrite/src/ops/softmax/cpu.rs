@@ -5,7 +5,9 @@
 //! f32 tensors are read and written in place.
 
 use super::Problem;
-use crate::core::cpu::{exp_in_place, for_rows, sum_f64, with_f32, with_f32_out};
+use crate::core::cpu::{
+    exp_in_place, for_rows, max_lanes, sum_f64, sum_lanes, with_f32, with_f32_out,
+};
 use crate::core::error::Result;
 use crate::core::tensor::Tensor;
 
@@ -17,16 +19,24 @@ pub fn forward(variant: &str, p: &Problem, x: &Tensor, y: &Tensor, scale: f32) -
         with_f32_out(y, |out| {
             for_rows(variant != "naive", c, out, &mut unit, |r, o, _| {
                 let row = &xv[r * c..][..c];
-                let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
                 if simd {
+                    // max(x·scale) = max(x)·scale for scale > 0.
+                    let m = if scale > 0.0 {
+                        max_lanes(row) * scale
+                    } else {
+                        row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale))
+                    };
                     for (oi, &v) in o.iter_mut().zip(row) {
                         *oi = v * scale - m;
                     }
                     exp_in_place(o);
-                } else {
-                    for (oi, &v) in o.iter_mut().zip(row) {
-                        *oi = (v * scale - m).exp();
-                    }
+                    let inv = (1.0 / sum_lanes(o)) as f32;
+                    o.iter_mut().for_each(|v| *v *= inv);
+                    return;
+                }
+                let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+                for (oi, &v) in o.iter_mut().zip(row) {
+                    *oi = (v * scale - m).exp();
                 }
                 let inv = (1.0 / sum_f64(o.iter().copied())) as f32;
                 o.iter_mut().for_each(|v| *v *= inv);
