@@ -123,6 +123,19 @@ pub fn describe(t: &Tensor) -> String {
     s
 }
 
+/// The layout of a view over memory owned elsewhere and the bytes it addresses from its base.
+fn borrowed_span(
+    op: &str,
+    shape: &[usize],
+    strides: &[usize],
+    dtype: DType,
+) -> Result<(Layout, usize)> {
+    let layout = Layout::new(shape.to_vec(), strides.to_vec(), 0)?;
+    let end = layout.max_offset(op)?;
+    let bytes = checked_bytes(op, end, dtype.size_in_bytes())?;
+    Ok((layout, bytes))
+}
+
 impl Tensor {
     fn from_storage(storage: Storage, shape: &[usize], dtype: DType, device: Device) -> Self {
         Tensor {
@@ -208,9 +221,7 @@ impl Tensor {
         strides: &[usize],
         dtype: DType,
     ) -> Result<Tensor> {
-        let layout = Layout::new(shape.to_vec(), strides.to_vec(), 0)?;
-        let end = layout.max_offset("Tensor::from_device_ptr")?;
-        let bytes = checked_bytes("Tensor::from_device_ptr", end, dtype.size_in_bytes())?;
+        let (layout, bytes) = borrowed_span("Tensor::from_device_ptr", shape, strides, dtype)?;
         let ordinal = dev.ordinal();
         // SAFETY: forwarded to the caller's contract.
         let buf = unsafe { DeviceBuffer::borrowed(dev, ptr, bytes) };
@@ -237,9 +248,7 @@ impl Tensor {
         strides: &[usize],
         dtype: DType,
     ) -> Result<Tensor> {
-        let layout = Layout::new(shape.to_vec(), strides.to_vec(), 0)?;
-        let end = layout.max_offset("Tensor::from_host_ptr")?;
-        let bytes = checked_bytes("Tensor::from_host_ptr", end, dtype.size_in_bytes())?;
+        let (layout, bytes) = borrowed_span("Tensor::from_host_ptr", shape, strides, dtype)?;
         if bytes > 0 && (ptr == 0 || !ptr.is_multiple_of(8)) {
             return Err(Error::bad_arg(
                 "Tensor::from_host_ptr",

@@ -297,28 +297,35 @@ fn bench_gpu(
             let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
                 mm_cuda::cublas(dev, &g, ptrs[i % ptrs.len()], 1.0, 0.0, prec, &stream)
             })?;
-            let mut r = BenchRecord::new(
-                d,
-                &name,
-                OP,
+            let peer = |variant: &str, stats, config: String| {
+                let mut r = BenchRecord::new(
+                    d,
+                    &name,
+                    OP,
+                    variant,
+                    dtype,
+                    g.label(),
+                    stats,
+                    g.flops(),
+                    g.min_bytes(0.0),
+                );
+                r.dtype = label.into();
+                r.is_peer = true;
+                r.config = config;
+                r
+            };
+            group.push(peer(
                 "cublas",
-                dtype,
-                g.label(),
                 stats,
-                g.flops(),
-                g.min_bytes(0.0),
-            );
-            r.dtype = label.into();
-            r.is_peer = true;
-            r.config = format!(
-                "cublasGemmStridedBatchedEx, {} compute",
-                match prec {
-                    Precision::F32 => "fp32",
-                    Precision::Tf32 => "fast-tf32",
-                    _ => "fp32-accumulate",
-                }
-            );
-            group.push(r);
+                format!(
+                    "cublasGemmStridedBatchedEx, {} compute",
+                    match prec {
+                        Precision::F32 => "fp32",
+                        Precision::Tf32 => "fast-tf32",
+                        _ => "fp32-accumulate",
+                    }
+                ),
+            ));
             // The second vendor peer: cuBLASLt with its heuristic's pick, planned once. A
             // failure (no libcublasLt, no algorithm) leaves the row out rather than the group.
             progress(&format!("matmul {d} cublaslt {label} {}", g.label()));
@@ -329,23 +336,7 @@ fn bench_gpu(
                 Ok((stats, plan.config.clone()))
             });
             match lt {
-                Ok((stats, config)) => {
-                    let mut r = BenchRecord::new(
-                        d,
-                        &name,
-                        OP,
-                        "cublaslt",
-                        dtype,
-                        g.label(),
-                        stats,
-                        g.flops(),
-                        g.min_bytes(0.0),
-                    );
-                    r.dtype = label.into();
-                    r.is_peer = true;
-                    r.config = config;
-                    group.push(r);
-                }
+                Ok((stats, config)) => group.push(peer("cublaslt", stats, config)),
                 Err(e) => progress(&format!("matmul {d} cublaslt {label}: skipped ({e})")),
             }
             let ceiling_label = format!("cuBLAS {cube}³");
