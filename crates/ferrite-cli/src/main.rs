@@ -151,14 +151,16 @@ fn validate_variants(
     for w in wanted {
         if !fams
             .iter()
-            .any(|f| f.variants().iter().any(|v| v.name == w))
+            .any(|f| f.variants().iter().any(|v| v.name == w) || f.peers().contains(&w.as_str()))
         {
             let known: Vec<String> = fams
                 .iter()
                 .flat_map(|f| {
                     f.variants()
                         .into_iter()
-                        .map(move |v| format!("{}/{}", f.name(), v.name))
+                        .map(|v| v.name)
+                        .chain(f.peers())
+                        .map(move |v| format!("{}/{v}", f.name()))
                 })
                 .collect();
             return Err(Error::bad_arg(

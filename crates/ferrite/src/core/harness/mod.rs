@@ -100,4 +100,9 @@ pub trait OpFamily: Sync {
     ) -> Result<()>;
     /// Every kernel module the family compiles, with each specialisation it uses.
     fn kernels(&self) -> Vec<KernelSpec>;
+    /// Vendor peers that `check` and `bench` also run under their own names (so `--variant`
+    /// can select them).
+    fn peers(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
 }

@@ -618,6 +618,9 @@ impl OpFamily for Matmul {
     fn name(&self) -> &'static str {
         OP
     }
+    fn peers(&self) -> Vec<&'static str> {
+        vec!["cublas", "cublaslt"]
+    }
     fn variants(&self) -> Vec<VariantInfo> {
         variants()
     }
