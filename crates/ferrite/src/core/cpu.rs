@@ -2,15 +2,20 @@
 
 use rayon::prelude::*;
 
+/// Below this many output elements the parallel rungs run on the calling thread: waking the
+/// thread pool costs tens of µs, more than the whole op on a small tensor.
+pub const PAR_MIN_ELEMS: usize = 1 << 15;
+
 /// Runs `f(row, out_row, slot)` for every row of `out` (rows of `cols` elements), serially or
-/// split across cores; each row gets its own slot of `per_row`. Every row is computed by the same
-/// code either way, so serial and parallel results are identical.
+/// split across cores (when `parallel` and `out` holds at least [`PAR_MIN_ELEMS`]); each row gets
+/// its own slot of `per_row`. Every row is computed by the same code either way, so serial and
+/// parallel results are identical.
 pub fn for_rows<S: Send, F>(parallel: bool, cols: usize, out: &mut [f32], per_row: &mut [S], f: F)
 where
     F: Fn(usize, &mut [f32], &mut S) + Sync + Send,
 {
     let cols = cols.max(1);
-    if parallel {
+    if parallel && out.len() >= PAR_MIN_ELEMS {
         out.par_chunks_mut(cols)
             .zip(per_row.par_iter_mut())
             .enumerate()

@@ -104,7 +104,8 @@ pub fn run(
         _ => opts.dloss as f64,
     };
     let eps = opts.label_smoothing as f64;
-    let parallel = variant != "naive";
+    // Small problems stay on this thread (see core::cpu::PAR_MIN_ELEMS).
+    let parallel = variant != "naive" && n * v >= crate::core::cpu::PAR_MIN_ELEMS;
     let simd = variant == "simd";
     let mut lr = vec![0f32; n];
     let compute = |x: &[f32], g: &mut [f32], lr: &mut [f32]| {
