@@ -42,29 +42,22 @@ def _functorch_active() -> bool:
     return level is not None and level() is not None
 
 
-def _plain_eager(args) -> bool:
-    """Whether plain eager PyTorch alone will see this call."""
-    if torch.compiler.is_compiling():
-        return False
+def _scan(args):
+    """(plain eager PyTorch alone will see this call, a gradient is needed), in one pass over the
+    arguments."""
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
+        return False, False
+    grad_on = torch.is_grad_enabled()
+    needs = False
     for a in args:
-        if isinstance(a, Tensor) and type(a) not in _PLAIN:
-            return False
-        if isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) and type(t) not in _PLAIN for t in a):
-            return False
-    return not _functorch_active()
-
-
-def _needs_grad(args) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    for a in args:
-        if isinstance(a, Tensor) and a.requires_grad:
-            return True
-        if isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) and t.requires_grad for t in a):
-            return True
-    return False
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, Tensor):
+                if type(t) not in _PLAIN:
+                    return False, False
+                needs = needs or (grad_on and t.requires_grad)
+    if _functorch_active():
+        return False, False
+    return True, needs
 
 
 class _Op:
@@ -93,9 +86,12 @@ class _Op:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.op(*args, **kwargs)
-        if self.fn is None or kwargs or len(args) != self.nargs or not _plain_eager(args):
+        if self.fn is None or kwargs or len(args) != self.nargs:
             return self.op(*args, **kwargs)
-        if _needs_grad(args):
+        plain, needs_grad = _scan(args)
+        if not plain:
+            return self.op(*args)
+        if needs_grad:
             if self.function is None:
                 return self.op(*args)
             return self.function.apply(*args)

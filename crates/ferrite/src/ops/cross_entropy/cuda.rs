@@ -189,6 +189,22 @@ pub fn launch(
         .push(opts.ignore_index);
     k.launch(stream, (1, 1, 1), (1024, 1, 1), 0, &mut a)?;
 
+    // `ce_fused`'s parameters, which `ce_resident` takes too (then its resident cap).
+    let fused_args = || {
+        let mut a = KernelArgs::new();
+        a.push(ptrs.grad)
+            .push(ptrs.loss_rows)
+            .push(ptrs.logits)
+            .push(ptrs.targets)
+            .push(status)
+            .push(n)
+            .push(v)
+            .push(opts.ignore_index)
+            .push(opts.label_smoothing)
+            .push(opts.dloss)
+            .push(mean);
+        a
+    };
     match variant {
         "naive" => {
             let logp = scratch
@@ -231,18 +247,7 @@ pub fn launch(
         }
         "fused" => {
             let k = dev.kernel(&prog, "ce_fused")?;
-            let mut a = KernelArgs::new();
-            a.push(ptrs.grad)
-                .push(ptrs.loss_rows)
-                .push(ptrs.logits)
-                .push(ptrs.targets)
-                .push(status)
-                .push(n)
-                .push(v)
-                .push(opts.ignore_index)
-                .push(opts.label_smoothing)
-                .push(opts.dloss)
-                .push(mean);
+            let mut a = fused_args();
             k.launch(stream, grid, (fused_threads(p), 1, 1), 0, &mut a)?;
         }
         "resident" => {
@@ -251,19 +256,8 @@ pub fn launch(
             if g.smem > 48 * 1024 {
                 k.set_max_dynamic_smem(g.smem)?;
             }
-            let mut a = KernelArgs::new();
-            a.push(ptrs.grad)
-                .push(ptrs.loss_rows)
-                .push(ptrs.logits)
-                .push(ptrs.targets)
-                .push(status)
-                .push(n)
-                .push(v)
-                .push(opts.ignore_index)
-                .push(opts.label_smoothing)
-                .push(opts.dloss)
-                .push(mean)
-                .push(g.cap as i64);
+            let mut a = fused_args();
+            a.push(g.cap as i64);
             k.launch(stream, grid, (g.threads, 1, 1), g.smem, &mut a)?;
         }
         other => {

@@ -359,6 +359,43 @@ fn run_peer(
     }
 }
 
+/// The record of one checked case; None when the variant declined it by its stated constraints
+/// (wgmma: unaligned rows for TMA): it did not run it, so it is not its case.
+fn record(
+    name: &str,
+    c: &Case,
+    dev: Device,
+    dtype: DType,
+    precision: Precision,
+    r: Result<f64>,
+) -> Option<CheckRecord> {
+    match r {
+        Ok(err) => Some(CheckRecord::compared(
+            OP,
+            name,
+            dev,
+            dtype,
+            precision,
+            c.label(),
+            err,
+            String::new(),
+        )),
+        Err(crate::core::error::Error::NoVariant { msg, .. })
+            if msg.contains("cannot run this request") =>
+        {
+            None
+        }
+        Err(e) => Some(CheckRecord::errored(
+            OP,
+            name,
+            dev,
+            dtype,
+            c.label(),
+            e.to_string(),
+        )),
+    }
+}
+
 pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     let mut rng = Rng::new(cfg.seed);
     for &dev in &cfg.devices {
@@ -379,29 +416,8 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                         Precision::of(dtype)
                     };
                     let seed = rng.next_u64();
-                    let rec = match check_one(&c, dev, dtype, v.name, precision, seed) {
-                        Ok(err) => CheckRecord::compared(
-                            OP,
-                            v.name,
-                            dev,
-                            dtype,
-                            precision,
-                            c.label(),
-                            err,
-                            String::new(),
-                        ),
-                        // A variant that declines the case by its stated constraints (wgmma:
-                        // unaligned rows for TMA) did not run it: not its case, no record.
-                        Err(crate::core::error::Error::NoVariant { msg, .. })
-                            if msg.contains("cannot run this request") =>
-                        {
-                            continue;
-                        }
-                        Err(e) => {
-                            CheckRecord::errored(OP, v.name, dev, dtype, c.label(), e.to_string())
-                        }
-                    };
-                    out.push(rec);
+                    let r = check_one(&c, dev, dtype, v.name, precision, seed);
+                    out.extend(record(v.name, &c, dev, dtype, precision, r));
                 }
             }
         }
@@ -421,21 +437,8 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                     }
                     for c in cases(true) {
                         let seed = rng.next_u64();
-                        out.push(match check_one(&c, dev, dtype, peer, precision, seed) {
-                            Ok(err) => CheckRecord::compared(
-                                OP,
-                                peer,
-                                dev,
-                                dtype,
-                                precision,
-                                c.label(),
-                                err,
-                                String::new(),
-                            ),
-                            Err(e) => {
-                                CheckRecord::errored(OP, peer, dev, dtype, c.label(), e.to_string())
-                            }
-                        });
+                        let r = check_one(&c, dev, dtype, peer, precision, seed);
+                        out.extend(record(peer, &c, dev, dtype, precision, r));
                     }
                 }
             }
