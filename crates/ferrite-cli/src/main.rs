@@ -68,6 +68,10 @@ struct CheckArgs {
     /// Input seed (fresh every run when not given).
     #[arg(long)]
     seed: Option<u64>,
+    /// Print each record to stderr as it is made, with the seconds since the start (the table
+    /// comes only at the end: under a time limit this shows how far a check got, and its pace).
+    #[arg(long)]
+    trace: bool,
 }
 
 #[derive(Args)]
@@ -275,8 +279,15 @@ fn check(a: CheckArgs) -> Result<bool> {
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;
+    if a.trace {
+        ferrite::core::harness::check::trace_records();
+    }
     let mut recs = Vec::new();
-    let pb = spinner();
+    let pb = if a.trace {
+        ProgressBar::hidden()
+    } else {
+        spinner()
+    };
     for f in fams {
         pb.set_message(format!("checking {}", f.name()));
         f.check(&cfg, &mut recs)?;

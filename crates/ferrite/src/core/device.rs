@@ -92,6 +92,12 @@ impl Arch {
         }
     }
 
+    /// Whether `target()` names this very chip (so code assembled for it runs here as is).
+    pub fn target_is_native(self) -> bool {
+        self.target()
+            .starts_with(&format!("sm_{}{}", self.major, self.minor))
+    }
+
     pub fn parse_target(s: &str) -> Result<Arch> {
         let t = s.trim().trim_start_matches("sm_").trim_end_matches('a');
         let v: i32 = t
@@ -142,6 +148,18 @@ mod tests {
             "{e}"
         );
         assert_eq!(Arch::parse_target("sm_90a").unwrap(), Arch::SM90);
+        // Code assembled for target() runs as is only where target() is the chip itself.
+        for (maj, min, native) in [
+            (8, 0, true),
+            (8, 6, true),
+            (9, 0, true),
+            (10, 0, true),
+            (11, 0, false),
+            (13, 0, false),
+        ] {
+            let a = Arch::from_compute_capability("x", maj, min).unwrap();
+            assert_eq!(a.target_is_native(), native, "{maj}.{min} → {}", a.target());
+        }
         assert!(Arch::parse_target("sm_75").is_err());
         assert!(Arch::parse_target("banana").is_err());
     }

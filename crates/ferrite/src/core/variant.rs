@@ -77,8 +77,6 @@ impl VariantInfo {
 pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
     ("linear", "fused_pairs", None),
     ("linear", "persistent_pairs", None),
-    ("matmul", "wgmma", Some(DType::F32)),
-    ("cross_entropy", "resident", None),
 ];
 
 /// Whether `variant` of `op` for `dtype` waits for its first GPU run (see [`PENDING_GPU_RUN`]).

@@ -155,6 +155,10 @@ pub struct CompiledPtx {
     pub label: String,
     pub key: String,
     pub ptx: String,
+    /// The SASS NVRTC assembled for `arch` (real `sm_` targets only). Loading it skips the
+    /// driver's PTX JIT, which for the big wgmma modules costs seconds per module in every fresh
+    /// process — more than NVRTC's own compile once the disk cache is warm.
+    pub cubin: Option<Vec<u8>>,
     pub from_cache: bool,
     pub arch: Arch,
 }
@@ -195,35 +199,56 @@ pub fn compile(program: &Program, arch: Arch) -> Result<CompiledPtx> {
     let key: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
     let label = program.label();
     let path = cache_dir().join("ptx").join(format!("{key}.ptx"));
+    let cubin_path = path.with_extension("cubin");
+    let wants_cubin = arch.target().starts_with("sm_");
     if let Ok(ptx) = std::fs::read_to_string(&path) {
-        if ptx.contains(".target") {
+        let cubin = std::fs::read(&cubin_path).ok().filter(|c| !c.is_empty());
+        // An entry written before cubins were kept is recompiled once to gain its cubin.
+        if ptx.contains(".target") && (cubin.is_some() || !wants_cubin) {
             return Ok(CompiledPtx {
                 label,
                 key,
                 ptx,
+                cubin,
                 from_cache: true,
                 arch,
             });
         }
     }
-    let ptx = nvrtc_compile(&src, &label, &opts, arch)?;
-    // A cache write failure only costs a recompile next time; say nothing and go on.
+    let (ptx, cubin) = nvrtc_compile(&src, &label, &opts, arch)?;
+    // A cache write failure only costs a recompile next time; say nothing and go on. The cubin
+    // is written first, so a reader that finds the PTX finds its cubin too.
     if std::fs::create_dir_all(path.parent().unwrap()).is_ok() {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &ptx).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
+        if let Some(c) = &cubin {
+            write_atomically(&cubin_path, c);
         }
+        write_atomically(&path, ptx.as_bytes());
     }
     Ok(CompiledPtx {
         label,
         key,
         ptx,
+        cubin,
         from_cache: false,
         arch,
     })
 }
 
-fn nvrtc_compile(src: &str, label: &str, opts: &[String], arch: Arch) -> Result<String> {
+/// Writes through a temporary name and a rename, so concurrent readers see a whole file or none.
+fn write_atomically(path: &Path, bytes: &[u8]) {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+/// PTX, and for a real `sm_` target the cubin NVRTC assembled along with it.
+fn nvrtc_compile(
+    src: &str,
+    label: &str,
+    opts: &[String],
+    arch: Arch,
+) -> Result<(String, Option<Vec<u8>>)> {
     use cudarc::nvrtc::result as nv;
     let csrc = std::ffi::CString::new(src)
         .map_err(|_| Error::Other(format!("kernel source {label} contains a NUL byte")))?;
@@ -265,11 +290,42 @@ fn nvrtc_compile(src: &str, label: &str, opts: &[String], arch: Arch) -> Result<
                     .to_string_lossy()
                     .into_owned()
             })
-            .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}"))),
+            .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}")))
+            .map(|ptx| {
+                // SAFETY: prog compiled successfully (a compute_ target simply has no cubin).
+                let cubin = arch
+                    .target()
+                    .starts_with("sm_")
+                    .then(|| unsafe { get_cubin(prog) })
+                    .flatten();
+                (ptx, cubin)
+            }),
     };
     // SAFETY: prog is live and destroyed once.
     let _ = unsafe { nv::destroy_program(prog) };
     result
+}
+
+/// The cubin of a compiled program, or None when NVRTC made none.
+///
+/// # Safety
+/// `prog` must be a live program that compiled successfully.
+unsafe fn get_cubin(prog: cudarc::nvrtc::sys::nvrtcProgram) -> Option<Vec<u8>> {
+    use cudarc::nvrtc::sys;
+    let mut size = 0usize;
+    // SAFETY: prog is live (caller); size is a valid out-pointer.
+    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+        .result()
+        .ok()?;
+    if size == 0 {
+        return None;
+    }
+    let mut buf = vec![0u8; size];
+    // SAFETY: buf holds exactly the `size` bytes NVRTC reported.
+    unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }
+        .result()
+        .ok()?;
+    Some(buf)
 }
 
 /// The first `n` lines of a long compiler log (the first errors are the ones that matter).
@@ -302,7 +358,13 @@ impl CudaDevice {
             return Ok(kern.clone());
         }
         let compiled = compile(program, self.arch())?;
-        let module = self.module(&compiled.key, &compiled.ptx)?;
+        // The cubin only where it was assembled for exactly this chip (an unknown newer part gets
+        // an older target's PTX, which the driver JITs forward).
+        let cubin = compiled
+            .cubin
+            .as_deref()
+            .filter(|_| self.arch().target_is_native());
+        let module = self.module(&compiled.key, &compiled.ptx, cubin)?;
         let f = module
             .load_function(func)
             .map_err(|e| Error::cuda(format!("cuModuleGetFunction({func} in {label})"), e))?;
@@ -330,5 +392,28 @@ mod tests {
         assert!(s.contains("FERRITE_CUH"));
         assert!(s.contains("#include <cuda_fp16.h>"));
         assert!(!s.contains("#include \"ferrite.cuh\""));
+    }
+
+    /// A real `sm_` target yields a cubin (an ELF image) beside the PTX, and the disk cache gives
+    /// both back; a `compute_`-only use is not asked for here (every target() is an `sm_`).
+    #[test]
+    fn sm_targets_keep_their_cubin() {
+        if crate::core::cuda::nvrtc_available().is_err() {
+            eprintln!("NVRTC not available: skipped");
+            return;
+        }
+        const SRC: KernelSource = KernelSource {
+            name: "cubin_probe",
+            src: "extern \"C\" __global__ void probe(float* x) { x[threadIdx.x] *= FE_SCALE; }\n",
+        };
+        let prog =
+            Program::new(SRC).define("FE_SCALE", format!("{}.5f", std::process::id() % 1000));
+        let first = compile(&prog, Arch::SM80).unwrap();
+        let cubin = first.cubin.as_ref().expect("sm_80 compile has a cubin");
+        assert_eq!(&cubin[..4], b"\x7fELF", "cubin is an ELF image");
+        assert!(first.ptx.contains(".entry probe("));
+        let again = compile(&prog, Arch::SM80).unwrap();
+        assert!(again.from_cache, "second compile reads the disk cache");
+        assert_eq!(again.cubin.as_ref(), Some(cubin));
     }
 }

@@ -244,16 +244,30 @@ impl CudaDevice {
             .map_err(|e| Error::cuda(format!("cuStreamSynchronize after {after}"), e))
     }
 
-    /// Loads (once) the module of `ptx` under `key`, returning it.
-    pub(crate) fn module(&self, key: &str, ptx: &str) -> Result<Arc<CudaModule>> {
+    /// Loads (once) the module under `key`: from `cubin` when given (no driver JIT), falling back
+    /// to `ptx` if the driver refuses the cubin.
+    pub(crate) fn module(
+        &self,
+        key: &str,
+        ptx: &str,
+        cubin: Option<&[u8]>,
+    ) -> Result<Arc<CudaModule>> {
         let mut mods = self.modules.lock().unwrap();
         if let Some(m) = mods.get(key) {
             return Ok(m.clone());
         }
-        let m = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(|e| Error::cuda(format!("cuModuleLoadData ({key})"), e))?;
+        let from_cubin = cubin.and_then(|c| {
+            self.ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(c.to_vec()))
+                .ok()
+        });
+        let m = match from_cubin {
+            Some(m) => m,
+            None => self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(|e| Error::cuda(format!("cuModuleLoadData ({key})"), e))?,
+        };
         mods.insert(key.to_string(), m.clone());
         Ok(m)
     }
@@ -627,6 +641,23 @@ impl Kernel {
                     e,
                 )
             })
+    }
+
+    /// Lets a launch use `bytes` of dynamic shared memory: the opt-in is needed once dynamic plus
+    /// static shared memory pass 48 KiB (not the dynamic bytes alone — a kernel at exactly 48 KiB
+    /// dynamic with a few static reduction slots fails to launch without it).
+    pub fn allow_dynamic_smem(&self, bytes: u32) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let fixed = self
+            .func
+            .shared_size_bytes()
+            .map_err(|e| Error::cuda(format!("cuFuncGetAttribute({})", self.name), e))?;
+        if bytes as usize + fixed.max(0) as usize > 48 * 1024 {
+            self.set_max_dynamic_smem(bytes)?;
+        }
+        Ok(())
     }
 
     /// Launches on `stream`. A launch error names the kernel and its launch shape.

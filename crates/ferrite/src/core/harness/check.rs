@@ -109,6 +109,37 @@ pub struct CheckRecord {
     pub note: String,
 }
 
+/// When set, every record is printed to stderr as it is made (`ferrite check --trace`).
+static TRACE_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Starts printing each record to stderr as it is made, stamped with the seconds since this call.
+pub fn trace_records() {
+    let _ = TRACE_START.set(std::time::Instant::now());
+}
+
+fn traced(r: CheckRecord) -> CheckRecord {
+    if let Some(t0) = TRACE_START.get() {
+        eprintln!(
+            "[{:8.2} s] {} {} {} {} {}: {:.1e} (tol {:.1e}) {}{}",
+            t0.elapsed().as_secs_f64(),
+            r.op,
+            r.variant,
+            r.device,
+            r.dtype,
+            r.shape,
+            r.error,
+            r.tolerance,
+            if r.pass { "ok" } else { "FAIL" },
+            if r.note.is_empty() {
+                String::new()
+            } else {
+                format!(" — {}", r.note)
+            }
+        );
+    }
+    r
+}
+
 impl CheckRecord {
     /// A compared result.
     #[allow(clippy::too_many_arguments)]
@@ -123,7 +154,7 @@ impl CheckRecord {
         note: String,
     ) -> Self {
         let tolerance = precision.tolerance();
-        CheckRecord {
+        traced(CheckRecord {
             op: op.into(),
             variant: variant.into(),
             device: device.to_string(),
@@ -134,7 +165,7 @@ impl CheckRecord {
             tolerance,
             pass: error <= tolerance,
             note,
-        }
+        })
     }
 
     /// A case that could not run (an error is a failure, never a skip).
@@ -146,7 +177,7 @@ impl CheckRecord {
         shape: String,
         err: String,
     ) -> Self {
-        CheckRecord {
+        traced(CheckRecord {
             op: op.into(),
             variant: variant.into(),
             device: device.to_string(),
@@ -157,7 +188,7 @@ impl CheckRecord {
             tolerance: Precision::of(dtype).tolerance(),
             pass: false,
             note: err,
-        }
+        })
     }
 }
 

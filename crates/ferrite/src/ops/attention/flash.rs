@@ -305,9 +305,7 @@ fn kernel(
         &program(p.dtype, p.head_dim, p.softcap > 0.0, mt, bwd),
         name,
     )?;
-    if smem > 48 * 1024 {
-        k.set_max_dynamic_smem(smem)?;
-    }
+    k.allow_dynamic_smem(smem)?;
     Ok(k)
 }
 

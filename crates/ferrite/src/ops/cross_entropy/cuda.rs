@@ -253,9 +253,7 @@ pub fn launch(
         "resident" => {
             let g = resident_geom(dev, p);
             let k = dev.kernel(&prog, "ce_resident")?;
-            if g.smem > 48 * 1024 {
-                k.set_max_dynamic_smem(g.smem)?;
-            }
+            k.allow_dynamic_smem(g.smem)?;
             let mut a = fused_args();
             a.push(g.cap as i64);
             k.launch(stream, grid, (g.threads, 1, 1), g.smem, &mut a)?;

@@ -363,9 +363,7 @@ pub fn prepare(
                 )
             };
             let k = dev.kernel(&prog, func)?;
-            if smem > 48 * 1024 {
-                k.set_max_dynamic_smem(smem as u32)?;
-            }
+            k.allow_dynamic_smem(smem as u32)?;
             let threads = (warps * 32) as u32;
             // Resident blocks per SM as the driver computes them (registers, shared memory).
             let max_warps = (dev.props().max_threads_per_sm / 32) as f64;

@@ -664,9 +664,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
             let layout = epi.filter(|e| e.pairs).map(|_| (g.a.trans, g.b.trans));
             let kernel = dev.kernel(&mma_program(g.dtype, stages, epi, layout), "matmul_mma")?;
             let smem = stages * MMA_STAGE_BYTES;
-            if smem > 48 * 1024 {
-                kernel.set_max_dynamic_smem(smem)?;
-            }
+            kernel.allow_dynamic_smem(smem)?;
             let what = match g.dtype {
                 DType::F32 => "m16n8k8 tf32",
                 DType::BF16 => "m16n8k16 bf16",

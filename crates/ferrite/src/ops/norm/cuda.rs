@@ -219,9 +219,7 @@ pub fn plan_bwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLa
         ),
     };
     let kernel = dev.kernel(&prog, f)?;
-    if smem > 48 * 1024 {
-        kernel.set_max_dynamic_smem(smem)?;
-    }
+    kernel.allow_dynamic_smem(smem)?;
     Ok(BwdLaunch {
         kernel,
         col_sum: dev.kernel(&prog, "norm_col_sum")?,
