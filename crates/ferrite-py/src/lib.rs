@@ -290,6 +290,7 @@ fn matmul(
             },
             stream: tgt.stream(),
             threads: 0,
+            config: None,
         };
         fmatmul::matmul_into(&a.t, &b.t, &out.t, &opts)?;
         out.write_back()

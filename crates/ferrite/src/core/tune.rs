@@ -52,6 +52,22 @@ pub enum Choice {
     Cached,
     /// Measured now; the times of every candidate (ms, +inf for one that failed).
     Measured(Vec<f64>),
+    /// Not measured and not remembered: measuring was not possible now (see [`not_now`]), so
+    /// the first candidate — the default — was taken.
+    Default,
+}
+
+const NOT_NOW: &str = "tuning deferred: ";
+
+/// The error a timing closure returns when it must not measure now (e.g. its stream is capturing
+/// a CUDA graph, where nothing may synchronise): `pick` then takes the first candidate without
+/// remembering it, and measures at a later call.
+pub fn not_now(why: &str) -> Error {
+    Error::Other(format!("{NOT_NOW}{why}"))
+}
+
+fn is_not_now(e: &Error) -> bool {
+    matches!(e, Error::Other(m) if m.starts_with(NOT_NOW))
 }
 
 /// The best of `candidates` for `key`: remembered, or measured now with `time` (milliseconds;
@@ -69,10 +85,20 @@ pub fn pick<C: Clone + std::fmt::Display>(
             return Ok((c.clone(), Choice::Cached));
         }
     }
-    let times: Vec<f64> = candidates
-        .iter()
-        .map(|c| time(c).unwrap_or(f64::INFINITY))
-        .collect();
+    // The first refusal is kept for the message should none run: "could not run" alone hid a
+    // launch error (a shared-memory opt-in missing) behind the tuner once.
+    let mut first_err: Option<String> = None;
+    let mut times: Vec<f64> = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        match time(c) {
+            Ok(t) => times.push(t),
+            Err(e) if is_not_now(&e) => return Ok((candidates[0].clone(), Choice::Default)),
+            Err(e) => {
+                first_err.get_or_insert_with(|| format!("{c}: {e}"));
+                times.push(f64::INFINITY);
+            }
+        }
+    }
     let (best, t) = times
         .iter()
         .enumerate()
@@ -81,7 +107,8 @@ pub fn pick<C: Clone + std::fmt::Display>(
         .unwrap();
     if !t.is_finite() {
         return Err(Error::Other(format!(
-            "tune {key}: no candidate configuration could run"
+            "tune {key}: no candidate configuration could run (first refusal: {})",
+            first_err.as_deref().unwrap_or("a time that is not finite")
         )));
     }
     let winner = candidates[best].clone();
@@ -116,10 +143,22 @@ mod tests {
         })
         .unwrap();
         assert_eq!((w, how), ("b", Choice::Cached));
-        assert!(pick(&format!("{key}/none"), &cands, |_| Err(Error::Other(
-            "x".into()
-        )))
-        .is_err());
+        let e = pick(&format!("{key}/none"), &cands, |c| {
+            Err(Error::Other(format!("launch of {c} refused")))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("a: ") && e.contains("launch of a refused"),
+            "{e}"
+        );
+        // Measuring refused for now: the first candidate, nothing remembered, measured later.
+        let later = format!("{key}/later");
+        let (w, how) = pick(&later, &cands, |_| Err(not_now("capturing"))).unwrap();
+        assert_eq!((w, how), ("a", Choice::Default));
+        let (w, how) = pick(&later, &cands, |c| Ok(if *c == "c" { 0.5 } else { 2.0 })).unwrap();
+        assert_eq!(w, "c");
+        assert!(matches!(how, Choice::Measured(_)));
         assert_eq!(shape_class(&[4097, 1, 4096]), "8192x1x4096");
     }
 }

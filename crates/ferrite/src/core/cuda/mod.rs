@@ -23,6 +23,17 @@ pub use cudarc::driver::CudaStream as RawStream;
 /// A stream ops can run on: ferrite's own or one borrowed from a caller.
 pub type Stream = Arc<CudaStream>;
 
+/// Whether `stream` is capturing a CUDA graph (PyTorch's `reduce-overhead` mode, a user's
+/// `torch.cuda.graph`): nothing may synchronise on it or time it then, so tuners take their
+/// remembered or default choice. A query error counts as capturing (the cautious answer).
+pub fn is_capturing(stream: &Stream) -> bool {
+    // SAFETY: the stream is live for as long as the Arc is held.
+    match unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) } {
+        Ok(s) => s != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        Err(_) => true,
+    }
+}
+
 /// Libraries the loader may not find on its own: preloading them by full path makes the later
 /// `dlopen` by soname (inside cudarc) find the already-loaded copy.
 fn preload_cuda_libraries() {

@@ -162,6 +162,11 @@ pub fn time_briefly(
     stream: &super::Stream,
     mut f: impl FnMut() -> crate::core::error::Result<()>,
 ) -> crate::core::error::Result<f64> {
+    if super::is_capturing(stream) {
+        return Err(crate::core::tune::not_now(
+            "the stream is capturing a CUDA graph",
+        ));
+    }
     let budget = crate::core::harness::Budget {
         warmup: 2,
         min_reps: 5,

@@ -273,7 +273,14 @@ fn bench_gpu(
             let mut group = Vec::new();
             for vname in runs {
                 progress(&format!("matmul {d} {vname} {label} {}", g.label()));
-                let l = mm_cuda::plan(vname, &g, dev)?;
+                // `wgmma` runs its tuned configuration (timed here at the shape's first use,
+                // remembered in tune.json), which the config column names.
+                let (l, tuned) = if vname == "wgmma" {
+                    let c = mm_cuda::wg_tuned(&g, ptrs[0], dev, &stream)?;
+                    (mm_cuda::plan_with(vname, &g, dev, c)?, Some(c))
+                } else {
+                    (mm_cuda::plan(vname, &g, dev)?, None)
+                };
                 let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
                     mm_cuda::launch(&l, &g, ptrs[i % ptrs.len()], 1.0, 0.0, &stream)
                 })?;
@@ -290,7 +297,10 @@ fn bench_gpu(
                 );
                 r.dtype = label.into();
                 r = r.with_kernel(&l.kernel, l.block.0 * l.block.1 * l.block.2, l.smem)?;
-                r.config = l.config.clone();
+                r.config = match tuned {
+                    Some(c) => format!("tuned {c} of {}: {}", mm_cuda::WG_CONFIGS.len(), l.config),
+                    None => l.config.clone(),
+                };
                 group.push(r);
             }
             progress(&format!("matmul {d} cublas {label} {}", g.label()));

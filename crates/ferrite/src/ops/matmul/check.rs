@@ -70,6 +70,27 @@ impl Case {
     }
 }
 
+/// Shapes for `wgmma`'s tuner configurations beside the quick set: rows 16-byte aligned (TMA),
+/// many row and column tiles with edges (18 × 5 tiles of 128 × 256: groups of 4, 8 and 16 end
+/// inside the grid, 32 covers it with one partial group; an odd tile count per cluster column),
+/// and a batched, transposed case with α/β.
+pub fn config_cases() -> Vec<Case> {
+    vec![
+        Case {
+            b_trans: true,
+            ..Case::nn(2304, 1280, 200)
+        },
+        Case::nn(1032, 1544, 96),
+        Case {
+            batch: 3,
+            a_trans: true,
+            alpha: 0.5,
+            beta: -1.0,
+            ..Case::nn(520, 264, 136)
+        },
+    ]
+}
+
 /// The shape set: 1, 7, 127, 1000, 4097 appear as m, n or k; every layout; batches; α/β; K = 1.
 pub fn cases(quick: bool) -> Vec<Case> {
     let mut v = vec![
@@ -284,11 +305,13 @@ pub fn reference(c: &Case, a: &Tensor, b: &Tensor, c0: Option<&Tensor>) -> Resul
     Ok(out)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check_one(
     c: &Case,
     dev: Device,
     dtype: DType,
     variant: &str,
+    config: Option<&str>,
     precision: Precision,
     seed: u64,
 ) -> Result<f64> {
@@ -311,6 +334,7 @@ fn check_one(
         alpha: c.alpha,
         beta: c.beta,
         precision,
+        config: config.map(str::to_string),
         ..Default::default()
     };
     match variant {
@@ -416,8 +440,27 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                         Precision::of(dtype)
                     };
                     let seed = rng.next_u64();
-                    let r = check_one(&c, dev, dtype, v.name, precision, seed);
+                    let r = check_one(&c, dev, dtype, v.name, None, precision, seed);
                     out.extend(record(v.name, &c, dev, dtype, precision, r));
+                }
+                // Every configuration the tuner may pick, on the quick cases (the full set above
+                // ran whichever the tuner chose per shape).
+                if v.name == "wgmma" && backend == Backend::Cuda {
+                    for wc in super::cuda::WG_CONFIGS {
+                        let name = format!("wgmma[{wc}]");
+                        let cfg_name = wc.to_string();
+                        let precision = if dtype == DType::F32 {
+                            Precision::Tf32
+                        } else {
+                            Precision::of(dtype)
+                        };
+                        for c in cases(true).into_iter().chain(config_cases()) {
+                            let seed = rng.next_u64();
+                            let r =
+                                check_one(&c, dev, dtype, v.name, Some(&cfg_name), precision, seed);
+                            out.extend(record(&name, &c, dev, dtype, precision, r));
+                        }
+                    }
                 }
             }
         }
@@ -437,7 +480,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                     }
                     for c in cases(true) {
                         let seed = rng.next_u64();
-                        let r = check_one(&c, dev, dtype, peer, precision, seed);
+                        let r = check_one(&c, dev, dtype, peer, None, precision, seed);
                         out.extend(record(peer, &c, dev, dtype, precision, r));
                     }
                 }

@@ -113,11 +113,81 @@ const WG_STAGES: u32 = 4;
 const WG_THREADS: u32 = 384;
 /// Cluster sizes `wgmma` is compiled for, and the one it runs with: pairs of blocks along m
 /// sharing (multicasting) each B tile measured 0–5% faster than single blocks on the H100.
-const WG_CLUSTERS: [u32; 2] = [1, 2];
+pub const WG_CLUSTERS: [u32; 2] = [1, 2];
 const WG_CLUSTER: u32 = 2;
 /// Cluster rows per group of the grouped tile order (8 and 32 measured within noise of each
 /// other at 8192³; 4 was slower).
 const WG_GROUP_M: u32 = 8;
+
+/// A `wgmma` launch configuration: blocks per cluster (B multicast across them) and cluster rows
+/// per group of the tile order. Shown in `bench` as e.g. `c2g8`, and accepted by
+/// `MatmulOptions::config` under that name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WgConfig {
+    pub cluster: u32,
+    pub group_m: u32,
+}
+
+impl std::fmt::Display for WgConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "c{}g{}", self.cluster, self.group_m)
+    }
+}
+
+/// What the untuned `wgmma` runs (and the epilogue kernels always run: they are compiled for
+/// this cluster size only).
+pub const WG_DEFAULT: WgConfig = WgConfig {
+    cluster: WG_CLUSTER,
+    group_m: WG_GROUP_M,
+};
+
+/// The candidates the tuner times at a shape's first use, the default first (it is also what
+/// runs when measuring is not possible, e.g. under CUDA-graph capture). Why these: the tile
+/// order decides how much of A and B the SMs running at once share in L2 (8192³: a 4096-wide
+/// band of B is 64 MiB, past the 50 MiB L2, so the group height matters more there than at
+/// 4096³), and the cluster's B multicast halves B's L2→SM traffic but ties two blocks' progress.
+pub const WG_CONFIGS: [WgConfig; 6] = [
+    WG_DEFAULT,
+    WgConfig {
+        cluster: 2,
+        group_m: 4,
+    },
+    WgConfig {
+        cluster: 2,
+        group_m: 16,
+    },
+    WgConfig {
+        cluster: 1,
+        group_m: 8,
+    },
+    WgConfig {
+        cluster: 1,
+        group_m: 16,
+    },
+    WgConfig {
+        cluster: 2,
+        group_m: 32,
+    },
+];
+
+/// The configuration named `name` (as `WgConfig`'s Display writes it).
+pub fn wg_config_named(name: &str) -> Result<WgConfig> {
+    WG_CONFIGS
+        .iter()
+        .find(|c| c.to_string() == name)
+        .copied()
+        .ok_or_else(|| {
+            Error::bad_arg(
+                OP,
+                "config",
+                format!(
+                    "a `wgmma` configuration: one of {}",
+                    WG_CONFIGS.map(|c| c.to_string()).join(", ")
+                ),
+                name,
+            )
+        })
+}
 /// Dynamic shared memory of `wgmma`: the ring (A 128 rows + B 256 rows of 128 bytes of k per
 /// stage: 48 KiB for every dtype), its 2·stages mbarriers, and 1 KiB of slack to align the ring
 /// to the 1024-byte swizzle atom.
@@ -571,7 +641,62 @@ pub struct Launch {
 }
 
 pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
-    plan_inner(variant, g, dev, None)
+    plan_inner(variant, g, dev, None, WG_DEFAULT)
+}
+
+/// `plan` with `wgmma`'s configuration `cfg` (other variants ignore it).
+pub fn plan_with(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, cfg: WgConfig) -> Result<Launch> {
+    plan_inner(variant, g, dev, None, cfg)
+}
+
+/// The tuner's key for `wgmma` on `g`: device, dtype, layout and the power-of-two class of
+/// m, n, k, batch (a config that wins at 8192³ is not assumed to win at 512³).
+fn wg_tune_key(dev: &CudaDevice, g: &Gemm) -> String {
+    format!(
+        "{}/matmul_wgmma/{}/{}{}/{}",
+        dev.props().name,
+        g.dtype,
+        if g.a.trans { 'T' } else { 'N' },
+        if g.b.trans { 'T' } else { 'N' },
+        crate::core::tune::shape_class(&[g.m, g.n, g.k, g.batch])
+    )
+}
+
+/// `wgmma`'s configuration for `g`: remembered, or timed now on the caller's A and B (each
+/// candidate writes a scratch C with beta = 0, so the caller's C is untouched) — or the default
+/// where measuring is not possible (graph capture).
+pub fn wg_tuned(g: &Gemm, p: Ptrs, dev: &Arc<CudaDevice>, stream: &Stream) -> Result<WgConfig> {
+    let key = wg_tune_key(dev, g);
+    let mut scratch: Option<(DeviceBuffer, Gemm)> = None;
+    crate::core::tune::pick(&key, &WG_CONFIGS, |&cfg| {
+        if crate::core::cuda::is_capturing(stream) {
+            return Err(crate::core::tune::not_now(
+                "the stream is capturing a CUDA graph",
+            ));
+        }
+        if scratch.is_none() {
+            let mut gs = *g;
+            gs.c.ld = g.n;
+            gs.c.trans = false;
+            gs.c.batch_stride = g.m * g.n;
+            let bytes = g.batch * g.m * g.n * g.dtype.size_in_bytes();
+            scratch = Some((dev.alloc(bytes, stream)?, gs));
+        }
+        let (buf, gs) = scratch.as_ref().unwrap();
+        let l = plan_with("wgmma", gs, dev, cfg)?;
+        let q = Ptrs { c: buf.ptr(), ..p };
+        crate::core::cuda::rows::time_briefly(dev, stream, || launch(&l, gs, q, 1.0, 0.0, stream))
+    })
+    .map(|(c, _)| c)
+}
+
+/// The remembered `wgmma` configuration for `g` (None before its first tuned run): for reports.
+pub fn wg_remembered(g: &Gemm, dev: &CudaDevice) -> Option<WgConfig> {
+    crate::core::tune::pick(&wg_tune_key(dev, g), &WG_CONFIGS, |_| {
+        Err(Error::Other("not tuned yet".into()))
+    })
+    .ok()
+    .map(|(c, _)| c)
 }
 
 /// The variants that have the pair epilogue (`plan_epilogue_pairs`).
@@ -597,7 +722,7 @@ pub fn plan_epilogue_pairs(
             ),
         });
     }
-    plan_inner(variant, g, dev, Some(Epi { act, pairs: true }))
+    plan_inner(variant, g, dev, Some(Epi { act, pairs: true }), WG_DEFAULT)
 }
 
 /// The variants that have the fused epilogue.
@@ -620,10 +745,16 @@ pub fn plan_epilogue(
             ),
         });
     }
-    plan_inner(variant, g, dev, Some(Epi { act, pairs: false }))
+    plan_inner(variant, g, dev, Some(Epi { act, pairs: false }), WG_DEFAULT)
 }
 
-fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) -> Result<Launch> {
+fn plan_inner(
+    variant: &str,
+    g: &Gemm,
+    dev: &Arc<CudaDevice>,
+    epi: Option<Epi>,
+    wg: WgConfig,
+) -> Result<Launch> {
     let refuse = |why: &str| Error::NoVariant {
         op: OP.into(),
         msg: format!("CUDA variant `{variant}` {why}"),
@@ -699,7 +830,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
                     "has no fused epilogue for f32/tf32 (mma_pipelined has one)",
                 ));
             }
-            let cluster = WG_CLUSTER;
+            let cluster = wg.cluster;
             // tf32 wgmma reads K-major operands only: one kernel (A row-major, B transposed),
             // other layouts packed into it at launch.
             let (at, bt) = if tf32 {
@@ -716,7 +847,7 @@ fn plan_inner(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, epi: Option<Epi>) 
                 None
             };
             let sms = (dev.props().sm_count / cluster * cluster).max(cluster);
-            let group_m = WG_GROUP_M;
+            let group_m = wg.group_m;
             let (ty, note) = match g.dtype {
                 DType::F32 => (
                     "tf32",
@@ -956,7 +1087,12 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
     } else {
         variant
     };
-    let l = plan(variant, g, &dev)?;
+    let cfg = match (&opts.config, variant) {
+        (Some(name), "wgmma") => wg_config_named(name)?,
+        (None, "wgmma") if g.k > 0 && g.batch * g.m * g.n > 0 => wg_tuned(g, p, &dev, &stream)?,
+        _ => WG_DEFAULT,
+    };
+    let l = plan_with(variant, g, &dev, cfg)?;
     launch(&l, g, p, opts.alpha, opts.beta, &stream)
 }
 

@@ -214,6 +214,10 @@ pub struct MatmulOptions {
     pub stream: Option<Stream>,
     /// CPU threads for the multi-threaded variants (0 = all cores).
     pub threads: usize,
+    /// A tuned variant's configuration by name, as `bench` shows it (`wgmma`: `c2g8`, ...; see
+    /// `cuda::WG_CONFIGS`); None runs the tuned one (measured at a shape's first use and
+    /// remembered on disk). Other variants ignore it.
+    pub config: Option<String>,
 }
 
 impl Default for MatmulOptions {
@@ -225,6 +229,7 @@ impl Default for MatmulOptions {
             precision: Precision::F32,
             stream: None,
             threads: 0,
+            config: None,
         }
     }
 }

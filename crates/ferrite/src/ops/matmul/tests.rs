@@ -148,3 +148,27 @@ fn gpu_errors_without_a_gpu_are_clear() {
         .to_string();
     assert!(e.starts_with("CUDA unavailable:"), "{e}");
 }
+
+/// The tuner's `wgmma` configurations: the default first (what runs when measuring is not
+/// possible), every one compiled by the kernel build (its cluster size is in WG_CLUSTERS), names
+/// unique and accepted back by `MatmulOptions::config`, a wrong name a clear error.
+#[test]
+fn wgmma_tuner_configs() {
+    use cuda::{wg_config_named, WG_CLUSTERS, WG_CONFIGS, WG_DEFAULT};
+    assert_eq!(WG_CONFIGS[0], WG_DEFAULT);
+    let mut names = std::collections::HashSet::new();
+    for c in WG_CONFIGS {
+        assert!(
+            WG_CLUSTERS.contains(&c.cluster),
+            "{c}: cluster not compiled"
+        );
+        assert!(c.group_m >= 1);
+        assert!(names.insert(c.to_string()), "{c}: duplicate name");
+        assert_eq!(wg_config_named(&c.to_string()).unwrap(), c);
+    }
+    let e = wg_config_named("c3g8").unwrap_err().to_string();
+    assert!(
+        e.contains("config") && e.contains("c3g8") && e.contains("c2g8"),
+        "{e}"
+    );
+}
