@@ -250,7 +250,7 @@ fn info() -> Result<()> {
                     .find(|&&(o, n, _)| o == f.name() && n == v.name)
                 {
                     Some((_, _, d)) => format!(
-                        "[not yet run on a GPU{}: picked only by name] {}",
+                        "[not yet checked on a GPU{}: picked only by name] {}",
                         d.map(|d| format!(" for {d}")).unwrap_or_default(),
                         v.summary
                     ),
