@@ -19,7 +19,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 warm='warm|150|ferrite kernels --arch sm_90a > $D/kernels-table.txt'
 status=0
 # d: the linear pair rungs' check (pace printed per record: a slow case or a hang?), the wgmma
-# tuner (every configuration checked, then the tuned pick benched at the issue's shapes).
+# tuner (every configuration checked, then the tuned pick benched at the issue's shapes); if both
+# pass, set matmul::cuda::WG_TUNE_BY_DEFAULT = true.
 [[ $part == *d* ]] && { bash "$here/steps.sh" pending-d "$bundle" "$warm" \
   'check-pairs|150|ferrite check linear --device cuda --variant persistent_pairs --variant fused_pairs --trace --json $D/check-pairs.json' \
   'check-matmul|120|ferrite check matmul --device cuda --variant wgmma --json $D/check-matmul.json' \

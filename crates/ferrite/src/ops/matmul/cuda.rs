@@ -170,6 +170,12 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
     },
 ];
 
+/// Whether `matmul_into` tunes `wgmma` at a shape's first use. Off until a GPU run has checked
+/// every configuration and timed the tuner (written without a GPU, 2026-11-23, like the rungs in
+/// `core::variant::PENDING_GPU_RUN`): until then the default path runs `WG_DEFAULT`, while
+/// `bench` tunes (its config column shows the pick) and `check` runs every configuration.
+pub const WG_TUNE_BY_DEFAULT: bool = false;
+
 /// The configuration named `name` (as `WgConfig`'s Display writes it).
 pub fn wg_config_named(name: &str) -> Result<WgConfig> {
     WG_CONFIGS
@@ -1089,7 +1095,9 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
     };
     let cfg = match (&opts.config, variant) {
         (Some(name), "wgmma") => wg_config_named(name)?,
-        (None, "wgmma") if g.k > 0 && g.batch * g.m * g.n > 0 => wg_tuned(g, p, &dev, &stream)?,
+        (None, "wgmma") if WG_TUNE_BY_DEFAULT && g.k > 0 && g.batch * g.m * g.n > 0 => {
+            wg_tuned(g, p, &dev, &stream)?
+        }
         _ => WG_DEFAULT,
     };
     let l = plan_with(variant, g, &dev, cfg)?;
