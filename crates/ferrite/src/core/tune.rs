@@ -70,6 +70,13 @@ fn is_not_now(e: &Error) -> bool {
     matches!(e, Error::Other(m) if m.starts_with(NOT_NOW))
 }
 
+/// The remembered choice among `candidates` for `key`, if any (no measuring).
+pub fn remembered<C: Clone + std::fmt::Display>(key: &str, candidates: &[C]) -> Option<C> {
+    let map = table().lock().unwrap();
+    let name = map.get(key)?;
+    candidates.iter().find(|c| &c.to_string() == name).cloned()
+}
+
 /// The best of `candidates` for `key`: remembered, or measured now with `time` (milliseconds;
 /// an error counts as a candidate that cannot run). Candidates are told apart by `Display`.
 pub fn pick<C: Clone + std::fmt::Display>(
@@ -80,10 +87,8 @@ pub fn pick<C: Clone + std::fmt::Display>(
     if candidates.is_empty() {
         return Err(Error::Other(format!("tune {key}: no candidates")));
     }
-    if let Some(name) = table().lock().unwrap().get(key) {
-        if let Some(c) = candidates.iter().find(|c| &c.to_string() == name) {
-            return Ok((c.clone(), Choice::Cached));
-        }
+    if let Some(c) = remembered(key, candidates) {
+        return Ok((c, Choice::Cached));
     }
     // The first refusal is kept for the message should none run: "could not run" alone hid a
     // launch error (a shared-memory opt-in missing) behind the tuner once.

@@ -368,10 +368,15 @@ impl CudaDevice {
         let f = module
             .load_function(func)
             .map_err(|e| Error::cuda(format!("cuModuleGetFunction({func} in {label})"), e))?;
+        let static_smem = f
+            .shared_size_bytes()
+            .map_err(|e| Error::cuda(format!("cuFuncGetAttribute({func} in {label})"), e))?
+            as u32;
         let kern = Kernel {
             name: format!("{func} ({label})"),
             func: f,
             dev: self.clone(),
+            static_smem,
         };
         KERNELS
             .get_or_init(Default::default)

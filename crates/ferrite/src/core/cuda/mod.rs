@@ -599,6 +599,8 @@ pub struct Kernel {
     pub name: String,
     pub func: CudaFunction,
     pub dev: Arc<CudaDevice>,
+    /// Bytes of static shared memory (read once at load: `allow_dynamic_smem` runs per launch).
+    pub static_smem: u32,
 }
 
 /// Static resource use of a kernel, as the driver reports it.
@@ -658,14 +660,7 @@ impl Kernel {
     /// static shared memory pass 48 KiB (not the dynamic bytes alone — a kernel at exactly 48 KiB
     /// dynamic with a few static reduction slots fails to launch without it).
     pub fn allow_dynamic_smem(&self, bytes: u32) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let fixed = self
-            .func
-            .shared_size_bytes()
-            .map_err(|e| Error::cuda(format!("cuFuncGetAttribute({})", self.name), e))?;
-        if bytes as usize + fixed.max(0) as usize > 48 * 1024 {
+        if bytes > 0 && bytes as usize + self.static_smem as usize > 48 * 1024 {
             self.set_max_dynamic_smem(bytes)?;
         }
         Ok(())

@@ -196,9 +196,7 @@ pub fn fused_choice(
     f: Fused,
     dropout: bool,
 ) -> Result<Option<(Kernel, FusedGeom, usize)>> {
-    let Ok((u, _)) = crate::core::tune::pick(&tune_key(dev, p, f, dropout), &UNROLLS, |_| {
-        Err(Error::Other("not tuned yet".into()))
-    }) else {
+    let Some(u) = crate::core::tune::remembered(&tune_key(dev, p, f, dropout), &UNROLLS) else {
         return Ok(None);
     };
     let (k, g) = if f == Fused::ActBwd {

@@ -669,39 +669,30 @@ fn wg_tune_key(dev: &CudaDevice, g: &Gemm) -> String {
 }
 
 /// `wgmma`'s configuration for `g`: remembered, or timed now on the caller's A and B (each
-/// candidate writes a scratch C with beta = 0, so the caller's C is untouched) — or the default
-/// where measuring is not possible (graph capture).
+/// candidate writes a scratch C with beta = 0, so the caller's C is untouched) — or the default,
+/// not remembered, while the stream captures a CUDA graph (nothing may be timed then).
 pub fn wg_tuned(g: &Gemm, p: Ptrs, dev: &Arc<CudaDevice>, stream: &Stream) -> Result<WgConfig> {
+    use crate::core::tune;
     let key = wg_tune_key(dev, g);
-    let mut scratch: Option<(DeviceBuffer, Gemm)> = None;
-    crate::core::tune::pick(&key, &WG_CONFIGS, |&cfg| {
-        if crate::core::cuda::is_capturing(stream) {
-            return Err(crate::core::tune::not_now(
-                "the stream is capturing a CUDA graph",
-            ));
-        }
-        if scratch.is_none() {
-            let mut gs = *g;
-            gs.c.ld = g.n;
-            gs.c.trans = false;
-            gs.c.batch_stride = g.m * g.n;
-            let bytes = g.batch * g.m * g.n * g.dtype.size_in_bytes();
-            scratch = Some((dev.alloc(bytes, stream)?, gs));
-        }
-        let (buf, gs) = scratch.as_ref().unwrap();
-        let l = plan_with("wgmma", gs, dev, cfg)?;
-        let q = Ptrs { c: buf.ptr(), ..p };
-        crate::core::cuda::rows::time_briefly(dev, stream, || launch(&l, gs, q, 1.0, 0.0, stream))
+    if let Some(c) = tune::remembered(&key, &WG_CONFIGS) {
+        return Ok(c);
+    }
+    if crate::core::cuda::is_capturing(stream) {
+        return Ok(WG_DEFAULT);
+    }
+    let mut gs = *g;
+    gs.c.ld = g.n;
+    gs.c.trans = false;
+    gs.c.batch_stride = g.m * g.n;
+    let scratch = dev.alloc(g.batch * g.m * g.n * g.dtype.size_in_bytes(), stream)?;
+    let q = Ptrs {
+        c: scratch.ptr(),
+        ..p
+    };
+    tune::pick(&key, &WG_CONFIGS, |&cfg| {
+        let l = plan_with("wgmma", &gs, dev, cfg)?;
+        crate::core::cuda::rows::time_briefly(dev, stream, || launch(&l, &gs, q, 1.0, 0.0, stream))
     })
-    .map(|(c, _)| c)
-}
-
-/// The remembered `wgmma` configuration for `g` (None before its first tuned run): for reports.
-pub fn wg_remembered(g: &Gemm, dev: &CudaDevice) -> Option<WgConfig> {
-    crate::core::tune::pick(&wg_tune_key(dev, g), &WG_CONFIGS, |_| {
-        Err(Error::Other("not tuned yet".into()))
-    })
-    .ok()
     .map(|(c, _)| c)
 }
 
@@ -1216,6 +1207,8 @@ impl LtPlan {
                 "cuBLASLt (libcublasLt.so.13) not found by the loader".into(),
             ));
         }
+        // The same mapping as `cublas` above, but cudarc's cuBLASLt bindings declare their own
+        // copies of these enums, so the two matches cannot share one function.
         let (dt, compute) = match (g.dtype, precision) {
             (DType::F32, Precision::Tf32) => (
                 sys::cudaDataType::CUDA_R_32F,

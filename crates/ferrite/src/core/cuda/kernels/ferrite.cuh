@@ -72,6 +72,28 @@ struct alignas(16) Vec16 {
   E v[N];
 };
 
+// out[c] = Σ_p part[p, c] over `parts` fp32 partial rows, in a fixed order (the same bits every
+// run): a block of (32, 16) threads owns 32 columns; thread row ty sums parts ty, ty+16, ... in
+// order, then the 16 sums are added in ty order — 16 loads in flight per column instead of one
+// thread walking all the parts. Launch with blockDim (32, 16), gridDim.x = ⌈cols / 32⌉.
+template <typename T>
+__device__ __forceinline__ void col_sum_fixed_order(T* __restrict__ out, const float* __restrict__ part,
+                                                    i64 parts, i64 cols) {
+  __shared__ float s[16][33];
+  const i64 c = (i64)blockIdx.x * 32 + threadIdx.x;
+  float a = 0.f;
+  if (c < cols)
+    for (i64 p = threadIdx.y; p < parts; p += 16) a += part[p * cols + c];
+  s[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) t += s[k][threadIdx.x];
+    out[c] = from_float<T>(t);
+  }
+}
+
 }  // namespace ferrite
 
 #endif  // FERRITE_CUH

@@ -321,24 +321,10 @@ extern "C" __global__ void act_bwd_fused_u4(T* __restrict__ dx, float* __restric
   act_bwd_fused_body<4>(dx, db_part, dy, x, b, rows, cols, seed, offset, thr, scale, dropout);
 }
 
-// db[c] = Σ_p part[p, c] over `parts` partial rows, in a fixed order: block (32, 16) owns 32
-// columns; thread row ty sums parts ty, ty+16, ... in order, then the 16 sums are added in ty
-// order (16 loads in flight per column: the partial rows number ~330 on an H100).
+// db[c] = Σ_p part[p, c] over `parts` partial rows (~330 on an H100), in a fixed order.
 extern "C" __global__ void act_col_sum(T* __restrict__ db, const float* __restrict__ part,
                                        i64 parts, i64 cols) {
-  __shared__ float s[16][33];
-  const i64 c = (i64)blockIdx.x * 32 + threadIdx.x;
-  float a = 0.f;
-  if (c < cols)
-    for (i64 p = threadIdx.y; p < parts; p += 16) a += part[p * cols + c];
-  s[threadIdx.y][threadIdx.x] = a;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float t = 0.f;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) t += s[k][threadIdx.x];
-    db[c] = from_float<T>(t);
-  }
+  col_sum_fixed_order(db, part, parts, cols);
 }
 
 // GLU: in [rows, 2n] = (gate | up), out [rows, n] = act(gate) ⊙ up. Requires n % VEC == 0 and

@@ -346,26 +346,12 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
 
 // out[c] = Σ_p part[p·cols + c] over `parts` partial rows: the deterministic second stage of the
 // weight/bias gradients, for up to two (out, part) pairs at once (blockIdx.y; a null out skips
-// its pair). Block (32, 16) owns 32 columns: thread row ty sums parts ty, ty+16, … in order, then
-// the 16 sums are added in ty order — a fixed order, 16 loads in flight per column instead of one
-// thread walking all the parts.
+// its pair), in the fixed order of `col_sum_fixed_order` (ferrite.cuh).
 extern "C" __global__ void norm_col_sum(T* __restrict__ out0, const float* __restrict__ part0,
                                         T* __restrict__ out1, const float* __restrict__ part1,
                                         i64 parts, i64 cols) {
-  __shared__ float s[16][33];
   T* out = blockIdx.y ? out1 : out0;
   const float* part = blockIdx.y ? part1 : part0;
   if (!out) return;  // uniform across the block: no barrier is skipped by part of it
-  const i64 c = (i64)blockIdx.x * 32 + threadIdx.x;
-  float a = 0.f;
-  if (c < cols)
-    for (i64 p = threadIdx.y; p < parts; p += 16) a += part[p * cols + c];
-  s[threadIdx.y][threadIdx.x] = a;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float t = 0.f;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) t += s[k][threadIdx.x];
-    out[c] = from_float<T>(t);
-  }
+  col_sum_fixed_order(out, part, parts, cols);
 }
