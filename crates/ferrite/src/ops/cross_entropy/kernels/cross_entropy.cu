@@ -184,6 +184,23 @@ extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __rest
 // ---------------------------------------------------------------- fused (CUDA `fused`)
 
 // Running (max, Σ 2^(y−max)) of one thread, in log2 units, updated once per vector.
+// A row the loss skips (ignored target: loss and gradient 0) or cannot take (target out of range:
+// NaN, the documented unchecked behaviour): every thread of the block calls it.
+__device__ __forceinline__ void write_skipped_row(T* dx, float* loss_rows, i64 row, i64 v, bool ok) {
+  const float g = ok ? 0.f : f_nan();
+  if (threadIdx.x == 0) loss_rows[row] = g;
+  if (dx) {
+    T* gr = dx + row * v;
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) gr[c] = from_float<T>(g);
+  }
+}
+
+// Elements before a row's first 16-byte boundary (the scalar head; at most v).
+__device__ __forceinline__ i64 row_head(const T* xr, i64 v) {
+  const i64 head = (i64)(((16u - (unsigned)((u64)xr & 15u)) & 15u) / sizeof(T));
+  return head > v ? v : head;
+}
+
 __device__ __forceinline__ void online_add(float& m, float& s, const float* y, int k) {
   float mv = y[0];
   for (int e = 1; e < k; ++e) mv = fmaxf(mv, y[e]);
@@ -209,22 +226,14 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
     const bool ok = target_ok(t, v, ignore, ignored);
     // Every thread of the block takes the same branch (t is per row).
     if (!ok || ignored) {
-      const float g = ok ? 0.f : f_nan();
-      if (threadIdx.x == 0) loss_rows[row] = g;
-      if (dx) {
-        T* gr = dx + row * v;
-        for (i64 c = threadIdx.x; c < v; c += blockDim.x) gr[c] = from_float<T>(g);
-      }
+      write_skipped_row(dx, loss_rows, row, v, ok);
       continue;
     }
     // Target logit, read before the barriers below (in place, pass 2 overwrites it).
     const float xt = threadIdx.x == 0 ? to_float(xr[t]) : 0.f;
 
     // Split the row at 16-byte boundaries: a scalar head, whole vectors, a scalar tail.
-    i64 head = (i64)(((16u - (unsigned)((u64)xr & 15u)) & 15u) / sizeof(T));
-    if (head > v) head = v;
-    const i64 nvec = (v - head) / VEC;
-    const i64 tail = head + nvec * VEC;
+    const i64 head = row_head(xr, v), nvec = (v - head) / VEC, tail = head + nvec * VEC;
     const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
 
     float m = f_lowest(), s = 0.f, sx = 0.f;
@@ -318,19 +327,11 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     bool ignored;
     const bool ok = target_ok(t, v, ignore, ignored);
     if (!ok || ignored) {
-      const float g = ok ? 0.f : f_nan();
-      if (threadIdx.x == 0) loss_rows[row] = g;
-      if (dx) {
-        T* gr = dx + row * v;
-        for (i64 c = threadIdx.x; c < v; c += blockDim.x) gr[c] = from_float<T>(g);
-      }
+      write_skipped_row(dx, loss_rows, row, v, ok);
       continue;
     }
     const float xt = threadIdx.x == 0 ? to_float(xr[t]) : 0.f;
-    i64 head = (i64)(((16u - (unsigned)((u64)xr & 15u)) & 15u) / sizeof(T));
-    if (head > v) head = v;
-    const i64 nvec = (v - head) / VEC;
-    const i64 tail = head + nvec * VEC;
+    const i64 head = row_head(xr, v), nvec = (v - head) / VEC, tail = head + nvec * VEC;
     const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
 
     // Pass 1: running (m, s) in log2 units, m = max of x·log2e so far.
