@@ -416,7 +416,12 @@ pub fn validate_bwd(i: &Bwd, o: &BwdOut, act: Activation) -> Result<Problem> {
 pub fn gemm_of(i: &Fwd, y: &Tensor) -> Result<matmul::Gemm> {
     let x2 = rows_view(OP, "x", i.x)?;
     let y2 = rows_view(OP, "y", y)?;
-    matmul::validate(&x2, &i.w.t()?, &y2)
+    let mut g = matmul::validate(&x2, &i.w.t()?, &y2)?;
+    // B = Wᵀ is column-major; a k ≤ 1 or n = 1 W reads as row-major too. Keep the layer's
+    // layout so such shapes run the kernel compiled for it (the pair epilogue kernels exist for
+    // this layout only: another one would be compiled, seconds, at first use).
+    g.b = g.b.relaid(g.k, g.n, true).unwrap_or(g.b);
+    Ok(g)
 }
 
 fn precision_of(dtype: DType, opts: &LinearOptions) -> Precision {

@@ -170,11 +170,11 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
     },
 ];
 
-/// Whether `matmul_into` tunes `wgmma` at a shape's first use. Off until a GPU run has checked
-/// every configuration and timed the tuner (written without a GPU, 2026-11-23, like the rungs in
-/// `core::variant::PENDING_GPU_RUN`): until then the default path runs `WG_DEFAULT`, while
-/// `bench` tunes (its config column shows the pick) and `check` runs every configuration.
-pub const WG_TUNE_BY_DEFAULT: bool = false;
+/// Whether `matmul_into` tunes `wgmma` at a shape's first use. On since the H100 run of
+/// 2026-11-23 (bench/results/2026-11-23-h100-pending2): every configuration passed `check matmul`
+/// (283 cases) and bench's tuned picks ran at 0.89–0.98× cuBLAS. False would keep `WG_DEFAULT`
+/// on the default path (bench still tunes, check still runs every configuration).
+pub const WG_TUNE_BY_DEFAULT: bool = true;
 
 /// The configuration named `name` (as `WgConfig`'s Display writes it).
 pub fn wg_config_named(name: &str) -> Result<WgConfig> {

@@ -243,6 +243,43 @@ pub struct Operand {
     pub batch_stride: usize,
 }
 
+impl Operand {
+    /// The same `rows × cols` operand described with `trans` (column-major when true), where
+    /// both descriptions address the same elements: empty operands, a single row of a row-major
+    /// operand (unit stride), a single column read with unit stride. `validate` reads such
+    /// degenerate operands as row-major; a caller whose kernels are specialised for one layout
+    /// (linear's W, read transposed) asks for its own, so a 1-row or k = 0 problem runs the same
+    /// kernel as the rest instead of compiling another. None when the layouts differ.
+    pub fn relaid(self, rows: usize, cols: usize, trans: bool) -> Option<Operand> {
+        if self.trans == trans {
+            return Some(self);
+        }
+        // Elements along the stored layout's contiguous (minor) and strided (major) dims; the
+        // wanted layout's minor dim is the stored major one.
+        let (minor, major) = if self.trans {
+            (rows, cols)
+        } else {
+            (cols, rows)
+        };
+        let ld = if minor == 0 || major == 0 {
+            major.max(1)
+        } else if major == 1 {
+            // One line with unit stride: the wanted layout walks it one element per line.
+            1
+        } else if minor == 1 && self.ld == 1 {
+            // One element per line, lines one element apart: contiguous in the wanted layout.
+            major
+        } else {
+            return None;
+        };
+        Some(Operand {
+            ld,
+            trans,
+            batch_stride: self.batch_stride,
+        })
+    }
+}
+
 /// A validated problem: sizes and layouts the variants work from.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemm {

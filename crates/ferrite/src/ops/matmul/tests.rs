@@ -172,3 +172,69 @@ fn wgmma_tuner_configs() {
         "{e}"
     );
 }
+
+/// Where element (r, c) of an operand lies, in elements from its start.
+fn offset(o: &Operand, r: usize, c: usize) -> usize {
+    if o.trans {
+        c * o.ld + r
+    } else {
+        r * o.ld + c
+    }
+}
+
+#[test]
+fn relaid_operands_address_the_same_elements() {
+    let mut relaid = 0;
+    for rows in 0..4 {
+        for cols in 0..4 {
+            for ld in 1..6 {
+                for trans in [false, true] {
+                    let minor = if trans { rows } else { cols };
+                    if ld < minor {
+                        continue;
+                    }
+                    let o = Operand {
+                        ld,
+                        trans,
+                        batch_stride: 7,
+                    };
+                    assert_eq!(o.relaid(rows, cols, trans), Some(o));
+                    let Some(t) = o.relaid(rows, cols, !trans) else {
+                        // Refused only where some element moves: a real 2-D layout, or a line
+                        // whose elements are not adjacent.
+                        assert!(rows > 1 && cols > 1 || ld > 1, "{rows}×{cols} ld {ld} {trans}");
+                        continue;
+                    };
+                    relaid += 1;
+                    assert_eq!((t.trans, t.batch_stride), (!trans, 7));
+                    let new_minor = if t.trans { rows } else { cols };
+                    assert!(t.ld >= new_minor.max(1), "{rows}×{cols}: ld {}", t.ld);
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            assert_eq!(offset(&o, r, c), offset(&t, r, c), "{rows}×{cols} ({r},{c})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(relaid > 40, "{relaid}");
+}
+
+#[test]
+fn linear_keeps_its_layout_on_degenerate_shapes() {
+    // W [n, k] with k = 1 (and k = 0) reads as row-major; linear asks for its column-major B.
+    for (n, k) in [(1, 1), (5, 1), (7, 0), (1, 9), (6, 4)] {
+        let x = Tensor::rand(&[3, k], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+        let w = Tensor::rand(&[n, k], DType::F32, Device::Cpu, 2, -1.0, 1.0).unwrap();
+        let y = Tensor::empty(&[3, n], DType::F32, Device::Cpu).unwrap();
+        let i = crate::ops::linear::Fwd {
+            x: &x,
+            w: &w,
+            bias: None,
+            residual: None,
+        };
+        let g = crate::ops::linear::gemm_of(&i, &y).unwrap();
+        assert!(g.b.trans && !g.a.trans, "n {n} k {k}: {g:?}");
+    }
+}
