@@ -27,12 +27,12 @@ status=0
   'bench-matmul|150|for s in 4096 8192; do ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size $s --json $D/bench-matmul-$s.json || exit 1; done' \
   'bench-llm|100|for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/bench-llm-$1-$2.json || exit 1; done' \
   || status=1; }
-# e: linear again once the pair rungs pass (their promotion decides the default), with the
-# PyTorch binding overhead against the bench records of the same run — causal attention measured
-# 1.096× the Rust call in run3 (same BSHD layout on both sides), the one op past issue 6's 5%.
+# e: linear (the pair rungs' promotion decides the default) and the PyTorch binding overhead:
+# every op of binding_overhead.py benched from Rust in the same run, and each op also timed
+# against the same kernel through ferrite._native, interleaved in one process (op/native).
 [[ $part == *e* ]] && { bash "$here/steps.sh" pending-e "$bundle" "$warm" \
   'bench-linear|120|ferrite bench linear --device cuda --json $D/bench-linear.json' \
-  'bench-for-python|150|ferrite bench norm --device cuda --dtype bf16 --json $D/b-norm.json && ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --size 4096 --json $D/b-matmul.json && ferrite bench attention --device cuda --dtype bf16 --variant hopper --json $D/b-attention.json' \
-  "python|200|OUT=\$D/python SKIP_PYTEST=1 SKIP_DEMO=1 HOST_OVERHEAD=1 bash $here/python-gpu.sh $bundle/wheels \$D/b-norm.json,\$D/b-matmul.json,\$D/b-attention.json" \
+  'bench-for-python|200|ferrite bench norm --device cuda --dtype bf16 --json $D/b-norm.json && ferrite bench softmax --device cuda --dtype bf16 --json $D/b-softmax.json && ferrite bench cross_entropy --device cuda --dtype bf16 --json $D/b-ce.json && ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --size 4096 --json $D/b-matmul.json && ferrite bench attention --device cuda --dtype bf16 --variant hopper --json $D/b-attention.json' \
+  "python|200|OUT=\$D/python SKIP_PYTEST=1 SKIP_DEMO=1 HOST_OVERHEAD=1 bash $here/python-gpu.sh $bundle/wheels \$D/b-norm.json,\$D/b-softmax.json,\$D/b-ce.json,\$D/b-matmul.json,\$D/b-attention.json" \
   || status=1; }
 exit $status
