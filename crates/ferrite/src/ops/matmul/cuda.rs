@@ -91,7 +91,7 @@ const SIMT: &[Simt] = &[
         func: "matmul_warptile",
         threads: 256,
         tile: (128, 128),
-        config: "tile 128×128×16, 8 warps of 32×64, 8×8 outputs/thread, register prefetch",
+        config: "tile 128×128×8, 8 warps of 32×64, 8×8 outputs/thread, 3-stage cp.async ring, 2 blocks/SM",
     },
 ];
 

@@ -16,7 +16,7 @@
 //! - CUDA, measured against cuBLAS (docs/matmul.md explains each step):
 //!   - fp32 SIMT (f32, true fp32): `naive` (one thread per output) → `coalesced` → `smem_tiled`
 //!     → `blocktile_1d` → `blocktile_2d` (register blocking) → `vectorized` (128-bit loads) →
-//!     `warptile` (warp tiles, register prefetch). `naive` also takes f16/bf16.
+//!     `warptile` (warp tiles, cp.async ring). `naive` also takes f16/bf16.
 //!   - tensor cores, sm_80+ (bf16, f16; f32 as tf32 only under `Precision::Tf32`): `mma`
 //!     (mma.sync + ldmatrix, one cp.async stage) → `mma_pipelined` (4-stage cp.async ring).
 //!   - Hopper, sm_90a (bf16, f16; f32 as tf32 under `Precision::Tf32`): `wgmma` (TMA into
@@ -137,7 +137,7 @@ pub fn variants() -> Vec<VariantInfo> {
             "warptile",
             F32,
             VEC_CONSTRAINTS,
-            "warp tiles of 64×64 (128 outputs per thread), next k-slice prefetched into registers",
+            "warp tiles of 32×64 (8×8 outputs per thread), 3-stage cp.async ring, two blocks per SM",
             7,
         ),
         cuda_rung(

@@ -202,7 +202,10 @@ fn relaid_operands_address_the_same_elements() {
                     let Some(t) = o.relaid(rows, cols, !trans) else {
                         // Refused only where some element moves: a real 2-D layout, or a line
                         // whose elements are not adjacent.
-                        assert!(rows > 1 && cols > 1 || ld > 1, "{rows}×{cols} ld {ld} {trans}");
+                        assert!(
+                            rows > 1 && cols > 1 || ld > 1,
+                            "{rows}×{cols} ld {ld} {trans}"
+                        );
                         continue;
                     };
                     relaid += 1;
@@ -211,7 +214,11 @@ fn relaid_operands_address_the_same_elements() {
                     assert!(t.ld >= new_minor.max(1), "{rows}×{cols}: ld {}", t.ld);
                     for r in 0..rows {
                         for c in 0..cols {
-                            assert_eq!(offset(&o, r, c), offset(&t, r, c), "{rows}×{cols} ({r},{c})");
+                            assert_eq!(
+                                offset(&o, r, c),
+                                offset(&t, r, c),
+                                "{rows}×{cols} ({r},{c})"
+                            );
                         }
                     }
                 }
