@@ -408,6 +408,7 @@ pub fn cross_entropy(
             reduction: self::reduction(OP, &red)?,
             dloss,
             check_targets,
+            cluster: None,
         };
         let logits = wrap(OP, "logits", &logits, &tgt)?;
         let targets = wrap(OP, "targets", &targets, &tgt)?;

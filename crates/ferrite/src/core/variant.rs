@@ -81,6 +81,8 @@ pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
     // Rewritten 2026-11-23 (cp.async ring, two blocks per SM); f32's default until then is
     // `vectorized`.
     ("matmul", "warptile", Some(DType::F32)),
+    // Written 2026-11-23: a row split over a 2/4/8-block cluster (distributed shared memory).
+    ("cross_entropy", "cluster", None),
 ];
 
 /// Whether `variant` of `op` for `dtype` waits for its first GPU run (see [`PENDING_GPU_RUN`]).

@@ -12,7 +12,7 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::harness::bench::{
-    cpu_threads_note, relate, time_cpu_op, time_gpu, BenchRecord, Budget,
+    cpu_threads_note, relate, time_cpu_op, time_gpu, BenchRecord, Budget, Stats,
 };
 use crate::core::harness::{BenchConfig, Ceilings};
 use crate::core::tensor::Tensor;
@@ -153,54 +153,115 @@ fn bench_gpu(
                 .iter()
                 .filter(|x| x.backend == Backend::Cuda && cfg.wants_variant(x.name))
             {
-                progress(&format!("cross_entropy {d} {} {dtype} {n}×{v}", var.name));
-                let scratch = Scratch::new(var.name, &p, dev, &stream)?;
-                let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
-                    cc::launch(var.name, &p, dev, &stream, ptrs, &scratch, &opts)
-                })?;
-                let rg = cc::resident_geom(dev, &p);
-                let (kname, threads, smem) = match var.name {
-                    "fused" => ("ce_fused", cc::fused_threads(&p), 0),
-                    "resident" => ("ce_resident", rg.threads, rg.smem),
-                    _ => (
-                        "ce_naive_logsoftmax",
-                        crate::core::cuda::rows::threads_scalar(v),
-                        0,
-                    ),
-                };
-                let k = dev.kernel(&cc::program(dtype, DType::I64), kname)?;
-                let mut rec = BenchRecord::new(
-                    d,
-                    &name,
-                    OP,
-                    var.name,
-                    dtype,
-                    format!("{n}×{v} fwd+bwd"),
-                    s,
-                    0.0,
-                    ideal,
-                )
-                .with_kernel(&k, threads, smem)?;
-                rec.config = if var.name == "resident" {
-                    format!("{kname}: {}", rg.describe(&p))
+                // `cluster` is timed at every cluster size whose share fits (its rule's pick is
+                // marked), so a run shows whether the rule chose well.
+                let sizes: Vec<Option<usize>> = if var.name == "cluster" {
+                    cc::CLUSTERS.iter().map(|&c| Some(c)).collect()
                 } else {
-                    format!("{kname}: {threads} threads/row")
+                    vec![None]
                 };
-                rec.note = if var.name == "fused" {
-                    "bytes: logits read once + dlogits written once (the kernel reads twice)".into()
-                } else if var.name == "resident" {
-                    "bytes: logits read once + dlogits written once (the part of a row beyond shared memory is read twice)".into()
-                } else {
-                    format!(
-                        "bytes as fused; also writes and reads an N×V f32 intermediate ({:.1} GB)",
-                        (n * v * 4) as f64 / 1e9
-                    )
-                };
-                group.push(rec);
+                for size in sizes {
+                    let cg = if var.name == "cluster" {
+                        match cc::cluster_geom(dev, &p, size) {
+                            Ok(g) => Some(g),
+                            Err(_) => continue, // this cluster size's share does not fit
+                        }
+                    } else {
+                        None
+                    };
+                    let opts = CrossEntropyOptions {
+                        cluster: size,
+                        ..opts.clone()
+                    };
+                    progress(&format!("cross_entropy {d} {} {dtype} {n}×{v}", var.name));
+                    let scratch = Scratch::new(var.name, &p, dev, &stream)?;
+                    let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                        cc::launch(var.name, &p, dev, &stream, ptrs, &scratch, &opts)
+                    })?;
+                    group.push(record(d, &name, var.name, &p, dev, s, ideal, cg)?);
+                }
             }
             relate(&mut group, "naive", ceiling);
             out.extend(group);
         }
     }
     Ok(())
+}
+
+/// One variant's record: the kernel's resources and the launch shape it ran.
+#[allow(clippy::too_many_arguments)]
+fn record(
+    d: Device,
+    device_name: &str,
+    variant: &str,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    s: Stats,
+    ideal: f64,
+    cluster: Option<cc::ClusterGeom>,
+) -> Result<BenchRecord> {
+    let (n, v, dtype) = (p.rows, p.vocab, p.dtype);
+    let rg = cc::resident_geom(dev, p);
+    let (prog, kname, threads, smem) = match (variant, cluster) {
+        ("fused", _) => (
+            cc::program(dtype, DType::I64),
+            "ce_fused",
+            cc::fused_threads(p),
+            0,
+        ),
+        ("resident", _) => (
+            cc::program(dtype, DType::I64),
+            "ce_resident",
+            rg.threads,
+            rg.smem,
+        ),
+        (_, Some(g)) => (
+            cc::cluster_program(dtype, DType::I64, g.cluster),
+            "ce_cluster",
+            g.threads,
+            g.smem,
+        ),
+        _ => (
+            cc::program(dtype, DType::I64),
+            "ce_naive_logsoftmax",
+            crate::core::cuda::rows::threads_scalar(v),
+            0,
+        ),
+    };
+    let k = dev.kernel(&prog, kname)?;
+    let mut rec = BenchRecord::new(
+        d,
+        device_name,
+        OP,
+        variant,
+        dtype,
+        format!("{n}×{v} fwd+bwd"),
+        s,
+        0.0,
+        ideal,
+    )
+    .with_kernel(&k, threads, smem)?;
+    rec.config = match (variant, cluster) {
+        ("resident", _) => format!("{kname}: {}", rg.describe(p)),
+        (_, Some(g)) => {
+            let rule = cc::cluster_geom(dev, p, None).ok().map(|r| r.cluster);
+            let mark = if rule == Some(g.cluster) {
+                " (the rule's pick)"
+            } else {
+                ""
+            };
+            format!("{kname}: {}{mark}", g.describe(p))
+        }
+        _ => format!("{kname}: {threads} threads/row"),
+    };
+    rec.note = match variant {
+        "fused" => "bytes: logits read once + dlogits written once (the kernel reads twice)".into(),
+        "resident" => "bytes: logits read once + dlogits written once (the part of a row beyond shared memory is read twice)".into(),
+        "cluster" => "bytes: logits read once + dlogits written once (whole rows on chip)".into(),
+        _ => format!(
+            "bytes as fused; also writes and reads an N×V f32 intermediate ({:.1} GB)",
+            (n * v * 4) as f64 / 1e9
+        ),
+    };
+    Ok(rec)
 }

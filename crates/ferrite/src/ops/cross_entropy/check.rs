@@ -158,6 +158,7 @@ fn check_one(
     dev: Device,
     dtype: DType,
     variant: &str,
+    cluster: Option<usize>,
     c: &Case,
     seed: u64,
 ) -> Result<(f64, String)> {
@@ -192,6 +193,7 @@ fn check_one(
         label_smoothing: c.smoothing,
         reduction: c.reduction,
         dloss,
+        cluster,
         ..Default::default()
     };
     let grad = match c.grad {
@@ -310,6 +312,44 @@ fn check_bad_target(dev: Device, variant: &str, seed: u64) -> Result<(f64, Strin
     ))
 }
 
+/// The cases of `variant` with the cluster size each runs: `cluster` at every size whose share of
+/// the row fits this GPU's shared memory (so whichever the rule picks has been checked), the
+/// others at None.
+fn with_cluster_sizes(
+    variant: &str,
+    dev: Device,
+    dtype: DType,
+    cases: Vec<Case>,
+) -> Result<Vec<(Case, Option<usize>)>> {
+    let Device::Cuda(i) = dev else {
+        return Ok(cases.into_iter().map(|c| (c, None)).collect());
+    };
+    if variant != "cluster" {
+        return Ok(cases.into_iter().map(|c| (c, None)).collect());
+    }
+    let props = crate::core::cuda::device(i)?.props().clone();
+    let mut v = Vec::new();
+    for c in cases {
+        for k in super::cuda::CLUSTERS {
+            let full = c.vocab / crate::core::cuda::rows::vec_width(dtype);
+            let fits = super::cuda::cluster_shape(
+                k,
+                props
+                    .max_threads_per_sm
+                    .min(super::cuda::CLUSTER_SM_THREADS),
+                props.smem_per_sm as usize,
+                props.smem_per_block_optin as usize,
+                full,
+            )
+            .is_some();
+            if fits {
+                v.push((c.clone(), Some(k)));
+            }
+        }
+    }
+    Ok(v)
+}
+
 pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     let mut rng = Rng::new(cfg.seed);
     for &dev in &cfg.devices {
@@ -318,9 +358,9 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
         {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
-                for c in cases(cfg.quick) {
+                for (c, cluster) in with_cluster_sizes(v.name, dev, dtype, cases(cfg.quick))? {
                     let label = format!(
-                        "{}×{} {} ε={} {:?} {} targets{}{}",
+                        "{}×{} {} ε={} {:?} {} targets{}{}{}",
                         c.rows,
                         c.vocab,
                         c.reduction.name(),
@@ -332,23 +372,26 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                         } else {
                             format!(" ignore={}", c.ignore_index)
                         },
-                        if c.masked { " masked −inf" } else { "" }
+                        if c.masked { " masked −inf" } else { "" },
+                        cluster.map_or(String::new(), |k| format!(" clusters of {k}"))
                     );
-                    out.push(match check_one(dev, dtype, v.name, &c, rng.next_u64()) {
-                        Ok((e, note)) => CheckRecord::compared(
-                            OP,
-                            v.name,
-                            dev,
-                            dtype,
-                            Precision::of(dtype),
-                            label,
-                            e,
-                            note,
-                        ),
-                        Err(e) => {
-                            CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string())
-                        }
-                    });
+                    out.push(
+                        match check_one(dev, dtype, v.name, cluster, &c, rng.next_u64()) {
+                            Ok((e, note)) => CheckRecord::compared(
+                                OP,
+                                v.name,
+                                dev,
+                                dtype,
+                                Precision::of(dtype),
+                                label,
+                                e,
+                                note,
+                            ),
+                            Err(e) => {
+                                CheckRecord::errored(OP, v.name, dev, dtype, label, e.to_string())
+                            }
+                        },
+                    );
                 }
             }
             if cfg.wants_dtype(DType::F32) {

@@ -13,6 +13,7 @@ use crate::kernel_source;
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("cross_entropy", "kernels/cross_entropy.cu");
+/// The functions of `program` (`ce_cluster` is in `cluster_program`'s modules only).
 const FUNCS: [&str; 7] = [
     "ce_targets",
     "ce_naive_logsoftmax",
@@ -32,6 +33,14 @@ pub fn program(dtype: DType, target: DType) -> Program {
         .define("FE_TGT", target.cuda_name())
 }
 
+/// `ce_cluster` for clusters of `c` blocks (sm_90).
+pub fn cluster_program(dtype: DType, target: DType, c: usize) -> Program {
+    program(dtype, target).define("FE_CLUSTER", c)
+}
+
+/// Cluster sizes `cluster` is compiled for.
+pub const CLUSTERS: [usize; 3] = [2, 4, 8];
+
 pub fn kernel_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for d in [DType::F32, DType::F16, DType::BF16] {
@@ -41,6 +50,13 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
                 functions: FUNCS.iter().map(|s| s.to_string()).collect(),
                 min_arch: Arch::SM80,
             });
+            for c in CLUSTERS {
+                v.push(KernelSpec {
+                    program: cluster_program(d, t, c),
+                    functions: vec!["ce_cluster".into()],
+                    min_arch: Arch::SM90,
+                });
+            }
         }
     }
     v
@@ -115,6 +131,109 @@ pub fn resident_geom(dev: &CudaDevice, p: &Problem) -> ResidentGeom {
         cap,
         smem: (cap * 16) as u32,
     }
+}
+
+/// Launch shape of `cluster`: a row split over `cluster` blocks, each keeping `per` vectors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClusterGeom {
+    pub cluster: usize,
+    pub threads: u32,
+    /// Blocks per SM (shares of that many rows on chip at once).
+    pub blocks_per_sm: usize,
+    /// 16-byte vectors of a row per block.
+    pub per: usize,
+    /// Dynamic shared memory per block, bytes (per × 16).
+    pub smem: u32,
+}
+
+impl ClusterGeom {
+    pub fn describe(&self, p: &Problem) -> String {
+        format!(
+            "clusters of {} per row, {} threads/block, {}/SM, {} KiB of the {} KiB row per block",
+            self.cluster,
+            self.threads,
+            self.blocks_per_sm,
+            self.smem.div_ceil(1024),
+            (p.vocab * p.dtype.size_in_bytes()).div_ceil(1024)
+        )
+    }
+}
+
+/// `ce_cluster`'s `__launch_bounds__(640, 2)`: at most 640 threads per block, and registers
+/// (≤ 48) for two such blocks — 1280 threads — per SM; the shape plans within both.
+pub const CLUSTER_BLOCK_THREADS: usize = 640;
+pub const CLUSTER_SM_THREADS: u32 = 1280;
+
+/// The shape of `ce_cluster` with clusters of `c` for rows of `full` 16-byte vectors on an SM with
+/// `smem_per_sm` bytes of shared memory (`smem_optin` per block) and `max_threads_per_sm`
+/// threads; None when a block's share does not fit. About four vectors per thread, as many
+/// blocks per SM as the shared memory holds (threads shrink to let them all in).
+pub fn cluster_shape(
+    c: usize,
+    max_threads_per_sm: u32,
+    smem_per_sm: usize,
+    smem_optin: usize,
+    full: usize,
+) -> Option<ClusterGeom> {
+    // Per block: the kernel's static ~300 bytes and the 1 KiB the driver reserves.
+    let (stat, reserve) = (512, 512 + 1024);
+    let per = full.div_ceil(c).max(1);
+    let bytes = per * 16;
+    if bytes + stat > smem_optin {
+        return None;
+    }
+    let by_smem = (smem_per_sm / (bytes + reserve)).clamp(1, 32);
+    let want = (per.div_ceil(4).div_ceil(32) * 32).clamp(64, CLUSTER_BLOCK_THREADS);
+    let room = (max_threads_per_sm as usize / by_smem) / 32 * 32;
+    let threads = want.min(room).max(64);
+    let blocks = by_smem.min(max_threads_per_sm as usize / threads).max(1);
+    Some(ClusterGeom {
+        cluster: c,
+        threads: threads as u32,
+        blocks_per_sm: blocks,
+        per,
+        smem: bytes as u32,
+    })
+}
+
+/// The cluster size `cluster` runs: the smallest whose blocks fit four or more to an SM (shares
+/// of ≥ 4 rows overlapping their turnarounds), else the one fitting the most.
+pub fn cluster_geom(dev: &CudaDevice, p: &Problem, force: Option<usize>) -> Result<ClusterGeom> {
+    let props = dev.props();
+    let full = p.vocab / rows::vec_width(p.dtype);
+    let shape = |c| {
+        cluster_shape(
+            c,
+            props.max_threads_per_sm.min(CLUSTER_SM_THREADS),
+            props.smem_per_sm as usize,
+            props.smem_per_block_optin as usize,
+            full,
+        )
+    };
+    if let Some(c) = force {
+        return shape(c).ok_or_else(|| Error::NoVariant {
+            op: OP.into(),
+            msg: format!("CUDA variant `cluster`: a row's share for clusters of {c} does not fit shared memory"),
+        });
+    }
+    pick_cluster(CLUSTERS.iter().filter_map(|&c| shape(c)))
+}
+
+/// The rule of `cluster_geom` over the shapes that fit.
+pub fn pick_cluster(shapes: impl Iterator<Item = ClusterGeom>) -> Result<ClusterGeom> {
+    let all: Vec<ClusterGeom> = shapes.collect();
+    all.iter()
+        .find(|g| g.blocks_per_sm >= 4)
+        .or_else(|| {
+            all.iter()
+                .max_by_key(|g| (g.blocks_per_sm, usize::MAX - g.cluster))
+        })
+        .copied()
+        .ok_or_else(|| Error::NoVariant {
+            op: OP.into(),
+            msg: "CUDA variant `cluster`: no cluster size fits a row's share in shared memory"
+                .into(),
+        })
 }
 
 /// (blocks per SM, vectors kept) for blocks of `threads` on an SM with `smem_per_sm` bytes of
@@ -257,6 +376,22 @@ pub fn launch(
             let mut a = fused_args();
             a.push(g.cap as i64);
             k.launch(stream, grid, (g.threads, 1, 1), g.smem, &mut a)?;
+        }
+        "cluster" => {
+            let g = cluster_geom(dev, p, opts.cluster)?;
+            let k = dev.kernel(
+                &cluster_program(p.dtype, p.target_dtype, g.cluster),
+                "ce_cluster",
+            )?;
+            k.allow_dynamic_smem(g.smem)?;
+            let mut a = fused_args();
+            a.push(g.per as i64);
+            let sms = dev.props().sm_count as usize;
+            let clusters = p.rows.min(sms * g.blocks_per_sm / g.cluster).max(1);
+            let blocks = u32::try_from(clusters * g.cluster).map_err(|_| {
+                Error::bad_arg(OP, "logits", "a launch grid within 32 bits", clusters)
+            })?;
+            k.launch(stream, (blocks, 1, 1), (g.threads, 1, 1), g.smem, &mut a)?;
         }
         other => {
             return Err(Error::NoVariant {

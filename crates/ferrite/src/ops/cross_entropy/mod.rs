@@ -86,6 +86,15 @@ pub fn variants() -> Vec<VariantInfo> {
             summary: "fused with the row kept in shared memory between the passes (all of it up to ~113 KiB, else one block per SM with ~227 KiB of it): logits read from HBM once; ex2.approx, fewer instructions per element",
             rank: 3,
         },
+        VariantInfo {
+            name: "cluster",
+            backend: Backend::Cuda,
+            dtypes: FLOATS,
+            min_arch: Some(Arch::SM90),
+            constraints: "as fused; rows up to 8 × ~227 KiB",
+            summary: "resident with a row split over a cluster of 2/4/8 blocks (its share each in shared memory, partials exchanged through distributed shared memory): whole rows on chip at any LLM vocabulary, shares of ≥ 4 rows per SM overlapping their turnarounds",
+            rank: 4,
+        },
     ]
 }
 
@@ -134,6 +143,9 @@ pub struct CrossEntropyOptions {
     /// GPU: read the bad-target flag back after the launch (one small device→host copy and a
     /// synchronisation). Off: asynchronous, graph-capturable; a bad row's loss is NaN.
     pub check_targets: bool,
+    /// CUDA `cluster`: the cluster size (2, 4 or 8 blocks per row); None: the rule of
+    /// `cuda::cluster_geom`.
+    pub cluster: Option<usize>,
 }
 
 impl Default for CrossEntropyOptions {
@@ -146,6 +158,7 @@ impl Default for CrossEntropyOptions {
             reduction: Reduction::Mean,
             dloss: 1.0,
             check_targets: true,
+            cluster: None,
         }
     }
 }
@@ -192,6 +205,16 @@ fn validate(
             format!("a contiguous i64 or i32 tensor [{n}] on {dev}"),
             describe(targets),
         ));
+    }
+    if let Some(c) = opts.cluster {
+        if !cuda::CLUSTERS.contains(&c) {
+            return Err(Error::bad_arg(
+                OP,
+                "cluster",
+                format!("a cluster size in {:?} (or None)", cuda::CLUSTERS),
+                c,
+            ));
+        }
     }
     let ls = opts.label_smoothing;
     if !(0.0..1.0).contains(&ls) {
@@ -299,7 +322,7 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static
         p.dtype,
         arch,
         |v| {
-            (v.backend == Backend::Cuda && (v.name == "fused" || v.name == "resident"))
+            (v.backend == Backend::Cuda && matches!(v.name, "fused" | "resident" | "cluster"))
                 .then(|| fused_unfit(ptrs))
                 .flatten()
         },

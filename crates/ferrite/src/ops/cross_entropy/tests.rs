@@ -160,3 +160,56 @@ fn resident_keeps_whole_rows_when_they_fit() {
         }
     }
 }
+
+#[test]
+fn cluster_shapes_fit_the_sm_and_the_rule_prefers_four_rows_per_sm() {
+    // H100: 228 KiB of shared memory per SM, 227 KiB per block; the kernel's bound, 1280 threads.
+    let h100 = |c, full| cuda::cluster_shape(c, cuda::CLUSTER_SM_THREADS, 233_472, 232_448, full);
+    // V = 50257 bf16 (6282 vectors): pairs of blocks, four half rows per SM.
+    let g = h100(2, 50257 / 8).unwrap();
+    assert_eq!((g.per, g.blocks_per_sm, g.threads), (3141, 4, 320));
+    // V = 128256 bf16 (16032 vectors): halves fit one per SM, quarters 3, eighths 6.
+    let by = |c| h100(c, 128_256 / 8).unwrap().blocks_per_sm;
+    assert_eq!((by(2), by(4), by(8)), (1, 3, 6));
+    let pick = |full| {
+        cuda::pick_cluster(cuda::CLUSTERS.iter().filter_map(|&c| h100(c, full)))
+            .unwrap()
+            .cluster
+    };
+    assert_eq!(pick(50257 / 8), 2);
+    assert_eq!(pick(128_256 / 8), 8);
+    // f32 V = 128256 (501 KiB rows): halves do not fit a block; quarters do.
+    assert!(h100(2, 128_256 / 4).is_none());
+    assert!(h100(4, 128_256 / 4).is_some());
+    // A share that fits nowhere: a clear error, not a launch failure.
+    assert!(cuda::pick_cluster(std::iter::empty()).is_err());
+    for full in [0, 1, 100, 6282, 16_032, 32_064, 100_000] {
+        for c in cuda::CLUSTERS {
+            if let Some(g) = h100(c, full) {
+                assert!(g.per * c >= full && g.smem as usize == g.per * 16);
+                assert!(
+                    g.blocks_per_sm * (g.per * 16 + 1536) <= 233_472,
+                    "{c} {full}"
+                );
+                assert!(g.blocks_per_sm * g.threads as usize <= 1280);
+                assert!(g.threads as usize <= cuda::CLUSTER_BLOCK_THREADS && g.threads % 32 == 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn cluster_size_is_checked() {
+    let x = Tensor::rand(&[2, 5], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+    let tg =
+        crate::ops::cross_entropy::check::target_tensor(&[1, 2], DType::I64, Device::Cpu).unwrap();
+    let lr = Tensor::empty(&[2], DType::F32, Device::Cpu).unwrap();
+    let o = CrossEntropyOptions {
+        cluster: Some(3),
+        ..Default::default()
+    };
+    let e = cross_entropy_into(&x, &tg, &lr, None, GradOut::Skip, &o)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cluster") && e.contains('3'), "{e}");
+}

@@ -316,9 +316,9 @@ pub fn bwd_geometry(
     if let Some(g) = variant_geometry(variant)? {
         return Ok(g);
     }
-    // "ring": the shared-memory-ring kernel; configurations remembered for the register-prefetch
-    // kernel it replaced are not reused.
-    let key = format!("norm_bwd_ring/{}", p.kind.name());
+    // "ring2": the shared-memory-ring kernel that re-reads its stage in the dx pass (fewer
+    // registers); configurations remembered for the kernels it replaced are not reused.
+    let key = format!("norm_bwd_ring2/{}", p.kind.name());
     let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[2, 4, 8], |c| {
         rows::time_briefly(dev, stream, || {
             run_bwd(Geometry::Vectorized(*c), p, dev, q, stream)

@@ -186,13 +186,18 @@ extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __rest
 // Running (max, Σ 2^(y−max)) of one thread, in log2 units, updated once per vector.
 // A row the loss skips (ignored target: loss and gradient 0) or cannot take (target out of range:
 // NaN, the documented unchecked behaviour): every thread of the block calls it.
-__device__ __forceinline__ void write_skipped_row(T* dx, float* loss_rows, i64 row, i64 v, bool ok) {
+// `ce_cluster` writes its block's share [c0, c1) of the row, the loss from one block only.
+__device__ __forceinline__ void write_skipped_range(T* dx, float* loss_rows, i64 row, i64 v, bool ok,
+                                                    i64 c0, i64 c1, bool writes_loss) {
   const float g = ok ? 0.f : f_nan();
-  if (threadIdx.x == 0) loss_rows[row] = g;
+  if (writes_loss && threadIdx.x == 0) loss_rows[row] = g;
   if (dx) {
     T* gr = dx + row * v;
-    for (i64 c = threadIdx.x; c < v; c += blockDim.x) gr[c] = from_float<T>(g);
+    for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) gr[c] = from_float<T>(g);
   }
+}
+__device__ __forceinline__ void write_skipped_row(T* dx, float* loss_rows, i64 row, i64 v, bool ok) {
+  write_skipped_range(dx, loss_rows, row, v, ok, 0, v, true);
 }
 
 // Elements before a row's first 16-byte boundary (the scalar head; at most v).
@@ -309,6 +314,38 @@ __device__ __forceinline__ float ex2_fast(float x) {
   return y;
 }
 
+// Pass 1 of one 16-byte vector: Σx, and the running (m, s) in log2 units with the max taken over
+// the vector's raw values first (one rescale per vector).
+__device__ __forceinline__ void resident_add_vec(float& m, float& s, float& sx, const Vec& a) {
+  float xf[VEC];
+  float mx = f_ninf();
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    xf[e] = to_float(a.v[e]);
+    sx += xf[e];
+    mx = fmaxf(mx, xf[e]);
+  }
+  const float mv = mx * LOG2E;
+  if (mv > m) {
+    s *= ex2_fast(m - mv);
+    m = mv;
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) s += ex2_fast(fmaf(xf[e], LOG2E, -m));
+}
+
+// Pass 2 of one vector: dx_j = 2^(x_j·log2e − M)·pa − (pb, or pbh at the target's lane).
+__device__ __forceinline__ Vec resident_grad_vec(const Vec& a, float M, float pa, float pb, float pbh,
+                                                 int target_lane) {
+  Vec o;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float q = ex2_fast(fmaf(to_float(a.v[e]), LOG2E, -M));
+    o.v[e] = from_float<T>(fmaf(q, pa, -(e == target_lane ? pbh : pb)));
+  }
+  return o;
+}
+
 // Same contract as ce_fused, plus `cap`: the vectors of a row kept in dynamic shared memory
 // (cap·16 bytes of it; 0 = none). Launched with ≤ 1024 threads; (1024, 2) keeps a 1024-thread
 // block at ≤ 32 registers so two share an SM.
@@ -345,23 +382,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     // Vectors below `lim` are kept in shared memory; two loops, so neither carries a per-vector
     // select between the two memories.
     const i64 lim = cap < nvec ? cap : nvec;
-    auto add_vec = [&](const Vec& a) {
-      float xf[VEC];
-      float mx = f_ninf();
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        xf[e] = to_float(a.v[e]);
-        sx += xf[e];
-        mx = fmaxf(mx, xf[e]);
-      }
-      const float mv = mx * LOG2E;
-      if (mv > m) {
-        s *= ex2_fast(m - mv);
-        m = mv;
-      }
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) s += ex2_fast(fmaf(xf[e], LOG2E, -m));
-    };
+    auto add_vec = [&](const Vec& a) { resident_add_vec(m, s, sx, a); };
     i64 i = threadIdx.x;
 #pragma unroll 4
     for (; i < lim; i += blockDim.x) {
@@ -401,14 +422,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     const i64 tv = t >= head && t < tail ? (t - head) / VEC : -1;
     const int tl = (int)((t - head) & (VEC - 1));
     auto grad_vec = [&](i64 i, const Vec& a) {
-      const int lane = i == tv ? tl : -1;
-      Vec o;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float q = ex2_fast(fmaf(to_float(a.v[e]), LOG2E, -M));
-        o.v[e] = from_float<T>(fmaf(q, pa, -(e == lane ? pbh : pb)));
-      }
-      gv[i] = o;
+      gv[i] = resident_grad_vec(a, M, pa, pb, pbh, i == tv ? tl : -1);
     };
     i = threadIdx.x;
 #pragma unroll 4
@@ -421,6 +435,142 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     }
   }
 }
+
+// ---------------------------------------------------------------- cluster (CUDA `cluster`, sm_90)
+// -DFE_CLUSTER=C (2, 4 or 8): a row is split over the C blocks of a thread-block cluster. Block
+// `rank` keeps its contiguous share of the row's 16-byte vectors in its shared memory (rank 0
+// also takes the scalar head, rank C−1 the tail), so a row of any size up to C × ~227 KiB is
+// on chip once (resident keeps at most one block's ~227 KiB of it) and each SM holds shares of
+// several rows, whose pass 1 → reductions → pass 2 turnarounds overlap one another (resident:
+// 1–2 rows per SM). The blocks exchange their (max, Σ2^(y−max), Σx) through distributed shared
+// memory: each writes its partial into its own slot, one cluster barrier, then every thread
+// reads the C slots (mapa + ld.shared::cluster) and combines them in rank order (the same bits
+// on every run). Slots alternate by parity between consecutive rows: a block rewrites a slot
+// only after the next row's barrier, which each block reaches after reading the slot. In place
+// works as in ce_resident: rank 0 reads the target logit before the barrier, and every block
+// writes dx only after it.
+#if defined(FE_CLUSTER) && FE_CLUSTER > 1
+__device__ __forceinline__ unsigned ce_smem_u32(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ unsigned ce_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void ce_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                   : "memory");
+}
+// The float4 at `local` in block `rank`'s shared memory.
+__device__ __forceinline__ float4 ce_ld_cluster(const float4* local, unsigned rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(ce_smem_u32(local)), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
+// Same contract as ce_resident, with `per` = vectors of a row per block (⌈vectors / C⌉; the
+// dynamic shared memory holds per × 16 bytes). Grid: a multiple of C blocks. (640, 2): ≤ 48
+// registers, no spills (at 32 — resident's (1024, 2) — the 64-bit row bookkeeping spilled;
+// the host plans at most 1280 threads per SM).
+
+extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(640, 2)
+    ce_cluster(T* dx, float* __restrict__ loss_rows, const T* x, const TG* __restrict__ tgt,
+               const Status* status, i64 n, i64 v, i64 ignore, float smoothing, float dloss, int mean,
+               i64 per) {
+  constexpr unsigned C = FE_CLUSTER;
+  __shared__ float red[64];
+  __shared__ float4 slot[2];  // this block's (max, Σ, Σx) of the rows of each parity
+  extern __shared__ __align__(16) unsigned char ce_smem[];
+  Vec* sm = reinterpret_cast<Vec*>(ce_smem);
+  const unsigned rank = ce_cluster_rank();
+  const float scale = dx ? grad_scale(status, dloss, mean) : 0.f;
+  const float off = smoothing / (float)v;
+  int parity = 0;
+  for (i64 row = blockIdx.x / C; row < n; row += gridDim.x / C) {
+    const T* xr = x + row * v;
+    const i64 t = (i64)tgt[row];
+    const i64 head = row_head(xr, v), nvec = (v - head) / VEC, tail = head + nvec * VEC;
+    // This block's vectors [v0, v1) and elements [c0, c1) of the row.
+    const i64 v0 = min((i64)rank * per, nvec), v1 = min(v0 + per, nvec);
+    const i64 c0 = rank == 0 ? 0 : head + v0 * VEC, c1 = rank == C - 1 ? v : head + v1 * VEC;
+    bool ignored;
+    const bool ok = target_ok(t, v, ignore, ignored);
+    if (!ok || ignored) {  // the same branch in every block of the cluster: no barrier skipped
+      write_skipped_range(dx, loss_rows, row, v, ok, c0, c1, rank == 0);
+      continue;
+    }
+    const float xt = (rank == 0 && threadIdx.x == 0) ? to_float(xr[t]) : 0.f;
+    const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
+
+    float m = f_lowest(), s = 0.f, sx = 0.f;
+    auto add_scalar = [&](i64 c) {
+      const float xf = to_float(xr[c]);
+      const float y = xf * LOG2E;
+      sx += xf;
+      online_add(m, s, &y, 1);
+    };
+    if (rank == 0)
+      for (i64 c = threadIdx.x; c < head; c += blockDim.x) add_scalar(c);
+#pragma unroll 4
+    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) {
+      const Vec a = xv[i];
+      sm[i - v0] = a;
+      resident_add_vec(m, s, sx, a);
+    }
+    if (rank == C - 1)
+      for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) add_scalar(c);
+    const float Mb = block_max(m, red);
+    const float2 tb = block_sum2(m == f_lowest() ? 0.f : s * exp2f(m - Mb), sx, red);
+    if (threadIdx.x == 0) slot[parity] = make_float4(Mb, tb.x, tb.y, 0.f);
+    ce_cluster_sync();
+    // Combined in rank order, online (a running max and a rescaled sum: no array of C partials,
+    // which spilled at 32 registers).
+    float M = f_lowest(), S = 0.f, SX = 0.f;
+#pragma unroll
+    for (unsigned r = 0; r < C; ++r) {
+      const float4 q = ce_ld_cluster(&slot[parity], r);
+      if (q.x > M) {
+        S *= exp2f(M - q.x);
+        M = q.x;
+      }
+      if (q.x != f_lowest()) S += q.y * exp2f(q.x - M);
+      SX += q.z;
+    }
+    parity ^= 1;
+    const float inv_s = 1.f / S;
+    if (rank == 0 && threadIdx.x == 0) {
+      const float lse = (M + log2f(S)) * LN2;
+      loss_rows[row] = lse - (1.f - smoothing) * xt - (smoothing > 0.f ? off * SX : 0.f);
+    }
+    if (!dx) continue;
+
+    T* gr = dx + row * v;
+    Vec* gv = reinterpret_cast<Vec*>(gr + head);
+    const float hit = 1.f - smoothing;
+    auto grad_scalar = [&](i64 c) {
+      const float p = exp2f(to_float(xr[c]) * LOG2E - M) * inv_s;
+      gr[c] = from_float<T>(scale * (p - off - (c == t ? hit : 0.f)));
+    };
+    if (rank == 0)
+      for (i64 c = threadIdx.x; c < head; c += blockDim.x) grad_scalar(c);
+    const float pa = scale * inv_s, pb = scale * off, pbh = scale * (off + hit);
+    const i64 tv = t >= head && t < tail ? (t - head) / VEC : -1;
+    const int tl = (int)((t - head) & (VEC - 1));
+#pragma unroll 4
+    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x)
+      gv[i] = resident_grad_vec(sm[i - v0], M, pa, pb, pbh, i == tv ? tl : -1);
+    if (rank == C - 1)
+      for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) grad_scalar(c);
+  }
+  ce_cluster_sync();  // no block exits while a peer may still read its slots
+}
+#endif
 
 // ---------------------------------------------------------------- scalar loss
 
