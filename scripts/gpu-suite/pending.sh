@@ -35,4 +35,13 @@ status=0
   'bench-for-python|200|ferrite bench norm --device cuda --dtype bf16 --json $D/b-norm.json && ferrite bench softmax --device cuda --dtype bf16 --json $D/b-softmax.json && ferrite bench cross_entropy --device cuda --dtype bf16 --json $D/b-ce.json && ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --size 4096 --json $D/b-matmul.json && ferrite bench attention --device cuda --dtype bf16 --variant hopper --json $D/b-attention.json' \
   "python|200|OUT=\$D/python SKIP_PYTEST=1 SKIP_DEMO=1 HOST_OVERHEAD=1 bash $here/python-gpu.sh $bundle/wheels \$D/b-norm.json,\$D/b-softmax.json,\$D/b-ce.json,\$D/b-matmul.json,\$D/b-attention.json" \
   || status=1; }
+# f: session 6's kernels — matmul `warptile` rewritten (cp.async ring, 2 blocks/SM), cross_entropy
+# `cluster` (a row over a 2/4/8-block cluster, DSMEM), norm backward re-reading its stage — checked
+# then benched against their predecessors, plus the linear pair rungs' check (k ≤ 1 shapes now
+# run the warmed layout). Promote each that passes (core::variant::PENDING_GPU_RUN).
+[[ $part == *f* ]] && { bash "$here/steps.sh" pending-f "$bundle" "$warm" \
+  'check-pairs|120|ferrite check linear --device cuda --variant persistent_pairs --variant fused_pairs --json $D/check-pairs.json' \
+  'check-new|120|ferrite check matmul --device cuda --dtype f32 --variant warptile --variant vectorized --json $D/check-matmul.json; a=$?; ferrite check cross_entropy --device cuda --variant cluster --variant resident --json $D/check-ce.json; b=$?; ferrite check norm --device cuda --json $D/check-norm.json; c=$?; exit $((a|b|c))' \
+  'bench-new|150|ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 4096 --json $D/bench-matmul-f32.json; ferrite bench cross_entropy --device cuda --dtype bf16 --json $D/bench-ce.json; ferrite bench norm --device cuda --dtype bf16 --json $D/bench-norm.json' \
+  || status=1; }
 exit $status
