@@ -355,12 +355,11 @@ def _rows2(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
-# On CUDA the linear forward runs the `naive` variant: ferrite's best plain GEMM, then the bias /
-# activation kernels. Measured on the H100 (bench/results/2026-11-22-h100-session2/linear.txt)
-# it beats both in-GEMM epilogue variants at every LLM shape (0.57–0.78× the bare GEMM against
-# 0.47–0.78× for `persistent`), whose per-tile epilogue is being reworked; once that lands the
-# default selection (None) is the right choice again.
-_CUDA_LINEAR_VARIANT = "naive"
+# On CUDA the linear forward takes ferrite's default selection: `persistent_pairs` (the Hopper
+# wgmma GEMM with its epilogue fused, checked on the H100 on 2026-11-23: 0.87–1.03× the bare GEMM
+# at the LLM shapes), `fused_pairs` before sm_90. Until then it ran `naive` (the plain GEMM, then
+# bias/activation kernels: 0.57–0.78× the bare GEMM), faster than the earlier epilogue rungs.
+_CUDA_LINEAR_VARIANT = None
 
 
 def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, save_z: bool):

@@ -44,4 +44,16 @@ status=0
   'check-new|120|ferrite check matmul --device cuda --dtype f32 --variant warptile --variant vectorized --json $D/check-matmul.json; a=$?; ferrite check cross_entropy --device cuda --variant cluster --variant resident --json $D/check-ce.json; b=$?; ferrite check norm --device cuda --json $D/check-norm.json; c=$?; exit $((a|b|c))' \
   'bench-new|150|ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 4096 --json $D/bench-matmul-f32.json; ferrite bench cross_entropy --device cuda --dtype bf16 --json $D/bench-ce.json; ferrite bench norm --device cuda --dtype bf16 --json $D/bench-norm.json' \
   || status=1; }
+# g: f's follow-ups — warptile's branch-free copies for interior tiles, cross_entropy `cluster`
+# launched one cluster per row (a persistent grid ran a second wave of clusters), the 8192³ f16
+# and LLM-shape GEMMs again (at the targets' edge in d), then the linear rungs now promoted, and
+# the PyTorch front: pytest on CUDA (its linear now takes the default selection) and the binding
+# overhead against the Rust benches of this run.
+[[ $part == *g* ]] && { bash "$here/steps.sh" pending-g "$bundle" "$warm" \
+  'check-new|90|ferrite check matmul --device cuda --dtype f32 --variant warptile --json $D/check-matmul.json; a=$?; ferrite check cross_entropy --device cuda --variant cluster --json $D/check-ce.json; exit $((a|$?))' \
+  'bench-new|120|ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 4096 --json $D/bench-matmul-f32.json; ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce.json; ferrite bench matmul --device cuda --dtype f16 --variant wgmma --size 8192 --json $D/bench-matmul-f16-8192.json; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 --json $D/bench-llm-14336-4096.json' \
+  'bench-linear|60|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  'bench-for-python|150|ferrite bench norm --device cuda --dtype bf16 --json $D/b-norm.json && ferrite bench softmax --device cuda --dtype bf16 --json $D/b-softmax.json && ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --json $D/b-ce.json && ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --size 4096 --json $D/b-matmul.json && ferrite bench attention --device cuda --dtype bf16 --variant hopper --json $D/b-attention.json' \
+  "python|240|OUT=\$D/python SKIP_DEMO=1 HOST_OVERHEAD=1 bash $here/python-gpu.sh $bundle/wheels \$D/b-norm.json,\$D/b-softmax.json,\$D/b-ce.json,\$D/b-matmul.json,\$D/b-attention.json" \
+  || status=1; }
 exit $status

@@ -21,6 +21,8 @@ for s in "$@"; do
   rc=$?; [ $rc -eq 0 ] || status=1
   echo "$name: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$dir/log.txt"
   tail -n 4 "$dir/$name.txt"
+  # Packed after every step: if the device call's own limit ends the run, what is done comes back.
+  (cd "$OUT" && tar czf "$tag.tgz.part" "$tag" && mv "$tag.tgz.part" "$tag.tgz")
 done
-(cd "$OUT" && tar czf "$tag.tgz" "$tag" && rm -rf "$tag")
+rm -rf "${OUT:?}/$tag"
 exit $status

@@ -72,12 +72,9 @@ impl VariantInfo {
 
 /// Variants (op, variant, dtype — None: every dtype) written in a session without a GPU: they
 /// compile for sm_80/sm_90a with no spills and their CPU-side logic is tested, but no GPU has
-/// passed their `ferrite check` yet (the linear pair rungs have been benched, 2026-11-23). They
-/// run when asked for by name; the default selection passes over them (unless nothing else
+/// passed their `ferrite check` yet. They run when asked for by name; the default selection passes over them (unless nothing else
 /// applies) until a GPU run promotes them off this list.
 pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
-    ("linear", "fused_pairs", None),
-    ("linear", "persistent_pairs", None),
     // Rewritten 2026-11-23 (cp.async ring, two blocks per SM); f32's default until then is
     // `vectorized`.
     ("matmul", "warptile", Some(DType::F32)),

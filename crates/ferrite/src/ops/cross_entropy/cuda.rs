@@ -386,8 +386,12 @@ pub fn launch(
             k.allow_dynamic_smem(g.smem)?;
             let mut a = fused_args();
             a.push(g.per as i64);
-            let sms = dev.props().sm_count as usize;
-            let clusters = p.rows.min(sms * g.blocks_per_sm / g.cluster).max(1);
+            // One cluster per row, not a persistent grid: the hardware fits fewer clusters at
+            // once than blocks per SM × SMs ÷ C suggests (a cluster's blocks share a GPC), and a
+            // persistent grid sized past that ran its last clusters' rows as a second wave
+            // (2026-11-23: 58–64% of copy at V = 128256). Blocks of finished rows are replaced
+            // as they go.
+            let clusters = p.rows;
             let blocks = u32::try_from(clusters * g.cluster).map_err(|_| {
                 Error::bad_arg(OP, "logits", "a launch grid within 32 bits", clusters)
             })?;
