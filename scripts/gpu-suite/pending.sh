@@ -56,4 +56,9 @@ status=0
   'bench-for-python|150|ferrite bench norm --device cuda --dtype bf16 --json $D/b-norm.json && ferrite bench softmax --device cuda --dtype bf16 --json $D/b-softmax.json && ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --json $D/b-ce.json && ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --size 4096 --json $D/b-matmul.json && ferrite bench attention --device cuda --dtype bf16 --variant hopper --json $D/b-attention.json' \
   "python|240|OUT=\$D/python SKIP_DEMO=1 HOST_OVERHEAD=1 bash $here/python-gpu.sh $bundle/wheels \$D/b-norm.json,\$D/b-softmax.json,\$D/b-ce.json,\$D/b-matmul.json,\$D/b-attention.json" \
   || status=1; }
+# h: the naive / PyTorch / torch.compile / ferrite demo again (inference and training), now that
+# the PyTorch front's linear runs the fused-epilogue Hopper GEMM (`persistent_pairs`).
+[[ $part == *h* ]] && { bash "$here/steps.sh" pending-h "$bundle" "$warm" \
+  "demo|400|OUT=\$D/python SKIP_PYTEST=1 bash $here/python-gpu.sh $bundle/wheels" \
+  || status=1; }
 exit $status

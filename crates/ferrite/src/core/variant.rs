@@ -74,13 +74,7 @@ impl VariantInfo {
 /// compile for sm_80/sm_90a with no spills and their CPU-side logic is tested, but no GPU has
 /// passed their `ferrite check` yet. They run when asked for by name; the default selection passes over them (unless nothing else
 /// applies) until a GPU run promotes them off this list.
-pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
-    // Rewritten 2026-11-23 (cp.async ring, two blocks per SM); f32's default until then is
-    // `vectorized`.
-    ("matmul", "warptile", Some(DType::F32)),
-    // Written 2026-11-23: a row split over a 2/4/8-block cluster (distributed shared memory).
-    ("cross_entropy", "cluster", None),
-];
+pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[];
 
 /// Whether `variant` of `op` for `dtype` waits for its first GPU run (see [`PENDING_GPU_RUN`]).
 pub fn pending_gpu_run(op: &str, variant: &str, dtype: DType) -> bool {

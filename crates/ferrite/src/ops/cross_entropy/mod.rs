@@ -327,6 +327,19 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static
                 .flatten()
         },
     )?;
+    if requested.is_none() && v.name == "cluster" {
+        if let Device::Cuda(i) = p.device {
+            // Rows one block holds whole run faster on `resident` (H100, 2026-11-23: V = 50257
+            // bf16 83.1% of copy against cluster's 81.5%); longer rows on `cluster` (V = 128256:
+            // 78.8% against resident's 73.6%, which re-reads the part past one block).
+            let dev = crate::core::cuda::device(i)?;
+            if cuda::resident_geom(&dev, p).cap
+                >= p.vocab / crate::core::cuda::rows::vec_width(p.dtype)
+            {
+                return Ok("resident");
+            }
+        }
+    }
     Ok(v.name)
 }
 

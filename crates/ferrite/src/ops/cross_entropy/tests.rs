@@ -162,7 +162,7 @@ fn resident_keeps_whole_rows_when_they_fit() {
 }
 
 #[test]
-fn cluster_shapes_fit_the_sm_and_the_rule_prefers_four_rows_per_sm() {
+fn cluster_shapes_fit_the_sm_and_the_rule_prefers_three_rows_per_sm() {
     // H100: 228 KiB of shared memory per SM, 227 KiB per block; the kernel's bound, 1280 threads.
     let h100 = |c, full| cuda::cluster_shape(c, cuda::CLUSTER_SM_THREADS, 233_472, 232_448, full);
     // V = 50257 bf16 (6282 vectors): pairs of blocks, four half rows per SM.
@@ -177,7 +177,7 @@ fn cluster_shapes_fit_the_sm_and_the_rule_prefers_four_rows_per_sm() {
             .cluster
     };
     assert_eq!(pick(50257 / 8), 2);
-    assert_eq!(pick(128_256 / 8), 8);
+    assert_eq!(pick(128_256 / 8), 4);
     // f32 V = 128256 (501 KiB rows): halves do not fit a block; quarters do.
     assert!(h100(2, 128_256 / 4).is_none());
     assert!(h100(4, 128_256 / 4).is_some());

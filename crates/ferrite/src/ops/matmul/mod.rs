@@ -555,8 +555,22 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
             }
         },
     )?;
+    if opts.variant.is_none() && v.name == "warptile" {
+        // Measured slower than its predecessor (H100, 2026-11-23: 0.68× cuBLAS fp32 against
+        // `vectorized`'s 0.74×, both versions of it; docs/matmul.md): the default stays on the
+        // faster rung while `warptile` remains on the ladder, checked and benched.
+        if let Some(fast) = vs
+            .iter()
+            .find(|x| x.name == F32_DEFAULT && x.backend == v.backend)
+        {
+            return Ok(fast.clone());
+        }
+    }
     Ok(v.clone())
 }
+
+/// The fp32 SIMT rung the default selection runs on CUDA (see `select`).
+pub const F32_DEFAULT: &str = "vectorized";
 
 /// out = α·a·b + β·out, into a caller-provided output.
 pub fn matmul_into(a: &Tensor, b: &Tensor, out: &Tensor, opts: &MatmulOptions) -> Result<()> {
