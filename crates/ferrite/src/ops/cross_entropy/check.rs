@@ -343,7 +343,7 @@ fn with_cluster_sizes(
             )
             .is_some();
             if fits {
-                v.push((c.clone(), Some(k)));
+                v.push((c, Some(k)));
             }
         }
     }
