@@ -61,4 +61,16 @@ status=0
 [[ $part == *h* ]] && { bash "$here/steps.sh" pending-h "$bundle" "$warm" \
   "demo|400|OUT=\$D/python SKIP_PYTEST=1 bash $here/python-gpu.sh $bundle/wheels" \
   || status=1; }
+# i: Nsight Compute profiles (hardware counters, --clock-control none) of the kernels whose gaps
+# the 2026-11-23 runs could not explain by timing alone: warptile vs vectorized (fp32 SIMT),
+# ce_resident at V = 50257 (83% of copy), norm_bwd_vec LayerNorm (86%), and wgmma vs cuBLAS at
+# 8192×14336×4096 (0.85×). One launch of each after the bench's warm-up; text reports.
+ncu_sections='--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis'
+[[ $part == *i* ]] && export PATH="$PATH:/usr/local/cuda/bin:$(ls -d /opt/nvidia/nsight-compute/* 2>/dev/null | tail -n 1)"
+[[ $part == *i* ]] && { bash "$here/steps.sh" pending-i "$bundle" "$warm" \
+  "ncu-simt|120|for v in warptile vectorized; do ncu --clock-control none $ncu_sections -k regex:matmul_\$v --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype f32 --variant \$v --size 4096 > \$D/ncu-\$v.txt 2>&1 || exit 1; done" \
+  "ncu-ce|90|ncu --clock-control none $ncu_sections -k regex:ce_resident --launch-skip 5 --launch-count 1 ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident > \$D/ncu-ce-resident.txt 2>&1" \
+  "ncu-norm|120|ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/tune-norm.txt 2>&1; ncu --clock-control none $ncu_sections -k regex:norm_bwd_vec --launch-skip 215 --launch-count 1 ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/ncu-norm-bwd.txt 2>&1" \
+  "ncu-gemm|180|ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/tune-gemm.txt 2>&1; for k in matmul_wgmma 'nvjet|xmma|gemm|cutlass|sm90'; do ncu --clock-control none $ncu_sections -k regex:\"\$k\" --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 >> \$D/ncu-gemm.txt 2>&1 || exit 1; done" \
+  || status=1; }
 exit $status
