@@ -73,4 +73,13 @@ ncu_sections='--section SpeedOfLight --section Occupancy --section LaunchStats -
   "ncu-norm|120|ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/tune-norm.txt 2>&1; ncu --clock-control none $ncu_sections -k regex:norm_bwd_vec --launch-skip 215 --launch-count 1 ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/ncu-norm-bwd.txt 2>&1" \
   "ncu-gemm|180|ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/tune-gemm.txt 2>&1; for k in matmul_wgmma 'nvjet|xmma|gemm|cutlass|sm90'; do ncu --clock-control none $ncu_sections -k regex:\"\$k\" --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 >> \$D/ncu-gemm.txt 2>&1 || exit 1; done" \
   || status=1; }
+# j: what the profiles of i suggested — warptile rebuilt on cuBLAS's own SGEMM shape (its kernel
+# in i: 256×128×8 tiles, 3-stage cp.async, 8 warps of 64×64, 254 registers, one block per SM,
+# issue slots 87% busy) and the norm backward's grid capped at the blocks that fit an SM.
+[[ $part == *j* ]] && export PATH="$PATH:/usr/local/cuda/bin"
+[[ $part == *j* ]] && { bash "$here/steps.sh" pending-j "$bundle" "$warm" \
+  'check|90|ferrite check matmul --device cuda --dtype f32 --variant warptile --json $D/check-matmul.json; a=$?; ferrite check norm --device cuda --json $D/check-norm.json; exit $((a|$?))' \
+  'bench|120|ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 4096 --json $D/bench-matmul-f32.json; ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 8192 --json $D/bench-matmul-f32-8192.json; ferrite bench norm --device cuda --dtype bf16 --variant vectorized --json $D/bench-norm.json' \
+  "ncu|60|ncu --clock-control none $ncu_sections -k regex:matmul_warptile --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096 > \$D/ncu-warptile.txt 2>&1" \
+  || status=1; }
 exit $status

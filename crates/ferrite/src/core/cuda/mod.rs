@@ -623,6 +623,20 @@ impl Kernel {
         })
     }
 
+    /// Blocks of `block_threads` threads and `dyn_smem` bytes of dynamic shared memory that can
+    /// be resident on one SM at once (registers, shared memory and threads all counted).
+    pub fn max_active_blocks(&self, block_threads: u32, dyn_smem: u32) -> Result<u32> {
+        self.func
+            .occupancy_max_active_blocks_per_multiprocessor(block_threads, dyn_smem as usize, None)
+            .map(|b| b.max(0) as u32)
+            .map_err(|e| {
+                Error::cuda(
+                    format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({})", self.name),
+                    e,
+                )
+            })
+    }
+
     /// Theoretical occupancy: resident warps per SM over the SM's maximum.
     pub fn occupancy(&self, block_threads: u32, dyn_smem: u32) -> Result<f64> {
         let blocks = self

@@ -90,8 +90,8 @@ const SIMT: &[Simt] = &[
         source: WARPTILE,
         func: "matmul_warptile",
         threads: 256,
-        tile: (128, 128),
-        config: "tile 128×128×8, 8 warps of 32×64, 8×8 outputs/thread, 3-stage cp.async ring, 2 blocks/SM",
+        tile: (256, 128),
+        config: "tile 256×128×8, 8 warps of 64×64, 16×8 outputs/thread, 3-stage cp.async ring, 1 block/SM",
     },
 ];
 

@@ -206,20 +206,27 @@ pub struct BwdLaunch {
 
 pub fn plan_bwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLaunch> {
     let prog = program(p.kind, p.dtype, g.chunks());
-    let (f, grid, smem) = match g {
-        Geometry::Naive => ("norm_bwd_naive", rows::grid(p.rows), 0),
-        // A fixed grid (a function of the device and the tuned configuration only) keeps the
-        // reduction order, and so the bits, the same on every run.
-        Geometry::Vectorized(c) => (
-            "norm_bwd_vec",
-            (dev.props().sm_count as usize * c.blocks_per_sm.max(1) as usize)
-                .min(p.rows)
-                .max(1) as u32,
-            (BWD_STAGES * 2 * p.cols * p.dtype.size_in_bytes()) as u32,
-        ),
+    let f = match g {
+        Geometry::Naive => "norm_bwd_naive",
+        Geometry::Vectorized(_) => "norm_bwd_vec",
     };
     let kernel = dev.kernel(&prog, f)?;
-    kernel.allow_dynamic_smem(smem)?;
+    let (grid, smem) = match g {
+        Geometry::Naive => (rows::grid(p.rows), 0),
+        Geometry::Vectorized(c) => {
+            let smem = (BWD_STAGES * 2 * p.cols * p.dtype.size_in_bytes()) as u32;
+            kernel.allow_dynamic_smem(smem)?;
+            // No more blocks per SM than can be resident at once: a grid past that ran its extra
+            // blocks as a second, partial wave (LayerNorm bf16 at chunks = 4, 153 registers: 3 fit,
+            // so "4 per SM" lost to 2; Nsight Compute, 2026-11-23). A fixed grid (a function of
+            // the device and the tuned configuration only) keeps the reduction order, and so the
+            // bits, the same on every run.
+            let resident = kernel.max_active_blocks(g.threads(p), smem)?.max(1);
+            let per_sm = c.blocks_per_sm.max(1).min(resident) as usize;
+            let grid = (dev.props().sm_count as usize * per_sm).min(p.rows).max(1) as u32;
+            (grid, smem)
+        }
+    };
     Ok(BwdLaunch {
         kernel,
         col_sum: dev.kernel(&prog, "norm_col_sum")?,
@@ -316,10 +323,11 @@ pub fn bwd_geometry(
     if let Some(g) = variant_geometry(variant)? {
         return Ok(g);
     }
-    // "ring2": the shared-memory-ring kernel that re-reads its stage in the dx pass (fewer
-    // registers); configurations remembered for the kernels it replaced are not reused.
-    let key = format!("norm_bwd_ring2/{}", p.kind.name());
-    let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[2, 4, 8], |c| {
+    // "ring3": the shared-memory-ring kernel that re-reads its stage in the dx pass (fewer
+    // registers), its grid capped at the resident blocks; configurations remembered for the
+    // kernels it replaced are not reused.
+    let key = format!("norm_bwd_ring3/{}", p.kind.name());
+    let c = rows::tuned(dev, &key, p.rows, p.cols, p.dtype, &[2, 3, 4, 8], |c| {
         rows::time_briefly(dev, stream, || {
             run_bwd(Geometry::Vectorized(*c), p, dev, q, stream)
         })

@@ -28,13 +28,15 @@
 // Expected effect (H100, 4096³ f32 NN): ~1.1–1.2× vectorized, 0.80–0.88× cuBLAS fp32 (the
 // issue's target is ≥ 0.8×).
 
-constexpr int W_BM = 128, W_BN = 128, W_BK = 8, W_NT = 256;
-constexpr int W_WM = 32, W_WN = 64;      // warp tile (warps 4 × 2)
-constexpr int W_SM = 16, W_SN = 32;      // sub-tile (2 × 2 per warp)
+constexpr int W_BM = 256, W_BN = 128, W_BK = 8, W_NT = 256;
+constexpr int W_WM = 64, W_WN = 64;      // warp tile (warps 4 × 2)
+constexpr int W_SM = 16, W_SN = 32;      // sub-tile strides: 4 × 2 sub-tiles per lane
+constexpr int W_MS = W_WM / W_SM, W_NS = W_WN / W_SN;
 constexpr int W_TM = 4, W_TN = 4;        // per-lane block in a sub-tile: lanes 4 (rows) × 8 (cols)
-constexpr int W_LD = 132;                // padded row of sA[p][i] and sB[p][j]
+constexpr int W_LDA = W_BM + 4;          // padded row of sA[p][i] (a multiple of 4 floats)
+constexpr int W_LDB = W_BN + 4;          // padded row of sB[p][j]
 constexpr int W_STAGES = 3;              // cp.async ring depth (k-slices in shared memory)
-constexpr int W_BUF = W_BK * W_LD;       // floats per operand per stage
+constexpr int W_BUFA = W_BK * W_LDA, W_BUFB = W_BK * W_LDB;  // floats per operand per stage
 
 __device__ __forceinline__ unsigned w_smem(const void* p) {
   return (unsigned)__cvta_generic_to_shared(p);
@@ -98,14 +100,14 @@ struct WCopy {
   }
 };
 
-// Thread threadIdx.x's vector of an R × CN tile of op(X) at (r0, c0) (X stored transposed when
-// TR; one vector per thread), stored in shared memory as s[r·SR + c·SC]. K_IS_COLS: k is op(X)'s
+// Thread threadIdx.x's q-th vector of an R × CN tile of op(X) at (r0, c0) (X stored transposed
+// when TR; R·CN / (4·W_NT) vectors per thread), stored in shared memory as s[r·SR + c·SC]. K_IS_COLS: k is op(X)'s
 // column dimension (A: m × k) rather than its row dimension (B: k × n); pass 0 for the k offset.
 template <int R, int CN, bool TR, int SR, int SC, bool K_IS_COLS>
 __device__ __forceinline__ WCopy<TR ? SR : SC> w_copy(const float* X, i64 ld, i64 r0, i64 c0, i64 rows,
-                                                      i64 cols) {
-  static_assert(R * CN == 4 * W_NT, "one vector per thread");
-  const int e = threadIdx.x;
+                                                      i64 cols, int q) {
+  static_assert((R * CN) % (4 * W_NT) == 0, "whole vectors per thread");
+  const int e = threadIdx.x + q * W_NT;  // the thread's q-th vector
   const int vr = TR ? (e % (R / 4)) * 4 : e / (CN / 4);
   const int vc = TR ? e / (R / 4) : (e % (CN / 4)) * 4;
   const i64 gr = r0 + vr, gc = c0 + vc;
@@ -135,23 +137,29 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
   const bool fc = fe_aligned16(C, ldc, stride_c);
   const int nk = (int)((k + W_BK - 1) / W_BK);
   FE_FOR_EACH_TILE(W_BM) {
-    // sA[p][i] (op(A) element (i, p) at p·W_LD + i), sB[p][j].
-    const auto ca = w_copy<W_BM, W_BK, AT, 1, W_LD, true>(A + z * stride_a, lda, m0, 0, m, k);
-    const auto cb = w_copy<W_BK, W_BN, BT, W_LD, 1, false>(B + z * stride_b, ldb, 0, n0, k, n);
+    // sA[p][i] (op(A) element (i, p) at p·W_LDA + i), sB[p][j]; A is two vectors per thread.
+    const float* Az = A + z * stride_a;
+    const auto ca0 = w_copy<W_BM, W_BK, AT, 1, W_LDA, true>(Az, lda, m0, 0, m, k, 0);
+    const auto ca1 = w_copy<W_BM, W_BK, AT, 1, W_LDA, true>(Az, lda, m0, 0, m, k, 1);
+    const auto cb = w_copy<W_BK, W_BN, BT, W_LDB, 1, false>(B + z * stride_b, ldb, 0, n0, k, n, 0);
     // Interior tiles of aligned operands copy every slice but a partial last one without
-    // predicates (the general path costs ~150 instructions per slice against 512 FMAs).
+    // predicates (the general path costs ~150 instructions per slice).
     const bool inside = fa && fb && m0 + W_BM <= m && n0 + W_BN <= n;
     const i64 k_inside = inside ? k / W_BK * W_BK : 0;  // slices starting below this are whole
     auto issue = [&](int stage, i64 k0) {
+      float* a = sA + stage * W_BUFA;
+      float* b = sB + stage * W_BUFB;
       if (k0 < k_inside) {
-        ca.issue_inside(sA + stage * W_BUF, k0);
-        cb.issue_inside(sB + stage * W_BUF, k0);
+        ca0.issue_inside(a, k0);
+        ca1.issue_inside(a, k0);
+        cb.issue_inside(b, k0);
       } else {
-        ca.issue(sA + stage * W_BUF, k0, fa);
-        cb.issue(sB + stage * W_BUF, k0, fb);
+        ca0.issue(a, k0, fa);
+        ca1.issue(a, k0, fa);
+        cb.issue(b, k0, fb);
       }
     };
-    float acc[2][2][W_TM][W_TN] = {};
+    float acc[W_MS][W_NS][W_TM][W_TN] = {};
     // Prologue: slices 0 .. W_STAGES-2 in flight (one commit group per slice, empty past k). The
     // previous tile's last reads of these buffers are behind the barrier ending its loop.
 #pragma unroll
@@ -163,25 +171,26 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
       w_wait<W_STAGES - 2>();  // slice t has landed (for this thread's copies) ...
       __syncthreads();         // ... and for everyone's; slice t-1's buffer is read by no one
       {
-        const int f = t + W_STAGES - 1, fs = f % W_STAGES;
-        if (f < nk) issue(fs, (i64)f * W_BK);
+        const int f = t + W_STAGES - 1;
+        if (f < nk) issue(f % W_STAGES, (i64)f * W_BK);
         w_commit();
       }
-      const float* a_s = sA + (t % W_STAGES) * W_BUF;
-      const float* b_s = sB + (t % W_STAGES) * W_BUF;
+      const float* a_s = sA + (t % W_STAGES) * W_BUFA;
+      const float* b_s = sB + (t % W_STAGES) * W_BUFB;
 #pragma unroll
       for (int p = 0; p < W_BK; ++p) {
-        float4 a[2], b[2];
+        float4 a[W_MS], b[W_NS];
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          a[s] = *reinterpret_cast<const float4*>(a_s + p * W_LD + arow + s * W_SM);
-          b[s] = *reinterpret_cast<const float4*>(b_s + p * W_LD + bcol + s * W_SN);
-        }
+        for (int s = 0; s < W_MS; ++s)
+          a[s] = *reinterpret_cast<const float4*>(a_s + p * W_LDA + arow + s * W_SM);
 #pragma unroll
-        for (int sm = 0; sm < 2; ++sm) {
+        for (int s = 0; s < W_NS; ++s)
+          b[s] = *reinterpret_cast<const float4*>(b_s + p * W_LDB + bcol + s * W_SN);
+#pragma unroll
+        for (int sm = 0; sm < W_MS; ++sm) {
           const float av[4] = {a[sm].x, a[sm].y, a[sm].z, a[sm].w};
 #pragma unroll
-          for (int sn = 0; sn < 2; ++sn) {
+          for (int sn = 0; sn < W_NS; ++sn) {
             const float bv[4] = {b[sn].x, b[sn].y, b[sn].z, b[sn].w};
 #pragma unroll
             for (int r = 0; r < W_TM; ++r)
@@ -195,14 +204,14 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
     w_wait<0>();      // nothing of this tile left in flight (the empty tail groups)
     __syncthreads();  // every read of the ring done before the next tile's prologue refills it
 #pragma unroll
-    for (int sm = 0; sm < 2; ++sm)
+    for (int sm = 0; sm < W_MS; ++sm)
 #pragma unroll
       for (int r = 0; r < W_TM; ++r) {
         const i64 i = m0 + arow + sm * W_SM + r;
         if (i >= m) continue;
         float* crow = C + z * stride_c + i * ldc;
 #pragma unroll
-        for (int sn = 0; sn < 2; ++sn) {
+        for (int sn = 0; sn < W_NS; ++sn) {
           const i64 j = n0 + bcol + sn * W_SN;
           const float4 v = make_float4(acc[sm][sn][r][0], acc[sm][sn][r][1], acc[sm][sn][r][2],
                                        acc[sm][sn][r][3]);
@@ -212,16 +221,10 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
   }
 }
 
-// Two blocks per SM on sm_90 (128 registers, no spills under ptxas 13.0); sm_80's ptxas spills
-// this body at 128 (~180 bytes), so there it keeps one block per SM.
-#if __CUDA_ARCH__ >= 900
-#define W_MIN_BLOCKS 2
-#else
-#define W_MIN_BLOCKS 1
-#endif
-extern "C" __global__ void __launch_bounds__(W_NT, W_MIN_BLOCKS) matmul_warptile(FE_MATMUL_PARAMS) {
+// One block per SM (128 accumulators per thread, as cuBLAS's own SGEMM: ~255 registers).
+extern "C" __global__ void __launch_bounds__(W_NT, 1) matmul_warptile(FE_MATMUL_PARAMS) {
   // The tile code assumes exactly W_NT threads: a host/kernel mismatch must fail loudly.
   if (blockDim.x * blockDim.y * blockDim.z != W_NT) __trap();
-  __shared__ __align__(16) float sA[W_STAGES * W_BUF], sB[W_STAGES * W_BUF];
+  __shared__ __align__(16) float sA[W_STAGES * W_BUFA], sB[W_STAGES * W_BUFB];
   FE_LAYOUT_DISPATCH(warptile_body, sA, sB, );
 }
