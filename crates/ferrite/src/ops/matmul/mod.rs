@@ -556,9 +556,10 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         },
     )?;
     if opts.variant.is_none() && v.name == "warptile" {
-        // Measured slower than its predecessor (H100, 2026-11-23: 0.68× cuBLAS fp32 against
-        // `vectorized`'s 0.74×, both versions of it; docs/matmul.md): the default stays on the
-        // faster rung while `warptile` remains on the ladder, checked and benched.
+        // Not yet clearly faster than its predecessor (H100, 2026-11-23: 0.75× cuBLAS fp32 at
+        // 4096³ against `vectorized`'s 0.74×; earlier versions 0.67–0.68×; docs/matmul.md), and
+        // its 256×128 tiles, one block per SM, fill the GPU only from larger shapes: the default
+        // stays on `vectorized` while `warptile` remains on the ladder, checked and benched.
         if let Some(fast) = vs
             .iter()
             .find(|x| x.name == F32_DEFAULT && x.backend == v.backend)

@@ -177,30 +177,21 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
       }
       const float* a_s = sA + (t % W_STAGES) * W_BUFA;
       const float* b_s = sB + (t % W_STAGES) * W_BUFB;
-      // Fragments double-buffered in registers: k-step p+1's shared loads are issued before
-      // k-step p's 128 FMAs, so their latency hides behind math even with the two warps per
-      // scheduler that one 247-register block per SM leaves (measured without it: issue slots
-      // 63% busy, cuBLAS's kernel of the same shape 87%).
-      float4 a[2][W_MS], b[2][W_NS];
-      auto load_frags = [&](int p, int buf) {
-#pragma unroll
-        for (int s = 0; s < W_MS; ++s)
-          a[buf][s] = *reinterpret_cast<const float4*>(a_s + p * W_LDA + arow + s * W_SM);
-#pragma unroll
-        for (int s = 0; s < W_NS; ++s)
-          b[buf][s] = *reinterpret_cast<const float4*>(b_s + p * W_LDB + bcol + s * W_SN);
-      };
-      load_frags(0, 0);
 #pragma unroll
       for (int p = 0; p < W_BK; ++p) {
-        const int cur = p & 1;
-        if (p + 1 < W_BK) load_frags(p + 1, cur ^ 1);
+        float4 a[W_MS], b[W_NS];
+#pragma unroll
+        for (int s = 0; s < W_MS; ++s)
+          a[s] = *reinterpret_cast<const float4*>(a_s + p * W_LDA + arow + s * W_SM);
+#pragma unroll
+        for (int s = 0; s < W_NS; ++s)
+          b[s] = *reinterpret_cast<const float4*>(b_s + p * W_LDB + bcol + s * W_SN);
 #pragma unroll
         for (int sm = 0; sm < W_MS; ++sm) {
-          const float av[4] = {a[cur][sm].x, a[cur][sm].y, a[cur][sm].z, a[cur][sm].w};
+          const float av[4] = {a[sm].x, a[sm].y, a[sm].z, a[sm].w};
 #pragma unroll
           for (int sn = 0; sn < W_NS; ++sn) {
-            const float bv[4] = {b[cur][sn].x, b[cur][sn].y, b[cur][sn].z, b[cur][sn].w};
+            const float bv[4] = {b[sn].x, b[sn].y, b[sn].z, b[sn].w};
 #pragma unroll
             for (int r = 0; r < W_TM; ++r)
 #pragma unroll
