@@ -628,7 +628,6 @@ impl Kernel {
     pub fn max_active_blocks(&self, block_threads: u32, dyn_smem: u32) -> Result<u32> {
         self.func
             .occupancy_max_active_blocks_per_multiprocessor(block_threads, dyn_smem as usize, None)
-            .map(|b| b.max(0) as u32)
             .map_err(|e| {
                 Error::cuda(
                     format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({})", self.name),
