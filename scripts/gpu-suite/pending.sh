@@ -88,4 +88,13 @@ ncu_sections='--section SpeedOfLight --section Occupancy --section LaunchStats -
   'check|60|ferrite check matmul --device cuda --dtype f32 --variant warptile --json $D/check-matmul.json' \
   'bench|60|ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 4096 --json $D/bench-matmul-f32.json' \
   || status=1; }
+# l: stall reasons (PC sampling: SourceCounters, WarpStateStats) of the kernels still short of
+# their targets, and cuBLAS's bf16 kernel under the same profile as ours (its SM clock and
+# tensor-pipe share at 8192×14336×4096), for the next session's plan.
+[[ $part == *l* ]] && export PATH="$PATH:/usr/local/cuda/bin"
+stall_sections="$ncu_sections --section SourceCounters --section InstructionStats"
+[[ $part == *l* ]] && { bash "$here/steps.sh" pending-l "$bundle" "$warm" \
+  "stalls|200|ncu --clock-control none $stall_sections -k regex:matmul_warptile --launch-skip 3 --launch-count 1 ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096 > \$D/ncu-warptile.txt 2>&1; ncu --clock-control none $stall_sections -k regex:ce_resident --launch-skip 5 --launch-count 1 ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident > \$D/ncu-ce-resident.txt 2>&1; ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/tune-norm.txt 2>&1; ncu --clock-control none $stall_sections -k regex:norm_bwd_vec --launch-skip 215 --launch-count 1 ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/ncu-norm-bwd.txt 2>&1" \
+  "cublas|120|ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/tune-gemm.txt 2>&1; ncu --clock-control none $ncu_sections -k regex:'nvjet|sm90_xmma|cutlass' --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/ncu-cublas-bf16.txt 2>&1" \
+  || status=1; }
 exit $status
