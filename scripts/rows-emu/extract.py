@@ -1,7 +1,8 @@
 # Turns one family's kernels/*.cu into host C++ for run.sh: the embedded headers (ferrite.cuh,
 # philox.cuh) are expanded as the JIT does, the helpers that wrap PTX are removed (emu_rows.h
 # defines host versions), `__shared__` arrays become EMU_SHARED views of the block's static area
-# and the dynamic shared array points at the block's dynamic area. Fails if any `asm` is left.
+# and the dynamic shared array points at the block's dynamic area; cluster-only code is dropped.
+# Fails if any `asm` is left.
 import os, re, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +29,24 @@ def sig_name(l):
     return m.group(1) if m else None
 
 
-lines = expand(open(sys.argv[1]).read()).split('\n')
+# Code for thread-block clusters (cross_entropy's `ce_cluster`: distributed shared memory, cluster
+# barriers) has no host model here: its `#if defined(FE_CLUSTER)` block is dropped whole.
+def drop_cluster_blocks(lines):
+    out, skip = [], 0
+    for l in lines:
+        t = l.strip()
+        if skip:
+            skip += t.startswith('#if')
+            skip -= t.startswith('#endif')
+            continue
+        if t.startswith('#if defined(FE_CLUSTER)'):
+            skip = 1
+            continue
+        out.append(l)
+    return out
+
+
+lines = drop_cluster_blocks(expand(open(sys.argv[1]).read()).split('\n'))
 out, i = [], 0
 while i < len(lines):
     l = lines[i]

@@ -288,6 +288,7 @@ fn ce_case(a: &Args, o: &mut Out) -> Result<()> {
         reduction,
         dloss: a.n("dloss"),
         check_targets: true,
+        cluster: None,
     };
     let loss_rows = cpu(&[rows], DType::F32)?;
     let loss = cpu(&[1], DType::F32)?;

@@ -335,7 +335,7 @@ __device__ __forceinline__ void resident_add_vec(float& m, float& s, float& sx, 
 }
 
 // Pass 2 of one vector: dx_j = 2^(x_j·log2e − M)·pa − (pb, or pbh at the target's lane).
-__device__ __forceinline__ Vec resident_grad_vec(const Vec& a, float M, float pa, float pb, float pbh,
+__device__ __forceinline__ Vec resident_grad_vec(const Vec a, float M, float pa, float pb, float pbh,
                                                  int target_lane) {
   Vec o;
 #pragma unroll
