@@ -425,7 +425,9 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
       gv[i] = resident_grad_vec(a, M, pa, pb, pbh, i == tv ? tl : -1);
     };
     i = threadIdx.x;
-#pragma unroll 4
+    // Not unrolled: shared-memory reads need no loads in flight to hide latency, and unrolled
+    // (4 or 8) this loop spilled the 16-bit variants under the 32-register cap at sm_90a.
+#pragma unroll 1
     for (; i < lim; i += blockDim.x) grad_vec(i, sm[i]);
 #pragma unroll 4
     for (; i < nvec; i += blockDim.x) grad_vec(i, xv[i]);
