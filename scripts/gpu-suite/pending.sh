@@ -97,4 +97,19 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   "stalls|200|ncu --clock-control none $stall_sections -k regex:matmul_warptile --launch-skip 3 --launch-count 1 ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096 > \$D/ncu-warptile.txt 2>&1; ncu --clock-control none $stall_sections -k regex:ce_resident --launch-skip 5 --launch-count 1 ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident > \$D/ncu-ce-resident.txt 2>&1; ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/tune-norm.txt 2>&1; ncu --clock-control none $stall_sections -k regex:norm_bwd_vec --launch-skip 215 --launch-count 1 ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/ncu-norm-bwd.txt 2>&1" \
   "cublas|120|ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/tune-gemm.txt 2>&1; ncu --clock-control none $ncu_sections -k regex:'nvjet|sm90_xmma|cutlass' --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/ncu-cublas-bf16.txt 2>&1" \
   || status=1; }
+# m: the wgmma attention backward (attn_hopper_bwd, FA3's layout of the work: 128 keys per block,
+# 2 consumer warpgroups, dQ through one red.global per element and 128-key block) checked on
+# every feature case (hopper's backward runs it wherever it applies), and cross_entropy's
+# resident rung after its pass-2 change (one LDS.128 per kept vector, loop not unrolled).
+[[ $part == *m* ]] && { bash "$here/steps.sh" pending-m "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt && ferrite kernels --arch sm_90a --only cross_entropy > $D/kernels-ce.txt' \
+  'check-attn|240|ferrite check attention --device cuda --variant hopper --json $D/check-attn.json' \
+  'ce|150|ferrite check cross_entropy --device cuda --variant resident --json $D/check-ce.json && ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce.json' \
+  || status=1; }
+# n: the attention bench (hopper and flash, forward and backward) with the SDPA peers of the
+# same call (cuDNN and flash backends).
+[[ $part == *n* ]] && { bash "$here/steps.sh" pending-n "$bundle" \
+  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
+  "bench-attn|400|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json" \
+  || status=1; }
 exit $status

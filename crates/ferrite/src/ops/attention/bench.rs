@@ -257,8 +257,6 @@ fn bench_gpu(
                 let runs: Vec<(&str, &str, bool)> = variants()
                     .iter()
                     .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
-                    // hopper's backward is flash's
-                    .filter(|v| !(backward && v.name == "hopper"))
                     .flat_map(|v| {
                         let det = (backward && v.name == "flash").then_some((
                             v.name,
@@ -324,6 +322,10 @@ fn bench_gpu(
                     let mut rec = BenchRecord::new(d, &name, OP, row, dtype, label, st, f, 0.0);
                     if backward && vname == "flash" {
                         rec.config = super::flash::BwdMode::of(deterministic, s.d).describe();
+                    }
+                    if backward && vname == "hopper" {
+                        rec.config =
+                            "wgmma: 128 keys × 64-query steps, 2 consumer warpgroups".into();
                     }
                     rec.peak_device_bytes = Some(peak);
                     rec.note = format!("peak memory {}", gib(peak));

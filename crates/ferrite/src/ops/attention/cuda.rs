@@ -159,13 +159,8 @@ pub(super) fn backward(
     let prm = Params::new(p, seqs, cu_ptrs(varlen)?);
     match variant {
         "naive" => naive_backward(&dev, &stream, &prm, p.dtype, t),
-        // hopper's backward is flash's: one pass with atomic dQ by default, the three-kernel
-        // path without atomics when `deterministic` is asked for.
-        "flash" | "hopper" => super::flash::backward(
-            &dev,
-            &stream,
-            p,
-            &super::flash::Bwd {
+        "flash" | "hopper" => {
+            let bwd = super::flash::Bwd {
                 dout: t.dout,
                 q: t.q,
                 k: t.k,
@@ -175,10 +170,27 @@ pub(super) fn backward(
                 dq: t.dq,
                 dk: t.dk,
                 dv: t.dv,
-            },
-            varlen,
-            super::flash::BwdMode::of(opts.deterministic, p.head_dim),
-        ),
+            };
+            // hopper's own backward (wgmma) where it applies; otherwise flash's: one pass with
+            // atomic dQ by default, the three-kernel path without atomics for `deterministic`.
+            if variant == "hopper" {
+                let ptrs = [t.dout, t.q, t.k, t.v, t.o, t.dq, t.dk, t.dv]
+                    .iter()
+                    .map(|x| x.device_ptr())
+                    .collect::<Result<Vec<_>>>()?;
+                if super::hopper::unfit_backward(p, &ptrs, opts.deterministic).is_none() {
+                    return super::hopper::backward(&dev, &stream, p, &bwd, varlen);
+                }
+            }
+            super::flash::backward(
+                &dev,
+                &stream,
+                p,
+                &bwd,
+                varlen,
+                super::flash::BwdMode::of(opts.deterministic, p.head_dim),
+            )
+        }
         other => Err(no_variant(OP_BWD, other)),
     }
 }

@@ -462,10 +462,26 @@ pub(super) fn backward(
             format!("{geom:?}"),
         ));
     }
-    let (cu_q, cu_k, lse_rows) = varlen_args(varlen, p, t.lse)?;
-    // Δ has lse's shape.
-    let delta = dev.alloc(t.lse.numel() * 4, stream)?;
+    let (delta, seq) = delta(dev, stream, p, t, varlen, mt, geom)?;
+    match mode {
+        BwdMode::Deterministic => deterministic_dkdv_dq(dev, stream, p, t, &delta, seq, mt, geom),
+        BwdMode::Atomic(g) => atomic_dkdvq(dev, stream, p, t, &delta, seq, mt, g),
+    }
+}
 
+/// Δ_i = Σ_d dO_i·O_i (f32, lse's shape) on `stream`, and the call's (cu_q, cu_k, lse row
+/// length) as the backward kernels take them. Shared with the `hopper` backward.
+pub(super) fn delta(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    p: &Problem,
+    t: &Bwd,
+    varlen: Option<&Varlen>,
+    mt: usize,
+    geom: BwdGeom,
+) -> Result<(DeviceBuffer, (u64, u64, i64))> {
+    let (cu_q, cu_k, lse_rows) = varlen_args(varlen, p, t.lse)?;
+    let delta = dev.alloc(t.lse.numel() * 4, stream)?;
     let dot = kernel(dev, p, "flash_bwd_dot", 0, mt, geom)?;
     let rows = p.batch * p.heads_q * p.seqlen_q;
     let mut a = KernelArgs::new();
@@ -486,15 +502,56 @@ pub(super) fn backward(
         0,
         &mut a,
     )?;
+    Ok((delta, (cu_q, cu_k, lse_rows)))
+}
 
-    match mode {
-        BwdMode::Deterministic => {
-            deterministic_dkdv_dq(dev, stream, p, t, &delta, (cu_q, cu_k, lse_rows), mt, geom)
-        }
-        BwdMode::Atomic(g) => {
-            atomic_dkdvq(dev, stream, p, t, &delta, (cu_q, cu_k, lse_rows), mt, g)
-        }
-    }
+/// A zeroed f32 dQ accumulator: rows like lse (B·Hq·Sq padded, Hq·total_q varlen), head_dim
+/// floats each, ordered on `stream` before the kernels that add into it.
+pub(super) fn dq_accumulator(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    p: &Problem,
+    t: &Bwd,
+) -> Result<DeviceBuffer> {
+    let acc_bytes = t.lse.numel() * p.head_dim * 4;
+    let acc = dev.alloc(acc_bytes, stream)?;
+    // SAFETY: `acc` is this device's allocation of exactly `acc_bytes` bytes, ordered on `stream`
+    // before the kernels that add into it.
+    unsafe { dev.memset(acc.ptr(), 0, acc_bytes, stream)? };
+    Ok(acc)
+}
+
+/// dq = scale·acc in dq's dtype and strides (the last kernel of both atomic backwards).
+pub(super) fn convert_dq(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    p: &Problem,
+    t: &Bwd,
+    acc: &DeviceBuffer,
+    (cu_q, lse_rows): (u64, i64),
+    mt: usize,
+    geom: BwdGeom,
+) -> Result<()> {
+    let conv = kernel(dev, p, "flash_bwd_dq_convert", 0, mt, geom)?;
+    let chunks = t.lse.numel() * (p.head_dim / 8);
+    let mut a = KernelArgs::new();
+    a.push(acc.ptr())
+        .push(t.dq.device_ptr()?)
+        .push(cu_q)
+        .push(p.batch as i32)
+        .push(p.heads_q as i32)
+        .push(p.seqlen_q as i32)
+        .push(Strides::from(p.q_stride))
+        .push(lse_rows)
+        .push(p.scale);
+    launch_unless_empty(
+        &conv,
+        stream,
+        (grid_dim(chunks.div_ceil(256), "rows")?, 1, 1),
+        256,
+        0,
+        &mut a,
+    )
 }
 
 /// The deterministic backward's two kernels after Δ: dK/dV per key block, dQ per query block.
@@ -572,13 +629,7 @@ fn atomic_dkdvq(
     mt: usize,
     geom: BwdGeom,
 ) -> Result<()> {
-    // Rows like lse (B·Hq·Sq padded, Hq·total_q varlen), head_dim floats each.
-    let acc_bytes = t.lse.numel() * p.head_dim * 4;
-    let acc = dev.alloc(acc_bytes, stream)?;
-    // SAFETY: `acc` is this device's allocation of exactly `acc_bytes` bytes, ordered on `stream`
-    // before the kernels below that add into it.
-    unsafe { dev.memset(acc.ptr(), 0, acc_bytes, stream)? };
-
+    let acc = dq_accumulator(dev, stream, p, t)?;
     let smem = geom.smem(p.head_dim, p.dtype);
     let fused = kernel(dev, p, "flash_bwd_fused", smem, mt, geom)?;
     let mut a = KernelArgs::new();
@@ -606,26 +657,7 @@ fn atomic_dkdvq(
     );
     launch_unless_empty(&fused, stream, grid, (geom.warps * 32) as u32, smem, &mut a)?;
 
-    let conv = kernel(dev, p, "flash_bwd_dq_convert", 0, mt, geom)?;
-    let chunks = t.lse.numel() * (p.head_dim / 8);
-    let mut a = KernelArgs::new();
-    a.push(acc.ptr())
-        .push(t.dq.device_ptr()?)
-        .push(cu_q)
-        .push(p.batch as i32)
-        .push(p.heads_q as i32)
-        .push(p.seqlen_q as i32)
-        .push(Strides::from(p.q_stride))
-        .push(lse_rows)
-        .push(p.scale);
-    launch_unless_empty(
-        &conv,
-        stream,
-        (grid_dim(chunks.div_ceil(256), "rows")?, 1, 1),
-        256,
-        0,
-        &mut a,
-    )
+    convert_dq(dev, stream, p, t, &acc, (cu_q, lse_rows), mt, geom)
 }
 
 #[cfg(test)]

@@ -1,6 +1,9 @@
-//! Host code of the `hopper` rung (kernels/hopper.cu): attention forward on wgmma + TMA with
-//! warp-specialised producer/consumer warpgroups (sm_90a). The backward runs the `flash` kernels.
+//! Host code of the `hopper` rung (kernels/hopper.cu): attention forward and backward on wgmma +
+//! TMA with warp-specialised producer/consumer warpgroups (sm_90a). The backward shares Δ and
+//! the dq conversion with `flash`, and falls back to flash's kernels where the wgmma one does not
+//! apply (soft-capping, `deterministic`).
 
+use super::flash::{self, Bwd, BwdGeom};
 use super::{Problem, Varlen, OP};
 use crate::core::cuda::jit::{KernelSource, Program};
 use crate::core::cuda::{CudaDevice, KernelArgs, Stream};
@@ -17,6 +20,10 @@ pub const HEAD_DIMS: [usize; 2] = [64, 128];
 const BM: usize = 128;
 const BN: usize = 128;
 const THREADS: u32 = 384;
+/// Keys per block, queries per step and Q/dO ring depth of the backward (attn_hopper_bwd).
+const BWD_BN: usize = 128;
+const BWD_BM: usize = 64;
+const BWD_STAGES: usize = 2;
 
 /// Kernel configuration: the depth of the (K, V) ring and whether a warpgroup overlaps its
 /// softmax with its own P·V (FE_PIPE in hopper.cu).
@@ -63,10 +70,25 @@ pub fn program(dtype: DType, head_dim: usize, cfg: Config, softcap: bool) -> Pro
         .define("FE_PIPE", cfg.pipelined as u32)
 }
 
+/// The backward's module: attn_hopper_bwd only (FE_BWD=1).
+pub fn program_bwd(dtype: DType, head_dim: usize) -> Program {
+    Program::new(SRC)
+        .define("FE_BWD", 1)
+        .define("FE_ELEM", dtype.cuda_name())
+        .define("FE_HEAD_DIM", head_dim)
+        .define("FE_WGMMA_BF16", (dtype == DType::BF16) as u32)
+        .define("FE_BWD_STAGES", BWD_STAGES)
+}
+
 pub fn kernel_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for d in [DType::BF16, DType::F16] {
         for hd in HEAD_DIMS {
+            v.push(KernelSpec {
+                program: program_bwd(d, hd),
+                functions: vec!["attn_hopper_bwd".into()],
+                min_arch: Arch::SM90,
+            });
             for (cfg, softcap) in [
                 (Config::DEFAULT, false),
                 (Config::DEFAULT, true),
@@ -107,6 +129,18 @@ pub fn unfit(p: &Problem, ptrs: &[u64]) -> Option<String> {
         return Some("needs 16-byte aligned q, k, v, o (TMA)".into());
     }
     None
+}
+
+/// Why the wgmma backward cannot take this problem (None when it can); `hopper` then runs
+/// flash's backward kernels. `ptrs` are every q/k/v/o-like and gradient tensor of the call.
+pub fn unfit_backward(p: &Problem, ptrs: &[u64], deterministic: bool) -> Option<String> {
+    if deterministic {
+        return Some("deterministic: dQ is summed with atomics".into());
+    }
+    if p.softcap > 0.0 {
+        return Some("soft-capping is not compiled into the wgmma backward".into());
+    }
+    unfit(p, ptrs)
 }
 
 /// A CUtensorMap as the kernel's `const __grid_constant__ TmaDesc` parameter (128 bytes).
@@ -205,10 +239,124 @@ fn tensor_map(
     Ok((TmaDesc(unsafe { map.assume_init() }.opaque), order))
 }
 
+/// The tensor maps of one call: padded, rows = the padded seq length per batch; varlen, rows =
+/// the packed totals and a batch dim of extent 1.
+struct Maps<'a> {
+    p: &'a Problem,
+    varlen: bool,
+    q_rows: usize,
+    k_rows: usize,
+    batch: usize,
+}
+
+impl<'a> Maps<'a> {
+    fn new(p: &'a Problem, varlen: bool, q_rows: usize, k_rows: usize, batch: usize) -> Self {
+        Maps {
+            p,
+            varlen,
+            q_rows,
+            k_rows,
+            batch,
+        }
+    }
+
+    /// Varlen: the batch dim has extent 1; give it a valid stride past the whole tensor.
+    fn batch_stride(&self, s: [i64; 3], rows: usize) -> [i64; 3] {
+        if self.varlen {
+            [s[1].max(s[2]) * rows.max(1) as i64, s[1], s[2]]
+        } else {
+            s
+        }
+    }
+
+    /// A map over q-like rows (q, or dO with o's strides), boxes of `box_rows` rows.
+    fn query_side(
+        &self,
+        ptr: u64,
+        stride: [i64; 3],
+        box_rows: usize,
+    ) -> Result<(TmaDesc, MapOrder)> {
+        let p = self.p;
+        tensor_map(
+            p.dtype,
+            ptr,
+            p.head_dim,
+            (self.q_rows, p.heads_q, self.batch),
+            self.batch_stride(stride, self.q_rows),
+            box_rows as u32,
+        )
+    }
+
+    /// The maps of k and v (which must share their dim order), boxes of `box_rows` rows.
+    fn key_side(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        box_rows: usize,
+    ) -> Result<(TmaDesc, MapOrder, TmaDesc)> {
+        let p = self.p;
+        let map = |ptr: u64, stride: [i64; 3]| {
+            tensor_map(
+                p.dtype,
+                ptr,
+                p.head_dim,
+                (self.k_rows, p.heads_kv, self.batch),
+                self.batch_stride(stride, self.k_rows),
+                box_rows as u32,
+            )
+        };
+        let (tk, okv) = map(k.device_ptr()?, p.k_stride)?;
+        let (tv, ov) = map(v.device_ptr()?, p.v_stride)?;
+        if (ov.row, ov.head, ov.batch) != (okv.row, okv.head, okv.batch) {
+            return Err(Error::NoVariant {
+                op: OP.into(),
+                msg: "CUDA variant `hopper` needs k and v in the same layout".into(),
+            });
+        }
+        Ok((tk, okv, tv))
+    }
+}
+
+/// K, V, the Q/dO ring, two dSᵀ tiles, the ring's lse/Δ rows and the barriers (+ 1 KiB to align
+/// the swizzled tiles), as attn_hopper_bwd lays them out.
+fn smem_bytes_bwd(head_dim: usize) -> u32 {
+    let kv = 2 * BWD_BN * head_dim * 2;
+    let ring = BWD_STAGES * 2 * BWD_BM * head_dim * 2;
+    let ds = 2 * BWD_BN * BWD_BM * 2;
+    let rows = BWD_STAGES * 2 * BWD_BM * 4;
+    (1024 + kv + ring + ds + rows + 8 * (1 + 2 * BWD_STAGES)) as u32
+}
+
 fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
     let q = BM * head_dim * 2;
     let kv = 2 * BN * head_dim * 2;
     (1024 + q + stages * kv + 8 * (1 + 3 * stages)) as u32
+}
+
+/// Padded: rows = the padded seq length per batch; varlen: rows = the packed total, batch 1.
+/// With the cu_seqlens pointers (0 when padded) and the length of an lse row.
+fn extents(
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    lse: &Tensor,
+    varlen: Option<&Varlen>,
+) -> Result<(usize, usize, usize, u64, u64, i64)> {
+    Ok(match varlen {
+        Some(vl) => (
+            q.shape()[0],
+            k.shape()[0],
+            1,
+            vl.cu_seqlens_q.device_ptr()?,
+            vl.cu_seqlens_k.device_ptr()?,
+            *lse.shape().last().unwrap_or(&0) as i64,
+        ),
+        None => (p.seqlen_q, p.seqlen_k, p.batch, 0, 0, p.seqlen_q as i64),
+    })
+}
+
+fn grid_dim(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::bad_arg(OP, what, "a launch grid within 32 bits", n))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -239,56 +387,10 @@ pub(super) fn forward_with(
     lse: &Tensor,
     varlen: Option<&Varlen>,
 ) -> Result<()> {
-    // Padded: rows = the padded seq length per batch; varlen: rows = the packed total, batch 1.
-    let (q_rows, k_rows, batch, cu_q, cu_k, lse_rows) = match varlen {
-        Some(vl) => (
-            q.shape()[0],
-            k.shape()[0],
-            1,
-            vl.cu_seqlens_q.device_ptr()?,
-            vl.cu_seqlens_k.device_ptr()?,
-            *lse.shape().last().unwrap_or(&0) as i64,
-        ),
-        None => (p.seqlen_q, p.seqlen_k, p.batch, 0, 0, p.seqlen_q as i64),
-    };
-    // Varlen: the batch dim has extent 1; give it a valid stride past the whole tensor.
-    let batch_stride = |s: [i64; 3], rows: usize| {
-        if varlen.is_some() {
-            [s[1].max(s[2]) * rows.max(1) as i64, s[1], s[2]]
-        } else {
-            s
-        }
-    };
-    let (tq, oq) = tensor_map(
-        p.dtype,
-        q.device_ptr()?,
-        p.head_dim,
-        (q_rows, p.heads_q, batch),
-        batch_stride(p.q_stride, q_rows),
-        BM as u32,
-    )?;
-    let (tk, okv) = tensor_map(
-        p.dtype,
-        k.device_ptr()?,
-        p.head_dim,
-        (k_rows, p.heads_kv, batch),
-        batch_stride(p.k_stride, k_rows),
-        BN as u32,
-    )?;
-    let (tv, ov) = tensor_map(
-        p.dtype,
-        v.device_ptr()?,
-        p.head_dim,
-        (k_rows, p.heads_kv, batch),
-        batch_stride(p.v_stride, k_rows),
-        BN as u32,
-    )?;
-    if (ov.row, ov.head, ov.batch) != (okv.row, okv.head, okv.batch) {
-        return Err(Error::NoVariant {
-            op: OP.into(),
-            msg: "CUDA variant `hopper` needs k and v in the same layout".into(),
-        });
-    }
+    let (q_rows, k_rows, batch, cu_q, cu_k, lse_rows) = extents(p, q, k, lse, varlen)?;
+    let maps = Maps::new(p, varlen.is_some(), q_rows, k_rows, batch);
+    let (tq, oq) = maps.query_side(q.device_ptr()?, p.q_stride, BM)?;
+    let (tk, okv, tv) = maps.key_side(k, v, BN)?;
     let log2e = std::f32::consts::LOG2_E;
     let capped = p.softcap > 0.0;
     let smap = ScoreMap {
@@ -324,18 +426,136 @@ pub(super) fn forward_with(
         .push(p.window_left)
         .push(p.window_right)
         .push(smap);
-    let grid = |n: usize, what: &str| {
-        u32::try_from(n).map_err(|_| Error::bad_arg(OP, what, "a launch grid within 32 bits", n))
-    };
     kern.launch(
         stream,
         (
-            grid(p.seqlen_q.div_ceil(BM), "seqlen_q")?,
-            grid(p.heads_q, "heads_q")?,
-            grid(p.batch, "batch")?,
+            grid_dim(p.seqlen_q.div_ceil(BM), "seqlen_q")?,
+            grid_dim(p.heads_q, "heads_q")?,
+            grid_dim(p.batch, "batch")?,
         ),
         (THREADS, 1, 1),
         smem,
         &mut a,
     )
+}
+
+/// The wgmma backward (after `unfit_backward` said it applies): Δ and a zeroed f32 dQ
+/// accumulator (flash's), attn_hopper_bwd over (128-key block, kv head, batch), then dq from the
+/// accumulator (flash's conversion).
+pub(super) fn backward(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    p: &Problem,
+    t: &Bwd,
+    varlen: Option<&Varlen>,
+) -> Result<()> {
+    let mt = flash::default_fwd_mt(p.head_dim);
+    let geom = BwdGeom::default_for(p.head_dim);
+    let (delta, (cu_q, cu_k, lse_rows)) = flash::delta(dev, stream, p, t, varlen, mt, geom)?;
+    let acc = flash::dq_accumulator(dev, stream, p, t)?;
+
+    let (q_rows, k_rows, batch, _, _, _) = extents(p, t.q, t.k, t.lse, varlen)?;
+    let maps = Maps::new(p, varlen.is_some(), q_rows, k_rows, batch);
+    let (tq, oq) = maps.query_side(t.q.device_ptr()?, p.q_stride, BWD_BM)?;
+    // dO has o's strides (its own dim order).
+    let (tdo, odo) = maps.query_side(t.dout.device_ptr()?, p.o_stride, BWD_BM)?;
+    let (tk, okv, tv) = maps.key_side(t.k, t.v, BWD_BN)?;
+
+    let smem = smem_bytes_bwd(p.head_dim);
+    let kern = dev.kernel(&program_bwd(p.dtype, p.head_dim), "attn_hopper_bwd")?;
+    kern.allow_dynamic_smem(smem)?;
+    let mut a = KernelArgs::new();
+    a.push(tq)
+        .push(tk)
+        .push(tv)
+        .push(tdo)
+        .push(oq)
+        .push(odo)
+        .push(okv)
+        .push(t.lse.device_ptr()?)
+        .push(delta.ptr())
+        .push(t.dk.device_ptr()?)
+        .push(t.dv.device_ptr()?)
+        .push(acc.ptr())
+        .push(cu_q)
+        .push(cu_k)
+        .push(p.heads_q as i32)
+        .push(p.heads_kv as i32)
+        .push(p.seqlen_q as i32)
+        .push(p.seqlen_k as i32)
+        .push(p.k_stride[0])
+        .push(p.k_stride[1])
+        .push(p.k_stride[2])
+        .push(p.v_stride[0])
+        .push(p.v_stride[1])
+        .push(p.v_stride[2])
+        .push(lse_rows)
+        .push(p.window_left)
+        .push(p.window_right)
+        .push(p.scale * std::f32::consts::LOG2_E)
+        .push(p.scale);
+    let grid = (
+        grid_dim(p.seqlen_k.div_ceil(BWD_BN), "seqlen_k")?,
+        grid_dim(p.heads_kv, "heads_kv")?,
+        grid_dim(p.batch, "batch")?,
+    );
+    if grid.0 > 0 && grid.1 > 0 && grid.2 > 0 {
+        kern.launch(stream, grid, (THREADS, 1, 1), smem, &mut a)?;
+    }
+    flash::convert_dq(dev, stream, p, t, &acc, (cu_q, lse_rows), mt, geom)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backward's layout must fit one block on an SM (227 KiB opt-in on sm_90) and match the
+    /// offsets attn_hopper_bwd computes: 1024-aligned swizzled tiles, then rows, then barriers.
+    #[test]
+    fn backward_smem_fits_hopper_and_keeps_tiles_aligned() {
+        for d in HEAD_DIMS {
+            let bytes = smem_bytes_bwd(d) as usize;
+            assert!(bytes <= 227 * 1024, "head dim {d}: {bytes} bytes");
+            // K, V, each ring stage and each dSᵀ tile start on a 1024-byte swizzle atom.
+            for tile in [BWD_BN * d * 2, BWD_BM * d * 2 * 2, BWD_BN * BWD_BM * 2] {
+                assert_eq!(tile % 1024, 0, "head dim {d}: tile of {tile} bytes");
+            }
+        }
+        // A forward's smem and the backward's differ (the backward keeps K and V whole).
+        assert!(smem_bytes_bwd(128) > smem_bytes(128, 2));
+    }
+
+    #[test]
+    fn backward_falls_back_where_the_wgmma_kernel_does_not_apply() {
+        let p = Problem {
+            batch: 1,
+            heads_q: 4,
+            heads_kv: 2,
+            seqlen_q: 100,
+            seqlen_k: 130,
+            head_dim: 128,
+            dtype: DType::BF16,
+            device: crate::core::device::Device::Cpu,
+            varlen: false,
+            scale: 0.1,
+            softcap: 0.0,
+            window_left: -1,
+            window_right: 0,
+            q_stride: [100 * 4 * 128, 4 * 128, 128],
+            k_stride: [130 * 2 * 128, 2 * 128, 128],
+            v_stride: [130 * 2 * 128, 2 * 128, 128],
+            o_stride: [100 * 4 * 128, 4 * 128, 128],
+        };
+        let ptrs = [4096u64; 8];
+        assert_eq!(unfit_backward(&p, &ptrs, false), None);
+        assert!(unfit_backward(&p, &ptrs, true).is_some(), "deterministic");
+        let capped = Problem { softcap: 30.0, ..p };
+        assert!(unfit_backward(&capped, &ptrs, false).is_some(), "soft-cap");
+        let d96 = Problem { head_dim: 96, ..p };
+        assert!(unfit_backward(&d96, &ptrs, false).is_some(), "head dim 96");
+        assert!(
+            unfit_backward(&p, &[4096, 4098, 4096], false).is_some(),
+            "misaligned"
+        );
+    }
 }

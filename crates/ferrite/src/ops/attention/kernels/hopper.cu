@@ -57,6 +57,10 @@ static_assert(D == 64 || D == 128, "head dim 64 or 128");
 #ifndef FE_SOFTCAP
 #define FE_SOFTCAP 0
 #endif
+// 1: this module holds the backward (attn_hopper_bwd) instead of the forward.
+#ifndef FE_BWD
+#define FE_BWD 0
+#endif
 constexpr int BM = 128, BN = 128, STAGES = FE_STAGES, NTHREADS = 384;
 constexpr int DB = D / 64;  // d-boxes per tile: a box is 64 elements (128 B) of d wide
 constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -187,6 +191,39 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const unsigned (&a)
 }
 
 
+// d (64×64 fp32) (+)= A(64×16, smem desc, K-major) · B(16×64, smem desc, K-major); scale_d 0 zeroes d first.
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d (64×64 fp32) (+)= A(64×16, smem desc, MN-major) · B(16×64, smem desc, MN-major); scale_d 0 zeroes d first.
+__device__ __forceinline__ void wgmma_ss_tt_n64(float (&d)[32], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d (64×32 fp32) (+)= A(64×16, smem desc, MN-major) · B(16×32, smem desc, MN-major); scale_d 0 zeroes d first.
+__device__ __forceinline__ void wgmma_ss_tt_n32(float (&d)[16], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." FE_WG_TY "." FE_WG_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 constexpr int O_REGS = D / 2;
 __device__ __forceinline__ void wgmma_pv(float (&o)[O_REGS], const unsigned (&a)[4], u64 db) {
 #if FE_HEAD_DIM == 128
@@ -215,6 +252,7 @@ __device__ __forceinline__ void coords(const MapOrder& o, int row, int head, int
   c[o.batch - 1] = batch;
 }
 
+#if !FE_BWD
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
                 const __grid_constant__ TmaDesc tv, MapOrder oq, MapOrder okv, T* __restrict__ o,
@@ -479,3 +517,355 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     }
   }
 }
+#endif  // !FE_BWD
+
+#if FE_BWD
+// ---------------------------------------------------------------------------------------------
+// attn_hopper_bwd — the backward on wgmma (FlashAttention-3's layout of the work), after Δ
+// (flash_bwd_dot) and into a zeroed f32 dQ accumulator (flash_bwd_dq_convert finishes dq).
+//
+// A block owns 128 keys of one (sequence, kv head) and loops over every query head of its GQA
+// group and every 64-query tile that can see those keys: per step it recomputes
+//   Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ·scale − lse), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)
+// and accumulates dV += Pᵀ·dO, dK += dSᵀ·Q in registers (summed over the group in a fixed order:
+// dK and dV are deterministic), and adds dQ_tile = dS·K into the accumulator with red.global.
+// What changes vs `flash_bwd_fused` (mma.sync, 4 warps × 16 keys, ldmatrix fragments):
+// - 3 warpgroups: warpgroup 0 produces (thread 0 issues the TMA copies of K and V once and of
+//   each step's Q and dO tiles into 128-byte swizzled shared memory, a ring of FE_STAGES; warp 1
+//   stages the step's lse·log2e and Δ in shared memory), warpgroups 1 and 2 each own 64 of the
+//   128 keys and issue wgmma: Sᵀ and dPᵀ as m64n64 with both operands in shared memory, dV and
+//   dK as m64nD with Pᵀ / dSᵀ straight from the accumulator registers (as the forward's P·V);
+//   no ldmatrix and no fragment loads.
+// - dQ_tile = dS·K needs all 128 keys of dS: each warpgroup writes its dSᵀ (16-bit, the rounding
+//   the dK product uses) into a swizzled [128 keys][64 queries] tile, one named barrier joins the
+//   two, and warpgroup c computes columns [c·D/2, (c+1)·D/2) of dQ_tile from that tile (A read
+//   MN-major) and K (B read MN-major), then adds them with red.global.add.v2.f32: each dQ
+//   element gets one addition per 128-key block (FlashAttention-2's count at 128-key blocks,
+//   half of `flash_bwd_fused`'s at 64). The dSᵀ tile is double-buffered by step parity: a
+//   warpgroup rewrites a buffer only after the next step's barrier, which the other warpgroup
+//   reaches only after its wgmmas reading the buffer have completed.
+// Masking and sequence edges as in the forward; a query column past its sequence end (the TMA
+// tile then holds the next sequence's rows or zeros) is masked, so its Pᵀ and dSᵀ are 0.
+#ifndef FE_BWD_STAGES
+#define FE_BWD_STAGES 2
+#endif
+constexpr int B_BN = 128, B_BM = 64, B_STAGES = FE_BWD_STAGES;
+constexpr int B_K_BYTES = B_BN * D * 2, B_Q_BYTES = B_BM * D * 2;
+constexpr int B_STAGE_BYTES = 2 * B_Q_BYTES;  // Q then dO
+constexpr int B_DS_BYTES = B_BN * B_BM * 2;   // one dSᵀ tile: 128 rows of 64 × 16 bits = 128 B
+constexpr int DQ_N = D / 2;                   // dQ columns per consumer warpgroup
+constexpr int DQ_REGS = DQ_N / 2;
+constexpr float B_LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ void wgmma_dq(float (&d)[DQ_REGS], u64 da, u64 db, int scale_d) {
+#if FE_HEAD_DIM == 128
+  wgmma_ss_tt_n64(d, da, db, scale_d);
+#else
+  wgmma_ss_tt_n32(d, da, db, scale_d);
+#endif
+}
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ float2 lds_f2(unsigned a) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void sts_u32(unsigned a, unsigned v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+}
+
+// The query rows [lo, hi) that can see some key of [n0, n1) (bottom-right aligned mask).
+struct QRange {
+  i64 lo, hi;
+};
+__device__ __forceinline__ QRange query_range(i64 n0, i64 n1, i64 off, i64 sq, i64 wl, i64 wr) {
+  const i64 lo = wr >= 0 ? max((i64)0, n0 - off - wr) : 0;
+  const i64 hi = wl >= 0 ? min(sq, n1 - 1 - off + wl + 1) : sq;
+  return QRange{lo, hi > lo ? hi : lo};
+}
+
+// lse·log2e and Δ of query rows, indexed like lse: padded [B, Hq, Sq], varlen [Hq, total_q].
+__device__ __forceinline__ i64 row_index(const int* cu_q, int b, int h, int hq, int max_sq,
+                                         i64 lse_rows, const Seq& sq, i64 row) {
+  return cu_q ? (i64)h * lse_rows + sq.start + row : ((i64)b * hq + h) * (i64)max_sq + row;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
+                const __grid_constant__ TmaDesc tv, const __grid_constant__ TmaDesc tdo,
+                MapOrder oq, MapOrder odo, MapOrder okv, const float* __restrict__ lse,
+                const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                float* __restrict__ dq_acc, const int* __restrict__ cu_q,
+                const int* __restrict__ cu_k, int hq, int hkv, int max_sq, int max_sk,
+                i64 ks_b, i64 ks_s, i64 ks_h, i64 vs_b, i64 vs_s, i64 vs_h, i64 lse_rows, i64 wl,
+                i64 wr, float scale_log2, float scale) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const unsigned k_s = base, v_s = base + B_K_BYTES;
+  const unsigned st0 = v_s + B_K_BYTES;                 // stage s: Q, then dO
+  const unsigned ds0 = st0 + B_STAGES * B_STAGE_BYTES;  // dSᵀ tiles (2)
+  const unsigned rows0 = ds0 + 2 * B_DS_BYTES;          // stage s: lse·log2e[64], Δ[64]
+  const unsigned bars = rows0 + B_STAGES * 2 * B_BM * 4;
+  const unsigned kvbar = bars;
+  auto full = [&](int s) { return bars + 8 + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 + 8 * B_STAGES + 8 * s; };
+  auto q_tile = [&](int s) { return st0 + s * B_STAGE_BYTES; };
+  auto rows_of = [&](int s) { return rows0 + s * 2 * B_BM * 4; };
+
+  const int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
+  const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
+  const i64 n0 = (i64)blockIdx.x * B_BN;
+  if (n0 >= sk.len) return;
+  const i64 off = sk.len - sq.len;
+  const QRange qr = query_range(n0, min(n0 + B_BN, sk.len), off, sq.len, wl, wr);
+  const int mb_lo = (int)(qr.lo / B_BM);
+  const int mtiles = qr.hi > qr.lo ? (int)((qr.hi + B_BM - 1) / B_BM) - mb_lo : 0;
+  const int steps = group * mtiles;  // (query head of the group, query tile), head-major
+
+  if (threadIdx.x == 0) {
+    mbar_init(kvbar, 1);
+    for (int s = 0; s < B_STAGES; ++s) {
+      mbar_init(full(s), 2);    // the TMA thread's expect_tx + the lse/Δ warp
+      mbar_init(empty(s), 8);   // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+      const int qb = cu_q ? 0 : b, kb = cu_k ? 0 : b;
+      int c[3];
+      coords(okv, (int)(sk.start + n0), hk, kb, c);
+      mbar_expect_tx(kvbar, 2 * B_K_BYTES);
+#pragma unroll
+      for (int db = 0; db < DB; ++db) {
+        tma_load4(k_s + db * B_BN * 128, &tk, kvbar, db * 64, c);
+        tma_load4(v_s + db * B_BN * 128, &tv, kvbar, db * 64, c);
+      }
+      int s = 0, mi = 0, h = hk * group;
+      unsigned ph = 0;
+      int co[3];
+      for (int it = 0; it < steps; ++it) {
+        mbar_wait(empty(s), ph ^ 1);
+        const int row = (int)(sq.start + (i64)(mb_lo + mi) * B_BM);
+        coords(oq, row, h, qb, c);
+        coords(odo, row, h, qb, co);
+        mbar_expect_tx(full(s), B_STAGE_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+          tma_load4(q_tile(s) + db * B_BM * 128, &tq, full(s), db * 64, c);
+          tma_load4(q_tile(s) + B_Q_BYTES + db * B_BM * 128, &tdo, full(s), db * 64, co);
+        }
+        if (++mi == mtiles) {
+          mi = 0;
+          ++h;
+        }
+        if (++s == B_STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    } else if (warp == 1) {
+      int s = 0, mi = 0, h = hk * group;
+      unsigned ph = 0;
+      for (int it = 0; it < steps; ++it) {
+        mbar_wait(empty(s), ph ^ 1);
+        const i64 m0 = (i64)(mb_lo + mi) * B_BM;
+        float* rs = reinterpret_cast<float*>(smem_raw + (rows_of(s) - smem_u32(smem_raw)));
+#pragma unroll
+        for (int r = lane; r < B_BM; r += 32) {
+          const i64 row = m0 + r;
+          float l = 0.f, dl = 0.f;
+          if (row < sq.len) {
+            const i64 idx = row_index(cu_q, b, h, hq, max_sq, lse_rows, sq, row);
+            l = lse[idx] * B_LOG2E;
+            dl = delta[idx];
+          }
+          rs[r] = l;
+          rs[B_BM + r] = dl;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full(s));
+        if (++mi == mtiles) {
+          mi = 0;
+          ++h;
+        }
+        if (++s == B_STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup c owns keys n0 + 64c .. n0 + 64c + 63 ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int c = wg - 1;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int key_l = c * 64 + warp * 16 + g;  // this thread's keys: n0 + key_l, n0 + key_l + 8
+
+  float dv_acc[O_REGS], dk_acc[O_REGS];
+#pragma unroll
+  for (int i = 0; i < O_REGS; ++i) {
+    dv_acc[i] = 0.f;
+    dk_acc[i] = 0.f;
+  }
+  // Descriptor start addresses that do not change between steps.
+  const unsigned k_a = k_s + c * 64 * 128, v_a = v_s + c * 64 * 128;  // A of Sᵀ / dPᵀ (K-major)
+#if FE_HEAD_DIM == 128
+  const unsigned k_dq = k_s + c * B_BN * 128;  // B of dQ: d-box c of K (MN-major)
+#else
+  const unsigned k_dq = k_s + c * DQ_N * 2;    // B of dQ: the d-half c inside K's one box
+#endif
+  mbar_wait(kvbar, 0);
+
+  int mi = 0, h = hk * group;
+  for (int it = 0; it < steps; ++it) {
+    const int s = it % B_STAGES;
+    const unsigned qs = q_tile(s), dos = qs + B_Q_BYTES, rs = rows_of(s);
+    const unsigned ds = ds0 + (it & 1) * B_DS_BYTES;
+    const i64 m0 = (i64)(mb_lo + mi) * B_BM;
+    mbar_wait(full(s), (unsigned)((it / B_STAGES) & 1));
+
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys × 64 queries each), both operands K-major.
+    float st[32], dp[32];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned ko = (kk / 4) * B_BN * 128 + (kk % 4) * 32;
+      const unsigned qo = (kk / 4) * B_BM * 128 + (kk % 4) * 32;
+      wgmma_ss_n64(st, smem_desc(k_a + ko, 16, 1024), smem_desc(qs + qo, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned ko = (kk / 4) * B_BN * 128 + (kk % 4) * 32;
+      const unsigned qo = (kk / 4) * B_BM * 128 + (kk % 4) * 32;
+      wgmma_ss_n64(dp, smem_desc(v_a + ko, 16, 1024), smem_desc(dos + qo, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+
+    // This thread's 16 query columns: 8j + 2t + {0, 1}.
+    float2 lq[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) lq[j] = lds_f2(rs + (8 * j + 2 * t) * 4);
+    const bool full_tile = m0 + B_BM <= sq.len && n0 + B_BN <= sk.len &&
+                           (wl < 0 || n0 >= m0 + B_BM - 1 + off - wl) &&
+                           (wr < 0 || n0 + B_BN - 1 <= m0 + off + wr);
+
+    wgmma_wait<1>();
+    reg_fence(st);
+    // Pᵀ in place of Sᵀ.
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float l = (e & 1) ? lq[j].y : lq[j].x;
+        float p = exp2_fast(fmaf(st[4 * j + e], scale_log2, -l));
+        if (!full_tile) {
+          const i64 i = m0 + 8 * j + 2 * t + (e & 1), jj = n0 + key_l + (e >> 1) * 8;
+          if (i >= sq.len || !visible(i, jj, off, sk.len, wl, wr)) p = 0.f;
+        }
+        st[4 * j + e] = p;
+      }
+    unsigned pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kk][r] = pack2(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
+
+    wgmma_wait<0>();
+    reg_fence(dp);
+    // dSᵀ in place of dPᵀ.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 dl = lds_f2(rs + (B_BM + 8 * j + 2 * t) * 4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dp[4 * j + e] = st[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+    }
+    unsigned da[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) da[kk][r] = pack2(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+
+    // dV += Pᵀ·dO, dK += dSᵀ·Q (K = the 64 queries; B read MN-major).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv(dv_acc, pa[kk], smem_desc(dos + kk * 2048, B_BM * 128, 1024));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv(dk_acc, da[kk], smem_desc(qs + kk * 2048, B_BM * 128, 1024));
+    wgmma_commit();
+
+    // dSᵀ rows of this warpgroup into the swizzled tile: row r, 16-byte chunk j at (j ^ r%8).
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = key_l + 8 * hh;
+        sts_u32(ds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t, da[j / 2][(j & 1) * 2 + hh]);
+      }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+
+    // dQ_tile[:, c·D/2 ..] = dS·K: A = dSᵀ tile (M = queries contiguous), B = K (N = d contiguous).
+    float dq[DQ_REGS];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < B_BN / 16; ++kk)
+      wgmma_dq(dq, smem_desc(ds + kk * 2048, B_BM * 128, 1024),
+               smem_desc(k_dq + kk * 2048, B_BN * 128, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(dq);
+    reg_fence(dv_acc);
+    reg_fence(dk_acc);
+    if (lane == 0) mbar_arrive(empty(s));
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const i64 row = m0 + warp * 16 + g + 8 * hh;
+      if (row < sq.len) {
+        float* dst = dq_acc + row_index(cu_q, b, h, hq, max_sq, lse_rows, sq, row) * D + c * DQ_N;
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j)
+          red_add2(dst + 8 * j + 2 * t, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+      }
+    }
+    if (++mi == mtiles) {
+      mi = 0;
+      ++h;
+    }
+  }
+
+  // dK = scale·Σ dSᵀ·Q, dV = Σ Pᵀ·dO, stored as column pairs.
+  const i64 kbase = (cu_k ? 0 : (i64)b * ks_b) + (i64)hk * ks_h;
+  const i64 vbase = (cu_k ? 0 : (i64)b * vs_b) + (i64)hk * vs_h;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const i64 key = n0 + key_l + 8 * hh;
+    if (key < sk.len) {
+      T* krow = dk + kbase + (sk.start + key) * ks_s;
+      T* vrow = dv + vbase + (sk.start + key) * vs_s;
+#pragma unroll
+      for (int j = 0; j < O_REGS / 4; ++j) {
+        *reinterpret_cast<unsigned*>(krow + 8 * j + 2 * t) =
+            pack2(dk_acc[4 * j + 2 * hh] * scale, dk_acc[4 * j + 2 * hh + 1] * scale);
+        *reinterpret_cast<unsigned*>(vrow + 8 * j + 2 * t) =
+            pack2(dv_acc[4 * j + 2 * hh], dv_acc[4 * j + 2 * hh + 1]);
+      }
+    }
+  }
+}
+#endif  // FE_BWD
