@@ -33,6 +33,9 @@
 #define __host__
 #define __launch_bounds__(...)
 #define __align__(x)
+// A static __shared__ array is one per process: shared by the block's threads, and blocks run one
+// after another (emu_launch), so it models one block's array.
+#define __shared__ static
 
 struct Dim { unsigned x, y, z; };
 inline thread_local Dim threadIdx, blockIdx;

@@ -62,8 +62,8 @@ pub fn variants() -> Vec<VariantInfo> {
             backend: Backend::Cuda,
             dtypes: HALVES,
             min_arch: Some(Arch::SM90),
-            constraints: "Hopper (compute capability 9.x) only; bf16/f16; head dim 64 or 128 (forward; the backward runs flash's kernels); 16-byte aligned tensors, strides multiples of 8 elements",
-            summary: "FlashAttention-3 steps: TMA loads into swizzled shared memory, wgmma (P from registers), producer/consumer warpgroups, softmax overlapped with the other warpgroup's GEMMs (ping-pong) and with its own P·V",
+            constraints: "Hopper (compute capability 9.x) only; bf16/f16; head dim 64 or 128 (forward, and the wgmma backward unless `deterministic` or soft-capped: flash's backward kernels then); 16-byte aligned tensors, strides multiples of 8 elements",
+            summary: "FlashAttention-3 steps: TMA loads into swizzled shared memory, wgmma (P from registers), producer/consumer warpgroups, softmax overlapped with the other warpgroup's GEMMs (ping-pong) and with its own P·V; backward on wgmma (dV/dK from register Pᵀ/dSᵀ, dQ from a swizzled dSᵀ tile)",
             rank: 3,
         },
     ]

@@ -357,3 +357,33 @@ fn full_cpu_check() {
     println!("{}", crate::core::harness::report::check_table(&recs));
     assert!(recs.iter().all(|r| r.pass), "seed {}", cfg.seed);
 }
+
+/// Until a GPU run has checked the wgmma backward, a backward without a named variant on a
+/// Hopper GPU runs `flash` (the kernels `hopper`'s backward ran before), and `hopper` by name
+/// runs the new kernel; the forward's default stays `hopper`.
+#[test]
+fn unchecked_hopper_backward_is_picked_only_by_name() {
+    use crate::core::device::Arch;
+    use crate::core::variant::{pending_gpu_run, select, Backend};
+    let vs = variants();
+    let pick = |op: &str, name: Option<&str>| {
+        select(
+            op,
+            &vs,
+            name,
+            Backend::Cuda,
+            DType::BF16,
+            Some(Arch::SM90),
+            |_| None,
+        )
+        .unwrap()
+        .name
+    };
+    if pending_gpu_run(OP_BWD, "hopper", DType::BF16) {
+        assert_eq!(pick(OP_BWD, None), "flash");
+    } else {
+        assert_eq!(pick(OP_BWD, None), "hopper");
+    }
+    assert_eq!(pick(OP_BWD, Some("hopper")), "hopper");
+    assert_eq!(pick(OP, None), "hopper");
+}

@@ -115,6 +115,31 @@ __device__ __forceinline__ void tma_load4(unsigned dst, const TmaDesc* map, unsi
       "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(d0), "r"(c[0]), "r"(c[1]), "r"(c[2])
       : "memory");
 }
+// Barrier-init visibility for the async proxy (after mbarrier.init, before the block barrier).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Named barrier `id` over `n` threads: wait for all, or arrive without waiting.
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// Warpgroup register budgets (setmaxnreg: the producer gives registers to the consumers).
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 // Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128B swizzle.
 __device__ __forceinline__ u64 smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
@@ -287,15 +312,14 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       mbar_init(vfull(s), 1);
       mbar_init(empty(s), 8);  // one arrival per consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_barrier_init();
   }
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    regs_dec<24>();
     if (threadIdx.x == 0) {
       // Padded batches index rows within the sequence and pick the batch by coordinate; varlen
       // rows are absolute in the packed dim (batch coordinate 0).
@@ -327,7 +351,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   }
 
   // ---- consumers: warpgroup c owns query rows 64c..64c+63 of the block ----
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  regs_inc<240>();
   const int c = wg - 1;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   const int g = lane >> 2, t = lane & 3;
@@ -450,9 +474,9 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     // Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (named
     // barriers 1 and 2), so one's softmax runs while the other's GEMMs hold the tensor cores.
     // Warpgroup 0 goes first; each hands the turn over after issuing.
-    auto turn_begin = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory"); };
+    auto turn_begin = [&]() { named_sync(1 + c, 256); };
     auto turn_end = [&](bool hand_over) {
-      if (hand_over) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
+      if (hand_over) named_arrive(2 - c, 256);
     };
     if (c == 1) turn_end(true);
     turn_begin();
@@ -630,15 +654,14 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       mbar_init(full(s), 2);    // the TMA thread's expect_tx + the lse/Δ warp
       mbar_init(empty(s), 8);   // one arrival per consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_barrier_init();
   }
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n");
+    regs_dec<32>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
       const int qb = cu_q ? 0 : b, kb = cu_k ? 0 : b;
@@ -708,7 +731,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   }
 
   // ---- consumers: warpgroup c owns keys n0 + 64c .. n0 + 64c + 63 ----
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  regs_inc<240>();
   const int c = wg - 1;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   const int g = lane >> 2, t = lane & 3;
@@ -816,8 +839,8 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
         const int r = key_l + 8 * hh;
         sts_u32(ds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t, da[j / 2][(j & 1) * 2 + hh]);
       }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    fence_proxy_async();
+    named_sync(1, 256);
 
     // dQ_tile[:, c·D/2 ..] = dS·K: A = dSᵀ tile (M = queries contiguous), B = K (N = d contiguous).
     float dq[DQ_REGS];
