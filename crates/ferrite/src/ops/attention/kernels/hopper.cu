@@ -1,5 +1,5 @@
-// attention/hopper — the `hopper` rung: attention forward on Hopper warpgroup MMA fed by TMA
-// (sm_90a only; bf16 and f16, head dim 64 or 128) — the FlashAttention-3 design, first steps.
+// attention/hopper — the `hopper` rung: attention forward and backward on Hopper warpgroup MMA fed
+// by TMA (sm_90a only; bf16 and f16, head dim 64 or 128) — the FlashAttention-3 design.
 //
 // What changes vs `flash` (mma.sync, 8 warps that all copy and compute, ldmatrix fragments):
 // - Copies: one producer thread issues TMA box copies (`cp.async.bulk.tensor.4d`, coordinates
@@ -17,9 +17,10 @@
 //   cores busy.
 // - Consumers release a stage (one arrival per warp on its `empty` barrier) after their P·V
 //   wgmma completed; the producer refills it.
-// Not done yet (FA3's further steps): intra-warpgroup overlap of softmax(j) with Q·Kᵀ(j+1),
-// explicit ping-pong scheduling of the two consumer warpgroups with named barriers, a TMA-store
-// epilogue, FP8, the backward on wgmma.
+// Done since: intra-warpgroup overlap of softmax(j) with the GEMMs (FE_PIPE), ping-pong turns of
+// the two consumer warpgroups (named barriers), and the backward on wgmma (FE_BWD, below).
+// Not done yet (FA3's further steps): a TMA-store epilogue, FP8.
+// Host emulation of every kernel here: scripts/hopper-emu (run.sh).
 // Masking, soft-cap, GQA, varlen and the lse follow kernels/flash.cu exactly (same host Problem).
 
 #include "ferrite.cuh"
