@@ -70,6 +70,19 @@ pub fn rel_error(out: &[f64], reference: &[f64]) -> f64 {
     }
 }
 
+/// ‖out − ref‖ / max(‖ref‖, `scale`): for outputs that cancel, where a correct result's rounding
+/// error scales with the norm of the terms (`scale`) rather than with the result's own norm. NaN
+/// or Inf in `out` gives +Inf, as in [`rel_error`].
+pub fn rel_error_scaled(out: &[f64], reference: &[f64], scale: f64) -> f64 {
+    let e = rel_error(out, reference);
+    let den: f64 = reference.iter().map(|r| r * r).sum::<f64>().sqrt();
+    if !e.is_finite() || den == 0.0 && scale == 0.0 {
+        return e;
+    }
+    let abs = if den == 0.0 { e } else { e * den };
+    abs / den.max(scale)
+}
+
 /// What `ferrite check` runs.
 #[derive(Clone, Debug)]
 pub struct CheckConfig {
@@ -243,5 +256,18 @@ mod tests {
         assert!(rel_error(&[1.0, 2.0], &[1.0, 2.0]) == 0.0);
         assert!((rel_error(&[1.1], &[1.0]) - 0.1).abs() < 1e-12);
         assert_eq!(rel_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+    }
+
+    #[test]
+    fn scaled_error_divides_by_the_larger_of_result_and_terms() {
+        // ‖ref‖ = 0.01, error 0.001: 0.1 relative to the result, 0.001 relative to terms of 1.
+        let (out, want) = ([0.011, 0.0], [0.01, 0.0]);
+        assert!((rel_error_scaled(&out, &want, 0.0) - 0.1).abs() < 1e-9);
+        assert!((rel_error_scaled(&out, &want, 1.0) - 0.001).abs() < 1e-9);
+        // Terms smaller than the result change nothing.
+        assert!((rel_error_scaled(&out, &want, 1e-4) - 0.1).abs() < 1e-9);
+        // An all-zero reference: the error is absolute, over the terms' norm.
+        assert!((rel_error_scaled(&[0.002], &[0.0], 2.0) - 0.001).abs() < 1e-12);
+        assert_eq!(rel_error_scaled(&[f64::NAN], &[1.0], 10.0), f64::INFINITY);
     }
 }
