@@ -3,6 +3,7 @@
 // Cases: 0 GQA 4:2 with ragged tiles; 1 bhsd causal Sq > Sk (fully masked rows); 2 window (20, 3);
 // 3 varlen causal GQA with an empty sequence; 4 soft-cap 4 (built with FE_SOFTCAP=1).
 #include "flash_host.cpp"
+#include "../emu-common/attn_ref.h"
 #include <cstdio>
 #include <random>
 #include <functional>
@@ -40,59 +41,21 @@ int main(int argc, char** argv) {
   Strides qs = strides(P.Sq, P.Hq), ks = strides(P.Sk, P.Hkv);
   size_t nq = P.varlen ? (size_t)Tq * P.Hq * D : (size_t)P.B * P.Sq * P.Hq * D;
   size_t nk = P.varlen ? (size_t)Tk * P.Hkv * D : (size_t)P.B * P.Sk * P.Hkv * D;
-  auto qoff = [&](int b, int i, int h) { return P.varlen ? (i64)(cuq[b] + i) * qs.s + h * qs.h : b * qs.b + i * qs.s + h * qs.h; };
-  auto koff = [&](int b, int j, int h) { return P.varlen ? (i64)(cuk[b] + j) * ks.s + h * ks.h : b * ks.b + j * ks.s + h * ks.h; };
+  auto qoff = [&](int b, int i, int h) -> long { return P.varlen ? (i64)(cuq[b] + i) * qs.s + h * qs.h : b * qs.b + i * qs.s + h * qs.h; };
+  auto koff = [&](int b, int j, int h) -> long { return P.varlen ? (i64)(cuk[b] + j) * ks.s + h * ks.h : b * ks.b + j * ks.s + h * ks.h; };
   std::mt19937 rng(1234 + which);
   std::uniform_real_distribution<float> U(-1, 1);
   auto mk = [&](size_t n) { std::vector<__nv_bfloat16> v(n); for (auto& x : v) x.x = f2bf(U(rng) * (P.softcap > 0 ? 2.f : 1.f)); return v; };
   auto q = mk(nq), k = mk(nk), v = mk(nk), dout = mk(nq);
   std::vector<__nv_bfloat16> o(nq);
   const float scale = 1.f / sqrtf((float)D);
-  const int group = P.Hq / P.Hkv;
   i64 lse_rows = P.varlen ? Tq : P.Sq;
   size_t nl = P.varlen ? (size_t)P.Hq * Tq : (size_t)P.B * P.Hq * P.Sq;
-  std::vector<float> lse(nl, NAN), delta(nl, NAN);
-  auto lidx = [&](int b, int h, int i) { return P.varlen ? (i64)h * Tq + cuq[b] + i : ((i64)b * P.Hq + h) * P.Sq + i; };
-  std::vector<double> rdq(nq, 0), rdk(nk, 0), rdv(nk, 0);
-  auto f = [](__nv_bfloat16 x) { return (double)bf2f(x.x); };
+  auto lidx = [&](int b, int h, int i) -> long { return P.varlen ? (i64)h * Tq + cuq[b] + i : ((i64)b * P.Hq + h) * P.Sq + i; };
   // Reference forward (o rounded to bf16, lse) and backward from that o.
-  for (int b = 0; b < P.B; ++b)
-    for (int h = 0; h < P.Hq; ++h) {
-      int hk = h / group, sq = P.lq[b], sk = P.lk[b];
-      for (int i = 0; i < sq; ++i) {
-        long pos = i + sk - sq;
-        std::vector<int> vis;
-        for (int j = 0; j < sk; ++j) if ((P.wl < 0 || j >= pos - P.wl) && (P.wr < 0 || j <= pos + P.wr)) vis.push_back(j);
-        for (int d = 0; d < D; ++d) o[qoff(b, i, h) + d].x = 0;
-        if (vis.empty()) { lse[lidx(b, h, i)] = -INFINITY; delta[lidx(b, h, i)] = 0; continue; }
-        std::vector<double> s(vis.size()), th(vis.size());
-        for (size_t n = 0; n < vis.size(); ++n) {
-          double a = 0; for (int d = 0; d < D; ++d) a += f(q[qoff(b, i, h) + d]) * f(k[koff(b, vis[n], hk) + d]);
-          a *= scale;
-          if (P.softcap > 0) { th[n] = tanh(a / P.softcap); a = P.softcap * th[n]; }
-          s[n] = a;
-        }
-        double m = *std::max_element(s.begin(), s.end()), sum = 0;
-        for (double x : s) sum += exp(x - m);
-        lse[lidx(b, h, i)] = (float)(m + log(sum));
-        std::vector<double> p(vis.size());
-        for (size_t n = 0; n < vis.size(); ++n) p[n] = exp(s[n] - m) / sum;
-        for (int d = 0; d < D; ++d) { double a = 0; for (size_t n = 0; n < vis.size(); ++n) a += p[n] * f(v[koff(b, vis[n], hk) + d]); o[qoff(b, i, h) + d].x = f2bf((float)a); }
-        float dl = 0; for (int d = 0; d < D; ++d) dl += bf2f(dout[qoff(b, i, h) + d].x) * bf2f(o[qoff(b, i, h) + d].x);
-        delta[lidx(b, h, i)] = dl;
-        double dsum = 0; for (int d = 0; d < D; ++d) dsum += f(dout[qoff(b, i, h) + d]) * f(o[qoff(b, i, h) + d]);
-        for (size_t n = 0; n < vis.size(); ++n) {
-          int j = vis[n];
-          double dp = 0; for (int d = 0; d < D; ++d) dp += f(dout[qoff(b, i, h) + d]) * f(v[koff(b, j, hk) + d]);
-          double ds = p[n] * (dp - dsum); if (P.softcap > 0) ds *= 1 - th[n] * th[n];
-          for (int d = 0; d < D; ++d) {
-            rdq[qoff(b, i, h) + d] += scale * ds * f(k[koff(b, j, hk) + d]);
-            rdk[koff(b, j, hk) + d] += scale * ds * f(q[qoff(b, i, h) + d]);
-            rdv[koff(b, j, hk) + d] += p[n] * f(dout[qoff(b, i, h) + d]);
-          }
-        }
-      }
-    }
+  const AttnRef ref = attn_reference(AttnRefProblem{P.B, P.Hq, P.Hkv, D, P.lq, P.lk, P.wl, P.wr, P.softcap, scale}, q, k, v, dout, o, nl, qoff, koff, lidx);
+  const std::vector<double>&rdq = ref.dq, &rdk = ref.dk, &rdv = ref.dv;
+  std::vector<float> lse = ref.lse_f, delta = ref.delta;
   ScoreMap smap{scale * 1.4426950408889634f, P.softcap > 0 ? scale / P.softcap : 0.f, P.softcap > 0 ? P.softcap * 1.4426950408889634f : 0.f, P.softcap > 0};
   const int* cu_q = P.varlen ? cuq.data() : nullptr;
   const int* cu_k = P.varlen ? cuk.data() : nullptr;

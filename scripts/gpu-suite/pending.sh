@@ -112,4 +112,12 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
   "bench-attn|400|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json" \
   || status=1; }
+# o: compute-sanitizer on the new backward (quick attention check of `hopper`): memcheck for
+# out-of-bounds and misaligned accesses, then synccheck (named barriers, mbarrier waits).
+[[ $part == *o* ]] && export PATH="$PATH:/usr/local/cuda/bin"
+[[ $part == *o* ]] && { bash "$here/steps.sh" pending-o "$bundle" \
+  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
+  'memcheck|240|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
+  'synccheck|200|compute-sanitizer --tool synccheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
+  || status=1; }
 exit $status

@@ -355,6 +355,22 @@ fn extents(
     })
 }
 
+/// The parameters both hopper kernels take after their tensors: cu_seqlens, head counts and the
+/// (max) lengths, in hopper.cu's order.
+fn push_sizes(a: &mut KernelArgs, p: &Problem, cu_q: u64, cu_k: u64) {
+    a.push(cu_q)
+        .push(cu_k)
+        .push(p.heads_q as i32)
+        .push(p.heads_kv as i32)
+        .push(p.seqlen_q as i32)
+        .push(p.seqlen_k as i32);
+}
+
+/// Element strides (batch, seq, head) as three i64 parameters.
+fn push_strides(a: &mut KernelArgs, s: [i64; 3]) {
+    a.push(s[0]).push(s[1]).push(s[2]);
+}
+
 fn grid_dim(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::bad_arg(OP, what, "a launch grid within 32 bits", n))
 }
@@ -412,17 +428,10 @@ pub(super) fn forward_with(
         .push(oq)
         .push(okv)
         .push(o.device_ptr()?)
-        .push(lse.device_ptr()?)
-        .push(cu_q)
-        .push(cu_k)
-        .push(p.heads_q as i32)
-        .push(p.heads_kv as i32)
-        .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32)
-        .push(p.o_stride[0])
-        .push(p.o_stride[1])
-        .push(p.o_stride[2])
-        .push(lse_rows)
+        .push(lse.device_ptr()?);
+    push_sizes(&mut a, p, cu_q, cu_k);
+    push_strides(&mut a, p.o_stride);
+    a.push(lse_rows)
         .push(p.window_left)
         .push(p.window_right)
         .push(smap);
@@ -476,20 +485,11 @@ pub(super) fn backward(
         .push(delta.ptr())
         .push(t.dk.device_ptr()?)
         .push(t.dv.device_ptr()?)
-        .push(acc.ptr())
-        .push(cu_q)
-        .push(cu_k)
-        .push(p.heads_q as i32)
-        .push(p.heads_kv as i32)
-        .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32)
-        .push(p.k_stride[0])
-        .push(p.k_stride[1])
-        .push(p.k_stride[2])
-        .push(p.v_stride[0])
-        .push(p.v_stride[1])
-        .push(p.v_stride[2])
-        .push(lse_rows)
+        .push(acc.ptr());
+    push_sizes(&mut a, p, cu_q, cu_k);
+    push_strides(&mut a, p.k_stride);
+    push_strides(&mut a, p.v_stride);
+    a.push(lse_rows)
         .push(p.window_left)
         .push(p.window_right)
         .push(p.scale * std::f32::consts::LOG2_E)
