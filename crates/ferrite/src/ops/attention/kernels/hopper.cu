@@ -789,19 +789,28 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
 
     wgmma_wait<1>();
     reg_fence(st);
-    // Pᵀ in place of Sᵀ.
+    // Pᵀ in place of Sᵀ. The tile's test is uniform, so it is taken once: inside the unrolled
+    // loop the compiler kept a branch (and a convergence barrier) per element.
+    if (full_tile) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float l = (e & 1) ? lq[j].y : lq[j].x;
-        float p = exp2_fast(fmaf(st[4 * j + e], scale_log2, -l));
-        if (!full_tile) {
+        for (int e = 0; e < 4; ++e)
+          st[4 * j + e] = exp2_fast(fmaf(st[4 * j + e], scale_log2, (e & 1) ? -lq[j].y : -lq[j].x));
+    } else {
+      // Masked tiles (sequence ends, mask edges): the visibility test without branches.
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2_fast(fmaf(st[4 * j + e], scale_log2, (e & 1) ? -lq[j].y : -lq[j].x));
           const i64 i = m0 + 8 * j + 2 * t + (e & 1), jj = n0 + key_l + (e >> 1) * 8;
-          if (i >= sq.len || !visible(i, jj, off, sk.len, wl, wr)) p = 0.f;
+          const i64 pos = i + off;
+          const bool ok = (i < sq.len) & (jj < sk.len) & ((wl < 0) | (jj >= pos - wl)) &
+                          ((wr < 0) | (jj <= pos + wr));
+          st[4 * j + e] = ok ? p : 0.f;
         }
-        st[4 * j + e] = p;
-      }
+    }
     unsigned pa[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
