@@ -4,7 +4,8 @@
 // attn_hopper_bwd, with lse from the reference and Δ from o rounded to bf16 (as the forward
 // stores it), then dq = scale·acc as flash_bwd_dq_convert does.
 // Cases: 0 GQA 4:2 with ragged tiles; 1 bhsd causal Sq > Sk (fully masked rows); 2 window
-// (20, 3); 3 varlen causal GQA with an empty sequence; 4 MQA causal Sq < Sk, several key blocks.
+// (20, 3); 3 varlen causal GQA with an empty sequence; 4 MQA causal Sq < Sk, several key blocks;
+// 5 soft-cap 4 with a window (forward only, built with FE_SOFTCAP=1).
 #include "hopper_host.cpp"
 #include "../emu-common/attn_ref.h"
 #include <cstdio>
@@ -12,7 +13,7 @@
 #include <functional>
 
 struct Prob {
-  int B, Hq, Hkv, Sq, Sk; bool bhsd, varlen; std::vector<int> lq, lk; long wl, wr;
+  int B, Hq, Hkv, Sq, Sk; bool bhsd, varlen; std::vector<int> lq, lk; long wl, wr; float softcap = 0.f;
 };
 
 // A tensor map as hopper.rs builds it: dims (d, then row/head/batch by increasing stride), boxes
@@ -48,8 +49,11 @@ int main(int argc, char** argv) {
       {1, 2, 2, 90, 200, false, false, {}, {}, 20, 3},                // window
       {3, 2, 1, 0, 0, false, true, {17, 0, 70}, {40, 9, 140}, -1, 0},  // varlen causal, empty seq
       {1, 3, 1, 70, 300, false, false, {}, {}, -1, 0},                // MQA causal sq<sk, 3 key blocks
+      {1, 3, 3, 100, 150, false, false, {}, {}, 40, 0, 4.f},          // soft-cap 4 + window (forward, FE_SOFTCAP=1)
   };
   Prob P = probs[which];
+  // Soft-capping is compiled in or out; the backward does not take it (flash's kernels do).
+  if ((P.softcap > 0) != (FE_SOFTCAP != 0) || (P.softcap > 0 && FE_BWD)) { printf("skip (soft-cap build)\n"); return 0; }
   if (P.varlen) { P.B = P.lq.size(); P.Sq = *std::max_element(P.lq.begin(), P.lq.end()); P.Sk = *std::max_element(P.lk.begin(), P.lk.end()); }
   else { P.lq.assign(P.B, P.Sq); P.lk.assign(P.B, P.Sk); }
   std::vector<int> cuq(P.B + 1, 0), cuk(P.B + 1, 0);
@@ -78,7 +82,7 @@ int main(int argc, char** argv) {
   size_t nl = P.varlen ? (size_t)P.Hq * Tq : (size_t)P.B * P.Hq * P.Sq;
   auto lidx = [&](int b, int h, int i) -> long { return P.varlen ? (i64)h * Tq + cuq[b] + i : ((i64)b * P.Hq + h) * P.Sq + i; };
   // Reference forward (o rounded to bf16, lse) and backward from that o.
-  const AttnRef ref = attn_reference(AttnRefProblem{P.B, P.Hq, P.Hkv, D, P.lq, P.lk, P.wl, P.wr, 0.f, scale}, q, k, v, dout, o, nl, qoff, koff, lidx);
+  const AttnRef ref = attn_reference(AttnRefProblem{P.B, P.Hq, P.Hkv, D, P.lq, P.lk, P.wl, P.wr, P.softcap, scale}, q, k, v, dout, o, nl, qoff, koff, lidx);
   const std::vector<double>&ro = ref.o, &rlse = ref.lse, &rdq = ref.dq, &rdk = ref.dk, &rdv = ref.dv;
   std::vector<float> lse = ref.lse_f, delta = ref.delta;
   const int* cu_q = P.varlen ? cuq.data() : nullptr;
@@ -107,7 +111,9 @@ int main(int argc, char** argv) {
     auto [tq, oq] = make_map(q.data(), q_rows, P.Hq, nb, qsm, BM);
     auto [tk, okv] = make_map(k.data(), k_rows, P.Hkv, nb, ksm, BN);
     auto [tv, ov] = make_map(v.data(), k_rows, P.Hkv, nb, ksm, BN);
-    ScoreMap smap{scale * 1.4426950408889634f, 0.f, 0.f, 0};
+    const bool capped = P.softcap > 0;
+    ScoreMap smap{scale * 1.4426950408889634f, capped ? scale / P.softcap : 0.f,
+                  capped ? P.softcap * 1.4426950408889634f : 0.f, capped};
     const size_t smem = 1024 + Q_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 3 * STAGES);
     hopper_launch({(unsigned)((P.Sq + BM - 1) / BM), (unsigned)P.Hq, (unsigned)P.B}, NTHREADS, smem, [&] {
       attn_hopper_fwd(tq, tk, tv, oq, okv, go.data(), glse.data(), cu_q, cu_k, P.Hq, P.Hkv, P.Sq, P.Sk, qs[0], qs[1], qs[2], lse_rows, P.wl, P.wr, smap);

@@ -267,10 +267,6 @@ __device__ __forceinline__ Seq seq_of(const int* cu, int b, int max_len) {
   const int s0 = cu[b], s1 = cu[b + 1];
   return Seq{s0, s1 - s0};
 }
-__device__ __forceinline__ bool visible(i64 i, i64 j, i64 off, i64 sk, i64 wl, i64 wr) {
-  const i64 pos = i + off;
-  return j < sk && (wl < 0 || j >= pos - wl) && (wr < 0 || j <= pos + wr);
-}
 // Tensor-map coordinates (row, head, batch) placed in the map's dim order.
 __device__ __forceinline__ void coords(const MapOrder& o, int row, int head, int batch, int (&c)[3]) {
   c[o.row - 1] = row;
@@ -398,18 +394,24 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
                       (wr < 0 || n0 + BN - 1 <= pos_min + wr);
     // Without soft-cap the scale is folded into the exponent: p = 2^(s·c − max·c), one FFMA.
     const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
+    if (FE_SOFTCAP) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 64; ++i) sc[i] = smap.cap_out_log2 * tanh_fast(sc[i] * smap.cap_in);
+    }
+    // The tile's test is uniform: taken once, not per element (inside the unrolled loop it
+    // compiled to a branch per element, 64 per tile, taken on every full tile too); the masked
+    // path is branch-free.
+    if (!full) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = sc[4 * j + e];
-        if (FE_SOFTCAP) x = smap.cap_out_log2 * tanh_fast(x * smap.cap_in);
-        if (!full) {
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
           const i64 i = row_g + (e >> 1) * 8, jj = n0 + 8 * j + 2 * t + (e & 1);
-          if (!visible(i, jj, off, sk.len, wl, wr)) x = -INFINITY;
+          const i64 pos = i + off;
+          const bool ok = (jj < sk.len) & ((wl < 0) | (jj >= pos - wl)) & ((wr < 0) | (jj <= pos + wr));
+          sc[4 * j + e] = ok ? sc[4 * j + e] : -INFINITY;
         }
-        sc[4 * j + e] = x;
-      }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
