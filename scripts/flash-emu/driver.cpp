@@ -1,5 +1,6 @@
-// run.sh's driver: one case (argv[1]) of the flash backward on the emulated GPU, the deterministic
-// kernels and the fused one against an f64 reference (o rounded to bf16 as the forward stores it).
+// run.sh's driver: one case (argv[1]) of the flash kernels on the emulated GPU against an f64
+// reference: the forward (o, lse), then the backward's deterministic kernels and the fused one
+// (from the reference's o rounded to bf16, as the forward stores it).
 // Cases: 0 GQA 4:2 with ragged tiles; 1 bhsd causal Sq > Sk (fully masked rows); 2 window (20, 3);
 // 3 varlen causal GQA with an empty sequence; 4 soft-cap 4 (built with FE_SOFTCAP=1).
 #include "flash_host.cpp"
@@ -66,6 +67,24 @@ int main(int argc, char** argv) {
     return nan ? 1.0 : num / den;
   };
   double worst = 0;
+  // forward (o and lse against the reference)
+  {
+    std::vector<__nv_bfloat16> go(nq);
+    for (auto& x : go) x.x = 0x7fc0;
+    std::vector<float> glse(nl, NAN);
+    launch({(unsigned)((P.Sq + F_BM - 1) / F_BM), (unsigned)P.Hq, (unsigned)P.B}, F_NT, [&] {
+      flash_fwd(q.data(), k.data(), v.data(), go.data(), glse.data(), cu_q, cu_k, P.Hq, P.Hkv, P.Sq, P.Sk, qs, ks, ks, qs, lse_rows, P.wl, P.wr, smap);
+    });
+    printf("forward MT%d BN%d:\n", F_MT, F_BN);
+    worst = std::max(worst, rel(go, ref.o, "o"));
+    double le = 0;
+    for (size_t i = 0; i < nl; ++i) {
+      if (std::isinf(ref.lse[i])) { if (!(std::isinf(glse[i]) && glse[i] < 0)) le = 1; continue; }
+      le = std::isnan(glse[i]) ? 1 : std::max(le, fabs(glse[i] - ref.lse[i]));
+    }
+    printf("  lse abs %.2e\n", le);
+    worst = std::max(worst, le);
+  }
   // deterministic kernels
   {
     std::vector<__nv_bfloat16> dq(nq), dk(nk), dv(nk);

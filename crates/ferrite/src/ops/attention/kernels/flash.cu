@@ -299,24 +299,35 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     const i64 pos_min = m0 + off, pos_max = min(m0 + F_BM, sq.len) - 1 + off;
     const bool full = n0 + F_BN <= sk.len && (wl < 0 || n0 >= pos_max - wl) &&
                       (wr < 0 || n0 + F_BN - 1 <= pos_min + wr);
+    if (FE_SOFTCAP) {
 #pragma unroll
-    for (int mt = 0; mt < F_MT; ++mt)
+      for (int mt = 0; mt < F_MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < F_BN / 8; ++nt)
+        for (int nt = 0; nt < F_BN / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[mt][nt][e];
-          if (FE_SOFTCAP) x = smap.cap_out_log2 * tanh_fast(x * smap.cap_in);
-          if (!full) {
-            // Visible keys of this row, relative to the tile: [jlo, jhi].
-            const int pos = row32 + 16 * mt + (e >> 1) * 8 + off32 - (int)n0;
-            const int jlo = wl32 >= 0 ? pos - wl32 : -0x7fffffff;
-            const int jhi = min(sk32 - 1 - (int)n0, wr32 >= 0 ? pos + wr32 : 0x7fffffff);
-            const int j = nt * 8 + 2 * t + (e & 1);
-            if (j < jlo || j > jhi) x = -INFINITY;
-          }
-          s[mt][nt][e] = x;
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = smap.cap_out_log2 * tanh_fast(s[mt][nt][e] * smap.cap_in);
+    }
+    // The tile's test is uniform: taken once, not per element (inside the unrolled loop ptxas
+    // kept a branch per element, taken on every full tile too); the masked path is branch-free.
+    if (!full) {
+#pragma unroll
+      for (int mt = 0; mt < F_MT; ++mt)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          // Visible keys of this row, relative to the tile: [jlo, jhi].
+          const int pos = row32 + 16 * mt + e2 * 8 + off32 - (int)n0;
+          const int jlo = wl32 >= 0 ? pos - wl32 : -0x7fffffff;
+          const int jhi = min(sk32 - 1 - (int)n0, wr32 >= 0 ? pos + wr32 : 0x7fffffff);
+#pragma unroll
+          for (int nt = 0; nt < F_BN / 8; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+              const int j = nt * 8 + 2 * t + e1;
+              float& x = s[mt][nt][2 * e2 + e1];
+              x = (j < jlo) | (j > jhi) ? -INFINITY : x;
+            }
         }
+    }
 
     // Online softmax, per m16 tile rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is shared by a
     // quad of lanes.
