@@ -99,12 +99,13 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   || status=1; }
 # m: the wgmma attention backward (attn_hopper_bwd, FA3's layout of the work: 128 keys per block,
 # 2 consumer warpgroups, dQ through one red.global per element and 128-key block) checked on
-# every feature case (hopper's backward runs it wherever it applies), and cross_entropy's
+# every feature case (hopper's backward runs it wherever it applies), with the forwards of
+# hopper and flash whose mask test moved out of the per-element loop; and cross_entropy's
 # resident rung after its pass-2 change (one LDS.128 per kept vector, loop not unrolled).
 [[ $part == *m* ]] && { bash "$here/steps.sh" pending-m "$bundle" \
-  'warm|150|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt && ferrite kernels --arch sm_90a --only cross_entropy > $D/kernels-ce.txt' \
-  'check-attn|240|ferrite check attention --device cuda --variant hopper --json $D/check-attn.json' \
-  'ce|150|ferrite check cross_entropy --device cuda --variant resident --json $D/check-ce.json && ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce.json' \
+  'warm|120|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt && ferrite kernels --arch sm_90a --only cross_entropy > $D/kernels-ce.txt' \
+  'check-attn|300|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json' \
+  'ce|120|ferrite check cross_entropy --device cuda --variant resident --json $D/check-ce.json && ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce.json' \
   || status=1; }
 # n: the attention bench (hopper and flash, forward and backward) with the SDPA peers of the
 # same call (cuDNN and flash backends).
