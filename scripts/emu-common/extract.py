@@ -1,7 +1,8 @@
 # Turns CUDA kernel sources into host C++ for the emulators (emu.h):
 #   extract.py OUT HEADER FERRITE_CUH --remove f1,f2,... [--count g1,g2,...] SRC [SRC...]
 # concatenates SRC (as the host code does, e.g. matmul's common.cuh + mma.cu), expands
-# `#include "ferrite.cuh"` with the real FERRITE_CUH (minus its CUDA header includes: HEADER
+# `#include "ferrite.cuh"` with the real FERRITE_CUH, and likewise every shared header beside it
+# (hopper.cuh), minus their CUDA header includes (HEADER
 # provides the types), removes the PTX-wrapping helpers named by --remove (HEADER defines host
 # versions; each must be found, so a rename fails here instead of silently using the kernel's asm),
 # points `extern __shared__` declarations at the emulated block buffer, and makes each function
@@ -18,11 +19,25 @@ if srcs[0] == '--count':
     count = srcs[1].split(',')
     srcs = srcs[2:]
 
-fcuh = '\n'.join(l for l in open(ferrite_cuh).read().split('\n')
-                 if not re.match(r'\s*#include <cuda_(fp16|bf16)\.h>', l))
+import os
+hdr_dir = os.path.dirname(ferrite_cuh)
+
+
+def shared_header(name):
+    # A shared kernel header beside ferrite.cuh (ferrite.cuh, hopper.cuh, ...), minus CUDA's own.
+    return '\n'.join(l for l in open(os.path.join(hdr_dir, name)).read().split('\n')
+                     if not re.match(r'\s*#include <cuda_(fp16|bf16)\.h>', l))
+
+
 src = '\n'.join(open(p).read() for p in srcs)
-src = src.replace('#include "ferrite.cuh"', fcuh)
-# The file's own include guard makes a second expansion harmless.
+# Expand `#include "X.cuh"` of the shared headers (recursively); their include guards make a
+# second expansion harmless.
+inc = re.compile(r'#include "(\w+\.cuh)"')
+while True:
+    m = next((m for m in inc.finditer(src) if os.path.exists(os.path.join(hdr_dir, m.group(1)))), None)
+    if m is None:
+        break
+    src = src[:m.start()] + shared_header(m.group(1)) + src[m.end():]
 
 lines = src.split('\n')
 out_lines, i, found = [], 0, set()

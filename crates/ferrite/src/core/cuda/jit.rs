@@ -37,6 +37,7 @@ macro_rules! kernel_source {
 const HEADERS: &[(&str, &str)] = &[
     ("ferrite.cuh", include_str!("kernels/ferrite.cuh")),
     ("philox.cuh", include_str!("kernels/philox.cuh")),
+    ("hopper.cuh", include_str!("kernels/hopper.cuh")),
 ];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).
@@ -77,7 +78,8 @@ fn expand_includes(src: &str) -> String {
     for line in src.lines() {
         let t = line.trim_start();
         if let Some(rest) = t.strip_prefix("#include \"") {
-            let name = rest.trim_end_matches('"');
+            // The name ends at the closing quote (a comment may follow it).
+            let name = rest.split('"').next().unwrap_or("");
             if let Some((_, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
                 out.push_str(&expand_includes(h));
                 out.push('\n');
@@ -397,6 +399,10 @@ mod tests {
         assert!(s.contains("FERRITE_CUH"));
         assert!(s.contains("#include <cuda_fp16.h>"));
         assert!(!s.contains("#include \"ferrite.cuh\""));
+        // Nested shared headers, and a comment after the name.
+        let h = expand_includes("#include \"hopper.cuh\"  // mbarriers\n");
+        assert!(h.contains("FERRITE_HOPPER_CUH") && h.contains("FERRITE_CUH"));
+        assert!(!h.contains("#include \"hopper.cuh\"") && !h.contains("#include \"ferrite.cuh\""));
     }
 
     /// A real `sm_` target yields a cubin (an ELF image) beside the PTX, and the disk cache gives

@@ -23,7 +23,7 @@
 // Host emulation of every kernel here: scripts/hopper-emu (run.sh).
 // Masking, soft-cap, GQA, varlen and the lse follow kernels/flash.cu exactly (same host Problem).
 
-#include "ferrite.cuh"
+#include "hopper.cuh"
 using namespace ferrite;
 
 #ifndef FE_ELEM
@@ -68,9 +68,6 @@ constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
 constexpr int STAGE_BYTES = 2 * KV_BYTES;  // K then V
 constexpr float LN2 = 0.6931471805599453f;
 
-struct alignas(64) TmaDesc {
-  unsigned long long v[16];
-};
 // Which tensor-map coordinate (1..3) carries the row, the head and the batch (the host orders a
 // map's dims by stride).
 struct MapOrder {
@@ -81,33 +78,6 @@ struct ScoreMap {
   int capped;
 };
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, P1;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 __device__ __forceinline__ void tma_load4(unsigned dst, const TmaDesc* map, unsigned bar, int d0,
                                           const int (&c)[3]) {
   asm volatile(
@@ -140,19 +110,6 @@ __device__ __forceinline__ void regs_dec() {
 template <int N>
 __device__ __forceinline__ void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-// Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128B swizzle.
-__device__ __forceinline__ u64 smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
-         ((u64)((sbo >> 4) & 0x3FFF) << 32) | ((u64)1 << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {

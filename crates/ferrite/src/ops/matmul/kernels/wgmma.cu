@@ -54,6 +54,9 @@
 // spills). Not done yet: an epilogue that overlaps the next
 // tile's math (TMA store or ping-pong consumers), last-wave balancing, autotuned tile shapes.
 
+// TmaDesc, smem_u32, mbarriers, smem_desc, wgmma fences.
+#include "hopper.cuh"
+
 #ifndef FE_A_TRANS
 #define FE_A_TRANS 0
 #endif
@@ -83,11 +86,6 @@
 #define FE_WG_TY "f16"
 #endif
 
-// The CUtensorMap the host encodes (cuTensorMapEncodeTiled), passed by value.
-struct alignas(64) TmaDesc {
-  unsigned long long v[16];
-};
-
 // Element size, and k per stage: one 128-byte swizzle row (64 bf16/f16, 32 f32), so the ring's
 // byte layout (and every descriptor offset below) is the same for 16-bit and tf32 inputs.
 constexpr int ES = (int)sizeof(T);
@@ -110,35 +108,6 @@ static_assert(!A_MN && !B_MN, "tf32 wgmma reads K-major operands only");
 #else
 static_assert(ES == 2, "16-bit wgmma kernel takes f16/bf16 storage");
 #endif
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, P1;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 
 __device__ __forceinline__ void tma_load(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
                                          int c1, int c2) {
@@ -175,20 +144,6 @@ __device__ __forceinline__ unsigned cluster_rank() {
   return r;
 }
 
-// Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128B swizzle.
-__device__ __forceinline__ u64 smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
-         ((u64)((sbo >> 4) & 0x3FFF) << 32) | ((u64)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 // Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
 __device__ __forceinline__ void acc_fence(float (&d)[128]) {
 #pragma unroll
