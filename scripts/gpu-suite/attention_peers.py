@@ -10,6 +10,7 @@ ferrite's best variant to the peer. Usage:
 """
 import argparse
 import json
+import re
 import statistics
 
 import torch
@@ -36,10 +37,22 @@ def label(b, h, s, d, causal):
     return f"B{b} H{h} S{s} D{d}" + (" causal" if causal else "")
 
 
-def attention_cases(quick):
-    shapes = [(4, 16, 4096, 128), (4, 16, 4096, 64)]
-    if not quick:
-        shapes += [(16, 16, 1024, 128), (1, 16, 16384, 128)]
+def bench_shapes(records):
+    """(B, H, S, D) of every attention record of ferrite's bench, in its order."""
+    shapes = []
+    for r in records:
+        m = re.match(r"B(\d+) H(\d+) S(\d+) D(\d+)", r.get("shape", "")) if r.get("op") == "attention" else None
+        if m and tuple(map(int, m.groups())) not in shapes:
+            shapes.append(tuple(map(int, m.groups())))
+    return shapes
+
+
+def attention_cases(quick, shapes=None):
+    """The shapes of ferrite's bench when given (every ratio then has its peer), else a fixed set."""
+    if not shapes:
+        shapes = [(4, 16, 4096, 128), (4, 16, 4096, 64)]
+        if not quick:
+            shapes += [(16, 16, 1024, 128), (1, 16, 16384, 128)]
     out = []
     for (b, h, s, d) in shapes:
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -94,13 +107,14 @@ def main():
     ap.add_argument("--only", choices=["attention", "decode"], default=None, help="one of the two peer sets")
     a = ap.parse_args()
     torch.manual_seed(0)
-    peers = (attention_cases(a.quick) if a.only != "decode" else []) + (decode_cases(a.quick) if a.only != "attention" else [])
     ours = []
     for path in a.bench_json.split(","):  # several bench JSONs may be given, comma-separated
         try:
             ours += json.load(open(path))["records"]
         except (OSError, ValueError, KeyError):
             pass
+    peers = (attention_cases(a.quick, bench_shapes(ours)) if a.only != "decode" else []) + (
+        decode_cases(a.quick) if a.only != "attention" else [])
     print(f"{'op':9} {'shape':40} {'peer':16} {'peer ms':>8} {'rate':>10} {'ferrite best':>24} {'× peer':>7}")
     for p in peers:
         rate = f"{p['tflops']:.0f} TF/s" if "tflops" in p else f"{p['gbps']:.0f} GB/s"

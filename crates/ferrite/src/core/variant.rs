@@ -75,10 +75,8 @@ impl VariantInfo {
 /// passed their `ferrite check` yet. They run when asked for by name; the default selection passes over them (unless nothing else
 /// applies) until a GPU run promotes them off this list.
 pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
-    // The wgmma backward (attention/kernels/hopper.cu, attn_hopper_bwd), written 2026-11-24 with
-    // no device time left: passes scripts/hopper-emu; until checked, a backward without a named
-    // variant runs `flash` (the kernels `hopper`'s backward ran before).
-    ("attention_backward", "hopper", None),
+    // Empty since 2026-11-24: the wgmma attention backward (attn_hopper_bwd) passed its GPU check
+    // and compute-sanitizer (bench/results/2026-11-24-h100-hopper-bwd).
 ];
 
 /// Whether `variant` of `op` for `dtype` waits for its first GPU run (see [`PENDING_GPU_RUN`]).

@@ -130,6 +130,19 @@ pub fn trace_records() {
     let _ = TRACE_START.set(std::time::Instant::now());
 }
 
+/// Whether `--trace` is on: checks may then report the steps of a case as they finish (a hang
+/// then names its kernel, not only its case).
+pub fn tracing() -> bool {
+    TRACE_START.get().is_some()
+}
+
+/// One step of a case under `--trace` (stderr, with the trace's clock).
+pub fn trace_step(what: &str) {
+    if let Some(t0) = TRACE_START.get() {
+        eprintln!("[{:8.2} s]   … {what}", t0.elapsed().as_secs_f64());
+    }
+}
+
 fn traced(r: CheckRecord) -> CheckRecord {
     if let Some(t0) = TRACE_START.get() {
         eprintln!(

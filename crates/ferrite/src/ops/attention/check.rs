@@ -19,7 +19,7 @@ use super::{
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
-use crate::core::harness::check::rel_error;
+use crate::core::harness::check::{self, rel_error};
 use crate::core::harness::{CheckConfig, CheckRecord, Precision};
 use crate::core::rng::Rng;
 use crate::core::tensor::Tensor;
@@ -480,7 +480,17 @@ fn check_one(
         max_seqlen_k: c.sk,
     });
     let opts = c.options(variant, deterministic);
+    let step = |what: &str| -> Result<()> {
+        // Under --trace the host waits for each step (a read of a small output), so a kernel
+        // that never finishes is named by the last step printed.
+        if check::tracing() {
+            lse.to_f64_vec()?;
+            check::trace_step(&format!("{variant} {dtype:?} {}: {what} done", c.label()));
+        }
+        Ok(())
+    };
     attention_forward_into(&q, &k, &v, &o, &lse, vl.as_ref(), &opts)?;
+    step("forward")?;
     attention_backward_into(
         &dout,
         &q,
@@ -494,6 +504,7 @@ fn check_one(
         vl.as_ref(),
         &opts,
     )?;
+    step("backward")?;
 
     // The deterministic backward again, into fresh poisoned buffers: the same bits or a failure.
     let mut repeat_note = String::new();

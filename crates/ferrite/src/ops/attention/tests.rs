@@ -358,13 +358,12 @@ fn full_cpu_check() {
     assert!(recs.iter().all(|r| r.pass), "seed {}", cfg.seed);
 }
 
-/// Until a GPU run has checked the wgmma backward, a backward without a named variant on a
-/// Hopper GPU runs `flash` (the kernels `hopper`'s backward ran before), and `hopper` by name
-/// runs the new kernel; the forward's default stays `hopper`.
+/// On a Hopper GPU both directions default to `hopper` (the wgmma backward was promoted off
+/// PENDING_GPU_RUN after its GPU check); `flash` stays reachable by name.
 #[test]
-fn unchecked_hopper_backward_is_picked_only_by_name() {
+fn hopper_is_the_default_in_both_directions_on_sm90() {
     use crate::core::device::Arch;
-    use crate::core::variant::{pending_gpu_run, select, Backend};
+    use crate::core::variant::{select, Backend};
     let vs = variants();
     let pick = |op: &str, name: Option<&str>| {
         select(
@@ -379,11 +378,7 @@ fn unchecked_hopper_backward_is_picked_only_by_name() {
         .unwrap()
         .name
     };
-    if pending_gpu_run(OP_BWD, "hopper", DType::BF16) {
-        assert_eq!(pick(OP_BWD, None), "flash");
-    } else {
-        assert_eq!(pick(OP_BWD, None), "hopper");
-    }
-    assert_eq!(pick(OP_BWD, Some("hopper")), "hopper");
+    assert_eq!(pick(OP_BWD, None), "hopper");
     assert_eq!(pick(OP, None), "hopper");
+    assert_eq!(pick(OP_BWD, Some("flash")), "flash");
 }

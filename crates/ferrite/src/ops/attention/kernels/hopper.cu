@@ -103,6 +103,13 @@ __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 // Warpgroup register budgets (setmaxnreg: the producer gives registers to the consumers).
+// setmaxnreg moves registers between the warps of a block, within what the block was given at
+// launch (384 threads × 168, the most __launch_bounds__(384, 1) allows): asking for more than
+// the producer gave back leaves the consumers waiting in setmaxnreg.inc forever. 24 + 2 × 240
+// warpgroup-registers per thread is exactly 3 × 168.
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NTHREADS * (65536 / NTHREADS / 8 * 8),
+              "setmaxnreg budgets exceed the block's launch allocation");
 template <int N>
 __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -273,7 +280,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
-    regs_dec<24>();
+    regs_dec<PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       // Padded batches index rows within the sequence and pick the batch by coordinate; varlen
       // rows are absolute in the packed dim (batch coordinate 0).
@@ -305,7 +312,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   }
 
   // ---- consumers: warpgroup c owns query rows 64c..64c+63 of the block ----
-  regs_inc<240>();
+  regs_inc<CONSUMER_REGS>();
   const int c = wg - 1;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   const int g = lane >> 2, t = lane & 3;
@@ -621,7 +628,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
-    regs_dec<32>();
+    regs_dec<PRODUCER_REGS>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
       const int qb = cu_q ? 0 : b, kb = cu_k ? 0 : b;
@@ -691,7 +698,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   }
 
   // ---- consumers: warpgroup c owns keys n0 + 64c .. n0 + 64c + 63 ----
-  regs_inc<240>();
+  regs_inc<CONSUMER_REGS>();
   const int c = wg - 1;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   const int g = lane >> 2, t = lane & 3;
