@@ -121,4 +121,17 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   'memcheck|240|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
   'synccheck|200|compute-sanitizer --tool synccheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
   || status=1; }
+# p: the hopper kernels launched longest-first in L2-sized chunks of (batch, head) units under a
+# mask (hopper.cu `schedule`): checked, then benched with the SDPA peers now run on every shape
+# of the bench (the table: attention_table.py).
+[[ $part == *p* ]] && { bash "$here/steps.sh" pending-p "$bundle" \
+  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
+  'check-attn|200|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json' \
+  "bench-attn|280|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json --only attention && python3 $here/attention_table.py \$D/attention.json \$D/attention_peers.json > \$D/attention_table.md" \
+  || status=1; }
+# q: the PyTorch front on CUDA now that its attention backward defaults to the wgmma kernel.
+[[ $part == *q* ]] && { bash "$here/steps.sh" pending-q "$bundle" \
+  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
+  "pytest|300|OUT=\$D/python SKIP_DEMO=1 bash $here/python-gpu.sh $bundle/wheels" \
+  || status=1; }
 exit $status

@@ -115,8 +115,11 @@ int main(int argc, char** argv) {
     ScoreMap smap{scale * 1.4426950408889634f, capped ? scale / P.softcap : 0.f,
                   capped ? P.softcap * 1.4426950408889634f : 0.f, capped};
     const size_t smem = 1024 + Q_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 3 * STAGES);
-    hopper_launch({(unsigned)((P.Sq + BM - 1) / BM), (unsigned)P.Hq, (unsigned)P.B}, NTHREADS, smem, [&] {
-      attn_hopper_fwd(tq, tk, tv, oq, okv, go.data(), glse.data(), cu_q, cu_k, P.Hq, P.Hkv, P.Sq, P.Sk, qs[0], qs[1], qs[2], lse_rows, P.wl, P.wr, smap);
+    // hopper.cu's launch order with chunks of 2 units (a partial last chunk when B·Hq is odd).
+    const int units = P.B * P.Hq, nblk = (P.Sq + BM - 1) / BM, chunk = 2;
+    hopper_launch({(unsigned)(units * nblk), 1, 1}, NTHREADS, smem, [&] {
+      attn_hopper_fwd(tq, tk, tv, oq, okv, go.data(), glse.data(), cu_q, cu_k, P.Hq, P.Hkv, P.Sq, P.Sk, qs[0], qs[1], qs[2], lse_rows, P.wl, P.wr, smap,
+                      units, nblk, chunk);
     });
     printf("forward (D%d, %d stages, pipelined %d):\n", D, STAGES, FE_PIPE);
     // o rows that exist; padded rows past a sequence (varlen: none) stay unwritten by design.
@@ -140,9 +143,10 @@ int main(int argc, char** argv) {
     auto [tk, okv] = make_map(k.data(), k_rows, P.Hkv, nb, ksm, B_BN);
     auto [tv, ov] = make_map(v.data(), k_rows, P.Hkv, nb, ksm, B_BN);
     const size_t smem = 1024 + 2 * B_K_BYTES + B_STAGES * B_STAGE_BYTES + 2 * B_DS_BYTES + B_STAGES * 2 * B_BM * 4 + 8 * (1 + 2 * B_STAGES);
-    hopper_launch({(unsigned)((P.Sk + B_BN - 1) / B_BN), (unsigned)P.Hkv, (unsigned)P.B}, NTHREADS, smem, [&] {
+    const int units = P.B * P.Hkv, nblk = (P.Sk + B_BN - 1) / B_BN, chunk = 3;
+    hopper_launch({(unsigned)(units * nblk), 1, 1}, NTHREADS, smem, [&] {
       attn_hopper_bwd(tq, tk, tv, tdo, oq, odo, okv, lse.data(), delta.data(), dk.data(), dv.data(), acc.data(), cu_q, cu_k, P.Hq, P.Hkv, P.Sq, P.Sk,
-                      ks[0], ks[1], ks[2], ks[0], ks[1], ks[2], lse_rows, P.wl, P.wr, scale * 1.4426950408889634f, scale);
+                      ks[0], ks[1], ks[2], ks[0], ks[1], ks[2], lse_rows, P.wl, P.wr, scale * 1.4426950408889634f, scale, units, nblk, chunk);
     });
     // flash_bwd_dq_convert: dq = scale·acc for the rows that exist.
     for (int b = 0; b < P.B; ++b)

@@ -371,8 +371,53 @@ fn push_strides(a: &mut KernelArgs, s: [i64; 3]) {
     a.push(s[0]).push(s[1]).push(s[2]);
 }
 
-fn grid_dim(n: usize, what: &str) -> Result<u32> {
-    u32::try_from(n).map_err(|_| Error::bad_arg(OP, what, "a launch grid within 32 bits", n))
+/// How much of L2 (50 MiB on the H100) one chunk of units may fill with the tiles its blocks
+/// re-read: a third, so the streamed tiles and the other chunk in flight fit beside it.
+const SCHEDULE_L2_BYTES: usize = 16 << 20;
+
+/// The launch order of hopper.cu's `schedule`: `units` (batch, head) pairs of `nblk` blocks each,
+/// on a 1-D grid, in chunks of `chunk` units taken rank by rank (each unit's heaviest block
+/// first). Under a mask (causal, window) the blocks' work differs, so a chunk holds as many
+/// units as keep their re-read tiles (`reread` bytes a unit) in L2: the heavy blocks of all of
+/// them go out before the light ones, which fill the tail. Without a mask every block does the
+/// same work and chunk = 1 keeps one unit's blocks together (the best L2 reuse).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Schedule {
+    units: usize,
+    nblk: usize,
+    chunk: usize,
+}
+
+impl Schedule {
+    fn new(p: &Problem, units: usize, nblk: usize, reread: usize) -> Schedule {
+        let masked = p.window_left >= 0 || p.window_right >= 0;
+        let chunk = if masked {
+            (SCHEDULE_L2_BYTES / reread.max(1)).clamp(1, units.max(1))
+        } else {
+            1
+        };
+        Schedule { units, nblk, chunk }
+    }
+
+    /// The 1-D grid (CUDA's x dimension: at most 2³¹ − 1 blocks).
+    fn grid(&self, what: &str) -> Result<(u32, u32, u32)> {
+        let n = self.units * self.nblk;
+        match i32::try_from(n) {
+            Ok(_) => Ok((n as u32, 1, 1)),
+            Err(_) => Err(Error::bad_arg(
+                OP,
+                what,
+                "at most 2^31 - 1 blocks of 128 rows over batch × heads",
+                n,
+            )),
+        }
+    }
+
+    fn push(&self, a: &mut KernelArgs) {
+        a.push(self.units as i32)
+            .push(self.nblk as i32)
+            .push(self.chunk as i32);
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -435,17 +480,21 @@ pub(super) fn forward_with(
         .push(p.window_left)
         .push(p.window_right)
         .push(smap);
-    kern.launch(
-        stream,
-        (
-            grid_dim(p.seqlen_q.div_ceil(BM), "seqlen_q")?,
-            grid_dim(p.heads_q, "heads_q")?,
-            grid_dim(p.batch, "batch")?,
-        ),
-        (THREADS, 1, 1),
-        smem,
-        &mut a,
-    )
+    // A query head re-reads its kv head's K and V (shared by the GQA group's heads).
+    let group = p.heads_q / p.heads_kv.max(1);
+    let kv_bytes = 2 * p.seqlen_k * p.head_dim * 2 / group.max(1);
+    let sched = Schedule::new(
+        p,
+        p.batch * p.heads_q,
+        p.seqlen_q.div_ceil(BM),
+        kv_bytes,
+    );
+    sched.push(&mut a);
+    let grid = sched.grid("seqlen_q")?;
+    if grid.0 == 0 {
+        return Ok(());
+    }
+    kern.launch(stream, grid, (THREADS, 1, 1), smem, &mut a)
 }
 
 /// The wgmma backward (after `unfit_backward` said it applies): Δ and a zeroed f32 dQ
@@ -494,12 +543,18 @@ pub(super) fn backward(
         .push(p.window_right)
         .push(p.scale * std::f32::consts::LOG2_E)
         .push(p.scale);
-    let grid = (
-        grid_dim(p.seqlen_k.div_ceil(BWD_BN), "seqlen_k")?,
-        grid_dim(p.heads_kv, "heads_kv")?,
-        grid_dim(p.batch, "batch")?,
+    // A (batch, kv head) unit re-reads Q and dO of its group's query heads.
+    let group = p.heads_q / p.heads_kv.max(1);
+    let qdo_bytes = group * 2 * p.seqlen_q * p.head_dim * 2;
+    let sched = Schedule::new(
+        p,
+        p.batch * p.heads_kv,
+        p.seqlen_k.div_ceil(BWD_BN),
+        qdo_bytes,
     );
-    if grid.0 > 0 && grid.1 > 0 && grid.2 > 0 {
+    sched.push(&mut a);
+    let grid = sched.grid("seqlen_k")?;
+    if grid.0 > 0 {
         kern.launch(stream, grid, (THREADS, 1, 1), smem, &mut a)?;
     }
     flash::convert_dq(dev, stream, p, t, &acc, (cu_q, lse_rows), mt, geom)
@@ -508,6 +563,49 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn problem(b: usize, h: usize, s: usize, d: usize, wl: i64, wr: i64) -> Problem {
+        Problem {
+            batch: b,
+            heads_q: h,
+            heads_kv: h,
+            seqlen_q: s,
+            seqlen_k: s,
+            head_dim: d,
+            dtype: DType::BF16,
+            device: crate::core::device::Device::Cpu,
+            varlen: false,
+            scale: 0.1,
+            softcap: 0.0,
+            window_left: wl,
+            window_right: wr,
+            q_stride: [0; 3],
+            k_stride: [0; 3],
+            v_stride: [0; 3],
+            o_stride: [0; 3],
+        }
+    }
+
+    /// Without a mask one unit's blocks stay together (chunk 1); under a causal mask a chunk holds
+    /// as many units as share L2 (all of them at short sequences, few at long ones), never 0.
+    #[test]
+    fn schedule_chunks_units_only_under_a_mask() {
+        let kv = |s: usize, d: usize| 2 * s * d * 2;
+        let plain = problem(4, 16, 4096, 128, -1, -1);
+        assert_eq!(Schedule::new(&plain, 64, 32, kv(4096, 128)).chunk, 1);
+        let causal = problem(4, 16, 4096, 128, -1, 0);
+        assert_eq!(Schedule::new(&causal, 64, 32, kv(4096, 128)).chunk, 8);
+        assert_eq!(Schedule::new(&causal, 64, 8, kv(1024, 64)).chunk, 64);
+        assert_eq!(Schedule::new(&causal, 64, 128, kv(16384, 128)).chunk, 2);
+        assert_eq!(Schedule::new(&causal, 3, 4096, kv(1 << 22, 128)).chunk, 1);
+        let window = problem(1, 2, 100, 64, 16, -1);
+        assert_eq!(Schedule::new(&window, 2, 1, kv(100, 64)).chunk, 2);
+        assert_eq!(
+            Schedule::new(&causal, 64, 32, kv(4096, 128)).grid("s").unwrap(),
+            (64 * 32, 1, 1)
+        );
+        assert!(Schedule::new(&causal, 1 << 20, 1 << 12, 1).grid("s").is_err());
+    }
 
     /// The backward's layout must fit one block on an SM (227 KiB opt-in on sm_90) and match the
     /// offsets attn_hopper_bwd computes: 1024-aligned swizzled tiles, then rows, then barriers.

@@ -102,6 +102,22 @@ __device__ __forceinline__ void named_sync(int id, int n) {
 __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
+// The order blocks go out in (a 1-D grid of units × nblk; a unit is one (batch, head) pair, a
+// unit's blocks are ranked by work, rank 0 the most under a causal mask). Blocks go chunk by
+// chunk of `chunk` consecutive units and, inside a chunk, rank by rank across its units: every
+// unit's heaviest block first, so the light ones fill the tail (longest-first), while the
+// chunk's units (sized by the host to share L2) keep their K/V (forward) or Q/dO (backward)
+// tiles in L2. chunk = 1 is the plain unit-by-unit order (the host's choice without a mask).
+struct Sched {
+  int unit, rank;
+};
+__device__ __forceinline__ Sched schedule(int units, int nblk, int chunk) {
+  const unsigned per = (unsigned)chunk * (unsigned)nblk;
+  const unsigned c = blockIdx.x / per, r = blockIdx.x - c * per;
+  const unsigned cnt = min((unsigned)chunk, (unsigned)units - c * (unsigned)chunk);
+  return Sched{(int)(c * chunk + r % cnt), (int)(r / cnt)};
+}
+
 // Warpgroup register budgets (setmaxnreg: the producer gives registers to the consumers).
 // setmaxnreg moves registers between the warps of a block, within what the block was given at
 // launch (384 threads × 168, the most __launch_bounds__(384, 1) allows): asking for more than
@@ -244,7 +260,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
                 const __grid_constant__ TmaDesc tv, MapOrder oq, MapOrder okv, T* __restrict__ o,
                 float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                 int hq, int hkv, int max_sq, int max_sk, i64 os_b, i64 os_s, i64 os_h,
-                i64 lse_rows, i64 wl, i64 wr, ScoreMap smap) {
+                i64 lse_rows, i64 wl, i64 wr, ScoreMap smap, int units, int nblk, int chunk) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -256,9 +272,10 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   auto vfull = [&](int s) { return bars + 8 + 8 * STAGES + 8 * s; };
   auto empty = [&](int s) { return bars + 8 + 16 * STAGES + 8 * s; };
 
-  const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
+  const Sched sc = schedule(units, nblk, chunk);  // units: (batch, query head)
+  const int b = sc.unit / hq, h = sc.unit % hq, hk = h / (hq / hkv);
   const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
-  const i64 m0 = (i64)(gridDim.x - 1 - blockIdx.x) * BM;  // longest (causal) blocks first
+  const i64 m0 = (i64)(nblk - 1 - sc.rank) * BM;  // the last query rows see the most keys
   if (m0 >= sq.len) return;
   const i64 off = sk.len - sq.len;
   i64 lo = wl >= 0 ? max((i64)0, m0 + off - wl) : 0;
@@ -591,7 +608,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
                 float* __restrict__ dq_acc, const int* __restrict__ cu_q,
                 const int* __restrict__ cu_k, int hq, int hkv, int max_sq, int max_sk,
                 i64 ks_b, i64 ks_s, i64 ks_h, i64 vs_b, i64 vs_s, i64 vs_h, i64 lse_rows, i64 wl,
-                i64 wr, float scale_log2, float scale) {
+                i64 wr, float scale_log2, float scale, int units, int nblk, int chunk) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
   const unsigned k_s = base, v_s = base + B_K_BYTES;
@@ -605,9 +622,10 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   auto q_tile = [&](int s) { return st0 + s * B_STAGE_BYTES; };
   auto rows_of = [&](int s) { return rows0 + s * 2 * B_BM * 4; };
 
-  const int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
+  const Sched sc = schedule(units, nblk, chunk);  // units: (batch, kv head)
+  const int b = sc.unit / hkv, hk = sc.unit % hkv, group = hq / hkv;
   const Seq sq = seq_of(cu_q, b, max_sq), sk = seq_of(cu_k, b, max_sk);
-  const i64 n0 = (i64)blockIdx.x * B_BN;
+  const i64 n0 = (i64)sc.rank * B_BN;  // the first keys are seen by the most query rows
   if (n0 >= sk.len) return;
   const i64 off = sk.len - sq.len;
   const QRange qr = query_range(n0, min(n0 + B_BN, sk.len), off, sq.len, wl, wr);
