@@ -224,6 +224,15 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   return r;
 }
 
+inline int __any_sync(unsigned, int pred) {
+  Warp* w = g_warp; int L = lane_id();
+  w->sh[L] = pred ? 1.f : 0.f; w->bar->arrive_and_wait();
+  int any = 0;
+  for (int l = 0; l < 32; ++l) any |= w->sh[l] != 0.f;
+  w->bar->arrive_and_wait();
+  return any;
+}
+
 // ---- launch -----------------------------------------------------------------------------------
 // Runs `f` (the kernel call) for every block of `grid`, nt threads each, with `smem_bytes` of
 // dynamic shared memory poisoned with 0xff. Blocks run one after another.

@@ -32,7 +32,7 @@ for cfg in "${cfgs[@]}"; do
     exe="$work/drv_$1_$2_$3_$4_$sc"
     g++ -std=c++20 -O1 -fno-strict-aliasing -pthread -I"$here" -DFE_HEAD_DIM=$1 -DFE_BWD_WARPS=$2 -DFE_BWD_BM=$3 -DFE_BWD_QM=$4 \
       -DFE_SOFTCAP=$sc "$work/driver.cpp" -o "$exe"
-    for p in 0 1 2 3 4; do
+    for p in 0 1 2 3 4 5; do
       out=$("$exe" $p 2>&1) || fail=1
       last=$(echo "$out" | tail -1)
       case "$last" in skip*) continue ;; esac

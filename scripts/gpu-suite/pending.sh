@@ -129,6 +129,13 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   'check-attn|200|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json' \
   "bench-attn|280|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json --only attention && python3 $here/attention_table.py \$D/attention.json \$D/attention_peers.json > \$D/attention_table.md" \
   || status=1; }
+# r: `flash` forward with lazy rescaling (O and l rescaled only when a row's max grows by > 2^8):
+# the same check and bench as p (flash ≥ FA2 at long sequences is the target it is for).
+[[ $part == *r* ]] && { bash "$here/steps.sh" pending-r "$bundle" \
+  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
+  'check-attn|200|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json' \
+  "bench-attn|280|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json --only attention && python3 $here/attention_table.py \$D/attention.json \$D/attention_peers.json > \$D/attention_table.md" \
+  || status=1; }
 # q: the PyTorch front on CUDA now that its attention backward defaults to the wgmma kernel.
 [[ $part == *q* ]] && { bash "$here/steps.sh" pending-q "$bundle" \
   'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \

@@ -179,6 +179,12 @@ pub fn cases(quick: bool) -> Vec<Case> {
             0,
         ),
         Case::new("single element", 1, (1, 1), (1, 1), 1),
+        // Scores spread over tens of log2 units: a row's max keeps growing across key tiles, so
+        // lazily rescaling forwards (flash) move their reference mid-row, not only at the start.
+        Case {
+            amp: 4.0,
+            ..Case::new("large scores d64", 1, (2, 1), (130, 300), 64)
+        },
     ];
     if !quick {
         v.extend([

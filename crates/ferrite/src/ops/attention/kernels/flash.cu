@@ -200,6 +200,8 @@ struct ScoreMap {
 constexpr int F_MT = FE_FWD_MT;  // m16 tiles per warp
 constexpr int F_BM = 128, F_WARPS = F_BM / (16 * F_MT), F_NT = F_WARPS * 32;
 constexpr int F_BN = (F_MT == 2 && D > 64) ? 32 : 64;
+// Lazy rescaling's threshold (log2 domain): p ≤ 2^8 between rescales (FlashAttention-4's choice).
+constexpr float F_LAZY = 8.f;
 
 extern "C" __global__ void __launch_bounds__(F_NT, 1)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -330,21 +332,49 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     }
 
     // Online softmax, per m16 tile rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is shared by a
-    // quad of lanes.
+    // quad of lanes. Lazy rescaling: the exponent's reference m_run moves (and O and l are
+    // rescaled by 2^(m_old − m_new)) only when some row of the warp's tile sees a max more than
+    // F_LAZY above its m_run; otherwise the stale m_run stays, the tile's p are ≤ 2^F_LAZY (fine
+    // in 16 bits and in the f32 sums) and the 128-FMUL rescale of O is skipped. Past the first
+    // tiles the running max rarely grows that much, so most tiles skip it. o = O/l and
+    // lse = m_run + log2 l hold for any reference, so the results do not depend on which tiles
+    // rescaled (the rounding of p to 16 bits does, within its precision).
+    float mx[F_MT][2];
+    bool grow = false;
 #pragma unroll
     for (int mt = 0; mt < F_MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
+        float m = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < F_BN / 8; ++nt)
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(mx * mul, m_run[mt][r]);            // running max, log2 domain
-        const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays 0
-        const float alpha = exp2_fast(m_run[mt][r] - base);
-        m_run[mt][r] = mx;
+        for (int nt = 0; nt < F_BN / 8; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        mx[mt][r] = m * mul;  // this tile's row max, log2 domain
+        grow |= mx[mt][r] > m_run[mt][r] + F_LAZY;
+      }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int mt = 0; mt < F_MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float m_new = fmaxf(mx[mt][r], m_run[mt][r]);
+          // A row with nothing visible yet keeps −inf (and base 0: its p stay 0).
+          const float alpha = exp2_fast(m_run[mt][r] - (m_new == -INFINITY ? 0.f : m_new));
+          m_run[mt][r] = m_new;
+          l_run[mt][r] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            acc[mt][dt][2 * r] *= alpha;
+            acc[mt][dt][2 * r + 1] *= alpha;
+          }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < F_MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float base = m_run[mt][r] == -INFINITY ? 0.f : m_run[mt][r];
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < F_BN / 8; ++nt) {
@@ -352,12 +382,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           s[mt][nt][2 * r + 1] = exp2_fast(fmaf(s[mt][nt][2 * r + 1], mul, -base));
           sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
         }
-        l_run[mt][r] = l_run[mt][r] * alpha + sum;  // per-lane partial; the quad is summed at the end
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          acc[mt][dt][2 * r] *= alpha;
-          acc[mt][dt][2 * r + 1] *= alpha;
-        }
+        l_run[mt][r] += sum;  // per-lane partial; the quad is summed at the end
       }
 
     // O += P·V: P's accumulator pairs are the A fragments; V through ldmatrix.trans, each
