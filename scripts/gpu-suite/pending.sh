@@ -121,21 +121,19 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   'memcheck|240|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
   'synccheck|200|compute-sanitizer --tool synccheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
   || status=1; }
+# The attention check (hopper and flash, every case) and the bench with the SDPA peers on every
+# shape of the bench, as steps for steps.sh.
+attn_steps=(
+  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt'
+  'check-attn|200|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json'
+  "bench-attn|280|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json --only attention && python3 $here/attention_table.py \$D/attention.json \$D/attention_peers.json > \$D/attention_table.md"
+)
 # p: the hopper kernels launched longest-first in L2-sized chunks of (batch, head) units under a
-# mask (hopper.cu `schedule`): checked, then benched with the SDPA peers now run on every shape
-# of the bench (the table: attention_table.py).
-[[ $part == *p* ]] && { bash "$here/steps.sh" pending-p "$bundle" \
-  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
-  'check-attn|200|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json' \
-  "bench-attn|280|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json --only attention && python3 $here/attention_table.py \$D/attention.json \$D/attention_peers.json > \$D/attention_table.md" \
-  || status=1; }
+# mask (hopper.cu `schedule`), with the SDPA peers now run on every shape of the bench.
+[[ $part == *p* ]] && { bash "$here/steps.sh" pending-p "$bundle" "${attn_steps[@]}" || status=1; }
 # r: `flash` forward with lazy rescaling (O and l rescaled only when a row's max grows by > 2^8):
-# the same check and bench as p (flash ≥ FA2 at long sequences is the target it is for).
-[[ $part == *r* ]] && { bash "$here/steps.sh" pending-r "$bundle" \
-  'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
-  'check-attn|200|ferrite check attention --device cuda --variant hopper --variant flash --json $D/check-attn.json' \
-  "bench-attn|280|ferrite bench attention --device cuda --dtype bf16 --variant hopper --variant flash --json \$D/attention.json && python3 $here/attention_peers.py \$D/attention.json \$D/attention_peers.json --only attention && python3 $here/attention_table.py \$D/attention.json \$D/attention_peers.json > \$D/attention_table.md" \
-  || status=1; }
+# the same steps as p (flash ≥ FA2 at long sequences is the target it is for).
+[[ $part == *r* ]] && { bash "$here/steps.sh" pending-r "$bundle" "${attn_steps[@]}" || status=1; }
 # q: the PyTorch front on CUDA now that its attention backward defaults to the wgmma kernel.
 [[ $part == *q* ]] && { bash "$here/steps.sh" pending-q "$bundle" \
   'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \

@@ -317,16 +317,22 @@ fn grid_dim(n: usize, what: &str) -> Result<u32> {
 /// The parameters every flash kernel takes after its tensors, in flash.cu's order: cu_seqlens,
 /// head counts, (max) lengths and the (batch, seq, head) strides of q, k, v, o.
 fn push_geometry(a: &mut KernelArgs, p: &Problem, cu_q: u64, cu_k: u64) {
+    push_sizes(a, p, cu_q, cu_k);
+    a.push(Strides::from(p.q_stride))
+        .push(Strides::from(p.k_stride))
+        .push(Strides::from(p.v_stride))
+        .push(Strides::from(p.o_stride));
+}
+
+/// The parameters every attention kernel (flash.cu, hopper.cu) takes after its tensors:
+/// cu_seqlens (0 when padded), head counts and the (max) sequence lengths.
+pub(super) fn push_sizes(a: &mut KernelArgs, p: &Problem, cu_q: u64, cu_k: u64) {
     a.push(cu_q)
         .push(cu_k)
         .push(p.heads_q as i32)
         .push(p.heads_kv as i32)
         .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32)
-        .push(Strides::from(p.q_stride))
-        .push(Strides::from(p.k_stride))
-        .push(Strides::from(p.v_stride))
-        .push(Strides::from(p.o_stride));
+        .push(p.seqlen_k as i32);
 }
 
 /// cu_seqlens pointers (0 = padded batch) and the length of an lse row: Sq when padded

@@ -355,17 +355,6 @@ fn extents(
     })
 }
 
-/// The parameters both hopper kernels take after their tensors: cu_seqlens, head counts and the
-/// (max) lengths, in hopper.cu's order.
-fn push_sizes(a: &mut KernelArgs, p: &Problem, cu_q: u64, cu_k: u64) {
-    a.push(cu_q)
-        .push(cu_k)
-        .push(p.heads_q as i32)
-        .push(p.heads_kv as i32)
-        .push(p.seqlen_q as i32)
-        .push(p.seqlen_k as i32);
-}
-
 /// Element strides (batch, seq, head) as three i64 parameters.
 fn push_strides(a: &mut KernelArgs, s: [i64; 3]) {
     a.push(s[0]).push(s[1]).push(s[2]);
@@ -474,7 +463,7 @@ pub(super) fn forward_with(
         .push(okv)
         .push(o.device_ptr()?)
         .push(lse.device_ptr()?);
-    push_sizes(&mut a, p, cu_q, cu_k);
+    flash::push_sizes(&mut a, p, cu_q, cu_k);
     push_strides(&mut a, p.o_stride);
     a.push(lse_rows)
         .push(p.window_left)
@@ -483,12 +472,7 @@ pub(super) fn forward_with(
     // A query head re-reads its kv head's K and V (shared by the GQA group's heads).
     let group = p.heads_q / p.heads_kv.max(1);
     let kv_bytes = 2 * p.seqlen_k * p.head_dim * 2 / group.max(1);
-    let sched = Schedule::new(
-        p,
-        p.batch * p.heads_q,
-        p.seqlen_q.div_ceil(BM),
-        kv_bytes,
-    );
+    let sched = Schedule::new(p, p.batch * p.heads_q, p.seqlen_q.div_ceil(BM), kv_bytes);
     sched.push(&mut a);
     let grid = sched.grid("seqlen_q")?;
     if grid.0 == 0 {
@@ -535,7 +519,7 @@ pub(super) fn backward(
         .push(t.dk.device_ptr()?)
         .push(t.dv.device_ptr()?)
         .push(acc.ptr());
-    push_sizes(&mut a, p, cu_q, cu_k);
+    flash::push_sizes(&mut a, p, cu_q, cu_k);
     push_strides(&mut a, p.k_stride);
     push_strides(&mut a, p.v_stride);
     a.push(lse_rows)
@@ -601,10 +585,14 @@ mod tests {
         let window = problem(1, 2, 100, 64, 16, -1);
         assert_eq!(Schedule::new(&window, 2, 1, kv(100, 64)).chunk, 2);
         assert_eq!(
-            Schedule::new(&causal, 64, 32, kv(4096, 128)).grid("s").unwrap(),
+            Schedule::new(&causal, 64, 32, kv(4096, 128))
+                .grid("s")
+                .unwrap(),
             (64 * 32, 1, 1)
         );
-        assert!(Schedule::new(&causal, 1 << 20, 1 << 12, 1).grid("s").is_err());
+        assert!(Schedule::new(&causal, 1 << 20, 1 << 12, 1)
+            .grid("s")
+            .is_err());
     }
 
     /// The backward's layout must fit one block on an SM (227 KiB opt-in on sm_90) and match the
