@@ -927,25 +927,12 @@ mod gpu_smoke {
                     t.poison(None).unwrap();
                 }
                 let scale = 1.0 / (c.d as f32).sqrt();
-                let st = |s: usize, h: usize| [(s * h * c.d) as i64, (h * c.d) as i64, c.d as i64];
                 let p = Problem {
-                    batch: c.b,
-                    heads_q: c.hq,
-                    heads_kv: c.hkv,
-                    seqlen_q: c.sq,
-                    seqlen_k: c.sk,
-                    head_dim: c.d,
-                    dtype: dt,
-                    device: dv,
-                    varlen: false,
                     scale,
                     softcap: c.softcap,
                     window_left: c.wl,
                     window_right: c.wr,
-                    q_stride: st(c.sq, c.hq),
-                    k_stride: st(c.sk, c.hkv),
-                    v_stride: st(c.sk, c.hkv),
-                    o_stride: st(c.sq, c.hq),
+                    ..Problem::padded_bshd(c.b, (c.hq, c.hkv), (c.sq, c.sk), c.d, dt, dv)
                 };
                 forward_with(
                     3 - default_fwd_mt(c.d),
@@ -1056,26 +1043,10 @@ mod gpu_speed {
             let (q, k, v, dout) = (t(1), t(2), t(3), t(4));
             let (o, dq, dk, dvv) = (t(5), t(6), t(7), t(8));
             let lse = Tensor::empty(&[b, h, s], DType::F32, dv).unwrap();
-            let st = [(s * h * d) as i64, (h * d) as i64, d as i64];
             for causal in [false, true] {
                 let p = Problem {
-                    batch: b,
-                    heads_q: h,
-                    heads_kv: h,
-                    seqlen_q: s,
-                    seqlen_k: s,
-                    head_dim: d,
-                    dtype: DType::BF16,
-                    device: dv,
-                    varlen: false,
-                    scale: 1.0 / (d as f32).sqrt(),
-                    softcap: 0.0,
-                    window_left: -1,
                     window_right: if causal { 0 } else { -1 },
-                    q_stride: st,
-                    k_stride: st,
-                    v_stride: st,
-                    o_stride: st,
+                    ..Problem::padded_bshd(b, (h, h), (s, s), d, DType::BF16, dv)
                 };
                 let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
                 for mt in [1, 2] {

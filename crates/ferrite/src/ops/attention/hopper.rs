@@ -549,24 +549,11 @@ mod tests {
     use super::*;
 
     fn problem(b: usize, h: usize, s: usize, d: usize, wl: i64, wr: i64) -> Problem {
+        let cpu = crate::core::device::Device::Cpu;
         Problem {
-            batch: b,
-            heads_q: h,
-            heads_kv: h,
-            seqlen_q: s,
-            seqlen_k: s,
-            head_dim: d,
-            dtype: DType::BF16,
-            device: crate::core::device::Device::Cpu,
-            varlen: false,
-            scale: 0.1,
-            softcap: 0.0,
             window_left: wl,
             window_right: wr,
-            q_stride: [0; 3],
-            k_stride: [0; 3],
-            v_stride: [0; 3],
-            o_stride: [0; 3],
+            ..Problem::padded_bshd(b, (h, h), (s, s), d, DType::BF16, cpu)
         }
     }
 
@@ -613,24 +600,11 @@ mod tests {
 
     #[test]
     fn backward_falls_back_where_the_wgmma_kernel_does_not_apply() {
+        let cpu = crate::core::device::Device::Cpu;
         let p = Problem {
-            batch: 1,
-            heads_q: 4,
-            heads_kv: 2,
-            seqlen_q: 100,
-            seqlen_k: 130,
-            head_dim: 128,
-            dtype: DType::BF16,
-            device: crate::core::device::Device::Cpu,
-            varlen: false,
             scale: 0.1,
-            softcap: 0.0,
-            window_left: -1,
             window_right: 0,
-            q_stride: [100 * 4 * 128, 4 * 128, 128],
-            k_stride: [130 * 2 * 128, 2 * 128, 128],
-            v_stride: [130 * 2 * 128, 2 * 128, 128],
-            o_stride: [100 * 4 * 128, 4 * 128, 128],
+            ..Problem::padded_bshd(1, (4, 2), (100, 130), 128, DType::BF16, cpu)
         };
         let ptrs = [4096u64; 8];
         assert_eq!(unfit_backward(&p, &ptrs, false), None);

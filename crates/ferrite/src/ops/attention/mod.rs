@@ -145,6 +145,47 @@ pub struct Problem {
     pub o_stride: [i64; 3],
 }
 
+#[cfg(test)]
+impl Problem {
+    /// A padded, contiguous `[B, S, H, D]` problem for the host-side tests: scale 1/√D, no
+    /// soft-cap, no window (tests set those with struct update syntax).
+    pub(crate) fn padded_bshd(
+        batch: usize,
+        (heads_q, heads_kv): (usize, usize),
+        (seqlen_q, seqlen_k): (usize, usize),
+        head_dim: usize,
+        dtype: DType,
+        device: Device,
+    ) -> Problem {
+        let st = |s: usize, h: usize| {
+            [
+                (s * h * head_dim) as i64,
+                (h * head_dim) as i64,
+                head_dim as i64,
+            ]
+        };
+        Problem {
+            batch,
+            heads_q,
+            heads_kv,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            dtype,
+            device,
+            varlen: false,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: 0.0,
+            window_left: -1,
+            window_right: -1,
+            q_stride: st(seqlen_q, heads_q),
+            k_stride: st(seqlen_k, heads_kv),
+            v_stride: st(seqlen_k, heads_kv),
+            o_stride: st(seqlen_q, heads_q),
+        }
+    }
+}
+
 impl Problem {
     /// Forward FLOPs by the usual convention: 4·B·Hq·Sq·Sk·D, halved when causal.
     pub fn flops_forward(&self, causal: bool) -> f64 {
