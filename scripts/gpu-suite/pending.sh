@@ -134,6 +134,10 @@ attn_steps=(
 # r: `flash` forward with lazy rescaling (O and l rescaled only when a row's max grows by > 2^8):
 # the same steps as p (flash ≥ FA2 at long sequences is the target it is for).
 [[ $part == *r* ]] && { bash "$here/steps.sh" pending-r "$bundle" "${attn_steps[@]}" || status=1; }
+# t: the wgmma backward adding dQ with one 16-byte red.global per 4 columns (lanes trade halves)
+# instead of an 8-byte one per column pair: the same steps as p. Measured 5-7 % slower than r
+# (pending-t); reverted, kept as the record of the try.
+[[ $part == *t* ]] && { bash "$here/steps.sh" pending-t "$bundle" "${attn_steps[@]}" || status=1; }
 # q: the PyTorch front on CUDA now that its attention backward defaults to the wgmma kernel.
 [[ $part == *q* ]] && { bash "$here/steps.sh" pending-q "$bundle" \
   'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
