@@ -2,8 +2,9 @@
 # Nsight Compute of `flash`'s forward and of SDPA's FA2 forward on the same shape (B4 H16 S16384 D128,
 # bf16): the one shape where `flash` still trails FA2 (0.93×). On the GPU machine, with the bundle:
 #   OUT=dir bash scripts/gpu-suite/ncu-flash-vs-fa2.sh
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH FERRITE_CACHE_DIR=/tmp/fc PATH=$PWD/.gpu-bundle-py/bin:$PATH:/usr/local/cuda/bin:$(ls -d /opt/nvidia/nsight-compute/* 2>/dev/null | tail -n 1)
-S="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters --section InstructionStats"
+source "$(dirname "$0")/ncu-env.sh"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH FERRITE_CACHE_DIR=/tmp/fc PATH=$PWD/.gpu-bundle-py/bin:$PATH:$cuda_tools_path
+S=$stall_sections
 mkdir -p $OUT/s; ferrite kernels --arch sm_90a --only attention/flash > /dev/null
 timeout 200 ncu --clock-control none $S -k regex:flash_fwd --launch-skip 3 --launch-count 1 ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 > $OUT/s/ncu-flash-fwd.txt 2>&1; echo ours rc=$?
 cat > /tmp/fa2.py <<'P'

@@ -65,8 +65,8 @@ status=0
 # the 2026-11-23 runs could not explain by timing alone: warptile vs vectorized (fp32 SIMT),
 # ce_resident at V = 50257 (83% of copy), norm_bwd_vec LayerNorm (86%), and wgmma vs cuBLAS at
 # 8192×14336×4096 (0.85×). One launch of each after the bench's warm-up; text reports.
-ncu_sections='--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis'
-[[ $part == *i* ]] && export PATH="$PATH:/usr/local/cuda/bin:$(ls -d /opt/nvidia/nsight-compute/* 2>/dev/null | tail -n 1)"
+source "$here/ncu-env.sh"
+[[ $part == *[ijlo]* ]] && export PATH="$PATH:$cuda_tools_path"
 [[ $part == *i* ]] && { bash "$here/steps.sh" pending-i "$bundle" "$warm" \
   "ncu-simt|120|for v in warptile vectorized; do ncu --clock-control none $ncu_sections -k regex:matmul_\$v --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype f32 --variant \$v --size 4096 > \$D/ncu-\$v.txt 2>&1 || exit 1; done" \
   "ncu-ce|90|ncu --clock-control none $ncu_sections -k regex:ce_resident --launch-skip 5 --launch-count 1 ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident > \$D/ncu-ce-resident.txt 2>&1" \
@@ -76,7 +76,6 @@ ncu_sections='--section SpeedOfLight --section Occupancy --section LaunchStats -
 # j: what the profiles of i suggested — warptile rebuilt on cuBLAS's own SGEMM shape (its kernel
 # in i: 256×128×8 tiles, 3-stage cp.async, 8 warps of 64×64, 254 registers, one block per SM,
 # issue slots 87% busy) and the norm backward's grid capped at the blocks that fit an SM.
-[[ $part == *j* ]] && export PATH="$PATH:/usr/local/cuda/bin"
 [[ $part == *j* ]] && { bash "$here/steps.sh" pending-j "$bundle" "$warm" \
   'check|90|ferrite check matmul --device cuda --dtype f32 --variant warptile --json $D/check-matmul.json; a=$?; ferrite check norm --device cuda --json $D/check-norm.json; exit $((a|$?))' \
   'bench|120|ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 4096 --json $D/bench-matmul-f32.json; ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 8192 --json $D/bench-matmul-f32-8192.json; ferrite bench norm --device cuda --dtype bf16 --variant vectorized --json $D/bench-norm.json' \
@@ -91,8 +90,6 @@ ncu_sections='--section SpeedOfLight --section Occupancy --section LaunchStats -
 # l: stall reasons (PC sampling: SourceCounters, WarpStateStats) of the kernels still short of
 # their targets, and cuBLAS's bf16 kernel under the same profile as ours (its SM clock and
 # tensor-pipe share at 8192×14336×4096), for the next session's plan.
-[[ $part == *l* ]] && export PATH="$PATH:/usr/local/cuda/bin"
-stall_sections="$ncu_sections --section SourceCounters --section InstructionStats"
 [[ $part == *l* ]] && { bash "$here/steps.sh" pending-l "$bundle" "$warm" \
   "stalls|200|ncu --clock-control none $stall_sections -k regex:matmul_warptile --launch-skip 3 --launch-count 1 ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096 > \$D/ncu-warptile.txt 2>&1; ncu --clock-control none $stall_sections -k regex:ce_resident --launch-skip 5 --launch-count 1 ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident > \$D/ncu-ce-resident.txt 2>&1; ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/tune-norm.txt 2>&1; ncu --clock-control none $stall_sections -k regex:norm_bwd_vec --launch-skip 215 --launch-count 1 ferrite bench norm --device cuda --dtype bf16 --variant vectorized > \$D/ncu-norm-bwd.txt 2>&1" \
   "cublas|120|ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/tune-gemm.txt 2>&1; ncu --clock-control none $ncu_sections -k regex:'nvjet|sm90_xmma|cutlass' --launch-skip 5 --launch-count 1 ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 > \$D/ncu-cublas-bf16.txt 2>&1" \
@@ -115,7 +112,6 @@ stall_sections="$ncu_sections --section SourceCounters --section InstructionStat
   || status=1; }
 # o: compute-sanitizer on the new backward (quick attention check of `hopper`): memcheck for
 # out-of-bounds and misaligned accesses, then synccheck (named barriers, mbarrier waits).
-[[ $part == *o* ]] && export PATH="$PATH:/usr/local/cuda/bin"
 [[ $part == *o* ]] && { bash "$here/steps.sh" pending-o "$bundle" \
   'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
   'memcheck|240|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check attention --device cuda --variant hopper --quick' \
