@@ -139,4 +139,30 @@ attn_steps=(
   'warm|100|ferrite kernels --arch sm_90a --only attention > $D/kernels-attn.txt' \
   "pytest|300|OUT=\$D/python SKIP_DEMO=1 bash $here/python-gpu.sh $bundle/wheels" \
   || status=1; }
+# u: where warptile (0.75x cuBLAS fp32) and flash's forward at D128 (0.93x FA2 at S16384) wait,
+# per SASS instruction (ncu-source.sh), and A/B runs of edited kernels from the bundle's kdir/
+# through FERRITE_KERNEL_DIR (no rebuild): warptile with 16-deep k-slices (half the barriers),
+# flash's forward as committed before P was packed at once (head), and with FA2's 64-key tile
+# at D128 (bn64: 92 bytes of spills, to learn what the tile is worth before finding registers).
+kd=$(cd "$bundle" && pwd)/kdir
+[[ $part == *u* ]] && { bash "$here/steps.sh" pending-u "$bundle" \
+  'warm|120|ferrite kernels --arch sm_90a --only matmul/warptile > $D/k1.txt; ferrite kernels --arch sm_90a --only attention/flash > $D/k2.txt; FERRITE_KERNEL_DIR='"$kd"'/wbk16 ferrite kernels --arch sm_90a --only matmul/warptile > $D/k3.txt' \
+  "ncu-warptile|150|bash $here/ncu-source.sh \$D warptile matmul_warptile 3 -- ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096" \
+  "ncu-flash|150|bash $here/ncu-source.sh \$D flash-fwd flash_fwd 3 -- ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384" \
+  'ab-matmul|150|for v in base wbk16; do FERRITE_KERNEL_DIR='"$kd"'/$v ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096 --json $D/mm-$v.json; done; FERRITE_KERNEL_DIR='"$kd"'/wbk16 ferrite check matmul --device cuda --dtype f32 --variant warptile' \
+  'ab-flash|240|ferrite check attention --device cuda --variant flash --quick; for v in base head bn64 base; do for s in 16384 4096; do FERRITE_KERNEL_DIR='"$kd"'/$v ferrite bench attention --device cuda --dtype bf16 --variant flash --size $s --json $D/fl-$v-$s.json; done; done' \
+  || status=1; }
+# v: u's follow-ups. warptile: 16-deep k-slices in a dynamic-shared ring, and the transposing
+# copies remapped (a warp instruction = 4 lines × 8 k: 4 sectors, not 16); against u's wbk16
+# (the same slices, old copies) in the same run. flash forward: ldmatrix from 32-bit shared
+# addresses, the block's geometry in shared memory, the loop in 32 bits (229 registers at
+# D128, was 253); against head (the committed kernel), and FA2's 64-key tile at D128 (bn64:
+# bin-bn64 is a build whose host sizes the forward for 64-key tiles; 4 bytes of spills).
+[[ $part == *v* ]] && { bash "$here/steps.sh" pending-v "$bundle" \
+  'warm|120|ferrite kernels --arch sm_90a --only matmul/warptile > $D/k1.txt; ferrite kernels --arch sm_90a --only attention/flash > $D/k2.txt' \
+  'check-matmul|100|ferrite check matmul --device cuda --dtype f32 --variant warptile --json $D/check-matmul.json' \
+  'ab-matmul|150|for v in base wbk16; do FERRITE_KERNEL_DIR='"$kd"'/$v ferrite bench matmul --device cuda --dtype f32 --variant warptile --size 4096 --json $D/mm-$v.json; done; ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --size 8192 --json $D/mm-8192.json' \
+  'check-flash|200|ferrite check attention --device cuda --variant flash --json $D/check-flash.json' \
+  'ab-flash|250|ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-base-16384.json; FERRITE_KERNEL_DIR='"$kd"'/head ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-head-16384.json; FERRITE_KERNEL_DIR='"$kd"'/bn64 '"$bundle"'/bin-bn64/ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-bn64-16384.json; ferrite bench attention --device cuda --dtype bf16 --variant flash --size 4096 --json $D/fl-base-4096.json' \
+  || status=1; }
 exit $status

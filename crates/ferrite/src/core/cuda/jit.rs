@@ -181,10 +181,43 @@ fn options_for(program: &Program, arch: Arch, includes: &[String]) -> Vec<String
     opts
 }
 
+/// The environment variable naming a folder of replacement kernel sources (a developer's knob):
+/// `$FERRITE_KERNEL_DIR/matmul/warptile.cu` replaces the embedded `matmul/warptile` module. It
+/// lets one GPU session compare edited kernels with the built ones without rebuilding the binary;
+/// the cache key hashes the text, so an edit never reuses stale PTX.
+pub const KERNEL_DIR_VAR: &str = "FERRITE_KERNEL_DIR";
+
+/// The module's text: the replacement under `FERRITE_KERNEL_DIR` when one exists there, else the
+/// embedded source.
+fn source_text(source: &KernelSource) -> Result<std::borrow::Cow<'static, str>> {
+    source_text_in(source, std::env::var_os(KERNEL_DIR_VAR).as_deref())
+}
+
+fn source_text_in(
+    source: &KernelSource,
+    dir: Option<&std::ffi::OsStr>,
+) -> Result<std::borrow::Cow<'static, str>> {
+    let Some(dir) = dir.filter(|d| !d.is_empty()) else {
+        return Ok(source.src.into());
+    };
+    let path = Path::new(dir).join(format!("{}.cu", source.name));
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Ok(text.into()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(source.src.into()),
+        Err(e) => Err(Error::io(
+            format!(
+                "{KERNEL_DIR_VAR}: reading the replacement source {}",
+                path.display()
+            ),
+            e,
+        )),
+    }
+}
+
 /// Compiles `program` for `arch`, or reads it from the disk cache.
 pub fn compile(program: &Program, arch: Arch) -> Result<CompiledPtx> {
     let (vmaj, vmin) = nvrtc_version()?;
-    let src = expand_includes(program.source.src);
+    let src = expand_includes(&source_text(&program.source)?);
     let includes = cuda_include_dirs();
     let opts = options_for(program, arch, &includes);
     // The include paths are machine-specific and do not change the PTX: leave them out of the key.
@@ -403,6 +436,35 @@ mod tests {
         let h = expand_includes("#include \"hopper.cuh\"  // mbarriers\n");
         assert!(h.contains("FERRITE_HOPPER_CUH") && h.contains("FERRITE_CUH"));
         assert!(!h.contains("#include \"hopper.cuh\"") && !h.contains("#include \"ferrite.cuh\""));
+    }
+
+    /// A file under the replacement folder wins over the embedded text; a module with no file
+    /// there keeps its own; a path that exists but cannot be read is an error naming it.
+    #[test]
+    fn replacement_sources_override_the_embedded_ones() {
+        const SRC: KernelSource = KernelSource {
+            name: "fam/probe",
+            src: "embedded",
+        };
+        const OTHER: KernelSource = KernelSource {
+            name: "fam/other",
+            src: "other embedded",
+        };
+        let dir = std::env::temp_dir().join(format!("ferrite-kdir-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("fam/other.cu")).unwrap(); // a folder: unreadable
+        std::fs::write(dir.join("fam/probe.cu"), "replaced").unwrap();
+        let d = Some(dir.as_os_str());
+        assert_eq!(source_text_in(&SRC, d).unwrap(), "replaced");
+        assert_eq!(source_text_in(&SRC, None).unwrap(), "embedded");
+        assert_eq!(source_text_in(&SRC, Some("".as_ref())).unwrap(), "embedded");
+        let missing = dir.join("nowhere");
+        assert_eq!(
+            source_text_in(&SRC, Some(missing.as_os_str())).unwrap(),
+            "embedded"
+        );
+        let err = source_text_in(&OTHER, d).unwrap_err().to_string();
+        assert!(err.contains("FERRITE_KERNEL_DIR") && err.contains("other.cu"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A real `sm_` target yields a cubin (an ELF image) beside the PTX, and the disk cache gives

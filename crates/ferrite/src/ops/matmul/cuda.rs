@@ -41,8 +41,14 @@ struct Simt {
     func: &'static str,
     threads: u32,
     tile: (u32, u32),
+    /// Dynamic shared memory per block (bytes).
+    smem: u32,
     config: &'static str,
 }
+
+/// `warptile`'s cp.async ring: 3 stages × 16 k × (260 + 132 padded floats) × 4 bytes, the
+/// kernel's W_SMEM_BYTES (it traps when given less).
+const WARPTILE_SMEM: u32 = 3 * 16 * (260 + 132) * 4;
 
 const SIMT: &[Simt] = &[
     Simt {
@@ -51,6 +57,7 @@ const SIMT: &[Simt] = &[
         func: "matmul_coalesced",
         threads: 1024,
         tile: (32, 32),
+        smem: 0,
         config: "block 32×32, 1 output/thread, lanes on the contiguous side",
     },
     Simt {
@@ -59,6 +66,7 @@ const SIMT: &[Simt] = &[
         func: "matmul_smem_tiled",
         threads: 1024,
         tile: (32, 32),
+        smem: 0,
         config: "tile 32×32×32 in smem, 1 output/thread",
     },
     Simt {
@@ -67,6 +75,7 @@ const SIMT: &[Simt] = &[
         func: "matmul_blocktile_1d",
         threads: 512,
         tile: (64, 64),
+        smem: 0,
         config: "tile 64×64×8, 8×1 outputs/thread",
     },
     Simt {
@@ -75,6 +84,7 @@ const SIMT: &[Simt] = &[
         func: "matmul_blocktile_2d",
         threads: 256,
         tile: (128, 128),
+        smem: 0,
         config: "tile 128×128×8, 8×8 outputs/thread",
     },
     Simt {
@@ -83,6 +93,7 @@ const SIMT: &[Simt] = &[
         func: "matmul_vectorized",
         threads: 256,
         tile: (128, 128),
+        smem: 0,
         config: "tile 128×128×8, 8×8 outputs/thread, float4 loads",
     },
     Simt {
@@ -91,7 +102,8 @@ const SIMT: &[Simt] = &[
         func: "matmul_warptile",
         threads: 256,
         tile: (256, 128),
-        config: "tile 256×128×8, 8 warps of 64×64, 16×8 outputs/thread, 3-stage cp.async ring, 1 block/SM",
+        smem: WARPTILE_SMEM,
+        config: "tile 256×128×16, 8 warps of 64×64, 16×8 outputs/thread, 3-stage cp.async ring, 1 block/SM",
     },
 ];
 
@@ -760,10 +772,14 @@ fn plan_inner(
         if g.dtype != DType::F32 {
             return Err(refuse("is f32 only"));
         }
+        let kernel = dev.kernel(&Program::new(r.source), r.func)?;
+        if r.smem > 0 {
+            kernel.allow_dynamic_smem(r.smem)?;
+        }
         return Ok(Launch {
-            kernel: dev.kernel(&Program::new(r.source), r.func)?,
+            kernel,
             block: (r.threads, 1, 1),
-            smem: 0,
+            smem: r.smem,
             tile: r.tile,
             config: r.config.into(),
             persistent: None,

@@ -120,6 +120,12 @@ __device__ __forceinline__ float exp2_fast(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+// Bytes of dynamic shared memory this launch gave the block.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(n));
+  return n;
+}
 __device__ __forceinline__ float tanh_fast(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -186,6 +192,62 @@ struct ScoreMap {
   }
 };
 
+constexpr unsigned ROWB = LDS * sizeof(T);  // bytes per padded K/V/Q/dO row
+constexpr int INT32_MIN_ = -0x7fffffff - 1, INT32_MAX_ = 0x7fffffff;
+
+// ldmatrix from a 32-bit shared address (constant offsets fold into the instruction).
+__device__ __forceinline__ void ldsm_x4_s(unsigned (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_ts(unsigned (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void sts32(unsigned a, unsigned x) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(x) : "memory");
+}
+__device__ __forceinline__ void cp_async16_s(unsigned s, const void* g, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Copies rows [row0, row0 + R) of a [len, D] slab (row stride `ld`, rows at or past len
+// zero-filled) into a padded shared tile at shared address `s`; NT threads. When NT is a multiple
+// of the 16-byte chunks per row, a thread's chunks sit in one column, NT/CPR rows apart: one
+// 64-bit address per tile, then adds (`load_rows` multiplies per chunk).
+template <int R, int NT>
+__device__ __forceinline__ void copy_tile(unsigned s, const T* __restrict__ g, i64 ld, int row0,
+                                          int len) {
+  constexpr int CPR = D / 8, CH = R * CPR / NT;
+  static_assert((R * CPR) % NT == 0, "whole chunks per thread");
+  if constexpr (NT % CPR == 0) {
+    constexpr int RSTEP = NT / CPR;
+    const int r0 = threadIdx.x / CPR, c0 = (threadIdx.x % CPR) * 8;
+    const unsigned s0 = s + (unsigned)(r0 * LDS + c0) * sizeof(T);
+    const T* p = g + (i64)(row0 + r0) * ld + c0;
+    const i64 pstep = (i64)RSTEP * ld;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const bool ok = row0 + r0 + i * RSTEP < len;
+      cp_async16_s(s0 + i * RSTEP * ROWB, ok ? p : g, ok);
+      p += pstep;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const int e = threadIdx.x + i * NT;
+      const int r = e / CPR, c = (e % CPR) * 8;
+      const bool ok = row0 + r < len;
+      cp_async16_s(s + (unsigned)(r * LDS + c) * sizeof(T), ok ? g + (i64)(row0 + r) * ld + c : g,
+                   ok);
+    }
+  }
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 
 // 4 warps × 32 query rows (two m16 tiles per warp, FE_FWD_MT = 2): every K/V fragment a warp loads from shared
@@ -199,7 +261,10 @@ struct ScoreMap {
 #endif
 constexpr int F_MT = FE_FWD_MT;  // m16 tiles per warp
 constexpr int F_BM = 128, F_WARPS = F_BM / (16 * F_MT), F_NT = F_WARPS * 32;
-constexpr int F_BN = (F_MT == 2 && D > 64) ? 32 : 64;
+#ifndef FE_FWD_BN
+#define FE_FWD_BN ((F_MT == 2 && D > 64) ? 32 : 64)
+#endif
+constexpr int F_BN = FE_FWD_BN;
 // Lazy rescaling's threshold (log2 domain): p ≤ 2^8 between rescales (FlashAttention-4's choice).
 constexpr float F_LAZY = 8.f;
 
@@ -209,6 +274,9 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const int* __restrict__ cu_k, int hq, int hkv, int max_sq, int max_sk, Strides qs,
           Strides ks, Strides vs, Strides os, i64 lse_rows, i64 wl, i64 wr, ScoreMap smap) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The host sizes shared memory from its copy of the tile shape (flash.rs fwd_tile): a
+  // mismatch must fail loudly, not run past the allocation.
+  if (dynamic_smem_bytes() < (F_BM + 4 * F_BN) * ROWB) __trap();
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + F_BM * LDS;      // [2][F_BN][LDS]
   T* sV = sK + 2 * F_BN * LDS;  // [2][F_BN][LDS]
@@ -225,20 +293,52 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const T* qb = q + (cu_q ? 0 : (i64)b * qs.b) + sq.start * qs.s + (i64)h * qs.h;
   const T* kb = k + (cu_k ? 0 : (i64)b * ks.b) + sk.start * ks.s + (i64)hk * ks.h;
   const T* vb = v + (cu_k ? 0 : (i64)b * vs.b) + sk.start * vs.s + (i64)hk * vs.h;
-  T* ob = o + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)h * os.h;
   const i64 off = sk.len - sq.len;
+  // What the loop's copies and the final store need of the block's geometry is kept in shared
+  // memory, not in registers: at head dim 128 the two accumulator sets leave none to spare, and
+  // a few shared loads per tile cost less than the spills (ptxas keeps derived values live).
+  __shared__ struct {
+    const T* kb;
+    const T* vb;
+    T* ob;
+    i64 ks, vs, os, lse0;  // row strides; the lse index of row 0
+    int sq_len, sk;        // sequence lengths
+    int wl, wr;            // window (−1: unbounded)
+    int full_lo, full_hi;  // the tiles with no per-element mask (see below)
+  } blk;
+  if (threadIdx.x == 0) {
+    blk.kb = kb;
+    blk.vb = vb;
+    blk.ob = o + (cu_q ? 0 : (i64)b * os.b) + sq.start * os.s + (i64)h * os.h;
+    blk.ks = ks.s;
+    blk.vs = vs.s;
+    blk.os = os.s;
+    blk.lse0 = cu_q ? (i64)h * lse_rows + sq.start : ((i64)b * hq + h) * (i64)max_sq;
+    blk.sq_len = (int)sq.len;
+  }
 
   i64 lo, hi;
   key_range(m0, min(m0 + F_BM, sq.len), sq.len, sk.len, wl, wr, lo, hi);
   const i64 nb_lo = lo / F_BN, nb_hi = hi > lo ? (hi + F_BN - 1) / F_BN : nb_lo;
 
-  load_rows<F_BM, F_NT>(sQ, qb, qs.s, m0, sq.len);
+  // Shared addresses as 32-bit values: a fragment load is then one register plus a constant
+  // offset folded into LDSM (the generic-pointer form cost a LEA per load).
+  const unsigned aQ = smem_u32(sQ), aK = smem_u32(sK), aV = smem_u32(sV);
+  constexpr unsigned KV_STAGE = F_BN * ROWB;  // bytes between the two K (or V) stages
+  const int skn = (int)sk.len;
+  copy_tile<F_BM, F_NT>(aQ, qb, qs.s, (int)m0, (int)sq.len);
   cp_async_commit();
   if (nb_lo < nb_hi) {
-    load_rows<F_BN, F_NT>(sK, kb, ks.s, nb_lo * F_BN, sk.len);
-    load_rows<F_BN, F_NT>(sV, vb, vs.s, nb_lo * F_BN, sk.len);
+    copy_tile<F_BN, F_NT>(aK, kb, ks.s, (int)(nb_lo * F_BN), skn);
+    copy_tile<F_BN, F_NT>(aV, vb, vs.s, (int)(nb_lo * F_BN), skn);
   }
   cp_async_commit();
+  // This lane's ldmatrix rows and columns (bytes): Q rows lane & 15 of each m16 tile, column
+  // half lane >> 4; K rows (lane & 7) + 8·(lane >> 4), column half (lane >> 3) & 1; V (transposed
+  // load) rows (lane & 7) + 8·((lane >> 3) & 1), column half lane >> 4.
+  const unsigned q_lane = aQ + ((warp * 16 * F_MT + (lane & 15)) * LDS + (lane >> 4) * 8) * sizeof(T);
+  const unsigned k_lane = ((lane & 7) + ((lane >> 4) << 3)) * ROWB + ((lane >> 3) & 1) * 16;
+  const unsigned v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * ROWB + (lane >> 4) * 16;
 
   float acc[F_MT][D / 8][4];
 #pragma unroll
@@ -251,24 +351,34 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const i64 row_w = m0 + warp * 16 * F_MT + g;  // rows row_w + 16·mt + 8·r
   // Without soft-cap the scale is folded into the exponent: p = 2^(s·c − max·c), one FFMA.
   const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
-  // The mask in 32-bit arithmetic (positions < 2³¹; windows wider than that are unbounded):
-  // fewer live registers than the 64-bit form, which this kernel is short of at head dim 128.
-  const int off32 = (int)off, sk32 = (int)sk.len;
-  const int wl32 = (wl < 0 || wl > 0x7fffffff) ? -1 : (int)wl;
-  const int wr32 = (wr < 0 || wr > 0x7fffffff) ? -1 : (int)wr;
-  const int row32 = (int)row_w;
+  // The mask in 32-bit arithmetic (positions < 2³¹; windows wider than that are unbounded),
+  // its block-wide values in blk: fewer live registers, which this kernel is short of at head
+  // dim 128. rpos32: the position (bottom-right aligned) of this lane's first row.
+  const int rpos32 = (int)(row_w + off);
+  const int nhi = (int)nb_hi;
+  int st = 0;  // the ring stage of the tile being computed
+  if (threadIdx.x == 0) {
+    const i64 p_lo = m0 + off, p_hi = min(m0 + F_BM, sq.len) - 1 + off;
+    blk.wl = (wl < 0 || wl > 0x7fffffff) ? -1 : (int)wl;
+    blk.wr = (wr < 0 || wr > 0x7fffffff) ? -1 : (int)wr;
+    blk.sk = (int)sk.len;
+    // Tiles starting in [full_lo, full_hi] need no per-element mask: every key of the tile
+    // exists and is inside every row's window.
+    blk.full_lo = (int)max((i64)INT32_MIN_, wl < 0 ? (i64)INT32_MIN_ : p_hi - wl);
+    blk.full_hi = (int)min(sk.len - F_BN, wr < 0 ? sk.len : p_lo + wr - (F_BN - 1));
+  }
+  __syncthreads();  // blk is written
 
-  for (i64 nb = nb_lo; nb < nb_hi; ++nb) {
-    const int st = (int)((nb - nb_lo) & 1);
-    if (nb + 1 < nb_hi) {
-      load_rows<F_BN, F_NT>(sK + (st ^ 1) * F_BN * LDS, kb, ks.s, (nb + 1) * F_BN, sk.len);
-      load_rows<F_BN, F_NT>(sV + (st ^ 1) * F_BN * LDS, vb, vs.s, (nb + 1) * F_BN, sk.len);
+  for (int nb = (int)nb_lo; nb < nhi; ++nb, st ^= 1) {
+    if (nb + 1 < nhi) {
+      copy_tile<F_BN, F_NT>(aK + (st ^ 1) * KV_STAGE, blk.kb, blk.ks, (nb + 1) * F_BN, blk.sk);
+      copy_tile<F_BN, F_NT>(aV + (st ^ 1) * KV_STAGE, blk.vb, blk.vs, (nb + 1) * F_BN, blk.sk);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this tile's K and V (and Q, the first time) have landed
     __syncthreads();
-    const T* cK = sK + st * F_BN * LDS;
-    const T* cV = sV + st * F_BN * LDS;
+    const unsigned cK = aK + st * KV_STAGE + k_lane;
+    const unsigned cV = aV + st * KV_STAGE + v_lane;
 
     // S = Q·Kᵀ for 32 rows × 64 keys per warp.
     float s[F_MT][F_BN / 8][4];
@@ -281,12 +391,11 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
       unsigned qf[F_MT][4];
 #pragma unroll
       for (int mt = 0; mt < F_MT; ++mt)
-        ldsm_x4(qf[mt], sQ + (warp * 16 * F_MT + mt * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+        ldsm_x4_s(qf[mt], q_lane + mt * 16 * ROWB + kk * 32);
 #pragma unroll
       for (int np = 0; np < F_BN / 16; ++np) {
         unsigned r[4];
-        ldsm_x4(r, cK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 +
-                       ((lane >> 3) & 1) * 8);
+        ldsm_x4_s(r, cK + np * 16 * ROWB + kk * 32);
 #pragma unroll
         for (int mt = 0; mt < F_MT; ++mt) {
           mma(s[mt][2 * np], qf[mt], r[0], r[1]);
@@ -297,10 +406,8 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     // Soft-cap and mask. A tile needs the per-element mask only where it crosses the end of the
     // keys or a window edge for some row of the block.
-    const i64 n0 = nb * F_BN;
-    const i64 pos_min = m0 + off, pos_max = min(m0 + F_BM, sq.len) - 1 + off;
-    const bool full = n0 + F_BN <= sk.len && (wl < 0 || n0 >= pos_max - wl) &&
-                      (wr < 0 || n0 + F_BN - 1 <= pos_min + wr);
+    const int n0 = nb * F_BN;
+    const bool full = n0 >= blk.full_lo && n0 <= blk.full_hi;
     if (FE_SOFTCAP) {
 #pragma unroll
       for (int mt = 0; mt < F_MT; ++mt)
@@ -317,9 +424,10 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           // Visible keys of this row, relative to the tile: [jlo, jhi].
-          const int pos = row32 + 16 * mt + e2 * 8 + off32 - (int)n0;
+          const int pos = rpos32 + 16 * mt + e2 * 8 - n0;
+          const int wl32 = blk.wl, wr32 = blk.wr;
           const int jlo = wl32 >= 0 ? pos - wl32 : -0x7fffffff;
-          const int jhi = min(sk32 - 1 - (int)n0, wr32 >= 0 ? pos + wr32 : 0x7fffffff);
+          const int jhi = min(blk.sk - 1 - n0, wr32 >= 0 ? pos + wr32 : 0x7fffffff);
 #pragma unroll
           for (int nt = 0; nt < F_BN / 8; ++nt)
 #pragma unroll
@@ -370,6 +478,10 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           }
         }
     }
+    // P = 2^(s·c − m) packed to 16 bits as soon as it is computed, straight into P·V's A
+    // fragments (half the registers of the f32 scores they replace; no moves): fragment kk of an
+    // m16 tile holds rows g, g + 8 of keys 16kk + 2t, +1 (regs 0, 1) and 16kk + 8 + 2t, +1 (2, 3).
+    unsigned pa[F_MT][F_BN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < F_MT; ++mt)
 #pragma unroll
@@ -378,9 +490,10 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < F_BN / 8; ++nt) {
-          s[mt][nt][2 * r] = exp2_fast(fmaf(s[mt][nt][2 * r], mul, -base));
-          s[mt][nt][2 * r + 1] = exp2_fast(fmaf(s[mt][nt][2 * r + 1], mul, -base));
-          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+          const float p0 = exp2_fast(fmaf(s[mt][nt][2 * r], mul, -base));
+          const float p1 = exp2_fast(fmaf(s[mt][nt][2 * r + 1], mul, -base));
+          sum += p0 + p1;
+          pa[mt][nt / 2][(nt & 1) * 2 + r] = pack2(p0, p1);
         }
         l_run[mt][r] += sum;  // per-lane partial; the quad is summed at the end
       }
@@ -389,23 +502,14 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     // fragment feeding both m16 tiles.
 #pragma unroll
     for (int kk = 0; kk < F_BN / 16; ++kk) {
-      unsigned a[F_MT][4];
-#pragma unroll
-      for (int mt = 0; mt < F_MT; ++mt) {
-        a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned r[4];
-        ldsm_x4_t(r, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 +
-                         (lane >> 4) * 8);
+        ldsm_x4_ts(r, cV + kk * 16 * ROWB + dp * 32);
 #pragma unroll
         for (int mt = 0; mt < F_MT; ++mt) {
-          mma(acc[mt][2 * dp], a[mt], r[0], r[1]);
-          mma(acc[mt][2 * dp + 1], a[mt], r[2], r[3]);
+          mma(acc[mt][2 * dp], pa[mt][kk], r[0], r[1]);
+          mma(acc[mt][2 * dp + 1], pa[mt][kk], r[2], r[3]);
         }
       }
     }
@@ -423,17 +527,15 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const i64 row = row_w + 16 * mt + r * 8;
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      if (row < sq.len) {
-        T* orow = ob + row * os.s;
+      if (row < blk.sq_len) {
+        T* orow = blk.ob + row * blk.os;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
           *reinterpret_cast<unsigned*>(orow + dt * 8 + 2 * t) =
               pack2(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
         if (t == 0) {
           const float val = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : -INFINITY;
-          const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + row
-                               : ((i64)b * hq + h) * (i64)max_sq + row;
-          lse[idx] = val;
+          lse[blk.lse0 + row] = val;
         }
       }
     }
@@ -824,8 +926,6 @@ constexpr int U_QN = D / 16 / U_WGN;       // 16-column groups per warp
 static_assert(U_BM % 32 == 0 && U_BM % (16 * U_QM) == 0 && U_WARPS % U_WGM == 0 &&
                   (D / 16) % U_WGN == 0 && U_QN >= 1,
               "FE_BWD_* geometry does not tile dQ_tile");
-constexpr int INT32_MIN_ = -0x7fffffff - 1, INT32_MAX_ = 0x7fffffff;
-constexpr unsigned ROWB = LDS * sizeof(T);     // bytes per padded K/V/Q/dO row
 constexpr unsigned ROWT = U_LDT * sizeof(T);   // bytes per padded dSᵀ row
 
 // acc[0] += x, acc[1] += y in global memory (8-byte aligned), no return value.
@@ -837,59 +937,6 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(y) : "memory");
 #endif
 }
-// ldmatrix from a 32-bit shared address (constant offsets fold into the instruction).
-__device__ __forceinline__ void ldsm_x4_s(unsigned (&r)[4], unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_ts(unsigned (&r)[4], unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void sts32(unsigned a, unsigned x) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(x) : "memory");
-}
-__device__ __forceinline__ void cp_async16_s(unsigned s, const void* g, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// Copies rows [row0, row0 + R) of a [len, D] slab (row stride `ld`, rows at or past len
-// zero-filled) into a padded shared tile at shared address `s`; NT threads. When NT is a multiple
-// of the 16-byte chunks per row, a thread's chunks sit in one column, NT/CPR rows apart: one
-// 64-bit address per tile, then adds (`load_rows` multiplies per chunk).
-template <int R, int NT>
-__device__ __forceinline__ void copy_tile(unsigned s, const T* __restrict__ g, i64 ld, int row0,
-                                          int len) {
-  constexpr int CPR = D / 8, CH = R * CPR / NT;
-  static_assert((R * CPR) % NT == 0, "whole chunks per thread");
-  if constexpr (NT % CPR == 0) {
-    constexpr int RSTEP = NT / CPR;
-    const int r0 = threadIdx.x / CPR, c0 = (threadIdx.x % CPR) * 8;
-    const unsigned s0 = s + (unsigned)(r0 * LDS + c0) * sizeof(T);
-    const T* p = g + (i64)(row0 + r0) * ld + c0;
-    const i64 pstep = (i64)RSTEP * ld;
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const bool ok = row0 + r0 + i * RSTEP < len;
-      cp_async16_s(s0 + i * RSTEP * ROWB, ok ? p : g, ok);
-      p += pstep;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const int e = threadIdx.x + i * NT;
-      const int r = e / CPR, c = (e % CPR) * 8;
-      const bool ok = row0 + r < len;
-      cp_async16_s(s + (unsigned)(r * LDS + c) * sizeof(T), ok ? g + (i64)(row0 + r) * ld + c : g,
-                   ok);
-    }
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(U_NT, 1)
 flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
