@@ -165,4 +165,17 @@ kd=$(cd "$bundle" && pwd)/kdir
   'check-flash|200|ferrite check attention --device cuda --variant flash --json $D/check-flash.json' \
   'ab-flash|250|ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-base-16384.json; FERRITE_KERNEL_DIR='"$kd"'/head ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-head-16384.json; FERRITE_KERNEL_DIR='"$kd"'/bn64 '"$bundle"'/bin-bn64/ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-bn64-16384.json; ferrite bench attention --device cuda --dtype bf16 --variant flash --size 4096 --json $D/fl-base-4096.json' \
   || status=1; }
+# w: flash's forward with 64-key tiles at every head dim (v's bn64, now without spills: the
+# masked path rebuilds a lane's row position from threadIdx): the attention check and the bench
+# with the SDPA peers, as p.
+[[ $part == *w* ]] && { bash "$here/steps.sh" pending-w "$bundle" "${attn_steps[@]}" || status=1; }
+# x: w's kernels under compute-sanitizer memcheck (quick flash check), the committed forward
+# (kdir/head, 32-key tiles) against the new one in the same run, and the new forward's
+# per-instruction profile.
+[[ $part == *x* ]] && { bash "$here/steps.sh" pending-x "$bundle" \
+  'warm|100|ferrite kernels --arch sm_90a --only attention/flash > $D/kernels-flash.txt' \
+  'memcheck|200|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check attention --device cuda --variant flash --quick' \
+  'ab-flash|150|for v in head base; do FERRITE_KERNEL_DIR='"$kd"'/$v ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-$v-16384.json; done' \
+  "ncu-flash|150|bash $here/ncu-source.sh \$D flash-fwd flash_fwd 3 -- ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384" \
+  || status=1; }
 exit $status

@@ -209,10 +209,10 @@ pub fn default_fwd_mt(head_dim: usize) -> usize {
     2
 }
 
-/// Forward tile: (query rows, keys, threads) for a head dim and FE_FWD_MT.
-fn fwd_tile(head_dim: usize, mt: usize) -> (usize, usize, u32) {
-    let bn = if mt == 2 && head_dim > 64 { 32 } else { 64 };
-    (128, bn, (128 / (16 * mt) * 32) as u32)
+/// Forward tile: (query rows, keys, threads) for FE_FWD_MT; 64-key tiles (the kernel's
+/// FE_FWD_BN) at every head dim. The kernel traps if given less shared memory than this implies.
+fn fwd_tile(mt: usize) -> (usize, usize, u32) {
+    (128, 64, (128 / (16 * mt) * 32) as u32)
 }
 
 pub fn kernel_specs() -> Vec<KernelSpec> {
@@ -235,13 +235,9 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
                     });
                 }
                 if hd == 128 {
-                    // (The soft-capped forward is not listed: it spills 12 bytes at sm_90a, a
-                    // known cost of that rare path.)
                     v.push(KernelSpec {
                         program: program(d, hd, true, default_fwd_mt(hd), BwdGeom::default_for(hd)),
-                        functions: ["flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_fused"]
-                            .map(String::from)
-                            .to_vec(),
+                        functions: FUNCS.iter().map(|s| s.to_string()).collect(),
                         min_arch: Arch::SM80,
                     });
                 }
@@ -254,7 +250,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 fn smem_bytes(head_dim: usize, dtype: DType, fwd_mt: usize) -> [u32; 3] {
     let lds = head_dim + 8;
     let es = dtype.size_in_bytes();
-    let (bm, bn, _) = fwd_tile(head_dim, fwd_mt);
+    let (bm, bn, _) = fwd_tile(fwd_mt);
     [
         ((bm + 4 * bn) * lds * es) as u32,
         ((2 * KV_BN + 4 * KV_BM) * lds * es + 4 * KV_BM * 4) as u32,
@@ -388,7 +384,7 @@ pub(super) fn forward_with(
     varlen: Option<&Varlen>,
 ) -> Result<()> {
     let [smem, _, _] = smem_bytes(p.head_dim, p.dtype, mt);
-    let (bm, _, threads) = fwd_tile(p.head_dim, mt);
+    let (bm, _, threads) = fwd_tile(mt);
     let kern = kernel(
         dev,
         p,

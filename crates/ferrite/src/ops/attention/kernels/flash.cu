@@ -254,15 +254,17 @@ __device__ __forceinline__ void copy_tile(unsigned s, const T* __restrict__ g, i
 // memory feeds two MMAs, which halves the shared-memory traffic per FLOP compared with 16 rows
 // per warp (at 16 rows the kernel was bound by ldmatrix bandwidth on the H100). Q fragments are
 // re-read from shared memory per k-step instead of being held (registers go to the accumulators).
-// FE_FWD_MT = 1 keeps the earlier shape (8 warps × 16 rows, 64-key tiles) for comparison; with 2
-// and head dim 128 the key tile shrinks to 32 so the two accumulator sets fit in 255 registers.
+// FE_FWD_MT = 1 keeps the earlier shape (8 warps × 16 rows) for comparison. Keys come in tiles of
+// 64 (FE_FWD_BN; FA2's shape): at head dim 128 the two accumulator sets, 64 scores per lane and
+// the loop fit in 255 registers only since the block's geometry moved to shared memory and the
+// loop to 32-bit values (32-key tiles before: 0.93× FA2 at S16384 D128, then 1.09×, pending-w).
 #ifndef FE_FWD_MT
 #define FE_FWD_MT 2
 #endif
 constexpr int F_MT = FE_FWD_MT;  // m16 tiles per warp
 constexpr int F_BM = 128, F_WARPS = F_BM / (16 * F_MT), F_NT = F_WARPS * 32;
 #ifndef FE_FWD_BN
-#define FE_FWD_BN ((F_MT == 2 && D > 64) ? 32 : 64)
+#define FE_FWD_BN 64
 #endif
 constexpr int F_BN = FE_FWD_BN;
 // Lazy rescaling's threshold (log2 domain): p ≤ 2^8 between rescales (FlashAttention-4's choice).
@@ -303,6 +305,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     T* ob;
     i64 ks, vs, os, lse0;  // row strides; the lse index of row 0
     int sq_len, sk;        // sequence lengths
+    int p0;                // position (bottom-right aligned) of the block's first query row
     int wl, wr;            // window (−1: unbounded)
     int full_lo, full_hi;  // the tiles with no per-element mask (see below)
   } blk;
@@ -353,8 +356,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
   // The mask in 32-bit arithmetic (positions < 2³¹; windows wider than that are unbounded),
   // its block-wide values in blk: fewer live registers, which this kernel is short of at head
-  // dim 128. rpos32: the position (bottom-right aligned) of this lane's first row.
-  const int rpos32 = (int)(row_w + off);
+  // dim 128 (a lane's row position is rebuilt from threadIdx in the masked path).
   const int nhi = (int)nb_hi;
   int st = 0;  // the ring stage of the tile being computed
   if (threadIdx.x == 0) {
@@ -362,6 +364,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     blk.wl = (wl < 0 || wl > 0x7fffffff) ? -1 : (int)wl;
     blk.wr = (wr < 0 || wr > 0x7fffffff) ? -1 : (int)wr;
     blk.sk = (int)sk.len;
+    blk.p0 = (int)(m0 + off);
     // Tiles starting in [full_lo, full_hi] need no per-element mask: every key of the tile
     // exists and is inside every row's window.
     blk.full_lo = (int)max((i64)INT32_MIN_, wl < 0 ? (i64)INT32_MIN_ : p_hi - wl);
@@ -424,7 +427,8 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           // Visible keys of this row, relative to the tile: [jlo, jhi].
-          const int pos = rpos32 + 16 * mt + e2 * 8 - n0;
+          const int lane_row = (int)(threadIdx.x >> 5) * 16 * F_MT + (int)((threadIdx.x & 31) >> 2);
+          const int pos = blk.p0 + lane_row + 16 * mt + e2 * 8 - n0;
           const int wl32 = blk.wl, wr32 = blk.wr;
           const int jlo = wl32 >= 0 ? pos - wl32 : -0x7fffffff;
           const int jhi = min(blk.sk - 1 - n0, wr32 >= 0 ? pos + wr32 : 0x7fffffff);
