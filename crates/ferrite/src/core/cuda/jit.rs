@@ -463,7 +463,10 @@ mod tests {
             "embedded"
         );
         let err = source_text_in(&OTHER, d).unwrap_err().to_string();
-        assert!(err.contains("FERRITE_KERNEL_DIR") && err.contains("other.cu"), "{err}");
+        assert!(
+            err.contains("FERRITE_KERNEL_DIR") && err.contains("other.cu"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
