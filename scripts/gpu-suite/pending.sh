@@ -178,4 +178,13 @@ kd=$(cd "$bundle" && pwd)/kdir
   'ab-flash|150|for v in head base; do FERRITE_KERNEL_DIR='"$kd"'/$v ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384 --json $D/fl-$v-16384.json; done' \
   "ncu-flash|150|bash $here/ncu-source.sh \$D flash-fwd flash_fwd 3 -- ferrite bench attention --device cuda --dtype bf16 --variant flash --size 16384" \
   || status=1; }
+# y: issue 3's targets in one run after warptile's rework: every matmul variant checked, the
+# whole ladder at 4096³ (every dtype, with the chart), the fast rungs at 8192³, the LLM shapes.
+[[ $part == *y* ]] && { bash "$here/steps.sh" pending-y "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul > $D/kernels-matmul.txt' \
+  'check-matmul|200|ferrite check matmul --device cuda --json $D/check-matmul.json' \
+  'bench-4096|150|ferrite bench matmul --device cuda --size 4096 --json $D/bench-4096.json --plot $D/ladder-4096.svg' \
+  'bench-8192|120|ferrite bench matmul --device cuda --size 8192 --variant wgmma --variant warptile --variant vectorized --json $D/bench-8192.json' \
+  'bench-llm|100|for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/bench-llm-$1-$2.json || exit 1; done' \
+  || status=1; }
 exit $status

@@ -555,11 +555,11 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
             }
         },
     )?;
-    if opts.variant.is_none() && v.name == "warptile" {
-        // Not yet clearly faster than its predecessor (H100, 2026-11-23: 0.75× cuBLAS fp32 at
-        // 4096³ against `vectorized`'s 0.74×; earlier versions 0.67–0.68×; docs/matmul.md), and
-        // its 256×128 tiles, one block per SM, fill the GPU only from larger shapes: the default
-        // stays on `vectorized` while `warptile` remains on the ladder, checked and benched.
+    if opts.variant.is_none() && v.name == "warptile" && !warptile_fills(g) {
+        // `warptile` leads where measured (H100, 2026-11-24: 0.81× / 0.82× cuBLAS fp32 at 4096³ /
+        // 8192³ against `vectorized`'s 0.74×; docs/matmul.md), but its 256×128 tiles, one block
+        // per SM, fill the GPU only from large outputs: below that the default stays on
+        // `vectorized` (128×128 tiles, two blocks per SM).
         if let Some(fast) = vs
             .iter()
             .find(|x| x.name == F32_DEFAULT && x.backend == v.backend)
@@ -570,8 +570,19 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
     Ok(v.clone())
 }
 
-/// The fp32 SIMT rung the default selection runs on CUDA (see `select`).
+/// The fp32 SIMT rung the default selection runs on CUDA below `warptile`'s size (see `select`).
 pub const F32_DEFAULT: &str = "vectorized";
+
+/// Outputs (m·n·batch) from which the default f32 selection takes `warptile`: 4096², the
+/// smallest square measured ahead (3.9 waves of its 256×128 tiles on an H100).
+pub const WARPTILE_MIN_OUTPUTS: u64 = 4096 * 4096;
+
+fn warptile_fills(g: &Gemm) -> bool {
+    (g.m as u64)
+        .saturating_mul(g.n as u64)
+        .saturating_mul(g.batch as u64)
+        >= WARPTILE_MIN_OUTPUTS
+}
 
 /// out = α·a·b + β·out, into a caller-provided output.
 pub fn matmul_into(a: &Tensor, b: &Tensor, out: &Tensor, opts: &MatmulOptions) -> Result<()> {

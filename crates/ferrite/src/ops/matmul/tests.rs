@@ -245,3 +245,31 @@ fn linear_keeps_its_layout_on_degenerate_shapes() {
         assert!(g.b.trans && !g.a.trans, "n {n} k {k}: {g:?}");
     }
 }
+
+/// The default f32 selection takes `warptile` from 4096² outputs (batches counted), and the
+/// product cannot overflow into a small number.
+#[test]
+fn warptile_is_the_f32_default_only_for_large_outputs() {
+    let op = Operand {
+        ld: 1,
+        trans: false,
+        batch_stride: 0,
+    };
+    let g = |batch, m, n| Gemm {
+        batch,
+        m,
+        n,
+        k: 7,
+        a: op,
+        b: op,
+        c: op,
+        dtype: DType::F32,
+        device: Device::Cpu,
+    };
+    assert!(warptile_fills(&g(1, 4096, 4096)));
+    assert!(warptile_fills(&g(4, 2048, 2048)));
+    assert!(!warptile_fills(&g(1, 4095, 4096)));
+    assert!(!warptile_fills(&g(3, 2048, 2048)));
+    assert!(!warptile_fills(&g(1, 127, 255)));
+    assert!(warptile_fills(&g(usize::MAX, usize::MAX, 2)));
+}
