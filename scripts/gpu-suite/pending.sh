@@ -197,4 +197,12 @@ kd=$(cd "$bundle" && pwd)/kdir
   'warm|150|rm -f ${FERRITE_CACHE_DIR:-/tmp/ferrite-cache}/tune.json; ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-matmul.txt' \
   'bench|300|for r in 1 2; do ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 4096 --json $D/b4096-$r.json; ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --json $D/b8192-$r.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/llm-$1-$2-$r.json; done; done; cat ${FERRITE_CACHE_DIR:-/tmp/ferrite-cache}/tune.json > $D/tune.json' \
   || status=1; }
+# A: z again with the matmul bench timing every variant and both cuBLAS peers in alternating
+# rounds (harness::bench::time_gpu_alternating, 3 rounds): the ratio no longer depends on which
+# of the two ran first after the tuner or after an idle GPU. Twice in separate processes (the
+# first tunes), then the fp32 and tf32 rows at 4096³.
+[[ $part == *A* ]] && { bash "$here/steps.sh" pending-A "$bundle" \
+  'warm|150|rm -f ${FERRITE_CACHE_DIR:-/tmp/ferrite-cache}/tune.json; ferrite kernels --arch sm_90a --only matmul > $D/kernels-matmul.txt' \
+  'bench|400|for r in 1 2; do ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 4096 --json $D/b4096-$r.json; ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --json $D/b8192-$r.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/llm-$1-$2-$r.json; done; done; ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --variant wgmma --size 4096 --json $D/f32-4096.json' \
+  || status=1; }
 exit $status

@@ -108,8 +108,45 @@ pub fn time_gpu(
     dev: &CudaDevice,
     stream: &Stream,
     budget: Budget,
-    mut f: impl FnMut(usize) -> Result<()>,
+    f: impl FnMut(usize) -> Result<()>,
 ) -> Result<Stats> {
+    Ok(Stats::from_samples(time_gpu_samples(dev, stream, budget, f)?))
+}
+
+/// Times several launches under the same clock history: `rounds` rounds, each timing every
+/// closure in turn with a `rounds`-th of the budget, the samples pooled per closure. A peer
+/// timed once after ours runs under a different GPU clock and power state than ours did (the
+/// H100 drifts by ~10 % over the first second of load), which biases the ratio either way.
+pub fn time_gpu_alternating(
+    dev: &CudaDevice,
+    stream: &Stream,
+    budget: Budget,
+    rounds: usize,
+    fs: &mut [&mut dyn FnMut(usize) -> Result<()>],
+) -> Result<Vec<Stats>> {
+    let rounds = rounds.max(1);
+    let per_round = Budget {
+        warmup: budget.warmup,
+        min_reps: budget.min_reps.div_ceil(rounds).max(1),
+        max_reps: budget.max_reps.div_ceil(rounds).max(1),
+        target: budget.target / rounds as u32,
+    };
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); fs.len()];
+    for _ in 0..rounds {
+        for (k, f) in fs.iter_mut().enumerate() {
+            samples[k].extend(time_gpu_samples(dev, stream, per_round, |i| f(i))?);
+        }
+    }
+    Ok(samples.into_iter().map(Stats::from_samples).collect())
+}
+
+/// The per-repeat times (ms) of `time_gpu`.
+fn time_gpu_samples(
+    dev: &CudaDevice,
+    stream: &Stream,
+    budget: Budget,
+    mut f: impl FnMut(usize) -> Result<()>,
+) -> Result<Vec<f64>> {
     for i in 0..budget.warmup {
         f(i)?;
     }
@@ -130,11 +167,7 @@ pub fn time_gpu(
         f(i + 1)?;
         t.stop(stream)?;
     }
-    let samples = timers
-        .iter()
-        .map(|t| t.elapsed_ms())
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Stats::from_samples(samples))
+    timers.iter().map(|t| t.elapsed_ms()).collect()
 }
 
 /// How many input sets to rotate through so one pass over them exceeds the L2 (×2 for margin),

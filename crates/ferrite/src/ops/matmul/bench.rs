@@ -7,7 +7,9 @@ use crate::core::cuda::{device, CudaDevice};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
-use crate::core::harness::bench::{relate, rotation_sets, time_cpu, time_gpu, BenchRecord, Budget};
+use crate::core::harness::bench::{
+    relate, rotation_sets, time_cpu, time_gpu_alternating, BenchRecord, Budget,
+};
 use crate::core::harness::{BenchConfig, Ceilings, Precision};
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
@@ -195,6 +197,10 @@ fn gpu_sets(
 
 /// The GPU groups: (input dtype, precision, label in the records). tf32 is f32 storage run by the
 /// tensor-core variants, against cuBLAS with CUBLAS_COMPUTE_32F_FAST_TF32.
+/// Rounds of `time_gpu_alternating`: every variant and peer of a shape is timed in each round,
+/// in turn, so none runs under a clock history the others did not share.
+const TIMING_ROUNDS: usize = 3;
+
 const GPU_GROUPS: [(DType, Precision, &str); 4] = [
     (DType::F32, Precision::F32, "f32"),
     (DType::F32, Precision::Tf32, "tf32"),
@@ -270,20 +276,58 @@ fn bench_gpu(
                     })
                 })
                 .collect::<Result<_>>()?;
-            let mut group = Vec::new();
+            // Plans first (`wgmma` runs its tuned configuration, timed here at the shape's first
+            // use and remembered in tune.json, which the config column names), then every
+            // variant and both vendor peers timed in alternating rounds under one clock history.
+            let mut plans = Vec::new();
             for vname in runs {
                 progress(&format!("matmul {d} {vname} {label} {}", g.label()));
-                // `wgmma` runs its tuned configuration (timed here at the shape's first use,
-                // remembered in tune.json), which the config column names.
                 let (l, tuned) = if vname == "wgmma" {
                     let c = mm_cuda::wg_tuned(&g, ptrs[0], dev, &stream)?;
                     (mm_cuda::plan_with(vname, &g, dev, c)?, Some(c))
                 } else {
                     (mm_cuda::plan(vname, &g, dev)?, None)
                 };
-                let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
-                    mm_cuda::launch(&l, &g, ptrs[i % ptrs.len()], 1.0, 0.0, &stream)
-                })?;
+                plans.push((vname, l, tuned));
+            }
+            // The second vendor peer: cuBLASLt with its heuristic's pick, planned once. A
+            // failure (no libcublasLt, no algorithm) leaves the row out rather than the group.
+            let lt = match mm_cuda::LtPlan::new(dev, &g, prec, &stream) {
+                Ok(plan) => Some(plan),
+                Err(e) => {
+                    progress(&format!("matmul {d} cublaslt {label}: skipped ({e})"));
+                    None
+                }
+            };
+            progress(&format!("matmul {d} timing {label} {} (alternating rounds)", g.label()));
+            let n = ptrs.len();
+            let mut ours: Vec<Box<dyn FnMut(usize) -> Result<()> + '_>> = plans
+                .iter()
+                .map(|(_, l, _)| {
+                    let (g, ptrs, stream) = (&g, &ptrs, &stream);
+                    Box::new(move |i: usize| mm_cuda::launch(l, g, ptrs[i % n], 1.0, 0.0, stream))
+                        as Box<dyn FnMut(usize) -> Result<()>>
+                })
+                .collect();
+            let mut cublas =
+                |i: usize| mm_cuda::cublas(dev, &g, ptrs[i % n], 1.0, 0.0, prec, &stream);
+            let mut cublaslt = |i: usize| match &lt {
+                Some(plan) => plan.run(ptrs[i % n], 1.0, 0.0),
+                None => Ok(()),
+            };
+            let mut fs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
+                ours.iter_mut().map(|f| f.as_mut() as _).collect();
+            fs.push(&mut cublas);
+            if lt.is_some() {
+                fs.push(&mut cublaslt);
+            }
+            let mut stats =
+                time_gpu_alternating(dev, &stream, Budget::gpu(), TIMING_ROUNDS, &mut fs)?
+                    .into_iter();
+            drop(fs);
+            drop(ours);
+            let mut group = Vec::new();
+            for (vname, l, tuned) in &plans {
                 let mut r = BenchRecord::new(
                     d,
                     &name,
@@ -291,7 +335,7 @@ fn bench_gpu(
                     vname,
                     dtype,
                     g.label(),
-                    stats,
+                    stats.next().expect("one Stats per closure"),
                     g.flops(),
                     g.min_bytes(0.0),
                 );
@@ -303,10 +347,6 @@ fn bench_gpu(
                 };
                 group.push(r);
             }
-            progress(&format!("matmul {d} cublas {label} {}", g.label()));
-            let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
-                mm_cuda::cublas(dev, &g, ptrs[i % ptrs.len()], 1.0, 0.0, prec, &stream)
-            })?;
             let peer = |variant: &str, stats, config: String| {
                 let mut r = BenchRecord::new(
                     d,
@@ -326,7 +366,7 @@ fn bench_gpu(
             };
             group.push(peer(
                 "cublas",
-                stats,
+                stats.next().expect("one Stats per closure"),
                 format!(
                     "cublasGemmStridedBatchedEx, {} compute",
                     match prec {
@@ -336,18 +376,9 @@ fn bench_gpu(
                     }
                 ),
             ));
-            // The second vendor peer: cuBLASLt with its heuristic's pick, planned once. A
-            // failure (no libcublasLt, no algorithm) leaves the row out rather than the group.
-            progress(&format!("matmul {d} cublaslt {label} {}", g.label()));
-            let lt = mm_cuda::LtPlan::new(dev, &g, prec, &stream).and_then(|plan| {
-                let stats = time_gpu(dev, &stream, Budget::gpu(), |i| {
-                    plan.run(ptrs[i % ptrs.len()], 1.0, 0.0)
-                })?;
-                Ok((stats, plan.config.clone()))
-            });
-            match lt {
-                Ok((stats, config)) => group.push(peer("cublaslt", stats, config)),
-                Err(e) => progress(&format!("matmul {d} cublaslt {label}: skipped ({e})")),
+            if let Some(plan) = &lt {
+                let s = stats.next().expect("one Stats per closure");
+                group.push(peer("cublaslt", s, plan.config.clone()));
             }
             let ceiling_label = format!("cuBLAS {cube}³");
             let ceiling = ceilings
