@@ -110,7 +110,9 @@ pub fn time_gpu(
     budget: Budget,
     f: impl FnMut(usize) -> Result<()>,
 ) -> Result<Stats> {
-    Ok(Stats::from_samples(time_gpu_samples(dev, stream, budget, f)?))
+    Ok(Stats::from_samples(time_gpu_samples(
+        dev, stream, budget, f,
+    )?))
 }
 
 /// Times several launches under the same clock history: `rounds` rounds, each timing every
@@ -134,7 +136,7 @@ pub fn time_gpu_alternating(
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); fs.len()];
     for _ in 0..rounds {
         for (k, f) in fs.iter_mut().enumerate() {
-            samples[k].extend(time_gpu_samples(dev, stream, per_round, |i| f(i))?);
+            samples[k].extend(time_gpu_samples(dev, stream, per_round, &mut **f)?);
         }
     }
     Ok(samples.into_iter().map(Stats::from_samples).collect())

@@ -299,7 +299,10 @@ fn bench_gpu(
                     None
                 }
             };
-            progress(&format!("matmul {d} timing {label} {} (alternating rounds)", g.label()));
+            progress(&format!(
+                "matmul {d} timing {label} {} (alternating rounds)",
+                g.label()
+            ));
             let n = ptrs.len();
             let mut ours: Vec<Box<dyn FnMut(usize) -> Result<()> + '_>> = plans
                 .iter()
