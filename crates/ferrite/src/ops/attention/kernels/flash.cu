@@ -257,7 +257,7 @@ __device__ __forceinline__ void copy_tile(unsigned s, const T* __restrict__ g, i
 // FE_FWD_MT = 1 keeps the earlier shape (8 warps × 16 rows) for comparison. Keys come in tiles of
 // 64 (FE_FWD_BN; FA2's shape): at head dim 128 the two accumulator sets, 64 scores per lane and
 // the loop fit in 255 registers only since the block's geometry moved to shared memory and the
-// loop to 32-bit values (32-key tiles before: 0.93× FA2 at S16384 D128, then 1.09×, pending-w).
+// loop to 32-bit values (32-key tiles before: 0.93× FA2 at S16384 D128; 1.08× since, pending-w).
 #ifndef FE_FWD_MT
 #define FE_FWD_MT 2
 #endif
