@@ -205,4 +205,9 @@ kd=$(cd "$bundle" && pwd)/kdir
   'warm|150|rm -f ${FERRITE_CACHE_DIR:-/tmp/ferrite-cache}/tune.json; ferrite kernels --arch sm_90a --only matmul > $D/kernels-matmul.txt' \
   'bench|400|for r in 1 2; do ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 4096 --json $D/b4096-$r.json; ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --json $D/b8192-$r.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/llm-$1-$2-$r.json; done; done; ferrite bench matmul --device cuda --dtype f32 --variant warptile --variant vectorized --variant wgmma --size 4096 --json $D/f32-4096.json' \
   || status=1; }
+# B: the linear bench with its backward and the two cuBLAS GEMMs timed in alternating rounds
+# (issue 4's "backward ≥ 0.9× the two cuBLAS GEMMs", 0.83-0.87 when timed one after the other).
+[[ $part == *B* ]] && { bash "$here/steps.sh" pending-B "$bundle" \
+  'bench-linear|400|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
 exit $status

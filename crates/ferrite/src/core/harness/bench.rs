@@ -115,6 +115,10 @@ pub fn time_gpu(
     )?))
 }
 
+/// Rounds a bench gives `time_gpu_alternating`: enough that each closure is timed both before
+/// and after the others.
+pub const ALTERNATING_ROUNDS: usize = 3;
+
 /// Times several launches under the same clock history: `rounds` rounds, each timing every
 /// closure in turn with a `rounds`-th of the budget, the samples pooled per closure. A peer
 /// timed once after ours runs under a different GPU clock and power state than ours did (the

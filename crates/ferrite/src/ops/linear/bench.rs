@@ -11,7 +11,10 @@ use crate::core::cuda::{device, CudaDevice};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
-use crate::core::harness::bench::{relate, time_cpu_op, time_gpu, BenchRecord, Budget, Stats};
+use crate::core::harness::bench::{
+    relate, time_cpu_op, time_gpu, time_gpu_alternating, BenchRecord, Budget, Stats,
+    ALTERNATING_ROUNDS,
+};
 use crate::core::harness::{BenchConfig, Ceilings, Precision};
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
@@ -286,8 +289,38 @@ fn bench_gpu(
                 precision: prec,
                 ..Default::default()
             };
-            progress(&format!("linear {d} backward {label} {shape_b}"));
-            let s = time_gpu(dev, &stream, Budget::gpu(), |_| l.backward(&opts))?;
+            let gx = matmul::validate(&l.dy, &l.w, &l.dx)?;
+            let gw = matmul::validate(&l.dy.t()?, &l.x, &l.dw)?;
+            let px = mmc::Ptrs {
+                a: l.dy.device_ptr()?,
+                b: l.w.device_ptr()?,
+                c: l.dx.device_ptr()?,
+            };
+            let pw = mmc::Ptrs {
+                a: l.dy.device_ptr()?,
+                b: l.x.device_ptr()?,
+                c: l.dw.device_ptr()?,
+            };
+            // Ours and the two cuBLAS GEMMs in alternating rounds: neither runs under a clock
+            // history the other did not share (timed one after the other, the first of a pair
+            // gained up to ~10 % on the H100; docs/matmul.md).
+            progress(&format!(
+                "linear {d} backward and cublas dX+dW {label} {shape_b}"
+            ));
+            let mut ours = |_: usize| l.backward(&opts);
+            let mut peer = |_: usize| {
+                mmc::cublas(dev, &gx, px, 1.0, 0.0, prec, &stream)?;
+                mmc::cublas(dev, &gw, pw, 1.0, 0.0, prec, &stream)
+            };
+            let mut stats = time_gpu_alternating(
+                dev,
+                &stream,
+                Budget::gpu(),
+                ALTERNATING_ROUNDS,
+                &mut [&mut ours, &mut peer],
+            )?
+            .into_iter();
+            let s = stats.next().expect("one Stats per closure");
             let mut r = record(
                 d,
                 &name,
@@ -302,23 +335,7 @@ fn bench_gpu(
             r.config =
                 "dZ+db kernel (fixed-order chunks), dX and dW through matmul's default pick".into();
             group.push(r);
-            let gx = matmul::validate(&l.dy, &l.w, &l.dx)?;
-            let gw = matmul::validate(&l.dy.t()?, &l.x, &l.dw)?;
-            let px = mmc::Ptrs {
-                a: l.dy.device_ptr()?,
-                b: l.w.device_ptr()?,
-                c: l.dx.device_ptr()?,
-            };
-            let pw = mmc::Ptrs {
-                a: l.dy.device_ptr()?,
-                b: l.x.device_ptr()?,
-                c: l.dw.device_ptr()?,
-            };
-            progress(&format!("linear {d} cublas dX+dW {label} {shape_b}"));
-            let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
-                mmc::cublas(dev, &gx, px, 1.0, 0.0, prec, &stream)?;
-                mmc::cublas(dev, &gw, pw, 1.0, 0.0, prec, &stream)
-            })?;
+            let s = stats.next().expect("one Stats per closure");
             let mut r = record(
                 d,
                 &name,

@@ -8,7 +8,7 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::harness::bench::{
-    relate, rotation_sets, time_cpu, time_gpu_alternating, BenchRecord, Budget,
+    relate, rotation_sets, time_cpu, time_gpu_alternating, BenchRecord, Budget, ALTERNATING_ROUNDS,
 };
 use crate::core::harness::{BenchConfig, Ceilings, Precision};
 use crate::core::tensor::Tensor;
@@ -197,10 +197,6 @@ fn gpu_sets(
 
 /// The GPU groups: (input dtype, precision, label in the records). tf32 is f32 storage run by the
 /// tensor-core variants, against cuBLAS with CUBLAS_COMPUTE_32F_FAST_TF32.
-/// Rounds of `time_gpu_alternating`: every variant and peer of a shape is timed in each round,
-/// in turn, so none runs under a clock history the others did not share.
-const TIMING_ROUNDS: usize = 3;
-
 const GPU_GROUPS: [(DType, Precision, &str); 4] = [
     (DType::F32, Precision::F32, "f32"),
     (DType::F32, Precision::Tf32, "tf32"),
@@ -325,7 +321,7 @@ fn bench_gpu(
                 fs.push(&mut cublaslt);
             }
             let mut stats =
-                time_gpu_alternating(dev, &stream, Budget::gpu(), TIMING_ROUNDS, &mut fs)?
+                time_gpu_alternating(dev, &stream, Budget::gpu(), ALTERNATING_ROUNDS, &mut fs)?
                     .into_iter();
             drop(fs);
             drop(ours);
