@@ -300,31 +300,28 @@ fn bench_gpu(
                 g.label()
             ));
             let n = ptrs.len();
-            let mut ours: Vec<Box<dyn FnMut(usize) -> Result<()> + '_>> = plans
+            let (g_, ptrs_, stream_) = (&g, &ptrs, &stream);
+            let mut fs: Vec<Box<dyn FnMut(usize) -> Result<()> + '_>> = plans
                 .iter()
                 .map(|(_, l, _)| {
-                    let (g, ptrs, stream) = (&g, &ptrs, &stream);
-                    Box::new(move |i: usize| mm_cuda::launch(l, g, ptrs[i % n], 1.0, 0.0, stream))
-                        as Box<dyn FnMut(usize) -> Result<()>>
+                    Box::new(move |i: usize| {
+                        mm_cuda::launch(l, g_, ptrs_[i % n], 1.0, 0.0, stream_)
+                    }) as Box<dyn FnMut(usize) -> Result<()>>
                 })
                 .collect();
-            let mut cublas =
-                |i: usize| mm_cuda::cublas(dev, &g, ptrs[i % n], 1.0, 0.0, prec, &stream);
-            let mut cublaslt = |i: usize| match &lt {
-                Some(plan) => plan.run(ptrs[i % n], 1.0, 0.0),
-                None => Ok(()),
-            };
-            let mut fs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
-                ours.iter_mut().map(|f| f.as_mut() as _).collect();
-            fs.push(&mut cublas);
-            if lt.is_some() {
-                fs.push(&mut cublaslt);
+            fs.push(Box::new(move |i: usize| {
+                mm_cuda::cublas(dev, g_, ptrs_[i % n], 1.0, 0.0, prec, stream_)
+            }));
+            if let Some(plan) = &lt {
+                fs.push(Box::new(move |i: usize| plan.run(ptrs_[i % n], 1.0, 0.0)));
             }
+            let mut refs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
+                fs.iter_mut().map(|f| f.as_mut() as _).collect();
             let mut stats =
-                time_gpu_alternating(dev, &stream, Budget::gpu(), ALTERNATING_ROUNDS, &mut fs)?
+                time_gpu_alternating(dev, &stream, Budget::gpu(), ALTERNATING_ROUNDS, &mut refs)?
                     .into_iter();
+            drop(refs);
             drop(fs);
-            drop(ours);
             let mut group = Vec::new();
             for (vname, l, tuned) in &plans {
                 let mut r = BenchRecord::new(
