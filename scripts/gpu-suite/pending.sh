@@ -210,4 +210,15 @@ kd=$(cd "$bundle" && pwd)/kdir
 [[ $part == *B* ]] && { bash "$here/steps.sh" pending-B "$bundle" \
   'bench-linear|400|ferrite bench linear --device cuda --json $D/bench-linear.json' \
   || status=1; }
+# C: wgmma's TMA-store epilogue (C staged per consumer warp in shared memory, written by TMA
+# stores while the warp goes on to the next tile): check every wgmma configuration and the
+# direct-store one, then each configuration with (cXgY) and without (cXgYd) the TMA store in
+# the same alternating rounds as cuBLAS, and the tuner's pick.
+[[ $part == *C* ]] && { bash "$here/steps.sh" pending-C "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt' \
+  'check-matmul|200|ferrite check matmul --device cuda --variant wgmma --json $D/check-wgmma.json && ferrite check linear --device cuda --quick --json $D/check-linear.json' \
+  'ab-4096|200|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 4096 --config c2g8 --config c2g8d --config c2g4 --config c2g4d --config c1g16 --config c1g16d --json $D/ab-4096.json' \
+  'ab-big|200|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --config c2g8 --config c2g8d --json $D/ab-8192.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --config c2g8 --config c2g8d --json $D/ab-llm-$1-$2.json || exit 1; done' \
+  'tuned|120|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 4096 --json $D/tuned-4096.json' \
+  || status=1; }
 exit $status

@@ -90,6 +90,11 @@ struct BenchArgs {
     /// Write an SVG chart of the ladder.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Time these launch configurations of a tuned variant, each as its own row, instead of the
+    /// tuned one (repeatable; matmul `wgmma`: c2g8, c1g16, ...; a `d` suffix stores C from
+    /// registers instead of by TMA).
+    #[arg(long = "config")]
+    configs: Vec<String>,
 }
 
 #[derive(Args)]
@@ -330,6 +335,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         dtypes: dtypes(&a.common.dtypes)?,
         shapes,
         quick: a.common.quick,
+        configs: a.configs.clone(),
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;

@@ -24,6 +24,9 @@ pub struct BenchConfig {
     pub shapes: Vec<Vec<usize>>,
     /// Fewer, smaller cases (CI, smoke runs).
     pub quick: bool,
+    /// Launch configurations to time by name, each as its own row, for variants that have them
+    /// (matmul `wgmma`: `c2g8`, `c2g8d`, ...); the tuned one when empty.
+    pub configs: Vec<String>,
 }
 
 impl BenchConfig {

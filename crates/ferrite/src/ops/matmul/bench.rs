@@ -275,16 +275,21 @@ fn bench_gpu(
             // Plans first (`wgmma` runs its tuned configuration, timed here at the shape's first
             // use and remembered in tune.json, which the config column names), then every
             // variant and both vendor peers timed in alternating rounds under one clock history.
+            // `--config` names replace the tuned `wgmma` launch by one row per configuration.
             let mut plans = Vec::new();
             for vname in runs {
                 progress(&format!("matmul {d} {vname} {label} {}", g.label()));
-                let (l, tuned) = if vname == "wgmma" {
+                if vname != "wgmma" {
+                    plans.push((vname, mm_cuda::plan(vname, &g, dev)?, None));
+                } else if cfg.configs.is_empty() {
                     let c = mm_cuda::wg_tuned(&g, ptrs[0], dev, &stream)?;
-                    (mm_cuda::plan_with(vname, &g, dev, c)?, Some(c))
+                    plans.push((vname, mm_cuda::plan_with(vname, &g, dev, c)?, Some((c, true))));
                 } else {
-                    (mm_cuda::plan(vname, &g, dev)?, None)
-                };
-                plans.push((vname, l, tuned));
+                    for name in &cfg.configs {
+                        let c = mm_cuda::wg_config_named(name)?;
+                        plans.push((vname, mm_cuda::plan_with(vname, &g, dev, c)?, Some((c, false))));
+                    }
+                }
             }
             // The second vendor peer: cuBLASLt with its heuristic's pick, planned once. A
             // failure (no libcublasLt, no algorithm) leaves the row out rather than the group.
@@ -338,7 +343,10 @@ fn bench_gpu(
                 r.dtype = label.into();
                 r = r.with_kernel(&l.kernel, l.block.0 * l.block.1 * l.block.2, l.smem)?;
                 r.config = match tuned {
-                    Some(c) => format!("tuned {c} of {}: {}", mm_cuda::WG_CONFIGS.len(), l.config),
+                    Some((c, true)) => {
+                        format!("tuned {c} of {}: {}", mm_cuda::WG_CONFIGS.len(), l.config)
+                    }
+                    Some((c, false)) => format!("given {c}: {}", l.config),
                     None => l.config.clone(),
                 };
                 group.push(r);

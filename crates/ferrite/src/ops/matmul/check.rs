@@ -73,7 +73,7 @@ impl Case {
 /// Shapes for `wgmma`'s tuner configurations beside the quick set: rows 16-byte aligned (TMA),
 /// many row and column tiles with edges (18 × 5 tiles of 128 × 256: groups of 4, 8 and 16 end
 /// inside the grid, 32 covers it with one partial group; an odd tile count per cluster column),
-/// and a batched, transposed case with α/β.
+/// a batched, transposed case with α/β, and a batched one with β = 0 (TMA-stored C).
 pub fn config_cases() -> Vec<Case> {
     vec![
         Case {
@@ -87,6 +87,13 @@ pub fn config_cases() -> Vec<Case> {
             alpha: 0.5,
             beta: -1.0,
             ..Case::nn(520, 264, 136)
+        },
+        // β = 0 with 16-byte C rows: the TMA-store epilogue, batched, with edges in m and n.
+        Case {
+            batch: 2,
+            pad: 8,
+            alpha: 0.5,
+            ..Case::nn(264, 520, 136)
         },
     ]
 }
@@ -444,9 +451,14 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                     out.extend(record(v.name, &c, dev, dtype, precision, r));
                 }
                 // Every configuration the tuner may pick, on the quick cases (the full set above
-                // ran whichever the tuner chose per shape).
+                // ran whichever the tuner chose per shape), and the default with C stored from
+                // registers (what `--config c2g8d` times).
                 if v.name == "wgmma" && backend == Backend::Cuda {
-                    for wc in super::cuda::WG_CONFIGS {
+                    let direct = super::cuda::WgConfig {
+                        tma_store: false,
+                        ..super::cuda::WG_DEFAULT
+                    };
+                    for wc in super::cuda::WG_CONFIGS.into_iter().chain([direct]) {
                         let name = format!("wgmma[{wc}]");
                         let cfg_name = wc.to_string();
                         let precision = if dtype == DType::F32 {

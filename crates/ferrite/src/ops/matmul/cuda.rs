@@ -131,18 +131,24 @@ const WG_CLUSTER: u32 = 2;
 /// other at 8192³; 4 was slower).
 const WG_GROUP_M: u32 = 8;
 
-/// A `wgmma` launch configuration: blocks per cluster (B multicast across them) and cluster rows
-/// per group of the tile order. Shown in `bench` as e.g. `c2g8`, and accepted by
-/// `MatmulOptions::config` under that name.
+/// A `wgmma` launch configuration: blocks per cluster (B multicast across them), cluster rows
+/// per group of the tile order, and how the 16-bit plain kernel writes C (TMA stores from a
+/// shared-memory staging area, or the earlier direct stores from registers). Shown in `bench`
+/// as e.g. `c2g8` (`c2g8d`: direct stores), and accepted by `MatmulOptions::config` and
+/// `ferrite bench matmul --config` under that name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WgConfig {
     pub cluster: u32,
     pub group_m: u32,
+    /// TMA-store epilogue where the kernel has one (16-bit C, no fused epilogue) and the launch
+    /// allows it (beta = 0, C 16-byte aligned); direct stores otherwise.
+    pub tma_store: bool,
 }
 
 impl std::fmt::Display for WgConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "c{}g{}", self.cluster, self.group_m)
+        let d = if self.tma_store { "" } else { "d" };
+        write!(f, "c{}g{}{d}", self.cluster, self.group_m)
     }
 }
 
@@ -151,6 +157,7 @@ impl std::fmt::Display for WgConfig {
 pub const WG_DEFAULT: WgConfig = WgConfig {
     cluster: WG_CLUSTER,
     group_m: WG_GROUP_M,
+    tma_store: true,
 };
 
 /// The candidates the tuner times at a shape's first use, the default first (it is also what
@@ -163,22 +170,27 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
     WgConfig {
         cluster: 2,
         group_m: 4,
+        tma_store: true,
     },
     WgConfig {
         cluster: 2,
         group_m: 16,
+        tma_store: true,
     },
     WgConfig {
         cluster: 1,
         group_m: 8,
+        tma_store: true,
     },
     WgConfig {
         cluster: 1,
         group_m: 16,
+        tma_store: true,
     },
     WgConfig {
         cluster: 2,
         group_m: 32,
+        tma_store: true,
     },
 ];
 
@@ -188,18 +200,23 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
 /// on the default path (bench still tunes, check still runs every configuration).
 pub const WG_TUNE_BY_DEFAULT: bool = true;
 
-/// The configuration named `name` (as `WgConfig`'s Display writes it).
+/// The configuration named `name` (as `WgConfig`'s Display writes it): a tuning candidate, or
+/// one with a `d` suffix (the same launch with direct stores, for comparisons).
 pub fn wg_config_named(name: &str) -> Result<WgConfig> {
+    let (base, tma_store) = match name.strip_suffix('d') {
+        Some(b) => (b, false),
+        None => (name, true),
+    };
     WG_CONFIGS
         .iter()
-        .find(|c| c.to_string() == name)
-        .copied()
+        .find(|c| c.to_string() == base)
+        .map(|&c| WgConfig { tma_store, ..c })
         .ok_or_else(|| {
             Error::bad_arg(
                 OP,
                 "config",
                 format!(
-                    "a `wgmma` configuration: one of {}",
+                    "a `wgmma` configuration: one of {} (a `d` suffix: direct stores of C)",
                     WG_CONFIGS.map(|c| c.to_string()).join(", ")
                 ),
                 name,
@@ -210,6 +227,20 @@ pub fn wg_config_named(name: &str) -> Result<WgConfig> {
 /// stage: 48 KiB for every dtype), its 2·stages mbarriers, and 1 KiB of slack to align the ring
 /// to the 1024-byte swizzle atom.
 const WG_SMEM: u32 = WG_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES + 16 * WG_STAGES + 1024;
+/// The TMA-store kernel's C staging area (wgmma.cu's STAGING_BYTES): 8 consumer warps × 2
+/// buffers × one 16×64 box of 16-bit C.
+const WG_STAGING: u32 = 8 * 2 * 16 * 128;
+
+/// Dynamic shared memory of a `wgmma` kernel, with or without the TMA-store staging area.
+fn wg_smem(tma_store_kernel: bool) -> u32 {
+    WG_SMEM + if tma_store_kernel { WG_STAGING } else { 0 }
+}
+
+/// Whether the `wgmma` module for `dtype` / `epi` has the TMA-store epilogue: 16-bit C and the
+/// plain epilogue (the fused epilogues also write Z and read residuals: direct stores there).
+fn wg_has_tma_store(dtype: DType, epi: Option<Epi>) -> bool {
+    dtype != DType::F32 && epi.is_none()
+}
 
 /// k per `wgmma` stage in elements (wgmma.cu's BK): 64 for bf16/f16, 32 for f32 (tf32).
 fn wg_bk(dtype: DType) -> u32 {
@@ -314,6 +345,9 @@ pub struct Persistent {
     pub group_m: u32,
     /// Blocks per cluster along m (1, or 2: B tiles multicast to the pair).
     pub cluster: u32,
+    /// `wgmma` with the TMA-store epilogue compiled in and chosen (used where
+    /// `wg_tma_store_ok` holds for the launch).
+    pub tma_store: bool,
 }
 
 /// A CUtensorMap as the kernel's `const __grid_constant__ TmaDesc` parameter (128 bytes).
@@ -386,6 +420,33 @@ fn tensor_map(
     }
     // SAFETY: initialised by the successful call above.
     Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
+}
+
+/// Whether a launch of a TMA-store `wgmma` kernel can store C by TMA: beta = 0 (C is only
+/// written) and C's base, row pitch and batch stride multiples of 16 bytes (TMA's rule).
+fn wg_tma_store_ok(g: &Gemm, c: u64, beta: f32) -> bool {
+    let es = g.dtype.size_in_bytes();
+    beta == 0.0
+        && g.k > 0
+        && c.is_multiple_of(16)
+        && (g.c.ld * es).is_multiple_of(16)
+        && (g.batch <= 1 || (g.c.batch_stride * es).is_multiple_of(16))
+}
+
+/// C's tensor map for the TMA-store epilogue: boxes of 64 columns × 16 rows (one consumer
+/// warp's store), 128-byte swizzle, as the kernel stages them.
+fn wgmma_c_map(g: &Gemm, c: u64) -> Result<TmaDesc> {
+    tensor_map(
+        g.dtype,
+        c,
+        g.n,
+        g.m,
+        g.c.ld,
+        g.batch,
+        g.c.batch_stride,
+        64,
+        16,
+    )
 }
 
 /// Tensor maps of A and B for `wgmma`: an operand whose contiguous dim is k is one box of
@@ -501,6 +562,11 @@ fn wgmma_program(
         .define("FE_B_TRANS", b_trans as u32)
         .define("FE_STAGES", WG_STAGES)
         .define("FE_CLUSTER", cluster);
+    let p = if wg_has_tma_store(dtype, epi) {
+        p.define("FE_TMA_STORE", 1)
+    } else {
+        p
+    };
     with_epilogue(p, epi)
 }
 
@@ -853,7 +919,9 @@ fn plan_inner(
             };
             let program = wgmma_program(g.dtype, at, bt, cluster, epi);
             let kernel = dev.kernel(&program, "matmul_wgmma")?;
-            kernel.set_max_dynamic_smem(WG_SMEM)?;
+            let has_store = wg_has_tma_store(g.dtype, epi);
+            let smem = wg_smem(has_store);
+            kernel.set_max_dynamic_smem(smem)?;
             let pack = if tf32 {
                 Some(dev.kernel(&program, "matmul_wgmma_pack")?)
             } else {
@@ -872,21 +940,27 @@ fn plan_inner(
             Ok(Launch {
                 kernel,
                 block: (WG_THREADS, 1, 1),
-                smem: WG_SMEM,
+                smem,
                 tile: WG_TILE,
                 config: format!(
-                    "tile {}×{}×{}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k{} {ty}, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast){note}{}",
+                    "tile {}×{}×{}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k{} {ty}, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast), {}{note}{}",
                     WG_TILE.0,
                     WG_TILE.1,
                     wg_bk(g.dtype),
                     WG_TILE.1,
                     wg_kstep(g.dtype),
+                    if has_store && wg.tma_store {
+                        "C staged in shared memory and written by TMA stores"
+                    } else {
+                        "C stored from registers"
+                    },
                     epilogue_note(epi)
                 ),
                 persistent: Some(Persistent {
                     ctas: sms,
                     group_m,
                     cluster,
+                    tma_store: has_store && wg.tma_store,
                 }),
                 epilogue: epi.map(|e| e.act),
                 pack,
@@ -987,7 +1061,17 @@ fn launch_inner(
         .push(beta);
     if let Some(pp) = l.persistent {
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
-        args.push(ta).push(tb).push(pp.group_m.max(1) as i32);
+        let store = pp.tma_store && wg_tma_store_ok(g, p.c, beta);
+        let tc = if store {
+            wgmma_c_map(g, p.c)?
+        } else {
+            TmaDesc([0; 16])
+        };
+        args.push(ta)
+            .push(tb)
+            .push(tc)
+            .push(pp.group_m.max(1) as i32)
+            .push(store as i32);
     }
     if l.epilogue.is_some() {
         args.push(e.bias)
@@ -1509,6 +1593,37 @@ mod tests {
             WG_SMEM,
             WG_STAGES * 48 * 1024 + 16 * WG_STAGES + 1024,
             "48 KiB per stage"
+        );
+    }
+
+    /// The TMA-store epilogue (wgmma.cu, store_warp_tma): each stmatrix.x4 lane address, with the
+    /// fragment each of its 4 matrices holds, must put every element of the warp's 16×64 box
+    /// where the TMA store (128-byte swizzle, rows of 64 16-bit elements) reads it — once.
+    #[test]
+    fn wgmma_tma_store_staging_matches_the_swizzled_box() {
+        let mut seen = std::collections::HashSet::new();
+        for p in 0..4u32 {
+            for lane in 0..32u32 {
+                let (lr, mat) = (lane & 7, lane >> 3);
+                // The kernel's address for this lane: row (mat & 1)·8 + lr, chunk 2p + mat/2.
+                let chunk = 2 * p + (mat >> 1);
+                let addr = ((mat & 1) * 8 + lr) * 128 + ((chunk ^ lr) << 4);
+                // Matrix `mat` holds fragment rows 8·(mat & 1) + 0..8 and columns 8·(2p + mat/2)
+                // + 0..8 of the box; this lane's address is its row lr, 8 elements wide.
+                let (row, col0) = ((mat & 1) * 8 + lr, 8 * (2 * p + (mat >> 1)));
+                for e in 0..8 {
+                    let read = sw128(row * 128 + (col0 + e) * 2);
+                    assert_eq!(addr + 2 * e, read, "p {p} lane {lane} element {e}");
+                    assert!(read < 16 * 128);
+                    assert!(seen.insert(read));
+                }
+            }
+        }
+        assert_eq!(seen.len(), 16 * 64, "every element of the box written");
+        assert_eq!(wg_smem(true) - wg_smem(false), WG_STAGING);
+        assert!(
+            wg_smem(true) <= 227 * 1024,
+            "ring + staging fit one H100 block"
         );
     }
 }

@@ -165,7 +165,12 @@ fn wgmma_tuner_configs() {
         assert!(c.group_m >= 1);
         assert!(names.insert(c.to_string()), "{c}: duplicate name");
         assert_eq!(wg_config_named(&c.to_string()).unwrap(), c);
+        // The same launch with C stored from registers, by its `d` name.
+        let direct = wg_config_named(&format!("{c}d")).unwrap();
+        assert!(c.tma_store && !direct.tma_store);
+        assert_eq!((direct.cluster, direct.group_m), (c.cluster, c.group_m));
     }
+    assert!(wg_config_named("c2g8dd").is_err());
     let e = wg_config_named("c3g8").unwrap_err().to_string();
     assert!(
         e.contains("config") && e.contains("c3g8") && e.contains("c2g8"),

@@ -99,6 +99,17 @@ constexpr int B_MN = FE_B_TRANS ? 0 : 1;  // B stored n-contiguous (not transpos
 constexpr int A_BYTES = BM * BK * ES, B_BYTES = BN * BK * ES;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 KiB
+// -DFE_TMA_STORE=1 (16-bit C, plain epilogue): the consumers write C through shared memory and
+// TMA stores instead of from registers straight to global memory (see the epilogue below).
+#ifndef FE_TMA_STORE
+#define FE_TMA_STORE 0
+#endif
+// The C staging area: per consumer warp, SBUF buffers of one 16-row × 64-column box (2 KiB,
+// 128-byte swizzled, the layout the TMA store reads), after the ring. 8 warps × 2 × 2 KiB = 32 KiB
+// beside the 192 KiB ring: the most that fits with 4 stages (227 KiB per block).
+constexpr int SBUF = 2, SBOX = 16 * 128;
+constexpr int STAGING_BYTES = FE_TMA_STORE ? 8 * SBUF * SBOX : 0;
+static_assert(!FE_TMA_STORE || (ES == 2 && !FE_EPI), "TMA store: plain epilogue, 16-bit C");
 #if FE_WGMMA_TF32
 static_assert(ES == 4, "tf32 wgmma takes f32 storage");
 // wgmma has no transpose bit for tf32: both operands must be K-major in shared memory. The host
@@ -143,6 +154,90 @@ __device__ __forceinline__ unsigned cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
+
+// ---- the TMA-store epilogue ----
+// Box (c0 = column, c1 = row, c2 = batch) of the tensor map from shared memory at src, tracked
+// in this thread's bulk async-group.
+__device__ __forceinline__ void tma_store(const TmaDesc* map, unsigned src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<u64>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most N of this thread's bulk groups still read their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory made visible to the async proxy (the TMA store).
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Four 8×8 16-bit matrices from the mma fragment layout (thread t holds row t/4, columns
+// 2(t%4), +1 of each) to shared memory; lane l gives the address of row l%8 of matrix l/8.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2,
+                                            unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ unsigned pack_u32(float a, float b) {
+  const T2 v = fe_pack2<T2>(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned v;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
+  return v;
+}
+
+#if FE_TMA_STORE
+// One consumer warp's 16 rows × 256 columns of the tile (accumulators d, wgmma layout: d[4j+2i],
+// d[4j+2i+1] = row lane/4 + 8i, columns 8j + 2(lane%4), +1) to C at (row, n0, z), as four boxes of
+// 16 × 64 through the warp's SBUF staging buffers at stg. Per box: the warp waits until the box
+// that last used the buffer has been read out (its lane 0 owns the bulk groups), writes 8
+// 8×8-matrix pairs with 4 stmatrix.x4 into the 128-byte-swizzled box (16-byte chunk c of row r at
+// r·128 + 16·(c ^ r%8): the 8 rows of a matrix land in 8 different bank groups), fences them
+// for the async proxy and lane 0 issues the store. The TMA unit writes whole 128-byte lines and
+// skips everything outside C (edges need no predicates); the warp goes on to the next tile
+// while the stores drain.
+__device__ __forceinline__ void store_warp_tma(const float (&d)[128], float alpha, unsigned stg,
+                                               const TmaDesc* map, int row, int n0, int z,
+                                               int lane) {
+  const unsigned lr = lane & 7, mat = lane >> 3;
+  const unsigned lane_row = ((mat & 1) * 8 + lr) * 128;
+#pragma unroll
+  for (int q = 0; q < BN / 64; ++q) {
+    const unsigned buf = stg + (q % SBUF) * SBOX;
+    if (lane == 0) bulk_wait_read<SBUF - 1>();
+    __syncwarp();
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int j = 8 * q + 2 * p;  // fragment column groups j (matrices 0, 1) and j + 1 (2, 3)
+      const unsigned chunk = 2 * p + (mat >> 1);
+      stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4),
+                  pack_u32(alpha * d[4 * j], alpha * d[4 * j + 1]),
+                  pack_u32(alpha * d[4 * j + 2], alpha * d[4 * j + 3]),
+                  pack_u32(alpha * d[4 * j + 4], alpha * d[4 * j + 5]),
+                  pack_u32(alpha * d[4 * j + 6], alpha * d[4 * j + 7]));
+    }
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0) {
+      tma_store(map, buf, n0 + 64 * q, row, z);
+      bulk_commit();
+    }
+  }
+}
+#endif
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
 __device__ __forceinline__ void acc_fence(float (&d)[128]) {
@@ -263,12 +358,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     __cluster_dims__(FE_CLUSTER, 1, 1)
 #endif
     matmul_wgmma(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
-                 const __grid_constant__ TmaDesc tma_b, int group_m FE_EPI_PARAMS) {
+                 const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
+                 int group_m, int store_tma FE_EPI_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
-  const unsigned full0 = base + STAGES * STAGE_BYTES;  // full[s] at full0 + 8s
-  const unsigned empty0 = full0 + STAGES * 8;          // empty[s] at empty0 + 8s
+  const unsigned staging = base + STAGES * STAGE_BYTES;  // FE_TMA_STORE: C boxes, per warp
+  const unsigned full0 = staging + STAGING_BYTES;        // full[s] at full0 + 8s
+  const unsigned empty0 = full0 + STAGES * 8;            // empty[s] at empty0 + 8s
+  // The host sizes the dynamic shared memory (cuda.rs, wg_smem); a smaller one would overrun.
+  if (dynamic_smem_bytes() < (empty0 + STAGES * 8) - raw) __trap();
 
   // The walk is over cluster tiles (CL·BM rows × BN): block `rank` of a cluster takes row tile
   // CL·tm + rank (past the last row tile it computes zeros and writes nothing).
@@ -429,6 +528,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       acc_fence(d);
       if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
 
+#if FE_TMA_STORE
+      // store_tma: beta == 0 and C's base, rows and batches 16-byte aligned (host-checked).
+      if (store_tma) {
+        store_warp_tma(d, alpha, staging + (c * 4 + warp) * SBUF * SBOX, &tma_c,
+                       (int)(tm * BM + c * 64 + warp * 16), (int)(tn * BN), (int)z, lane);
+        continue;
+      }
+#endif
       // Epilogue: thread holds rows r, r+8 and column pairs 8j + 2(lane%4) of its warp's 16 rows.
       const i64 row0 = tm * BM + c * 64 + warp * 16 + lane / 4;
       const i64 col0 = tn * BN + 2 * (lane % 4);
@@ -486,6 +593,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
       }
     }
+#if FE_TMA_STORE
+    // Shared memory stays allocated until the last stores have read it.
+    if (lane == 0) bulk_wait<0>();
+#endif
   }
   // No block leaves while its peer may still arrive on its barriers.
   if (CL > 1) cluster_sync();
