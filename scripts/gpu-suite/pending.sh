@@ -221,4 +221,21 @@ kd=$(cd "$bundle" && pwd)/kdir
   'ab-big|200|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --config c2g8 --config c2g8d --json $D/ab-8192.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --config c2g8 --config c2g8d --json $D/ab-llm-$1-$2.json || exit 1; done' \
   'tuned|120|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 4096 --json $D/tuned-4096.json' \
   || status=1; }
+# D: C's TMA store in the linear layer's pair epilogue too (`persistent_pairs`: Z and Y staged and
+# TMA-stored on interior tiles; the old direct pair path removed): its check (and the GPU
+# backward's, under `naive`), the linear bench (forward against the bare GEMM, backward against
+# the two cuBLAS GEMMs), and the whole matmul ladder at 4096³ for the README table.
+[[ $part == *D* ]] && { bash "$here/steps.sh" pending-D "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul > $D/kernels-matmul.txt' \
+  'check-linear|170|ferrite check linear --device cuda --variant persistent_pairs --variant naive --trace --json $D/check-linear.json' \
+  'bench-linear|120|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  'bench-4096|120|ferrite bench matmul --device cuda --size 4096 --json $D/bench-4096.json --plot $D/ladder-4096.svg' \
+  || status=1; }
+# E: the full matmul check (every variant, dtype, layout, odd shapes) and the GEMM targets at
+# 8192³ and the LLM shapes with the tuner's picks.
+[[ $part == *E* ]] && { bash "$here/steps.sh" pending-E "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul > $D/kernels-matmul.txt' \
+  'check-matmul|250|ferrite check matmul --device cuda --json $D/check-matmul.json' \
+  'bench-big|180|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --json $D/bench-8192.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/bench-llm-$1-$2.json || exit 1; done' \
+  || status=1; }
 exit $status

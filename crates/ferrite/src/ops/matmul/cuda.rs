@@ -236,10 +236,11 @@ fn wg_smem(tma_store_kernel: bool) -> u32 {
     WG_SMEM + if tma_store_kernel { WG_STAGING } else { 0 }
 }
 
-/// Whether the `wgmma` module for `dtype` / `epi` has the TMA-store epilogue: 16-bit C and the
-/// plain epilogue (the fused epilogues also write Z and read residuals: direct stores there).
+/// Whether the `wgmma` module for `dtype` / `epi` has the TMA-store epilogue: 16-bit C with the
+/// plain or the pair epilogue (Y and Z staged and TMA-stored on interior tiles; the element-wise
+/// epilogue of `persistent` keeps its direct stores, as the ladder's earlier step).
 fn wg_has_tma_store(dtype: DType, epi: Option<Epi>) -> bool {
-    dtype != DType::F32 && epi.is_none()
+    dtype != DType::F32 && epi.is_none_or(|e| e.pairs)
 }
 
 /// k per `wgmma` stage in elements (wgmma.cu's BK): 64 for bf16/f16, 32 for f32 (tf32).
@@ -422,31 +423,26 @@ fn tensor_map(
     Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
 }
 
-/// Whether a launch of a TMA-store `wgmma` kernel can store C by TMA: beta = 0 (C is only
-/// written) and C's base, row pitch and batch stride multiples of 16 bytes (TMA's rule).
-fn wg_tma_store_ok(g: &Gemm, c: u64, beta: f32) -> bool {
+/// Whether a launch of a TMA-store `wgmma` kernel can store C (and Z) by TMA: beta = 0 (C is
+/// only written), k > 0, and the base, row pitch and batch stride of C and of a present Z
+/// multiples of 16 bytes (TMA's rule).
+fn wg_tma_store_ok(g: &Gemm, c: u64, beta: f32, e: &EpiPtrs) -> bool {
     let es = g.dtype.size_in_bytes();
+    let aligned = |ptr: u64, ld: usize, stride: usize| {
+        ptr.is_multiple_of(16)
+            && (ld * es).is_multiple_of(16)
+            && (g.batch <= 1 || (stride * es).is_multiple_of(16))
+    };
     beta == 0.0
         && g.k > 0
-        && c.is_multiple_of(16)
-        && (g.c.ld * es).is_multiple_of(16)
-        && (g.batch <= 1 || (g.c.batch_stride * es).is_multiple_of(16))
+        && aligned(c, g.c.ld, g.c.batch_stride)
+        && (e.z == 0 || aligned(e.z, e.ldz, e.stride_z))
 }
 
-/// C's tensor map for the TMA-store epilogue: boxes of 64 columns × 16 rows (one consumer
-/// warp's store), 128-byte swizzle, as the kernel stages them.
-fn wgmma_c_map(g: &Gemm, c: u64) -> Result<TmaDesc> {
-    tensor_map(
-        g.dtype,
-        c,
-        g.n,
-        g.m,
-        g.c.ld,
-        g.batch,
-        g.c.batch_stride,
-        64,
-        16,
-    )
+/// The tensor map of an m×n output (C or Z) for the TMA-store epilogue: boxes of 64 columns × 16
+/// rows (one consumer warp's store), 128-byte swizzle, as the kernel stages them.
+fn wgmma_out_map(g: &Gemm, ptr: u64, ld: usize, batch_stride: usize) -> Result<TmaDesc> {
+    tensor_map(g.dtype, ptr, g.n, g.m, ld, g.batch, batch_stride, 64, 16)
 }
 
 /// Tensor maps of A and B for `wgmma`: an operand whose contiguous dim is k is one box of
@@ -1061,15 +1057,22 @@ fn launch_inner(
         .push(beta);
     if let Some(pp) = l.persistent {
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
-        let store = pp.tma_store && wg_tma_store_ok(g, p.c, beta);
-        let tc = if store {
-            wgmma_c_map(g, p.c)?
+        let store = pp.tma_store && wg_tma_store_ok(g, p.c, beta, &e);
+        let none = TmaDesc([0; 16]);
+        let (tc, tz) = if store {
+            let tz = if e.z != 0 {
+                wgmma_out_map(g, e.z, e.ldz, e.stride_z)?
+            } else {
+                none
+            };
+            (wgmma_out_map(g, p.c, g.c.ld, g.c.batch_stride)?, tz)
         } else {
-            TmaDesc([0; 16])
+            (none, none)
         };
         args.push(ta)
             .push(tb)
             .push(tc)
+            .push(tz)
             .push(pp.group_m.max(1) as i32)
             .push(store as i32);
     }

@@ -48,11 +48,19 @@
 // vary between runs; minimums match cuBLAS). With -DFE_EPI the consumers' stores apply the fused
 // epilogue of common.cuh (bias per column, pre-activation Z, activation, residual), its seven
 // parameters after group_m, element by element in the store loop; with -DFE_EPI_PAIRS=1
-// (`persistent_pairs`) interior tiles go through wg_epilogue instead (bias pairs loaded into
-// registers before the tile's mainloop, branch-free, one 4-byte store per pair). Same
+// (`persistent_pairs`) interior tiles go through wg_epilogue_tma instead (bias pairs loaded into
+// registers before the tile's mainloop, Z and Y staged and TMA-stored like the plain C). Same
 // configuration as the plain kernel either way (tile, stages, cluster, grid, 168 registers, no
-// spills). Not done yet: an epilogue that overlaps the next
-// tile's math (TMA store or ping-pong consumers), last-wave balancing, autotuned tile shapes.
+// spills).
+// The TMA-store epilogue (-DFE_TMA_STORE=1, 16-bit C; 2026-11-25): the consumers used to store
+// C from registers, 64 4-byte stores per thread per tile, each warp instruction touching 8 rows
+// (8 half-filled sectors), while the tensor cores waited. Now each warp writes its 16 × 256 slice
+// into a 2-buffer staging area with stmatrix (4 instructions per 16 × 64 box), one lane hands
+// each box to the TMA unit, and the warp starts the next tile while the stores drain. Measured
+// on the H100 in the same alternating rounds: 4096³ bf16/f16 0.86–0.88× → 0.98–0.99× cuBLAS,
+// 8192³ 0.92–0.95 → 0.96–1.04× (bench/results/2026-11-25-h100-session11/pending-C; `c2g8d`
+// names the same launch with direct stores). Not done yet: last-wave balancing, other tile
+// shapes.
 
 // TmaDesc, smem_u32, mbarriers, smem_desc, wgmma fences.
 #include "hopper.cuh"
@@ -99,8 +107,9 @@ constexpr int B_MN = FE_B_TRANS ? 0 : 1;  // B stored n-contiguous (not transpos
 constexpr int A_BYTES = BM * BK * ES, B_BYTES = BN * BK * ES;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 KiB
-// -DFE_TMA_STORE=1 (16-bit C, plain epilogue): the consumers write C through shared memory and
-// TMA stores instead of from registers straight to global memory (see the epilogue below).
+// -DFE_TMA_STORE=1 (16-bit C; the plain or the pair epilogue): the consumers write C (and Z)
+// through shared memory and TMA stores instead of from registers straight to global memory (see
+// store_warp_tma below).
 #ifndef FE_TMA_STORE
 #define FE_TMA_STORE 0
 #endif
@@ -109,7 +118,8 @@ constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 
 // beside the 192 KiB ring: the most that fits with 4 stages (227 KiB per block).
 constexpr int SBUF = 2, SBOX = 16 * 128;
 constexpr int STAGING_BYTES = FE_TMA_STORE ? 8 * SBUF * SBOX : 0;
-static_assert(!FE_TMA_STORE || (ES == 2 && !FE_EPI), "TMA store: plain epilogue, 16-bit C");
+static_assert(!FE_TMA_STORE || (ES == 2 && (!FE_EPI || FE_EPI_PAIRS)),
+              "TMA store: plain or pair epilogue, 16-bit C");
 #if FE_WGMMA_TF32
 static_assert(ES == 4, "tf32 wgmma takes f32 storage");
 // wgmma has no transpose bit for tf32: both operands must be K-major in shared memory. The host
@@ -200,18 +210,21 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 }
 
 #if FE_TMA_STORE
-// One consumer warp's 16 rows × 256 columns of the tile (accumulators d, wgmma layout: d[4j+2i],
-// d[4j+2i+1] = row lane/4 + 8i, columns 8j + 2(lane%4), +1) to C at (row, n0, z), as four boxes of
-// 16 × 64 through the warp's SBUF staging buffers at stg. Per box: the warp waits until the box
-// that last used the buffer has been read out (its lane 0 owns the bulk groups), writes 8
-// 8×8-matrix pairs with 4 stmatrix.x4 into the 128-byte-swizzled box (16-byte chunk c of row r at
-// r·128 + 16·(c ^ r%8): the 8 rows of a matrix land in 8 different bank groups), fences them
-// for the async proxy and lane 0 issues the store. The TMA unit writes whole 128-byte lines and
-// skips everything outside C (edges need no predicates); the warp goes on to the next tile
-// while the stores drain.
-__device__ __forceinline__ void store_warp_tma(const float (&d)[128], float alpha, unsigned stg,
-                                               const TmaDesc* map, int row, int n0, int z,
-                                               int lane) {
+// One consumer warp's 16 rows × 256 columns of the tile to the tensor map's (row, n0, z), as four
+// boxes of 16 × 64 through the warp's SBUF staging buffers at stg. Per box: the warp waits until
+// the box that last used the buffer has been read out (lane 0 owns the bulk groups), then, for
+// each pair of 8-column groups p, vals(j, v) gives the thread's values of column groups j = 8q + 2p
+// and j + 1, packed (pack_u32): v = {rows lane/4, lane/4 + 8 of group j, the same of group j + 1}
+// — in the wgmma accumulator layout d[4j + 2i], d[4j + 2i + 1] is row lane/4 + 8i, columns
+// 8j + 2(lane%4), +1 — and one stmatrix.x4 writes those 4 8×8 matrices into the 128-byte-swizzled
+// box (16-byte chunk c of row r at r·128 + 16·(c ^ r%8): a matrix's 8 rows land in 8 different
+// bank groups). Then a fence for the async proxy, and lane 0 issues the store. Values are made
+// 4 pairs at a time so a fused epilogue's activation temporaries stay few. The TMA unit writes
+// whole lines and skips everything outside the tensor (edges need no predicates); the warp goes
+// on while the stores drain.
+template <class Vals>
+__device__ __forceinline__ void store_warp_tma(const Vals& vals, unsigned stg, const TmaDesc* map,
+                                               int row, int n0, int z, int lane) {
   const unsigned lr = lane & 7, mat = lane >> 3;
   const unsigned lane_row = ((mat & 1) * 8 + lr) * 128;
 #pragma unroll
@@ -221,13 +234,11 @@ __device__ __forceinline__ void store_warp_tma(const float (&d)[128], float alph
     __syncwarp();
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const int j = 8 * q + 2 * p;  // fragment column groups j (matrices 0, 1) and j + 1 (2, 3)
+      unsigned v[4];
+      vals(8 * q + 2 * p, v);
+      // Matrices 0, 1: column group 2p of the box, rows 0–7 and 8–15; matrices 2, 3: group 2p+1.
       const unsigned chunk = 2 * p + (mat >> 1);
-      stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4),
-                  pack_u32(alpha * d[4 * j], alpha * d[4 * j + 1]),
-                  pack_u32(alpha * d[4 * j + 2], alpha * d[4 * j + 3]),
-                  pack_u32(alpha * d[4 * j + 4], alpha * d[4 * j + 5]),
-                  pack_u32(alpha * d[4 * j + 6], alpha * d[4 * j + 7]));
+      stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4), v[0], v[1], v[2], v[3]);
     }
     fence_async_smem();
     __syncwarp();
@@ -309,49 +320,55 @@ __device__ __forceinline__ void tile_of(i64 t, i64 tiles_m, i64 tiles_n, i64 gro
   tn = q / gm;
 }
 
-#if FE_EPI && FE_EPI_PAIRS
-// The fused epilogue of one consumer thread's fragment of an interior tile (all 64 rows × 256
-// columns of the warpgroup inside C, every pair T2-aligned, beta == 0): rows r and r+8 at
-// c / zp / rp + {0, 8·ld}, column pairs at +8j. Branch-free and with 64-bit index math only in
-// the two row pointers: per pair one FFMA each for alpha·acc + bias (the bias pair sits in a
-// register since the tile started), the activation, one 4-byte store of Y (and Z). The residual
-// pairs of 8 column groups are loaded before any of them is used, so their latencies overlap.
+#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
+// The pair epilogue through the TMA store: Z = alpha·acc + bias (when asked), then
+// Y = act(Z) (+ residual), each as store_warp_tma's boxes. The 4 residual pairs of one
+// stmatrix are loaded before any of them is used; the bias pairs sit in registers since the
+// tile started.
 template <bool HZ, bool HR>
-__device__ __forceinline__ void wg_epilogue(const float (&d)[128], const T2 (&bias2)[BN / 8],
-                                            float alpha, T* c, i64 ldc, T* zp, i64 ldz,
-                                            const T* rp, i64 ldr) {
+__device__ __forceinline__ void wg_epilogue_tma(const float (&d)[128], const T2 (&bias2)[BN / 8],
+                                                float alpha, const T* rp, i64 ldr, unsigned stg,
+                                                const TmaDesc* map_y, const TmaDesc* map_z,
+                                                int row, int n0, int z, int lane) {
+  // Pair (column group j, row half i): alpha·acc + bias.
+  auto pre = [&](int j, int i) {
+    const float2 b = fe_f2(bias2[j]);
+    return make_float2(fmaf(alpha, d[4 * j + 2 * i], b.x), fmaf(alpha, d[4 * j + 2 * i + 1], b.y));
+  };
+  if (HZ)
+    store_warp_tma(
+        [&](int j, unsigned(&v)[4]) {
 #pragma unroll
-  for (int jb = 0; jb < BN / 8; jb += 8) {
-    T2 rv[8][2];  // packed until used: 16 registers
-    if (HR) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          rv[jj][i] = __ldg(reinterpret_cast<const T2*>(rp + i * 8 * ldr + 8 * (jb + jj)));
-    }
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = jb + jj;
-      const float2 b = fe_f2(bias2[j]);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float v0 = fmaf(alpha, d[4 * j + 2 * i], b.x);
-        float v1 = fmaf(alpha, d[4 * j + 2 * i + 1], b.y);
-        if (HZ) fe_st2(zp + i * 8 * ldz + 8 * j, v0, v1);
-        v0 = fe_act(v0);
-        v1 = fe_act(v1);
+          for (int e = 0; e < 4; ++e) {
+            const float2 u = pre(j + e / 2, e % 2);
+            v[e] = pack_u32(u.x, u.y);
+          }
+        },
+        stg, map_z, row, n0, z, lane);
+  store_warp_tma(
+      [&](int j, unsigned(&v)[4]) {
+        T2 rv[4];  // the 4 residual pairs, loaded before any is used
         if (HR) {
-          const float2 r = fe_f2(rv[jj][i]);
-          v0 += r.x;
-          v1 += r.y;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            rv[e] = __ldg(reinterpret_cast<const T2*>(rp + (e % 2) * 8 * ldr + 8 * (j + e / 2)));
         }
-        fe_st2(c + i * 8 * ldc + 8 * j, v0, v1);
-      }
-    }
-  }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 u = pre(j + e / 2, e % 2);
+          float2 y = make_float2(fe_act(u.x), fe_act(u.y));
+          if (HR) {
+            const float2 r = fe_f2(rv[e]);
+            y.x += r.x;
+            y.y += r.y;
+          }
+          v[e] = pack_u32(y.x, y.y);
+        }
+      },
+      stg, map_y, row, n0, z, lane);
 }
 #endif
+
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #if FE_CLUSTER > 1
@@ -359,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #endif
     matmul_wgmma(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
                  const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
-                 int group_m, int store_tma FE_EPI_PARAMS) {
+                 const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -456,9 +473,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #if FE_EPI
     // The epilogue (bias, Z, activation, residual; common.cuh) needs each element's global row
     // and column: col is the thread's fragment column tn·BN + 8j + 2(lane%4) (+1), row its
-    // fragment row. With FE_EPI_PAIRS interior tiles take wg_epilogue (pairs, no predicates);
-    // edge tiles, beta ≠ 0, unaligned operands and the FE_EPI_PAIRS=0 kernel the element-wise
-    // store loop below.
+    // fragment row. With FE_EPI_PAIRS interior tiles take wg_epilogue_tma (pairs, TMA stores,
+    // no predicates) where the host allows the TMA store; edge tiles, beta ≠ 0, unaligned
+    // operands and the FE_EPI_PAIRS=0 kernel the element-wise store loop below.
     const FeEpi epi = FE_EPI_MAKE;
 #endif
 #if FE_EPI && FE_EPI_PAIRS
@@ -484,6 +501,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
       tm = tm * CL + rank;
 #if FE_EPI && FE_EPI_PAIRS
+      // (store_tma is tested at the store, not here: folded in here, ptxas spilled 24 bytes in
+      // the f16 GELU-erf kernel.)
       const bool fast = epi_pairs && (tn + 1) * BN <= n && tm * BM + c * 64 + 64 <= m;
       // The thread's 32 bias pairs, loaded before the mainloop (32 independent 4-byte loads, 32
       // registers beside the 128 accumulators): their latency hides behind the k-loop.
@@ -528,36 +547,49 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       acc_fence(d);
       if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
 
-#if FE_TMA_STORE
-      // store_tma: beta == 0 and C's base, rows and batches 16-byte aligned (host-checked).
-      if (store_tma) {
-        store_warp_tma(d, alpha, staging + (c * 4 + warp) * SBUF * SBOX, &tma_c,
-                       (int)(tm * BM + c * 64 + warp * 16), (int)(tn * BN), (int)z, lane);
-        continue;
-      }
-#endif
       // Epilogue: thread holds rows r, r+8 and column pairs 8j + 2(lane%4) of its warp's 16 rows.
       const i64 row0 = tm * BM + c * 64 + warp * 16 + lane / 4;
       const i64 col0 = tn * BN + 2 * (lane % 4);
       T* Cz = C + z * stride_c;
-#if FE_EPI && FE_EPI_PAIRS
-      if (fast) {
-        T* cp = Cz + row0 * ldc + col0;
-        T* zp = epi.z ? epi.z + z * epi.stride_z + row0 * epi.ldz + col0 : nullptr;
+#if FE_TMA_STORE
+      // store_tma: beta == 0 and C's (and Z's) base, rows and batches 16-byte aligned
+      // (host-checked); the pair epilogue takes it on interior tiles.
+      const unsigned stg = staging + (c * 4 + warp) * SBUF * SBOX;
+      const int srow = (int)(tm * BM + c * 64 + warp * 16), scol = (int)(tn * BN);
+#if FE_EPI
+      if (store_tma && fast) {
         const T* rp = epi.r ? epi.r + z * epi.stride_r + row0 * epi.ldr + col0 : nullptr;
-        if (zp) {
+        if (epi.z) {
           if (rp)
-            wg_epilogue<true, true>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+            wg_epilogue_tma<true, true>(d, bias2, alpha, rp, epi.ldr, stg, &tma_c, &tma_z, srow,
+                                        scol, (int)z, lane);
           else
-            wg_epilogue<true, false>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+            wg_epilogue_tma<true, false>(d, bias2, alpha, rp, epi.ldr, stg, &tma_c, &tma_z, srow,
+                                         scol, (int)z, lane);
         } else {
           if (rp)
-            wg_epilogue<false, true>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+            wg_epilogue_tma<false, true>(d, bias2, alpha, rp, epi.ldr, stg, &tma_c, &tma_z, srow,
+                                         scol, (int)z, lane);
           else
-            wg_epilogue<false, false>(d, bias2, alpha, cp, ldc, zp, epi.ldz, rp, epi.ldr);
+            wg_epilogue_tma<false, false>(d, bias2, alpha, rp, epi.ldr, stg, &tma_c, &tma_z,
+                                          srow, scol, (int)z, lane);
         }
         continue;
       }
+#else
+      if (store_tma) {
+        store_warp_tma(
+            [&](int j, unsigned(&v)[4]) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int jj = j + e / 2, i = e % 2;
+                v[e] = pack_u32(alpha * d[4 * jj + 2 * i], alpha * d[4 * jj + 2 * i + 1]);
+              }
+            },
+            stg, &tma_c, srow, scol, (int)z, lane);
+        continue;
+      }
+#endif
 #endif
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
