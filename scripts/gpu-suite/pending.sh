@@ -238,4 +238,10 @@ kd=$(cd "$bundle" && pwd)/kdir
   'check-matmul|250|ferrite check matmul --device cuda --json $D/check-matmul.json' \
   'bench-big|180|ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --size 8192 --json $D/bench-8192.json; for nk in "4096 4096" "14336 4096" "4096 14336"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --dtype f16 --variant wgmma --m 8192 --n $1 --k $2 --json $D/bench-llm-$1-$2.json || exit 1; done' \
   || status=1; }
+# F: the linear bench with its forward rows (bare GEMM, cuBLAS, every variant) timed in
+# alternating rounds too (D timed them one after the other).
+[[ $part == *F* ]] && { bash "$here/steps.sh" pending-F "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt' \
+  'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
 exit $status

@@ -193,42 +193,10 @@ fn bench_gpu(
                 "linear {d} gemm ({gemm_variant}) {label} {shape_s}"
             ));
             let gl = mmc::plan(gemm_variant, &g, dev)?;
-            let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
-                mmc::launch(&gl, &g, ptrs, 1.0, 0.0, &stream)
-            })?;
-            let mut r = record(
-                d,
-                &name,
-                "gemm",
-                dtype,
-                shape_s.clone(),
-                s,
-                flops,
-                fwd_bytes(shape, es) - (es * n) as f64,
-            );
-            r.dtype = label.into();
-            r.config = format!("bare GEMM, matmul `{gemm_variant}` ({})", gl.config);
-            let gemm_ms = r.median_ms;
-            group.push(r);
-            progress(&format!("linear {d} cublas {label} {shape_s}"));
-            let s = time_gpu(dev, &stream, Budget::gpu(), |_| {
-                mmc::cublas(dev, &g, ptrs, 1.0, 0.0, prec, &stream)
-            })?;
-            let mut r = record(
-                d,
-                &name,
-                "cublas",
-                dtype,
-                shape_s.clone(),
-                s,
-                flops,
-                fwd_bytes(shape, es) - (es * n) as f64,
-            );
-            r.dtype = label.into();
-            r.is_peer = true;
-            r.config = "bare GEMM, cublasGemmStridedBatchedEx".into();
-            group.push(r);
-            for v in variants().iter().filter(|v| {
+            // The variants this layer runs (a first call also plans, tunes and compiles them).
+            let all = variants();
+            let mut runs = Vec::new();
+            for v in all.iter().filter(|v| {
                 v.backend == Backend::Cuda && v.dtypes.contains(&dtype) && cfg.wants_variant(v.name)
             }) {
                 let opts = LinearOptions {
@@ -238,18 +206,69 @@ fn bench_gpu(
                     ..Default::default()
                 };
                 progress(&format!("linear {d} {} {label} {shape_s}", v.name));
-                let s = match time_gpu(dev, &stream, Budget::gpu(), |_| l.forward(&opts)) {
-                    Ok(s) => s,
+                match l.forward(&opts) {
+                    Ok(()) => runs.push((v, opts)),
                     Err(crate::core::error::Error::NoVariant { .. }) => continue,
                     Err(e) => return Err(e),
-                };
+                }
+            }
+            // The bare GEMM, cuBLAS's, and every variant in alternating rounds, under one clock
+            // history (timed one after the other, the first of a pair gained up to ~10 % on the
+            // H100; docs/matmul.md).
+            progress(&format!(
+                "linear {d} timing {label} {shape_s} (alternating rounds)"
+            ));
+            let (g_, gl_, stream_, l_) = (&g, &gl, &stream, &l);
+            let mut fs: Vec<Box<dyn FnMut(usize) -> Result<()> + '_>> = vec![
+                Box::new(move |_: usize| mmc::launch(gl_, g_, ptrs, 1.0, 0.0, stream_)),
+                Box::new(move |_: usize| mmc::cublas(dev, g_, ptrs, 1.0, 0.0, prec, stream_)),
+            ];
+            for (_, opts) in &runs {
+                fs.push(Box::new(move |_: usize| l_.forward(opts)));
+            }
+            let mut refs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
+                fs.iter_mut().map(|f| f.as_mut() as _).collect();
+            let mut stats =
+                time_gpu_alternating(dev, &stream, Budget::gpu(), ALTERNATING_ROUNDS, &mut refs)?
+                    .into_iter();
+            drop(refs);
+            drop(fs);
+            let mut r = record(
+                d,
+                &name,
+                "gemm",
+                dtype,
+                shape_s.clone(),
+                stats.next().expect("one Stats per closure"),
+                flops,
+                fwd_bytes(shape, es) - (es * n) as f64,
+            );
+            r.dtype = label.into();
+            r.config = format!("bare GEMM, matmul `{gemm_variant}` ({})", gl.config);
+            let gemm_ms = r.median_ms;
+            group.push(r);
+            let mut r = record(
+                d,
+                &name,
+                "cublas",
+                dtype,
+                shape_s.clone(),
+                stats.next().expect("one Stats per closure"),
+                flops,
+                fwd_bytes(shape, es) - (es * n) as f64,
+            );
+            r.dtype = label.into();
+            r.is_peer = true;
+            r.config = "bare GEMM, cublasGemmStridedBatchedEx".into();
+            group.push(r);
+            for (v, _) in &runs {
                 let mut r = record(
                     d,
                     &name,
                     v.name,
                     dtype,
                     shape_s.clone(),
-                    s,
+                    stats.next().expect("one Stats per closure"),
                     flops,
                     fwd_bytes(shape, es),
                 );
