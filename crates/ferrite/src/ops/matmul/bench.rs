@@ -283,11 +283,19 @@ fn bench_gpu(
                     plans.push((vname, mm_cuda::plan(vname, &g, dev)?, None));
                 } else if cfg.configs.is_empty() {
                     let c = mm_cuda::wg_tuned(&g, ptrs[0], dev, &stream)?;
-                    plans.push((vname, mm_cuda::plan_with(vname, &g, dev, c)?, Some((c, true))));
+                    plans.push((
+                        vname,
+                        mm_cuda::plan_with(vname, &g, dev, c)?,
+                        Some((c, true)),
+                    ));
                 } else {
                     for name in &cfg.configs {
                         let c = mm_cuda::wg_config_named(name)?;
-                        plans.push((vname, mm_cuda::plan_with(vname, &g, dev, c)?, Some((c, false))));
+                        plans.push((
+                            vname,
+                            mm_cuda::plan_with(vname, &g, dev, c)?,
+                            Some((c, false)),
+                        ));
                     }
                 }
             }
