@@ -244,4 +244,10 @@ kd=$(cd "$bundle" && pwd)/kdir
   'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt' \
   'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
   || status=1; }
+# G: the linear backward broken down: its dX and dW GEMMs alone (matmul's default pick) in the
+# same alternating rounds as the whole backward and the two cuBLAS GEMMs.
+[[ $part == *G* ]] && { bash "$here/steps.sh" pending-G "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt' \
+  'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
 exit $status

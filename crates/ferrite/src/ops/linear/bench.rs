@@ -331,12 +331,20 @@ fn bench_gpu(
                 mmc::cublas(dev, &gx, px, 1.0, 0.0, prec, &stream)?;
                 mmc::cublas(dev, &gw, pw, 1.0, 0.0, prec, &stream)
             };
+            // The backward's own two GEMMs alone (matmul's default pick, as the backward runs
+            // them): what is left of the backward's time beside them is the dZ + db pass.
+            let mm_opts = matmul::MatmulOptions {
+                precision: prec,
+                ..Default::default()
+            };
+            let mut our_dx = |_: usize| mmc::gemm_ptrs(&gx, px, &mm_opts);
+            let mut our_dw = |_: usize| mmc::gemm_ptrs(&gw, pw, &mm_opts);
             let mut stats = time_gpu_alternating(
                 dev,
                 &stream,
                 Budget::gpu(),
                 ALTERNATING_ROUNDS,
-                &mut [&mut ours, &mut peer],
+                &mut [&mut ours, &mut peer, &mut our_dx, &mut our_dw],
             )?
             .into_iter();
             let s = stats.next().expect("one Stats per closure");
@@ -360,7 +368,7 @@ fn bench_gpu(
                 &name,
                 "cublas dX+dW",
                 dtype,
-                shape_b,
+                shape_b.clone(),
                 s,
                 2.0 * flops,
                 bwd_bytes(shape, es),
@@ -369,6 +377,24 @@ fn bench_gpu(
             r.is_peer = true;
             r.config = "two cublasGemmStridedBatchedEx (no activation backward, no db)".into();
             group.push(r);
+            for (what, g_) in [("dX GEMM", &gx), ("dW GEMM", &gw)] {
+                let mut r = record(
+                    d,
+                    &name,
+                    what,
+                    dtype,
+                    shape_b.clone(),
+                    stats.next().expect("one Stats per closure"),
+                    flops,
+                    fwd_bytes(shape, es) - (es * n) as f64,
+                );
+                r.dtype = label.into();
+                r.config = format!(
+                    "the backward's {what} alone, matmul's default pick ({})",
+                    g_.label()
+                );
+                group.push(r);
+            }
             relate(&mut group, "backward", None);
             out.extend(group);
         }
