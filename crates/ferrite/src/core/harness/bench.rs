@@ -146,6 +146,19 @@ pub fn time_gpu_alternating(
     Ok(samples.into_iter().map(Stats::from_samples).collect())
 }
 
+/// `time_gpu_alternating` over boxed closures (a bench's list of launches of different types).
+pub fn time_gpu_alternating_boxed(
+    dev: &CudaDevice,
+    stream: &Stream,
+    budget: Budget,
+    rounds: usize,
+    fs: &mut [Box<dyn FnMut(usize) -> Result<()> + '_>],
+) -> Result<Vec<Stats>> {
+    let mut refs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
+        fs.iter_mut().map(|f| f.as_mut() as _).collect();
+    time_gpu_alternating(dev, stream, budget, rounds, &mut refs)
+}
+
 /// The per-repeat times (ms) of `time_gpu`.
 fn time_gpu_samples(
     dev: &CudaDevice,

@@ -12,8 +12,8 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::harness::bench::{
-    relate, time_cpu_op, time_gpu, time_gpu_alternating, BenchRecord, Budget, Stats,
-    ALTERNATING_ROUNDS,
+    relate, time_cpu_op, time_gpu, time_gpu_alternating, time_gpu_alternating_boxed, BenchRecord,
+    Budget, Stats, ALTERNATING_ROUNDS,
 };
 use crate::core::harness::{BenchConfig, Ceilings, Precision};
 use crate::core::tensor::Tensor;
@@ -226,12 +226,14 @@ fn bench_gpu(
             for (_, opts) in &runs {
                 fs.push(Box::new(move |_: usize| l_.forward(opts)));
             }
-            let mut refs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
-                fs.iter_mut().map(|f| f.as_mut() as _).collect();
-            let mut stats =
-                time_gpu_alternating(dev, &stream, Budget::gpu(), ALTERNATING_ROUNDS, &mut refs)?
-                    .into_iter();
-            drop(refs);
+            let mut stats = time_gpu_alternating_boxed(
+                dev,
+                &stream,
+                Budget::gpu(),
+                ALTERNATING_ROUNDS,
+                &mut fs,
+            )?
+            .into_iter();
             drop(fs);
             let mut r = record(
                 d,

@@ -8,7 +8,8 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::harness::bench::{
-    relate, rotation_sets, time_cpu, time_gpu_alternating, BenchRecord, Budget, ALTERNATING_ROUNDS,
+    relate, rotation_sets, time_cpu, time_gpu_alternating_boxed, BenchRecord, Budget,
+    ALTERNATING_ROUNDS,
 };
 use crate::core::harness::{BenchConfig, Ceilings, Precision};
 use crate::core::tensor::Tensor;
@@ -328,12 +329,14 @@ fn bench_gpu(
             if let Some(plan) = &lt {
                 fs.push(Box::new(move |i: usize| plan.run(ptrs_[i % n], 1.0, 0.0)));
             }
-            let mut refs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
-                fs.iter_mut().map(|f| f.as_mut() as _).collect();
-            let mut stats =
-                time_gpu_alternating(dev, &stream, Budget::gpu(), ALTERNATING_ROUNDS, &mut refs)?
-                    .into_iter();
-            drop(refs);
+            let mut stats = time_gpu_alternating_boxed(
+                dev,
+                &stream,
+                Budget::gpu(),
+                ALTERNATING_ROUNDS,
+                &mut fs,
+            )?
+            .into_iter();
             drop(fs);
             let mut group = Vec::new();
             for (vname, l, tuned) in &plans {
