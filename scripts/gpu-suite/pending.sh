@@ -250,4 +250,12 @@ kd=$(cd "$bundle" && pwd)/kdir
   'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt' \
   'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
   || status=1; }
+# H: cross_entropy `resident` refilling each kept vector's shared slot with the block's next row
+# (cp.async) as pass 2 consumes it, so the next row's pass 1 reads shared memory: check, the
+# quick check under compute-sanitizer (memcheck, racecheck), and the bench.
+[[ $part == *H* ]] && { bash "$here/steps.sh" pending-H "$bundle" \
+  'check-ce|150|ferrite check cross_entropy --device cuda --json $D/check-ce.json' \
+  'sanitize|200|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --quick && compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --quick' \
+  'bench-ce|200|for r in 1 2; do ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-$r.json; FERRITE_KERNEL_DIR='"$kd"'/ceold ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-old-$r.json; done' \
+  || status=1; }
 exit $status
