@@ -258,4 +258,19 @@ kd=$(cd "$bundle" && pwd)/kdir
   'sanitize|200|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --quick && compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --quick' \
   'bench-ce|200|for r in 1 2; do ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-$r.json; FERRITE_KERNEL_DIR='"$kd"'/ceold ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-old-$r.json; done' \
   || status=1; }
+# I: the linear backward's dZ + db pass with 16-byte accesses (linear_bwd_dz_vec; the scalar
+# kernel reached ~64% of copy): the linear check (the GPU backward runs under `naive`; its db bits
+# are compared across two runs) and the bench with its backward breakdown.
+[[ $part == *I* ]] && { bash "$here/steps.sh" pending-I "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt' \
+  'check-linear|170|ferrite check linear --device cuda --variant naive --variant persistent_pairs --json $D/check-linear.json' \
+  'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
+# J: I plus linear_db through col_sum_fixed_order (16 chunk slices in flight per column; one
+# thread walked all 128 chunks of its column before): check and bench as in I.
+[[ $part == *J* ]] && { bash "$here/steps.sh" pending-J "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt' \
+  'check-linear|170|ferrite check linear --device cuda --variant naive --variant persistent_pairs --json $D/check-linear.json' \
+  'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
 exit $status

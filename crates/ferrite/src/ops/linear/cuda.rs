@@ -279,7 +279,13 @@ pub fn backward(p: &Problem, i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Resul
                 .push(if m == 0 { 0i64 } else { chunks as i64 })
                 .push(n as i64)
                 .push(db.device_ptr()?);
-            kern.launch(&stream, (col_blocks, 1, 1), block, 0, &mut a)?;
+            kern.launch(
+                &stream,
+                ((n as u32).div_ceil(32).max(1), 1, 1),
+                (32, 16, 1),
+                0,
+                &mut a,
+            )?;
         }
     }
     let mm_opts = matmul::MatmulOptions {

@@ -6,7 +6,7 @@
 //
 // Backward: linear_bwd_dz computes dZ = dY ⊙ act'(Z) and, in the same pass, the column sums of dZ
 // over a fixed chunk of rows per block (fp32, rows in order) into a [chunks, n] scratch;
-// linear_db adds the chunks in order. No atomics and a fixed order: the same db bits every run.
+// linear_db adds the chunks in a fixed order. No atomics: the same db bits every run.
 //
 // Specialised by -DFE_ELEM (storage type) and -DFE_ACT (0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf,
 // 4 silu). Index math is 64-bit; every access is predicated on the matrix bounds.
@@ -114,12 +114,12 @@ extern "C" __global__ void linear_bwd_dz(const T* __restrict__ dy, i64 lddy, con
   if (partial) partial[(i64)blockIdx.y * n + j] = s;
 }
 
-// db[j] = Σ_c partial[c][j], chunks in order.
+// db[j] = Σ_c partial[c][j] in a fixed order (col_sum_fixed_order: 16 chunk slices per column
+// in flight, then added in slice order; the same bits every run), the helper the norm backward
+// uses. Before: one thread per column walking all its chunks (~128 dependent loads at 8192 rows);
+// a suspect for the backward's non-GEMM time, but the H100 timed no difference (pending-J of
+// 2026-11-25). Launch with blockDim (32, 16), gridDim.x = ⌈n / 32⌉.
 extern "C" __global__ void linear_db(const float* __restrict__ partial, i64 chunks, i64 n,
                                      T* __restrict__ db) {
-  const i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  float s = 0.f;
-  for (i64 c = 0; c < chunks; ++c) s += partial[c * n + j];
-  db[j] = from_float<T>(s);
+  col_sum_fixed_order(db, partial, chunks, n);
 }
