@@ -273,4 +273,13 @@ kd=$(cd "$bundle" && pwd)/kdir
   'check-linear|170|ferrite check linear --device cuda --variant naive --variant persistent_pairs --json $D/check-linear.json' \
   'bench-linear|200|ferrite bench linear --device cuda --json $D/bench-linear.json' \
   || status=1; }
+# K: the linear backward's chain form (Bwd::x_pre): the dX GEMM forms the layer below's dZ in
+# wgmma's activation-backward epilogue (FE_EPI_DACT). The check (the GPU backward under `naive`:
+# GEMM + linear_dact; under `fused`: the epilogue kernel on 16-bit inputs) and the bench's new
+# `backward (chain)` row in the same alternating rounds as the backward and cuBLAS's two GEMMs.
+[[ $part == *K* ]] && { bash "$here/steps.sh" pending-K "$bundle" \
+  'warm|200|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt' \
+  'check-linear|200|ferrite check linear --device cuda --variant naive --variant fused --json $D/check-linear.json' \
+  'bench-linear|220|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
 exit $status

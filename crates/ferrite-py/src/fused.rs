@@ -102,6 +102,7 @@ pub fn linear_forward(
             &flinear::FwdOut {
                 y: &y.t,
                 z: opt_ref(&z),
+                x_pre: None,
             },
             &opts,
         )?;

@@ -64,6 +64,8 @@ struct Layer {
     dx: Tensor,
     dw: Tensor,
     db: Tensor,
+    /// The pre-activation of a layer below (X = act(Z_in)): the chain form of the backward.
+    z_in: Tensor,
 }
 
 impl Layer {
@@ -79,6 +81,7 @@ impl Layer {
             dx: Tensor::empty(&[m, k], dtype, d)?,
             dw: Tensor::empty(&[n, k], dtype, d)?,
             db: Tensor::empty(&[n], dtype, d)?,
+            z_in: r(&[m, k], 6)?,
         })
     }
     fn forward(&self, opts: &LinearOptions) -> Result<()> {
@@ -103,6 +106,28 @@ impl Layer {
                 x: &self.x,
                 w: &self.w,
                 z: Some(&self.z),
+                x_pre: None,
+            },
+            &BwdOut {
+                dx: Some(&self.dx),
+                dw: Some(&self.dw),
+                db: Some(&self.db),
+            },
+            opts,
+        )
+    }
+    /// One layer's share of a chain of `ACT` layers: dY is already this layer's dZ (the layer
+    /// above formed it in its dX GEMM), and this layer's dX GEMM forms the dZ of the layer below
+    /// (dX ⊙ act'(Z_in)) in its epilogue. dX + dW + db with every activation backward inside a
+    /// GEMM; `opts.activation` must be none.
+    fn backward_chain(&self, opts: &LinearOptions) -> Result<()> {
+        backward_into(
+            &Bwd {
+                dy: &self.dy,
+                x: &self.x,
+                w: &self.w,
+                z: None,
+                x_pre: Some((&self.z_in, ACT)),
             },
             &BwdOut {
                 dx: Some(&self.dx),
@@ -341,12 +366,18 @@ fn bench_gpu(
             };
             let mut our_dx = |_: usize| mmc::gemm_ptrs(&gx, px, &mm_opts);
             let mut our_dw = |_: usize| mmc::gemm_ptrs(&gw, pw, &mm_opts);
+            let chain_opts = LinearOptions {
+                activation: Activation::None,
+                precision: prec,
+                ..Default::default()
+            };
+            let mut chain = |_: usize| l.backward_chain(&chain_opts);
             let mut stats = time_gpu_alternating(
                 dev,
                 &stream,
                 Budget::gpu(),
                 ALTERNATING_ROUNDS,
-                &mut [&mut ours, &mut peer, &mut our_dx, &mut our_dw],
+                &mut [&mut ours, &mut peer, &mut our_dx, &mut our_dw, &mut chain],
             )?
             .into_iter();
             let s = stats.next().expect("one Stats per closure");
@@ -397,6 +428,23 @@ fn bench_gpu(
                 );
                 group.push(r);
             }
+            let mut r = record(
+                d,
+                &name,
+                "backward (chain)",
+                dtype,
+                shape_b.clone(),
+                stats.next().expect("one Stats per closure"),
+                2.0 * flops,
+                bwd_bytes(shape, es),
+            );
+            r.dtype = label.into();
+            r.config = format!(
+                "one layer of a chain of {ACT} layers: dY is this layer's dZ (formed by the layer \
+                 above's dX GEMM); db pass over it; dX GEMM with the {ACT}' epilogue forming the \
+                 layer below's dZ; dW GEMM"
+            );
+            group.push(r);
             relate(&mut group, "backward", None);
             out.extend(group);
         }

@@ -380,6 +380,7 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
                     x: &x,
                     w: &w,
                     z: Some(&z),
+                    x_pre: None,
                 },
                 &BwdOut {
                     dx: Some(dx),
@@ -428,6 +429,39 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
                 format!("{label} db,dW bits twice"),
                 same.map(|s| if s { 0.0 } else { f64::INFINITY }),
             );
+        }
+        // The input's own activation (X = act(Z_in), a layer below): dx receives
+        // dX ⊙ act'(Z_in), formed in the dX GEMM's epilogue (`wgmma` on the H100, interior tiles
+        // and edges) or by the separate pass (`naive`, other GPUs, unaligned shapes).
+        if act != Activation::None {
+            let z_in = rand(&xs, dtype, dev, seed ^ 6, -3.0, 3.0)?;
+            let ref_pre: Vec<f64> = z_in
+                .to_f64_vec()?
+                .iter()
+                .zip(&dx_ref)
+                .map(|(&zv, &d)| d * act.grad_f64(zv))
+                .collect();
+            let dx = Tensor::empty(&xs, dtype, dev)?;
+            let res = dx.poison(None).and_then(|_| {
+                backward_into(
+                    &Bwd {
+                        dy: &dy,
+                        x: &x,
+                        w: &w,
+                        z: Some(&z),
+                        x_pre: Some((&z_in, act)),
+                    },
+                    &BwdOut {
+                        dx: Some(&dx),
+                        dw: None,
+                        db: None,
+                    },
+                    &opts,
+                )?;
+                sync(dev, "linear backward (x_pre)")?;
+                Ok(rel_error(&dx.to_f64_vec()?, &ref_pre))
+            });
+            rec.push(out, format!("{label} dX⊙{act}'(Z_in)"), res);
         }
     }
     Ok(())

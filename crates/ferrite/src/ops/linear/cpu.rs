@@ -189,9 +189,19 @@ pub fn backward(
     }
     if let Some(dx) = o.dx {
         // dX [m, k] = dZ [m, n] · W [n, k]
+        let z_in = match i.x_pre {
+            Some((z, act)) if act != Activation::None => {
+                Some((rows_view(OP_BWD, "x_pre", z)?.to_f32_vec()?, act))
+            }
+            _ => None,
+        };
         with_f32(i.w, |ws| {
             with_f32_out(dx, |d| {
-                gemm(parallel, th, m, k, n, &dz, n, false, ws, k, false, d, k)
+                gemm(parallel, th, m, k, n, &dz, n, false, ws, k, false, d, k);
+                // The layer below's dZ: dX ⊙ act_in'(Z_in), before the one rounding to dx.
+                if let Some((z, act)) = &z_in {
+                    dz_in_place(d, Some(z), *act, k, parallel);
+                }
             })
         })??;
     }

@@ -17,12 +17,13 @@ use crate::ops::matmul::{self, Gemm, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("linear", "kernels/linear.cu");
-const FUNCS: [&str; 5] = [
+const FUNCS: [&str; 6] = [
     "linear_bias",
     "linear_act",
     "linear_add",
     "linear_bwd_dz",
     "linear_db",
+    "linear_dact",
 ];
 /// Threads per block of the element-wise and backward kernels.
 const THREADS: u32 = 256;
@@ -206,6 +207,18 @@ fn forward_unfused(
     Ok(())
 }
 
+/// The dX GEMM with the activation-backward epilogue (`wgmma`, bf16/f16, Hopper, TMA-aligned
+/// operands), or None where it cannot run (the caller then runs the plain GEMM and
+/// `linear_dact`).
+fn plan_dact(g: &Gemm, ptrs: Ptrs, dev: &Arc<CudaDevice>, act: Activation) -> Option<mmc::Launch> {
+    if g.dtype == DType::F32
+        || persistent_declines(g, Some(dev.arch()), &[ptrs.a, ptrs.b]).is_some()
+    {
+        return None;
+    }
+    mmc::plan_epilogue_dact(g, dev, act).ok()
+}
+
 /// Rows per block of the dZ/db kernel: 64, more when m would need over 65535 chunks (grid y).
 pub fn rows_per_chunk(m: usize) -> usize {
     64usize.max(m.div_ceil(65535))
@@ -220,7 +233,17 @@ fn operand(ld: usize, trans: bool) -> Operand {
     }
 }
 
-pub fn backward(p: &Problem, i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Result<()> {
+/// The backward. `variant` only decides how `Bwd::x_pre` is applied: `naive` runs the plain dX
+/// GEMM and then `linear_dact`; every other variant forms the layer below's dZ in the dX GEMM's
+/// epilogue (`wgmma`'s activation-backward epilogue) where that kernel can run, else the same two
+/// steps.
+pub fn backward(
+    variant: &str,
+    p: &Problem,
+    i: &Bwd,
+    o: &BwdOut,
+    opts: &LinearOptions,
+) -> Result<()> {
     let (dev, stream) = ctx(p, &opts.stream)?;
     let (m, n, k) = (p.m, p.n, p.k);
     let act = opts.activation;
@@ -310,7 +333,44 @@ pub fn backward(p: &Problem, i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Resul
             b: i.w.device_ptr()?,
             c: dx.device_ptr()?,
         };
-        mmc::gemm_ptrs(&g, ptrs, &mm_opts)?;
+        match i.x_pre {
+            Some((z_in, act_in)) if act_in != Activation::None && m * k > 0 => {
+                let z2 = rows_view(OP_BWD, "x_pre", z_in)?;
+                let (zp, ldzi) = (z2.device_ptr()?, ld_of(&z2));
+                let fused = if variant == "naive" {
+                    None
+                } else {
+                    plan_dact(&g, ptrs, &dev, act_in)
+                };
+                match fused {
+                    Some(l) => {
+                        let e = EpiPtrs {
+                            bias: 0,
+                            z: 0,
+                            ldz: k.max(1),
+                            stride_z: 0,
+                            r: zp,
+                            ldr: ldzi,
+                            stride_r: 0,
+                        };
+                        mmc::launch_with_epilogue(&l, &g, ptrs, 1.0, 0.0, e, &stream)?;
+                    }
+                    None => {
+                        mmc::gemm_ptrs(&g, ptrs, &mm_opts)?;
+                        let kern = dev.kernel(&program(p.dtype, act_in), "linear_dact")?;
+                        let mut a = KernelArgs::new();
+                        a.push(ptrs.c)
+                            .push(k as i64)
+                            .push(zp)
+                            .push(ldzi as i64)
+                            .push(m as i64)
+                            .push(k as i64);
+                        kern.launch(&stream, (blocks_for(m * k), 1, 1), block, 0, &mut a)?;
+                    }
+                }
+            }
+            _ => mmc::gemm_ptrs(&g, ptrs, &mm_opts)?,
+        }
     }
     if let Some(dw) = o.dw {
         // dW [n, k] = dZᵀ [n, m] (dZ read transposed in place) · X [m, k]

@@ -192,6 +192,12 @@ pub struct Bwd<'a> {
     pub x: &'a Tensor,
     pub w: &'a Tensor,
     pub z: Option<&'a Tensor>,
+    /// The input's own pre-activation when X = act_in(Z_in) (the output of the layer below):
+    /// the `dx` output then receives dZ_in = dX ⊙ act_in'(Z_in), the layer below's dZ, formed in
+    /// the dX GEMM's epilogue on the GPU (`wgmma`) instead of by a pass of its own. A chain of
+    /// layers then runs each activation's backward inside a GEMM; the layer below takes that dZ
+    /// as its `dy` with no activation.
+    pub x_pre: Option<(&'a Tensor, Activation)>,
 }
 
 /// Backward outputs; any may be left out.
@@ -381,6 +387,10 @@ pub fn validate_bwd(i: &Bwd, o: &BwdOut, act: Activation) -> Result<Problem> {
             rows_view(op, "z", z)?;
         }
     }
+    if let Some((z_in, _)) = i.x_pre {
+        expect_same(op, "x_pre", z_in, i.x, i.x.shape())?;
+        rows_view(op, "x_pre", z_in)?;
+    }
     if let Some(dx) = o.dx {
         expect_same(op, "dx", dx, i.x, i.x.shape())?;
         expect_contiguous(op, "dx", dx)?;
@@ -396,7 +406,7 @@ pub fn validate_bwd(i: &Bwd, o: &BwdOut, act: Activation) -> Result<Problem> {
     check_distinct(
         op,
         &[("dx", o.dx), ("dw", o.dw), ("db", o.db)],
-        &[Some(i.dy), Some(i.x), Some(i.w), i.z],
+        &[Some(i.dy), Some(i.x), Some(i.w), i.z, i.x_pre.map(|p| p.0)],
     )?;
     for (name, v) in [("rows", m), ("out", n), ("in", k)] {
         if v > i32::MAX as usize {
@@ -508,7 +518,7 @@ pub fn backward_into(i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Result<()> {
     )?;
     match p.device {
         Device::Cpu => cpu::backward(v.name, &p, i, o, opts),
-        Device::Cuda(_) => cuda::backward(&p, i, o, opts),
+        Device::Cuda(_) => cuda::backward(v.name, &p, i, o, opts),
     }
 }
 

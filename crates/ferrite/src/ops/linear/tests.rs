@@ -24,6 +24,69 @@ fn every_variant_passes_check() {
     );
     assert!(recs.iter().any(|r| r.shape.contains("db,dW bits twice")));
     assert!(recs.iter().any(|r| r.shape.contains("gelu_erf+b+res+Z Z")));
+    assert!(recs.iter().any(|r| r.shape.contains("dX⊙silu'(Z_in)")));
+}
+
+/// `x_pre`: dx receives the plain dX times act'(Z_in), element by element (in f32 the same bits
+/// as multiplying afterwards), on both CPU variants; and a mis-shaped Z_in is refused by name.
+#[test]
+fn cpu_x_pre_multiplies_dx_by_the_input_activation_backward() {
+    let (m, n, k) = (37, 11, 23);
+    let (x, w, dy) = (t(&[m, k], 1), t(&[n, k], 2), t(&[m, n], 3));
+    let z_in = Tensor::rand(&[m, k], DType::F32, Device::Cpu, 4, -3.0, 3.0).unwrap();
+    let act = Activation::GeluTanh;
+    for variant in ["naive", "parallel"] {
+        let run = |x_pre| {
+            let dx = Tensor::empty(&[m, k], DType::F32, Device::Cpu).unwrap();
+            dx.poison(None).unwrap();
+            backward_into(
+                &Bwd {
+                    dy: &dy,
+                    x: &x,
+                    w: &w,
+                    z: None,
+                    x_pre,
+                },
+                &BwdOut {
+                    dx: Some(&dx),
+                    dw: None,
+                    db: None,
+                },
+                &opts(variant, Activation::None),
+            )
+            .unwrap();
+            dx.to_f32_vec().unwrap()
+        };
+        let plain = run(None);
+        let pre = run(Some((&z_in, act)));
+        let zv = z_in.to_f32_vec().unwrap();
+        for e in 0..m * k {
+            assert_eq!(pre[e], plain[e] * act.grad(zv[e]), "{variant} element {e}");
+        }
+        assert!(pre.iter().all(|v| v.is_finite()));
+    }
+    let dx = Tensor::empty(&[m, k], DType::F32, Device::Cpu).unwrap();
+    let e = backward_into(
+        &Bwd {
+            dy: &dy,
+            x: &x,
+            w: &w,
+            z: None,
+            x_pre: Some((&t(&[m, k + 1], 5), act)),
+        },
+        &BwdOut {
+            dx: Some(&dx),
+            dw: None,
+            db: None,
+        },
+        &opts("naive", Activation::None),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("`x_pre`") && e.contains(&format!("[{m}, {k}]")),
+        "{e}"
+    );
 }
 
 /// db and dW bits: the same across runs, thread counts and the two CPU variants (fixed chunks).
@@ -48,6 +111,7 @@ fn cpu_backward_is_deterministic() {
                 x: &x,
                 w: &w,
                 z: Some(&z),
+                x_pre: None,
             },
             &BwdOut {
                 dx: Some(&dx),
@@ -192,6 +256,7 @@ fn bad_inputs_get_clear_errors() {
                 x: &x,
                 w: &w,
                 z,
+                x_pre: None,
             },
             &o,
             &opts("naive", act),

@@ -522,16 +522,24 @@ pub struct Epi {
     /// bias in registers, SFU activations for 16-bit outputs; `mma_pipelined` and `wgmma` only)
     /// instead of the element-wise one.
     pub pairs: bool,
+    /// The activation's backward (`-DFE_EPI_DACT=1`, `wgmma` with the pair epilogue only):
+    /// C = alpha·acc · act'(R), R the pre-activation of the layer below (bias and Z absent).
+    pub dact: bool,
 }
 
 /// The `FE_EPI` (and `FE_EPI_PAIRS`) defines of an epilogue kernel (absent for the plain GEMM, so
 /// its module, cache key and code are exactly the plain kernel's).
 fn with_epilogue(p: Program, epi: Option<Epi>) -> Program {
     match epi {
-        Some(Epi { act, pairs }) => {
+        Some(Epi { act, pairs, dact }) => {
             let p = p.define("FE_EPI", 1 + act.code());
-            if pairs {
+            let p = if pairs {
                 p.define("FE_EPI_PAIRS", 1)
+            } else {
+                p
+            };
+            if dact {
+                p.define("FE_EPI_DACT", 1)
             } else {
                 p
             }
@@ -575,7 +583,11 @@ pub struct Ptrs {
 }
 
 fn naive_program(dtype: DType, epi: Option<Activation>) -> Program {
-    let epi = epi.map(|act| Epi { act, pairs: false });
+    let epi = epi.map(|act| Epi {
+        act,
+        pairs: false,
+        dact: false,
+    });
     with_epilogue(
         Program::new(NAIVE).define("FE_ELEM", dtype.cuda_name()),
         epi,
@@ -662,8 +674,16 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 pub fn epilogue_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for act in Activation::ALL {
-        let elem = Some(Epi { act, pairs: false });
-        let pairs = Some(Epi { act, pairs: true });
+        let elem = Some(Epi {
+            act,
+            pairs: false,
+            dact: false,
+        });
+        let pairs = Some(Epi {
+            act,
+            pairs: true,
+            dact: false,
+        });
         for d in [DType::F32, DType::F16, DType::BF16] {
             v.push(KernelSpec {
                 program: naive_program(d, Some(act)),
@@ -696,6 +716,20 @@ pub fn epilogue_specs() -> Vec<KernelSpec> {
                     min_arch: Arch::SM90,
                 });
             }
+            // The linear backward's dX GEMM (dZ row-major · W row-major) forming the layer
+            // below's dZ in its epilogue.
+            if act != Activation::None {
+                let dact = Epi {
+                    act,
+                    pairs: true,
+                    dact: true,
+                };
+                v.push(KernelSpec {
+                    program: wgmma_program(d, false, false, WG_CLUSTER, Some(dact)),
+                    functions: vec!["matmul_wgmma".into()],
+                    min_arch: Arch::SM90,
+                });
+            }
         }
     }
     v
@@ -713,7 +747,7 @@ pub struct Launch {
     /// order appended to the parameters; None: the common grid.
     pub persistent: Option<Persistent>,
     /// Compiled with the fused epilogue of this activation: its parameters follow the others.
-    pub epilogue: Option<Activation>,
+    pub epilogue: Option<Epi>,
     /// tf32 `wgmma`: the pre-pass that packs an operand the kernel cannot read as it is (m/n-
     /// contiguous, or rows not 16-byte aligned) into a K-major tf32-rounded copy; `launch` runs
     /// it first where needed (see `tf32_direct`).
@@ -793,7 +827,36 @@ pub fn plan_epilogue_pairs(
             ),
         });
     }
-    plan_inner(variant, g, dev, Some(Epi { act, pairs: true }), WG_DEFAULT)
+    plan_inner(
+        variant,
+        g,
+        dev,
+        Some(Epi {
+            act,
+            pairs: true,
+            dact: false,
+        }),
+        WG_DEFAULT,
+    )
+}
+
+/// `wgmma` with the activation-backward epilogue: C = alpha·acc · act'(R) (`-DFE_EPI_DACT`),
+/// R passed as `EpiPtrs::r` (indexed like C), bias and Z absent. Interior tiles go through the
+/// TMA-store pair epilogue with R loaded a box ahead, edge tiles element by element. 16-bit
+/// only. Launch it with `launch_with_epilogue`.
+pub fn plan_epilogue_dact(g: &Gemm, dev: &Arc<CudaDevice>, act: Activation) -> Result<Launch> {
+    if g.dtype == DType::F32 {
+        return Err(Error::NoVariant {
+            op: OP.into(),
+            msg: "the activation-backward epilogue is bf16/f16 `wgmma` only".into(),
+        });
+    }
+    let epi = Epi {
+        act,
+        pairs: true,
+        dact: true,
+    };
+    plan_inner("wgmma", g, dev, Some(epi), WG_DEFAULT)
 }
 
 /// The variants that have the fused epilogue.
@@ -816,7 +879,17 @@ pub fn plan_epilogue(
             ),
         });
     }
-    plan_inner(variant, g, dev, Some(Epi { act, pairs: false }), WG_DEFAULT)
+    plan_inner(
+        variant,
+        g,
+        dev,
+        Some(Epi {
+            act,
+            pairs: false,
+            dact: false,
+        }),
+        WG_DEFAULT,
+    )
 }
 
 fn plan_inner(
@@ -857,7 +930,7 @@ fn plan_inner(
             tile: (8, 32),
             config: "block 32×8, 1 output/thread".into(),
             persistent: None,
-            epilogue: epi.map(|e| e.act),
+            epilogue: epi,
             pack: None,
         }),
         "mma" | "mma_pipelined" => {
@@ -888,7 +961,7 @@ fn plan_inner(
                     epilogue_note(epi)
                 ),
                 persistent: None,
-                epilogue: epi.map(|e| e.act),
+                epilogue: epi,
                 pack: None,
             })
         }
@@ -958,7 +1031,7 @@ fn plan_inner(
                     cluster,
                     tma_store: has_store && wg.tma_store,
                 }),
-                epilogue: epi.map(|e| e.act),
+                epilogue: epi,
                 pack,
             })
         }
@@ -969,10 +1042,17 @@ fn plan_inner(
 /// The config suffix of an epilogue kernel.
 fn epilogue_note(epi: Option<Epi>) -> String {
     match epi {
-        Some(Epi { act, pairs: true }) => format!(
+        Some(Epi {
+            act, dact: true, ..
+        }) => format!(
+            ", fused {act}' epilogue (C = acc·{act}'(R): the layer below's dZ; R pairs loaded a box ahead)"
+        ),
+        Some(Epi {
+            act, pairs: true, ..
+        }) => format!(
             ", fused {act} pair epilogue (interior tiles: bias pairs in registers, 2-element stores)"
         ),
-        Some(Epi { act, pairs: false }) => format!(", fused {act} epilogue element by element"),
+        Some(Epi { act, .. }) => format!(", fused {act} epilogue element by element"),
         None => String::new(),
     }
 }
@@ -995,6 +1075,16 @@ pub fn launch_with_epilogue(
     e: EpiPtrs,
     stream: &Stream,
 ) -> Result<()> {
+    match l.epilogue {
+        Some(Epi { dact: true, .. }) if e.r == 0 || e.bias != 0 || e.z != 0 => {
+            return Err(Error::Other(format!(
+                "matmul: the activation-backward epilogue ({}) takes R (the pre-activation) and \
+                 no bias or Z",
+                l.kernel.name
+            )));
+        }
+        _ => {}
+    }
     if l.epilogue.is_none() {
         return Err(Error::Other(format!(
             "matmul: launch_with_epilogue on a plain kernel ({}); plan it with plan_epilogue",

@@ -89,6 +89,17 @@ extern "C" __global__ void linear_add(T* __restrict__ y, i64 ldy, const T* __res
   }
 }
 
+// dx[i][j] *= act'(z[i][j]): the unfused form of the dX GEMM's activation-backward epilogue
+// (matmul's FE_EPI_DACT), forming the layer below's dZ after a plain GEMM — one more read and
+// write of dX, and a second rounding.
+extern "C" __global__ void linear_dact(T* __restrict__ dx, i64 lddx, const T* __restrict__ z,
+                                       i64 ldz, i64 m, i64 n) {
+  FOR_EACH_ELEMENT(m, n) {
+    const i64 i = e / n, j = e - i * n;
+    dx[i * lddx + j] = from_float<T>(to_float(dx[i * lddx + j]) * act_grad(to_float(z[i * ldz + j])));
+  }
+}
+
 // Block (x: columns, y: row chunk). Thread = one column j of rows [chunk·rows, (chunk+1)·rows):
 // a warp reads 32 consecutive columns of a row (coalesced), walking rows in order.
 // dz (null: not written, e.g. when dZ = dY) and partial (null: no db) are optional; z is read

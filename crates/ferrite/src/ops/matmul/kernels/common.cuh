@@ -190,6 +190,16 @@ __device__ __forceinline__ void fe_store4(float* c, i64 j, i64 n, float4 acc, fl
 #define FE_EPI_PAIRS 0
 #endif
 
+// -DFE_EPI_DACT=1 (with FE_EPI = 1 + act; `wgmma` only): the activation's backward instead of
+// its forward — the linear backward's dX GEMM forming the layer below's dZ in its epilogue:
+//   C(i, j) = (alpha·acc)(i, j) · act'(R(i, j))
+// with R the pre-activation that produced this GEMM's X (bias and Z absent). One pass over dX
+// less, and no dX → dZ pass: the product goes out rounded once, as the unfused kernels do it.
+#ifndef FE_EPI_DACT
+#define FE_EPI_DACT 0
+#endif
+static_assert(!FE_EPI_DACT || FE_EPI, "FE_EPI_DACT needs FE_EPI = 1 + act");
+
 // tanh on the SFU: one MUFU.TANH (sm_75+), max relative error about 2^-11 — below the rounding
 // of a 16-bit output (2^-9 bf16, 2^-11 f16). tanhf is ~20 instructions with two range branches
 // plus an EX2 and an RCP. f32 outputs keep tanhf / erff / expf: their checks hold fp32 accuracy.
@@ -240,6 +250,46 @@ __device__ __forceinline__ float fe_act(float v) {
 #endif
 }
 
+// act'(v), the backward of fe_act (FE_EPI_DACT): the same formulas as the linear family's
+// act_grad (linear.cu), with tanh on the SFU for 16-bit pair epilogues (FE_FAST_ACT).
+__device__ __forceinline__ float fe_dact(float v) {
+#if FE_EPI == 2
+  return v > 0.f ? 1.f : 0.f;
+#elif FE_EPI == 3
+  // ½(1 + t) + ½v(1 − t²)·c(1 + 3a·v²), t = tanh(c(v + a·v³)).
+  const float c = 0.7978845608028654f, a = 0.044715f;
+  const float v2 = v * v;
+  const float u = c * fmaf(a * v, v2, v);
+  const float t = FE_FAST_ACT ? fe_tanh_approx(u) : tanhf(u);
+  const float h = 0.5f * v * c * fmaf(3.f * a, v2, 1.f);
+  return fmaf(h, fmaf(-t, t, 1.f), fmaf(0.5f, t, 0.5f));
+#elif FE_EPI == 4
+  // Φ(v) + v·φ(v); for 16-bit outputs Φ through fe_act's erfc fit, which shares its
+  // exp(−v²/2) with φ.
+  if (FE_FAST_ACT) {
+    const float x = fabsf(v) * 0.7071067811865476f;
+    const float t = __fdividef(1.f, fmaf(0.3275911f, x, 1.f));
+    float p = fmaf(t, 1.061405429f, -1.453152027f);
+    p = fmaf(t, p, 1.421413741f);
+    p = fmaf(t, p, -0.284496736f);
+    p = fmaf(t, p, 0.254829592f);
+    const float ex = __expf(-x * x);
+    const float e = t * p * ex;  // erfc(x)
+    const float cdf = v >= 0.f ? fmaf(-0.5f, e, 1.f) : 0.5f * e;
+    return fmaf(v * 0.3989422804014327f, ex, cdf);
+  }
+  const float pdf = 0.3989422804014327f * expf(-0.5f * v * v);
+  return fmaf(0.5f, erff(v * 0.7071067811865476f), 0.5f) + v * pdf;
+#elif FE_EPI == 5
+  // σ(v)(1 + v(1 − σ(v))), σ(v) = ½(1 + tanh(v/2)) on the SFU for 16-bit outputs.
+  const float s = FE_FAST_ACT ? fmaf(0.5f, fe_tanh_approx(0.5f * v), 0.5f)
+                              : 1.f / (1.f + expf(-v));
+  return s * fmaf(v, 1.f - s, 1.f);
+#else
+  return 1.f;
+#endif
+}
+
 struct FeEpi {
 #if FE_EPI
   const T* bias;
@@ -261,7 +311,9 @@ struct FeEpi {
 
 // The epilogue of element (row, col) of batch zb, whose GEMM value is v; returns what to store.
 __device__ __forceinline__ float fe_epilogue(const FeEpi& e, float v, i64 zb, i64 row, i64 col) {
-#if FE_EPI
+#if FE_EPI && FE_EPI_DACT
+  v *= fe_dact(to_float(e.r[zb * e.stride_r + row * e.ldr + col]));
+#elif FE_EPI
   if (e.bias) v += to_float(e.bias[col]);
   if (e.z) e.z[zb * e.stride_z + row * e.ldz + col] = from_float<T>(v);
   v = fe_act(v);
@@ -290,7 +342,9 @@ __device__ __forceinline__ FeEpiRow fe_epi_row(const FeEpi& e, i64 zb, i64 row) 
 }
 
 __device__ __forceinline__ float fe_epilogue_row(const FeEpiRow& e, float v, i64 col) {
-#if FE_EPI
+#if FE_EPI && FE_EPI_DACT
+  v *= fe_dact(to_float(e.r[col]));
+#elif FE_EPI
   if (e.bias) v += to_float(e.bias[col]);
   if (e.z) e.z[col] = from_float<T>(v);
   v = fe_act(v);

@@ -240,6 +240,8 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* c, float v0, float v1,
   *reinterpret_cast<__nv_bfloat162*>(c) = __floats2bfloat162_rn(v0, v1);
 }
 
+static_assert(!(FE_EPI_DACT && FE_EPI_PAIRS), "the activation-backward epilogue is wgmma's");
+
 #if FE_EPI && FE_EPI_PAIRS
 // The fused epilogue of one warp's 64×32 block when all of it lies inside C (pairs aligned,
 // beta == 0): rows row0 + 16mt + 8h, column pairs col0 + 8nt. No predicates, no per-element

@@ -222,13 +222,17 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 // 4 pairs at a time so a fused epilogue's activation temporaries stay few. The TMA unit writes
 // whole lines and skips everything outside the tensor (edges need no predicates); the warp goes
 // on while the stores drain.
-template <class Vals>
-__device__ __forceinline__ void store_warp_tma(const Vals& vals, unsigned stg, const TmaDesc* map,
-                                               int row, int n0, int z, int lane) {
+// `before(q)` runs first in box q's turn (the activation-backward epilogue loads the next box's
+// operands there).
+template <class Vals, class Before>
+__device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& before, unsigned stg,
+                                               const TmaDesc* map, int row, int n0, int z,
+                                               int lane) {
   const unsigned lr = lane & 7, mat = lane >> 3;
   const unsigned lane_row = ((mat & 1) * 8 + lr) * 128;
 #pragma unroll
   for (int q = 0; q < BN / 64; ++q) {
+    before(q);
     const unsigned buf = stg + (q % SBUF) * SBOX;
     if (lane == 0) bulk_wait_read<SBUF - 1>();
     __syncwarp();
@@ -247,6 +251,11 @@ __device__ __forceinline__ void store_warp_tma(const Vals& vals, unsigned stg, c
       bulk_commit();
     }
   }
+}
+template <class Vals>
+__device__ __forceinline__ void store_warp_tma(const Vals& vals, unsigned stg, const TmaDesc* map,
+                                               int row, int n0, int z, int lane) {
+  store_warp_tma(vals, [](int) {}, stg, map, row, n0, z, lane);
 }
 #endif
 
@@ -366,6 +375,45 @@ __device__ __forceinline__ void wg_epilogue_tma(const float (&d)[128], const T2 
         }
       },
       stg, map_y, row, n0, z, lane);
+}
+#endif
+
+#if FE_EPI && FE_EPI_DACT && FE_TMA_STORE
+// The activation-backward epilogue's operand: the thread's 16 pre-activation pairs of box q
+// (store_warp_tma's 4 stmatrix groups × {row lane/4, +8} × {column group j, j + 1}), rp at the
+// thread's first pair. 4-byte loads; the pair of the next column group fills the other half of
+// the same 32-byte sectors, from L1.
+__device__ __forceinline__ void dact_load_box(T2 (&a)[16], const T* rp, i64 ldr, int q) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      a[4 * p + e] =
+          __ldg(reinterpret_cast<const T2*>(rp + (e % 2) * 8 * ldr + 8 * (8 * q + 2 * p + e / 2)));
+}
+
+// C = alpha·acc · act'(R) through the TMA store. Box 0's R pairs are in aux[0] already (loaded
+// before the tile's last wgmma group completed); box q + 1's are loaded at the start of box q,
+// so each box's loads are in flight while the previous box is computed and stored.
+__device__ __forceinline__ void wg_epilogue_dact_tma(const float (&d)[128], T2 (&aux)[2][16],
+                                                     float alpha, const T* rp, i64 ldr,
+                                                     unsigned stg, const TmaDesc* map, int row,
+                                                     int n0, int z, int lane) {
+  store_warp_tma(
+      [&](int j, unsigned(&v)[4]) {
+        const int q = j / 8, p = (j % 8) / 2;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int jj = j + e / 2, i = e % 2;
+          const float2 g = fe_f2(aux[q % 2][4 * p + e]);
+          v[e] = pack_u32(alpha * d[4 * jj + 2 * i] * fe_dact(g.x),
+                          alpha * d[4 * jj + 2 * i + 1] * fe_dact(g.y));
+        }
+      },
+      [&](int q) {
+        if (q + 1 < BN / 64) dact_load_box(aux[(q + 1) % 2], rp, ldr, q + 1);
+      },
+      stg, map, row, n0, z, lane);
 }
 #endif
 
@@ -506,6 +554,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const bool fast = epi_pairs && (tn + 1) * BN <= n && tm * BM + c * 64 + 64 <= m;
       // The thread's 32 bias pairs, loaded before the mainloop (32 independent 4-byte loads, 32
       // registers beside the 128 accumulators): their latency hides behind the k-loop.
+#if FE_EPI_DACT
+      T2 aux[2][16];  // the activation-backward epilogue's R pairs, two boxes
+#else
       T2 bias2[BN / 8];
       if (fast && epi.bias) {
         const T* bp = epi.bias + tn * BN + 2 * (lane % 4);
@@ -515,6 +566,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) bias2[j] = fe_pack2<T2>(0.f, 0.f);
       }
+#endif
 #endif
 #pragma unroll
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
@@ -543,6 +595,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           ph ^= 1;
         }
       }
+#if FE_EPI && FE_EPI_DACT && FE_TMA_STORE
+      // The first box's R pairs, loaded while the tile's last wgmma group still runs.
+      const T* rp_dact = nullptr;
+      if (store_tma && fast) {
+        rp_dact = epi.r + z * epi.stride_r + (tm * BM + c * 64 + warp * 16 + lane / 4) * epi.ldr +
+                  tn * BN + 2 * (lane % 4);
+        dact_load_box(aux[0], rp_dact, epi.ldr, 0);
+      }
+#endif
       wgmma_wait<0>();
       acc_fence(d);
       if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
@@ -556,7 +617,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       // (host-checked); the pair epilogue takes it on interior tiles.
       const unsigned stg = staging + (c * 4 + warp) * SBUF * SBOX;
       const int srow = (int)(tm * BM + c * 64 + warp * 16), scol = (int)(tn * BN);
-#if FE_EPI
+#if FE_EPI && FE_EPI_DACT
+      if (rp_dact) {
+        wg_epilogue_dact_tma(d, aux, alpha, rp_dact, epi.ldr, stg, &tma_c, srow, scol, (int)z,
+                             lane);
+        continue;
+      }
+#elif FE_EPI
       if (store_tma && fast) {
         const T* rp = epi.r ? epi.r + z * epi.stride_r + row0 * epi.ldr + col0 : nullptr;
         if (epi.z) {
