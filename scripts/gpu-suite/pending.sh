@@ -282,4 +282,31 @@ kd=$(cd "$bundle" && pwd)/kdir
   'check-linear|200|ferrite check linear --device cuda --variant naive --variant fused --json $D/check-linear.json' \
   'bench-linear|220|ferrite bench linear --device cuda --json $D/bench-linear.json' \
   || status=1; }
+# L (session 12): K's chain-form check and bench, plus the norm backward's partial rows written
+# with 16-byte stores (ncu had 7% of its sectors excessive: scalar 4-byte partial stores, a
+# burst at the kernel's end, LayerNorm twice RMSNorm's) — checked, then benched against the
+# committed kernel (kdir/normold) in two alternations; and the per-SASS profiles of ce_resident
+# at V = 50257 and the new LayerNorm backward (what stalls now).
+[[ $part == *L* ]] && { bash "$here/steps.sh" pending-L "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only norm > $D/kernels-norm.txt' \
+  'check-linear|150|ferrite check linear --device cuda --variant naive --variant fused --json $D/check-linear.json' \
+  'check-norm|40|ferrite check norm --device cuda --json $D/check-norm.json' \
+  'bench-linear|120|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  'bench-norm|120|for r in 1 2; do ferrite bench norm --device cuda --dtype bf16 --json $D/bench-norm-$r.json; FERRITE_KERNEL_DIR='"$kd"'/normold ferrite bench norm --device cuda --dtype bf16 --json $D/bench-norm-old-$r.json; done' \
+  "ncu-ce|60|bash $here/ncu-source.sh \$D ce-resident ce_resident 5 -- ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident" \
+  "ncu-norm|60|bash $here/ncu-source.sh \$D norm-bwd norm_bwd_vec 215 -- ferrite bench norm --device cuda --dtype bf16 --variant vectorized" \
+  || status=1; }
+# M (session 12): the linear chain form's check (the DACT epilogue runs under every variant but
+# naive) with the epilogue's pre-activation prefetched into L2 eight k-steps ahead (pending-L: the
+# epilogue cost ~60 µs per 8192×4096 output), its bench; cross_entropy with pass 1 by cp.async
+# (pending-L's profile: 45% of stall samples waiting on pass 1's loads), checked, raced and
+# benched against the committed kernel (kdir/ceold) in two alternations.
+[[ $part == *M* ]] && { bash "$here/steps.sh" pending-M "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only cross_entropy > $D/kernels-ce.txt' \
+  'check-linear|170|ferrite check linear --device cuda --variant naive --variant persistent_pairs --json $D/check-linear.json' \
+  'bench-linear|100|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  'check-ce|60|ferrite check cross_entropy --device cuda --json $D/check-ce.json' \
+  'sanitize|60|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --variant cluster --quick && compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --quick' \
+  'bench-ce|150|for r in 1 2; do ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-$r.json; FERRITE_KERNEL_DIR='"$kd"'/ceold ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-old-$r.json; done' \
+  || status=1; }
 exit $status

@@ -261,6 +261,15 @@ pub fn launch_bwd(
     scratch: u64,
     stream: &Stream,
 ) -> Result<()> {
+    // The dx kernel writes the partial rows with 16-byte stores (rows of cols % VEC == 0 floats).
+    if scratch % 16 != 0 {
+        return Err(Error::bad_arg(
+            OP,
+            "scratch",
+            "a 16-byte-aligned device address",
+            format!("{scratch:#x}"),
+        ));
+    }
     let part = l.grid as u64 * p.cols as u64 * 4;
     let dw_part = if q.dw != 0 { scratch } else { 0 };
     let db_part = if q.db != 0 {

@@ -31,7 +31,10 @@
 //   extra barrier. Also fewer instructions per element (ce_fused counted ~30 of a ~38-slot budget
 //   at bf16, 3 TB/s): the max is taken on x per vector and log2(e) folded into one FFMA before a
 //   bare ex2.approx; pass 2 is ex2(x·log2e − M)·(scale/S) − scale·(ε/V + (1−ε)[j = t]) with the
-//   target compared as a 32-bit lane index per vector.
+//   target compared as a 32-bit lane index per vector. Since 2026-11-25 pass 1 brings the kept
+//   vectors in by cp.async (the thread's whole share of the row in flight at once, no
+//   registers held), then reads them from shared memory; it used to load them into registers
+//   (~2 in flight per thread under the 32-register cap) and store them.
 // ce_reduce — one block: the scalar loss, Σ loss_i (÷ count for mean) in a fixed order.
 //
 // A target outside [0, V) (and ≠ ignore_index) is never used as an index: the row's loss and
@@ -372,24 +375,26 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
 
     // Pass 1: running (m, s) in log2 units, m = max of x·log2e so far.
+    // Vectors below `lim` are kept in shared memory. They go there by cp.async, all of the
+    // thread's vectors of the row issued at once, and are read back from shared memory once
+    // landed (each thread reads only what it copied: no barrier). Loaded into registers, at most
+    // ~2 were in flight per thread under the 32-register cap, and pass 1 waited on them: in the
+    // per-SASS profile (2026-11-25, pending-L) 45% of the kernel's stall samples were the bf16
+    // unpacking right after those loads, 16% the reduction barrier behind the slowest thread.
+    const i64 lim = cap < nvec ? cap : nvec;
+    i64 i = threadIdx.x;
+#pragma unroll 4
+    for (; i < lim; i += blockDim.x) async_copy16(&sm[i], &xv[i]);
+    async_commit();
     float m = f_lowest(), s = 0.f, sx = 0.f;
+    auto add_vec = [&](const Vec& a) { resident_add_vec(m, s, sx, a); };
     for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
       const float xf = to_float(xr[c]);
       const float y = xf * LOG2E;
       sx += xf;
       online_add(m, s, &y, 1);
     }
-    // Vectors below `lim` are kept in shared memory; two loops, so neither carries a per-vector
-    // select between the two memories.
-    const i64 lim = cap < nvec ? cap : nvec;
-    auto add_vec = [&](const Vec& a) { resident_add_vec(m, s, sx, a); };
-    i64 i = threadIdx.x;
-#pragma unroll 4
-    for (; i < lim; i += blockDim.x) {
-      const Vec a = xv[i];
-      sm[i] = a;
-      add_vec(a);
-    }
+    // The vectors beyond shared memory, and the tail, while the copies land.
 #pragma unroll 4
     for (; i < nvec; i += blockDim.x) add_vec(xv[i]);
     for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) {
@@ -398,6 +403,9 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
       sx += xf;
       online_add(m, s, &y, 1);
     }
+    async_wait<0>();
+#pragma unroll 1
+    for (i = threadIdx.x; i < lim; i += blockDim.x) add_vec(sm[i]);
     const float M = block_max(m, red);
     const float2 tot = block_sum2(m == f_lowest() ? 0.f : s * exp2f(m - M), sx, red);
     const float inv_s = 1.f / tot.x;
@@ -510,6 +518,10 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
     const float xt = (rank == 0 && threadIdx.x == 0) ? to_float(xr[t]) : 0.f;
     const Vec* xv = reinterpret_cast<const Vec*>(xr + head);
 
+    // The block's share of the row into shared memory by cp.async, all at once (as ce_resident).
+#pragma unroll 4
+    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) async_copy16(&sm[i - v0], &xv[i]);
+    async_commit();
     float m = f_lowest(), s = 0.f, sx = 0.f;
     auto add_scalar = [&](i64 c) {
       const float xf = to_float(xr[c]);
@@ -519,14 +531,11 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
     };
     if (rank == 0)
       for (i64 c = threadIdx.x; c < head; c += blockDim.x) add_scalar(c);
-#pragma unroll 4
-    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) {
-      const Vec a = xv[i];
-      sm[i - v0] = a;
-      resident_add_vec(m, s, sx, a);
-    }
     if (rank == C - 1)
       for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) add_scalar(c);
+    async_wait<0>();
+#pragma unroll 1
+    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) resident_add_vec(m, s, sx, sm[i - v0]);
     const float Mb = block_max(m, red);
     const float2 tb = block_sum2(m == f_lowest() ? 0.f : s * exp2f(m - Mb), sx, red);
     if (threadIdx.x == 0) slot[parity] = make_float4(Mb, tb.x, tb.y, 0.f);

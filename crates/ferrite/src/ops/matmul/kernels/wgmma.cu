@@ -378,6 +378,26 @@ __device__ __forceinline__ void wg_epilogue_tma(const float (&d)[128], const T2 
 }
 #endif
 
+#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
+// k-steps before the epilogue at which the consumers ask L2 for the tile's R (residual, or the
+// activation backward's pre-activation): ~8 × 0.8 µs ahead of its loads at 4096-deep k.
+constexpr int R_PREFETCH_AHEAD = 8;
+// The warp's 16 rows × BN columns of R into L2 (r at the warp's first row and the tile's first
+// column; interior tiles only, so every line is inside R): lane → row lane/2, half lane%2 of the
+// row's BN·ES bytes, the lines at its first, middle and last byte (a row need not start on a
+// 128-byte line). Measured without it (2026-11-25, pending-L): the activation-backward epilogue
+// cost ~60 µs per 8192×4096 output (~7 µs per tile) — each box's R loads waited on DRAM with only
+// one box of lookahead while the tensor cores idled.
+__device__ __forceinline__ void prefetch_r_l2(const T* r, i64 ldr, int lane) {
+  constexpr int HALF = BN * ES / 2;
+  static_assert(HALF == 256, "three prefetches cover a 256-byte half row");
+  const char* p = reinterpret_cast<const char*>(r + (lane / 2) * ldr) + (lane % 2) * HALF;
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + 128));
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + HALF - 1));
+}
+#endif
+
 #if FE_EPI && FE_EPI_DACT && FE_TMA_STORE
 // The activation-backward epilogue's operand: the thread's 16 pre-activation pairs of box q
 // (store_warp_tma's 4 stmatrix groups × {row lane/4, +8} × {column group j, j + 1}), rp at the
@@ -572,6 +592,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
       acc_fence(d);
       int prev = -1;
+#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
+      const int pf_kt = ktiles > R_PREFETCH_AHEAD ? ktiles - R_PREFETCH_AHEAD : 0;
+#endif
       for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(full0 + 8 * s, ph);
         const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
@@ -587,6 +610,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           wgmma_256(d, da, db, 1);
         }
         wgmma_commit();
+#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
+        if (kt == pf_kt && fast && store_tma && epi.r)
+          prefetch_r_l2(epi.r + z * epi.stride_r + (tm * BM + c * 64 + warp * 16) * epi.ldr + tn * BN,
+                        epi.ldr, lane);
+#endif
         wgmma_wait<1>();
         if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
         prev = s;

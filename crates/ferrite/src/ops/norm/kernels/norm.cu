@@ -202,21 +202,6 @@ extern "C" __global__ void norm_bwd_naive(T* __restrict__ dx, float* __restrict_
   }
 }
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Requires what norm_fwd_vec requires, and FE_STAGES·2·cols·sizeof(T) bytes of dynamic shared
 // memory (the ring: stage s holds dy then x of one row, cols/VEC vectors each). gridDim.x blocks
 // each own rows blockIdx.x + j·gridDim.x and write one partial row (G × cols) of dw and db.
@@ -259,12 +244,12 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
       for (int k = 0; k < FE_CHUNKS; ++k) {
         const i64 i = threadIdx.x + (i64)k * blockDim.x;
         if (i < nvec) {
-          cp_async16(st + i, dyr + i);
-          cp_async16(st + nvec + i, xr + i);
+          async_copy16(st + i, dyr + i);
+          async_copy16(st + nvec + i, xr + i);
         }
       }
     }
-    cp_async_commit();  // an empty group past the last row keeps the wait count uniform
+    async_commit();  // an empty group past the last row keeps the wait count uniform
   };
   auto stats = [&](i64 j, float& m_, float& s_) {
     const i64 r = blockIdx.x + j * G;
@@ -281,7 +266,7 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
   for (i64 j = 0, row = blockIdx.x; row < rows; ++j, row += G) {
     issue(j + S - 1, nxt);  // this thread finished reading that stage in the previous iteration
     stats(j + S - 1, mq[S - 1], rq[S - 1]);
-    cp_async_wait<S - 1>();  // row j's group (and every older one) has landed
+    async_wait<S - 1>();  // row j's group (and every older one) has landed
     const float mu = mq[0], rs = rq[0];
     const Vec* st = ring + cur * 2 * nvec;
     // dy and x̂ are not kept in registers between the reduction and the dx pass: the second pass
@@ -330,16 +315,27 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
     nxt = cur;
     cur = cur + 1 == S ? 0 : cur + 1;
   }
-  cp_async_wait<0>();  // no copy may still target shared memory when the block exits
+  async_wait<0>();  // no copy may still target shared memory when the block exits
+  // The partial rows go out as 16-byte stores: a thread's VEC columns are contiguous, so a warp's
+  // float4 store covers whole sectors (f32) or every other 16 bytes of them (16-bit types, two
+  // stores). Scalar stores touched a sector per 4 bytes: at bf16 8 sector writes per sector, all
+  // in a burst at the kernel's end (ncu: 7% of the kernel's sectors excessive, LayerNorm twice
+  // RMSNorm's with its db partial).
+  static_assert(VEC % 4 == 0, "partials are written as float4");
 #pragma unroll
   for (int k = 0; k < FE_CHUNKS; ++k) {
     const i64 i = threadIdx.x + (i64)k * blockDim.x;
     if (i < nvec) {
+      // cols % VEC == 0 (the vectorized rung's precondition): i·VEC floats into a row of cols
+      // floats is 16-byte aligned in the 256-byte-aligned partial buffer.
+      float4* dwp = dw_part ? reinterpret_cast<float4*>(dw_part + blockIdx.x * cols + i * VEC) : nullptr;
+      float4* dbp = (!FE_RMS && db_part)
+                        ? reinterpret_cast<float4*>(db_part + blockIdx.x * cols + i * VEC)
+                        : nullptr;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const i64 c = i * VEC + e;
-        if (dw_part) dw_part[blockIdx.x * cols + c] = dwa[k][e];
-        if (!FE_RMS && db_part) db_part[blockIdx.x * cols + c] = dba[k][e];
+      for (int e = 0; e < VEC; e += 4) {
+        if (dwp) dwp[e / 4] = make_float4(dwa[k][e], dwa[k][e + 1], dwa[k][e + 2], dwa[k][e + 3]);
+        if (dbp) dbp[e / 4] = make_float4(dba[k][e], dba[k][e + 1], dba[k][e + 2], dba[k][e + 3]);
       }
     }
   }
