@@ -309,4 +309,17 @@ kd=$(cd "$bundle" && pwd)/kdir
   'sanitize|60|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --variant cluster --quick && compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check cross_entropy --device cuda --variant resident --quick' \
   'bench-ce|150|for r in 1 2; do ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-$r.json; FERRITE_KERNEL_DIR='"$kd"'/ceold ferrite bench cross_entropy --device cuda --dtype bf16 --variant resident --variant cluster --json $D/bench-ce-old-$r.json; done' \
   || status=1; }
+# N (session 12): the chain form's db from the dX epilogue (FE_EPI_DACT column sums of the
+# staged boxes, BwdOut::db_pre) — the library's GPU tests of linear/norm/cross_entropy, the
+# linear check (naive: GEMM + linear_dact + a pass; persistent_pairs: the epilogue), memcheck of
+# the quick check (the [384]x136<-512 case takes the column sums), the linear bench with its new
+# row, and cross_entropy's default pick (resident at V = 128256 now) benched.
+[[ $part == *N* ]] && { bash "$here/steps.sh" pending-N "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only matmul/wgmma > $D/kernels-wgmma.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only cross_entropy > $D/kernels-ce.txt' \
+  "tests|120|$bundle/tests/ferrite-lib --test-threads=1 ops::linear ops::norm ops::cross_entropy" \
+  'check-linear|200|ferrite check linear --device cuda --variant naive --variant persistent_pairs --json $D/check-linear.json' \
+  'bench-linear|120|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  'bench-ce|100|ferrite bench cross_entropy --device cuda --dtype bf16 --json $D/bench-ce.json' \
+  'memcheck|150|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant persistent_pairs --quick' \
+  || status=1; }
 exit $status

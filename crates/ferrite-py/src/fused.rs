@@ -154,6 +154,7 @@ pub fn linear_backward(
                 dx: opt_ref(&dx),
                 dw: opt_ref(&dw),
                 db: opt_ref(&db),
+                db_pre: None,
             },
             &opts,
         )?;

@@ -329,13 +329,14 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static
     )?;
     if requested.is_none() && v.name == "cluster" {
         if let Device::Cuda(i) = p.device {
-            // Rows one block holds whole run faster on `resident` (H100, 2026-11-23: V = 50257
-            // bf16 83.1% of copy against cluster's 81.5%); longer rows on `cluster` (V = 128256:
-            // 78.8% against resident's 73.6%, which re-reads the part past one block).
+            // `resident` wherever one block keeps at least 7/8 of a row. H100, 2026-11-25, both
+            // with pass 1 by cp.async: V = 50257 bf16 (whole row) 94.1% of copy against
+            // cluster's 90.4%; V = 128256 (88% of the row kept, the rest read twice) 90.5%
+            // against cluster's 87.0-88.0%. Longer rows go to `cluster`, which keeps them whole
+            // (before the cp.async pass 1, V = 128256 was 73.6% on resident, 78.8% on cluster).
             let dev = crate::core::cuda::device(i)?;
-            if cuda::resident_geom(&dev, p).cap
-                >= p.vocab / crate::core::cuda::rows::vec_width(p.dtype)
-            {
+            let vectors = p.vocab / crate::core::cuda::rows::vec_width(p.dtype);
+            if 8 * cuda::resident_geom(&dev, p).cap >= 7 * vectors {
                 return Ok("resident");
             }
         }

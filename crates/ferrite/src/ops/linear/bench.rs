@@ -66,6 +66,8 @@ struct Layer {
     db: Tensor,
     /// The pre-activation of a layer below (X = act(Z_in)): the chain form of the backward.
     z_in: Tensor,
+    /// The layer below's bias gradient [k] (the chain form's `db_pre`).
+    db_pre: Tensor,
 }
 
 impl Layer {
@@ -82,6 +84,7 @@ impl Layer {
             dw: Tensor::empty(&[n, k], dtype, d)?,
             db: Tensor::empty(&[n], dtype, d)?,
             z_in: r(&[m, k], 6)?,
+            db_pre: Tensor::empty(&[k], dtype, d)?,
         })
     }
     fn forward(&self, opts: &LinearOptions) -> Result<()> {
@@ -112,6 +115,7 @@ impl Layer {
                 dx: Some(&self.dx),
                 dw: Some(&self.dw),
                 db: Some(&self.db),
+                db_pre: None,
             },
             opts,
         )
@@ -120,7 +124,10 @@ impl Layer {
     /// above formed it in its dX GEMM), and this layer's dX GEMM forms the dZ of the layer below
     /// (dX ⊙ act'(Z_in)) in its epilogue. dX + dW + db with every activation backward inside a
     /// GEMM; `opts.activation` must be none.
-    fn backward_chain(&self, opts: &LinearOptions) -> Result<()> {
+    /// With `fused_db`, this layer's db is not computed here — the layer above's epilogue
+    /// produced it with that dZ (`db_pre`) — and this layer's dX epilogue produces the layer
+    /// below's (`db_pre`): no pass over any dZ is left, only the 16-row partials' reduction.
+    fn backward_chain(&self, opts: &LinearOptions, fused_db: bool) -> Result<()> {
         backward_into(
             &Bwd {
                 dy: &self.dy,
@@ -132,7 +139,8 @@ impl Layer {
             &BwdOut {
                 dx: Some(&self.dx),
                 dw: Some(&self.dw),
-                db: Some(&self.db),
+                db: (!fused_db).then_some(&self.db),
+                db_pre: fused_db.then_some(&self.db_pre),
             },
             opts,
         )
@@ -371,13 +379,21 @@ fn bench_gpu(
                 precision: prec,
                 ..Default::default()
             };
-            let mut chain = |_: usize| l.backward_chain(&chain_opts);
+            let mut chain = |_: usize| l.backward_chain(&chain_opts, false);
+            let mut chain_db = |_: usize| l.backward_chain(&chain_opts, true);
             let mut stats = time_gpu_alternating(
                 dev,
                 &stream,
                 Budget::gpu(),
                 ALTERNATING_ROUNDS,
-                &mut [&mut ours, &mut peer, &mut our_dx, &mut our_dw, &mut chain],
+                &mut [
+                    &mut ours,
+                    &mut peer,
+                    &mut our_dx,
+                    &mut our_dw,
+                    &mut chain,
+                    &mut chain_db,
+                ],
             )?
             .into_iter();
             let s = stats.next().expect("one Stats per closure");
@@ -443,6 +459,23 @@ fn bench_gpu(
                 "one layer of a chain of {ACT} layers: dY is this layer's dZ (formed by the layer \
                  above's dX GEMM); db pass over it; dX GEMM with the {ACT}' epilogue forming the \
                  layer below's dZ; dW GEMM"
+            );
+            group.push(r);
+            let mut r = record(
+                d,
+                &name,
+                "backward (chain, db in epilogue)",
+                dtype,
+                shape_b.clone(),
+                stats.next().expect("one Stats per closure"),
+                2.0 * flops,
+                bwd_bytes(shape, es),
+            );
+            r.dtype = label.into();
+            r.config = format!(
+                "the chain form with every db from a GEMM epilogue: dX GEMM with the {ACT}' \
+                 epilogue forming the layer below's dZ and its 16-row column sums (that layer's \
+                 db after one small reduction; this layer's came from the layer above's); dW GEMM"
             );
             group.push(r);
             relate(&mut group, "backward", None);

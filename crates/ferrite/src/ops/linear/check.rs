@@ -80,6 +80,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
         // edge tiles in both dims and a cluster's block past the last row: the pair epilogue of
         // the interior tiles and the element-wise one of the edges, in every combination.
         Case::new(&[264], 520, 64, true),
+        // Rows a multiple of 64 and `in` of 256: every dX tile takes the activation-backward
+        // epilogue's TMA path, which then also writes db_pre's column sums (an odd count of row
+        // tiles: a cluster's block past the last one writes none).
+        Case::new(&[384], 136, 512, false),
         Case::new(&[5], 7, 0, false),
     ];
     if !quick {
@@ -386,6 +390,7 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
                     dx: Some(dx),
                     dw: Some(dw),
                     db: Some(db),
+                    db_pre: None,
                 },
                 &opts,
             )?;
@@ -441,27 +446,54 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
                 .zip(&dx_ref)
                 .map(|(&zv, &d)| d * act.grad_f64(zv))
                 .collect();
+            // The layer below's db: Σ rows of its dZ (from the epilogue's 16-row column sums
+            // where every tile writes them — rows a multiple of 64, `in` of 256 — else a pass).
+            let mut ref_db_pre = vec![0f64; k];
+            for row in ref_pre.chunks(k.max(1)) {
+                for (a, &v) in ref_db_pre.iter_mut().zip(row) {
+                    *a += v;
+                }
+            }
             let dx = Tensor::empty(&xs, dtype, dev)?;
-            let res = dx.poison(None).and_then(|_| {
-                backward_into(
-                    &Bwd {
-                        dy: &dy,
-                        x: &x,
-                        w: &w,
-                        z: Some(&z),
-                        x_pre: Some((&z_in, act)),
-                    },
-                    &BwdOut {
-                        dx: Some(&dx),
-                        dw: None,
-                        db: None,
-                    },
-                    &opts,
-                )?;
-                sync(dev, "linear backward (x_pre)")?;
-                Ok(rel_error(&dx.to_f64_vec()?, &ref_pre))
-            });
-            rec.push(out, format!("{label} dX⊙{act}'(Z_in)"), res);
+            let db_pre = Tensor::empty(&[k], dtype, dev)?;
+            let res = dx
+                .poison(None)
+                .and_then(|_| db_pre.poison(None))
+                .and_then(|_| {
+                    backward_into(
+                        &Bwd {
+                            dy: &dy,
+                            x: &x,
+                            w: &w,
+                            z: Some(&z),
+                            x_pre: Some((&z_in, act)),
+                        },
+                        &BwdOut {
+                            dx: Some(&dx),
+                            dw: None,
+                            db: None,
+                            db_pre: Some(&db_pre),
+                        },
+                        &opts,
+                    )?;
+                    sync(dev, "linear backward (x_pre)")?;
+                    Ok((
+                        rel_error(&dx.to_f64_vec()?, &ref_pre),
+                        rel_error(&db_pre.to_f64_vec()?, &ref_db_pre),
+                    ))
+                });
+            let (e_dx, e_db) = match res {
+                Ok((a, b)) => (Ok(a), Ok(b)),
+                Err(e) => {
+                    let again = Error::NoVariant {
+                        op: super::OP_BWD.into(),
+                        msg: format!("the x_pre call failed: {e}"),
+                    };
+                    (Err(e), Err(again))
+                }
+            };
+            rec.push(out, format!("{label} dX⊙{act}'(Z_in)"), e_dx);
+            rec.push(out, format!("{label} db_pre = Σ rows dZ_in"), e_db);
         }
     }
     Ok(())

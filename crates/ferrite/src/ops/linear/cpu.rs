@@ -204,6 +204,11 @@ pub fn backward(
                 }
             })
         })??;
+        if let Some(dbp) = o.db_pre {
+            // The layer below's bias gradient: column sums of dx as stored (rounded), as the GPU
+            // epilogue sums its staged tiles.
+            dbp.write_f32(&column_sums(&dx.to_f32_vec()?, m, k, parallel))?;
+        }
     }
     if let Some(dw) = o.dw {
         // dW [n, k] = dZᵀ [n, m] · X [m, k]

@@ -105,6 +105,7 @@ pub(super) fn epi_ptrs(p: &Problem, i: &Fwd, o: &FwdOut) -> Result<EpiPtrs> {
         r,
         ldr,
         stride_r: 0,
+        part: 0,
     })
 }
 
@@ -219,6 +220,77 @@ fn plan_dact(g: &Gemm, ptrs: Ptrs, dev: &Arc<CudaDevice>, act: Activation) -> Op
     mmc::plan_epilogue_dact(g, dev, act).ok()
 }
 
+/// db[j] = Σ_p part[p][j] over `parts` f32 partial rows of n (`linear_db`: fixed order, the
+/// same bits every run); with no parts every db[j] is the empty sum, 0.
+fn col_sum(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    dtype: DType,
+    part: u64,
+    parts: usize,
+    n: usize,
+    db: &Tensor,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let kern = dev.kernel(&program(dtype, Activation::None), "linear_db")?;
+    let mut a = KernelArgs::new();
+    a.push(part)
+        .push(parts as i64)
+        .push(n as i64)
+        .push(db.device_ptr()?);
+    kern.launch(
+        stream,
+        ((n as u32).div_ceil(32).max(1), 1, 1),
+        (32, 16, 1),
+        0,
+        &mut a,
+    )
+}
+
+/// db[j] = Σ_i g[i][j] over an m×n matrix with rows `ld` apart: the dZ/db kernel with no dZ to
+/// write (row chunks in a fixed order), then `col_sum` of the chunk partials.
+#[allow(clippy::too_many_arguments)]
+fn db_pass(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    dtype: DType,
+    g: u64,
+    ld: usize,
+    m: usize,
+    n: usize,
+    db: &Tensor,
+) -> Result<()> {
+    if m * n == 0 {
+        return col_sum(dev, stream, dtype, 0, 0, n, db);
+    }
+    let rpc = rows_per_chunk(m);
+    let chunks = m.div_ceil(rpc);
+    let partial = dev.alloc(chunks * n * 4, stream)?;
+    let kern = dev.kernel(&program(dtype, Activation::None), "linear_bwd_dz")?;
+    let mut a = KernelArgs::new();
+    a.push(g)
+        .push(ld as i64)
+        .push(0u64)
+        .push(n as i64)
+        .push(0u64)
+        .push(n as i64)
+        .push(partial.ptr())
+        .push(m as i64)
+        .push(n as i64)
+        .push(rpc as i64);
+    let col_blocks = (n as u32).div_ceil(THREADS).max(1);
+    kern.launch(
+        stream,
+        (col_blocks, chunks as u32, 1),
+        (THREADS, 1, 1),
+        0,
+        &mut a,
+    )?;
+    col_sum(dev, stream, dtype, partial.ptr(), chunks, n, db)
+}
+
 /// Rows per block of the dZ/db kernel: 64, more when m would need over 65535 chunks (grid y).
 pub fn rows_per_chunk(m: usize) -> usize {
     64usize.max(m.div_ceil(65535))
@@ -294,22 +366,10 @@ pub fn backward(
         kern.launch(&stream, (col_blocks, chunks as u32, 1), block, 0, &mut a)?;
     }
     if let Some(db) = o.db {
-        if n > 0 {
-            // With m = 0 no chunk exists and every db[j] is the empty sum, 0.
-            let kern = dev.kernel(&prog, "linear_db")?;
-            let mut a = KernelArgs::new();
-            a.push(partial.as_ref().map_or(0, |b| b.ptr()))
-                .push(if m == 0 { 0i64 } else { chunks as i64 })
-                .push(n as i64)
-                .push(db.device_ptr()?);
-            kern.launch(
-                &stream,
-                ((n as u32).div_ceil(32).max(1), 1, 1),
-                (32, 16, 1),
-                0,
-                &mut a,
-            )?;
-        }
+        // With m = 0 no chunk exists and every db[j] is the empty sum, 0.
+        let parts = if m == 0 { 0 } else { chunks };
+        let part = partial.as_ref().map_or(0, |b| b.ptr());
+        col_sum(&dev, &stream, p.dtype, part, parts, n, db)?;
     }
     let mm_opts = matmul::MatmulOptions {
         stream: Some(stream.clone()),
@@ -342,17 +402,28 @@ pub fn backward(
                 } else {
                     plan_dact(&g, ptrs, &dev, act_in)
                 };
+                let mut e = EpiPtrs {
+                    bias: 0,
+                    z: 0,
+                    ldz: k.max(1),
+                    stride_z: 0,
+                    r: zp,
+                    ldr: ldzi,
+                    stride_r: 0,
+                    part: 0,
+                };
+                // The layer below's db from the epilogue's 16-row column sums where every tile
+                // writes them; else (and on the unfused path) a pass over dx below.
+                let groups = m / 16;
+                let colsum = match (&fused, o.db_pre) {
+                    (Some(l), Some(_)) if mmc::dact_colsum_ok(l, &g, ptrs, 0.0, &e) => {
+                        Some(dev.alloc(groups * k * 4, &stream)?)
+                    }
+                    _ => None,
+                };
                 match fused {
                     Some(l) => {
-                        let e = EpiPtrs {
-                            bias: 0,
-                            z: 0,
-                            ldz: k.max(1),
-                            stride_z: 0,
-                            r: zp,
-                            ldr: ldzi,
-                            stride_r: 0,
-                        };
+                        e.part = colsum.as_ref().map_or(0, |b| b.ptr());
                         mmc::launch_with_epilogue(&l, &g, ptrs, 1.0, 0.0, e, &stream)?;
                     }
                     None => {
@@ -368,6 +439,13 @@ pub fn backward(
                         kern.launch(&stream, (blocks_for(m * k), 1, 1), block, 0, &mut a)?;
                     }
                 }
+                if let Some(dbp) = o.db_pre {
+                    match &colsum {
+                        Some(part) => col_sum(&dev, &stream, p.dtype, part.ptr(), groups, k, dbp)?,
+                        None => db_pass(&dev, &stream, p.dtype, ptrs.c, k, m, k, dbp)?,
+                    }
+                }
+                drop(colsum);
             }
             _ => mmc::gemm_ptrs(&g, ptrs, &mm_opts)?,
         }

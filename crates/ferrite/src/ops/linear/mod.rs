@@ -206,6 +206,12 @@ pub struct BwdOut<'a> {
     pub dx: Option<&'a Tensor>,
     pub dw: Option<&'a Tensor>,
     pub db: Option<&'a Tensor>,
+    /// With `Bwd::x_pre` and `dx`: the layer below's bias gradient `[in]`, the column sums of
+    /// the dZ_in that `dx` receives. On the GPU the dX GEMM's activation-backward epilogue writes
+    /// them per 16-row group from its staging tiles and one small fixed-order reduction finishes
+    /// them (where every tile takes that path: rows a multiple of 64, `in` a multiple of 256,
+    /// aligned tensors; else a pass over dx), so a chain of layers reads no dZ for its biases.
+    pub db_pre: Option<&'a Tensor>,
 }
 
 /// A validated problem: m rows (tokens), n = out, k = in.
@@ -403,9 +409,31 @@ pub fn validate_bwd(i: &Bwd, o: &BwdOut, act: Activation) -> Result<Problem> {
         expect_same(op, "db", db, i.x, &[n])?;
         expect_contiguous(op, "db", db)?;
     }
+    if let Some(dbp) = o.db_pre {
+        if i.x_pre.is_none() || o.dx.is_none() {
+            return Err(Error::bad_arg(
+                op,
+                "db_pre",
+                "`x_pre` and `dx` alongside it (the layer below's bias gradient sums its dZ, \
+                 which dx receives)",
+                format!(
+                    "x_pre {}, dx {}",
+                    if i.x_pre.is_some() { "given" } else { "None" },
+                    if o.dx.is_some() { "given" } else { "None" }
+                ),
+            ));
+        }
+        expect_same(op, "db_pre", dbp, i.x, &[k])?;
+        expect_contiguous(op, "db_pre", dbp)?;
+    }
     check_distinct(
         op,
-        &[("dx", o.dx), ("dw", o.dw), ("db", o.db)],
+        &[
+            ("dx", o.dx),
+            ("dw", o.dw),
+            ("db", o.db),
+            ("db_pre", o.db_pre),
+        ],
         &[Some(i.dy), Some(i.x), Some(i.w), i.z, i.x_pre.map(|p| p.0)],
     )?;
     for (name, v) in [("rows", m), ("out", n), ("in", k)] {

@@ -25,6 +25,9 @@ fn every_variant_passes_check() {
     assert!(recs.iter().any(|r| r.shape.contains("db,dW bits twice")));
     assert!(recs.iter().any(|r| r.shape.contains("gelu_erf+b+res+Z Z")));
     assert!(recs.iter().any(|r| r.shape.contains("dX⊙silu'(Z_in)")));
+    assert!(recs
+        .iter()
+        .any(|r| r.shape.contains("db_pre = Σ rows dZ_in")));
 }
 
 /// `x_pre`: dx receives the plain dX times act'(Z_in), element by element (in f32 the same bits
@@ -51,6 +54,7 @@ fn cpu_x_pre_multiplies_dx_by_the_input_activation_backward() {
                     dx: Some(&dx),
                     dw: None,
                     db: None,
+                    db_pre: None,
                 },
                 &opts(variant, Activation::None),
             )
@@ -78,6 +82,7 @@ fn cpu_x_pre_multiplies_dx_by_the_input_activation_backward() {
             dx: Some(&dx),
             dw: None,
             db: None,
+            db_pre: None,
         },
         &opts("naive", Activation::None),
     )
@@ -85,6 +90,68 @@ fn cpu_x_pre_multiplies_dx_by_the_input_activation_backward() {
     .to_string();
     assert!(
         e.contains("`x_pre`") && e.contains(&format!("[{m}, {k}]")),
+        "{e}"
+    );
+}
+
+/// `db_pre`: the column sums of the dZ_in that dx receives (the layer below's bias gradient), on
+/// both CPU variants; refused without `x_pre` or `dx`, or in the wrong shape, by name.
+#[test]
+fn cpu_db_pre_sums_the_rows_of_dx_and_is_refused_alone() {
+    let (m, n, k) = (41, 13, 27);
+    let (x, w, dy) = (t(&[m, k], 1), t(&[n, k], 2), t(&[m, n], 3));
+    let z_in = Tensor::rand(&[m, k], DType::F32, Device::Cpu, 4, -3.0, 3.0).unwrap();
+    let act = Activation::Silu;
+    let call = |variant: &str, x_pre, dx: Option<&Tensor>, dbp: &Tensor| {
+        backward_into(
+            &Bwd {
+                dy: &dy,
+                x: &x,
+                w: &w,
+                z: None,
+                x_pre,
+            },
+            &BwdOut {
+                dx,
+                dw: None,
+                db: None,
+                db_pre: Some(dbp),
+            },
+            &opts(variant, Activation::None),
+        )
+    };
+    for variant in ["naive", "parallel"] {
+        let dx = Tensor::empty(&[m, k], DType::F32, Device::Cpu).unwrap();
+        let dbp = Tensor::empty(&[k], DType::F32, Device::Cpu).unwrap();
+        dx.poison(None).unwrap();
+        dbp.poison(None).unwrap();
+        call(variant, Some((&z_in, act)), Some(&dx), &dbp).unwrap();
+        let (d, got) = (dx.to_f32_vec().unwrap(), dbp.to_f32_vec().unwrap());
+        for (c, &g) in got.iter().enumerate() {
+            let want: f64 = (0..m).map(|r| d[r * k + c] as f64).sum();
+            let scale: f64 = (0..m).map(|r| (d[r * k + c] as f64).abs()).sum();
+            assert!(
+                (g as f64 - want).abs() <= 1e-5 * scale.max(1e-30),
+                "{variant} column {c}: {g} vs {want}"
+            );
+        }
+    }
+    let dx = Tensor::empty(&[m, k], DType::F32, Device::Cpu).unwrap();
+    let dbp = Tensor::empty(&[k], DType::F32, Device::Cpu).unwrap();
+    let e = call("naive", None, Some(&dx), &dbp)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`db_pre`") && e.contains("x_pre None"), "{e}");
+    let e = call("naive", Some((&z_in, act)), None, &dbp)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`db_pre`") && e.contains("dx None"), "{e}");
+    let wrong = Tensor::empty(&[n], DType::F32, Device::Cpu).unwrap();
+    let e = call("naive", Some((&z_in, act)), Some(&dx), &wrong)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`db_pre`") && e.contains(&format!("[{k}]")),
         "{e}"
     );
 }
@@ -117,6 +184,7 @@ fn cpu_backward_is_deterministic() {
                 dx: Some(&dx),
                 dw: Some(&dw),
                 db: Some(&db),
+                db_pre: None,
             },
             &o,
         )
@@ -268,6 +336,7 @@ fn bad_inputs_get_clear_errors() {
         dx: None,
         dw: None,
         db: None,
+        db_pre: None,
     };
     let e = bwd(&t(&[4, 5], 7), None, none, Activation::None);
     assert!(e.contains("`dy`") && e.contains("[4, 6]"), "{e}");
@@ -281,6 +350,7 @@ fn bad_inputs_get_clear_errors() {
             dx: None,
             dw: Some(&t(&[8, 6], 8)),
             db: None,
+            db_pre: None,
         },
         Activation::None,
     );
@@ -292,6 +362,7 @@ fn bad_inputs_get_clear_errors() {
             dx: None,
             dw: None,
             db: Some(&t(&[4], 8)),
+            db_pre: None,
         },
         Activation::None,
     );
@@ -303,6 +374,7 @@ fn bad_inputs_get_clear_errors() {
             dx: Some(&t(&[4, 6], 8)),
             dw: None,
             db: None,
+            db_pre: None,
         },
         Activation::None,
     );

@@ -859,6 +859,24 @@ pub fn plan_epilogue_dact(g: &Gemm, dev: &Arc<CudaDevice>, act: Activation) -> R
     plan_inner("wgmma", g, dev, Some(epi), WG_DEFAULT)
 }
 
+/// Whether launch `l` of the activation-backward epilogue can also write the column sums
+/// (`EpiPtrs::part`): every tile holding output rows must take the kernel's TMA-store pair path,
+/// which is the only one that writes them — m a multiple of 64 (a consumer's rows), n of the
+/// tile width, one batch, beta = 0, C 16-byte aligned (TMA store) and R's pairs aligned.
+pub fn dact_colsum_ok(l: &Launch, g: &Gemm, p: Ptrs, beta: f32, e: &EpiPtrs) -> bool {
+    let es = g.dtype.size_in_bytes();
+    matches!(l.epilogue, Some(Epi { dact: true, .. }))
+        && l.persistent.is_some_and(|pp| pp.tma_store)
+        && g.batch == 1
+        && g.m.is_multiple_of(64)
+        && g.n.is_multiple_of(l.tile.1 as usize)
+        && wg_tma_store_ok(g, p.c, beta, e)
+        && p.c.is_multiple_of(2 * es as u64)
+        && g.c.ld.is_multiple_of(2)
+        && e.r.is_multiple_of(2 * es as u64)
+        && e.ldr.is_multiple_of(2)
+}
+
 /// The variants that have the fused epilogue.
 pub const EPILOGUE_VARIANTS: [&str; 3] = ["naive", "mma_pipelined", "wgmma"];
 
@@ -1166,7 +1184,7 @@ fn launch_inner(
             .push(pp.group_m.max(1) as i32)
             .push(store as i32);
     }
-    if l.epilogue.is_some() {
+    if let Some(epi) = l.epilogue {
         args.push(e.bias)
             .push(e.z)
             .push(e.ldz as i64)
@@ -1174,6 +1192,23 @@ fn launch_inner(
             .push(e.r)
             .push(e.ldr as i64)
             .push(e.stride_r as i64);
+        if epi.dact {
+            if e.part != 0 && !dact_colsum_ok(l, g, p, beta, &e) {
+                return Err(Error::NoVariant {
+                    op: OP.into(),
+                    msg: "the activation-backward epilogue's column sums need every tile on its \
+                          TMA-store path (rows a multiple of 64, columns of the tile width, \
+                          16-byte aligned C and R)"
+                        .into(),
+                });
+            }
+            args.push(e.part);
+        }
+    } else if e.part != 0 {
+        return Err(Error::NoVariant {
+            op: OP.into(),
+            msg: "column sums come only from the activation-backward epilogue".into(),
+        });
     }
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
 }

@@ -164,6 +164,10 @@ pub struct EpiPtrs {
     pub r: u64,
     pub ldr: usize,
     pub stride_r: usize,
+    /// The activation-backward epilogue only (`Epi::dact`): f32 column sums of C per 16-row
+    /// group, `part[i / 16][j]` with rows n floats apart (0 = not wanted). Only for launches
+    /// whose every tile takes the TMA-store pair path (`dact_colsum_ok`).
+    pub part: u64,
 }
 
 /// The CPU epilogue over an m×n f32 output `c` (rows `ldc` apart, already holding the GEMM

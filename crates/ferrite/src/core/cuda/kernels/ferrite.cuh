@@ -67,7 +67,7 @@ __device__ __forceinline__ float block_max(float a, float* red) {
 
 // cp.async of 16 bytes from global into shared memory (sm_80+), bypassing L1 and the registers:
 // a thread can have many in flight at no register cost. Completion is per thread
-// (async_wait<N>: all but the N newest committed groups have landed), so a thread that reads
+// (the wait below returns once all but the N newest committed groups have landed), so a thread that reads
 // back only what it copied itself needs no barrier.
 __device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(

@@ -195,6 +195,11 @@ __device__ __forceinline__ void fe_store4(float* c, i64 j, i64 n, float4 acc, fl
 //   C(i, j) = (alpha·acc)(i, j) · act'(R(i, j))
 // with R the pre-activation that produced this GEMM's X (bias and Z absent). One pass over dX
 // less, and no dX → dZ pass: the product goes out rounded once, as the unfused kernels do it.
+// One more parameter, `epi_part` (f32, may be null): the column sums of C over each 16-row group
+// of rows, part[row / 16][col] (rows n floats apart), summed from the rounded values in the
+// TMA staging box in a fixed order — the layer below's bias gradient then needs only the
+// m/16 partial rows reduced, not a pass over C. Written only by interior tiles through the TMA
+// store; the host passes it only when every tile is one (a kernel that meets another traps).
 #ifndef FE_EPI_DACT
 #define FE_EPI_DACT 0
 #endif
@@ -296,10 +301,19 @@ struct FeEpi {
   T* z;
   const T* r;
   i64 ldz, stride_z, ldr, stride_r;
+#if FE_EPI_DACT
+  float* part;
+#endif
 #endif
 };
 
-#if FE_EPI
+#if FE_EPI && FE_EPI_DACT
+#define FE_EPI_PARAMS                                                                     \
+  , const T *__restrict__ epi_bias, T *__restrict__ epi_z, i64 epi_ldz, i64 epi_stride_z, \
+      const T *__restrict__ epi_r, i64 epi_ldr, i64 epi_stride_r, float *__restrict__ epi_part
+#define FE_EPI_MAKE \
+  FeEpi{epi_bias, epi_z, epi_r, epi_ldz, epi_stride_z, epi_ldr, epi_stride_r, epi_part}
+#elif FE_EPI
 #define FE_EPI_PARAMS                                                                     \
   , const T *__restrict__ epi_bias, T *__restrict__ epi_z, i64 epi_ldz, i64 epi_stride_z, \
       const T *__restrict__ epi_r, i64 epi_ldr, i64 epi_stride_r

@@ -223,9 +223,11 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 // whole lines and skips everything outside the tensor (edges need no predicates); the warp goes
 // on while the stores drain.
 // `before(q)` runs first in box q's turn (the activation-backward epilogue loads the next box's
-// operands there).
-template <class Vals, class Before>
-__device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& before, unsigned stg,
+// operands there), `after(q, buf)` last, once the box is in the staging buffer `buf` and its
+// store issued (the buffer is rewritten only two boxes later, after the warp's next barrier).
+template <class Vals, class Before, class After>
+__device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& before,
+                                               const After& after, unsigned stg,
                                                const TmaDesc* map, int row, int n0, int z,
                                                int lane) {
   const unsigned lr = lane & 7, mat = lane >> 3;
@@ -250,12 +252,13 @@ __device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& b
       tma_store(map, buf, n0 + 64 * q, row, z);
       bulk_commit();
     }
+    after(q, buf);
   }
 }
 template <class Vals>
 __device__ __forceinline__ void store_warp_tma(const Vals& vals, unsigned stg, const TmaDesc* map,
                                                int row, int n0, int z, int lane) {
-  store_warp_tma(vals, [](int) {}, stg, map, row, n0, z, lane);
+  store_warp_tma(vals, [](int) {}, [](int, unsigned) {}, stg, map, row, n0, z, lane);
 }
 #endif
 
@@ -412,13 +415,49 @@ __device__ __forceinline__ void dact_load_box(T2 (&a)[16], const T* rp, i64 ldr,
           __ldg(reinterpret_cast<const T2*>(rp + (e % 2) * 8 * ldr + 8 * (8 * q + 2 * p + e / 2)));
 }
 
+// Column sums of a staged 16 × 64 box (the rounded values the TMA store writes): lane j sums
+// columns 2j, 2j + 1 over the 16 rows (16-byte chunk j/4 of each row, at its swizzled place;
+// the 32 lanes read one 128-byte row at a time, no bank conflicts) and stores the float2 at
+// part[row/16][n0 + 2j] (the warp's 256 contiguous bytes). A fixed order: the same bits on
+// every run.
+// Rows R.. of the box added into (sx, sy). The swizzled address (chunk ^ R%8) is formed inside
+// the asm, per load, from immediates: computed in C++, the compiler kept the 8 row offsets live
+// across the epilogue and ptxas spilled (88-136 bytes).
+template <int R>
+__device__ __forceinline__ void dact_colsum_rows(unsigned lane_off, unsigned buf, float& sx,
+                                                 float& sy) {
+  unsigned u;
+  asm volatile(
+      "{\n .reg .b32 a;\n xor.b32 a, %1, %2;\n add.u32 a, a, %3;\n"
+      " ld.shared.b32 %0, [a+%4];\n}\n"
+      : "=r"(u)
+      : "r"(lane_off), "n"((R & 7) << 4), "r"(buf), "n"(R * 128)
+      : "memory");
+  const float2 g = fe_f2(*reinterpret_cast<const T2*>(&u));
+  sx += g.x;
+  sy += g.y;
+  if constexpr (R + 1 < 16) dact_colsum_rows<R + 1>(lane_off, buf, sx, sy);
+}
+// The partial row's address is formed only here, from the kernel parameters and the box's
+// coordinates (a pointer held across the epilogue made ptxas spill).
+__device__ __forceinline__ void dact_box_colsum(unsigned buf, float* part, i64 ldp, int row,
+                                                int col, int lane) {
+  // Byte offset of the lane's pair in an unswizzled row: chunk lane/4, 4 bytes per lane in it.
+  const unsigned lane_off = ((unsigned)lane >> 2) << 4 | ((unsigned)lane & 3) * 4;
+  float sx = 0.f, sy = 0.f;
+  dact_colsum_rows<0>(lane_off, buf, sx, sy);
+  *reinterpret_cast<float2*>(part + (i64)(row >> 4) * ldp + col + 2 * lane) = make_float2(sx, sy);
+}
+
 // C = alpha·acc · act'(R) through the TMA store. Box 0's R pairs are in aux[0] already (loaded
 // before the tile's last wgmma group completed); box q + 1's are loaded at the start of box q,
-// so each box's loads are in flight while the previous box is computed and stored.
+// so each box's loads are in flight while the previous box is computed and stored. With
+// `part` (the [m/16][ldp] column partial sums), each box's column sums too.
 __device__ __forceinline__ void wg_epilogue_dact_tma(const float (&d)[128], T2 (&aux)[2][16],
                                                      float alpha, const T* rp, i64 ldr,
-                                                     unsigned stg, const TmaDesc* map, int row,
-                                                     int n0, int z, int lane) {
+                                                     float* part, i64 ldp, unsigned stg,
+                                                     const TmaDesc* map, int row, int n0, int z,
+                                                     int lane) {
   store_warp_tma(
       [&](int j, unsigned(&v)[4]) {
         const int q = j / 8, p = (j % 8) / 2;
@@ -432,6 +471,9 @@ __device__ __forceinline__ void wg_epilogue_dact_tma(const float (&d)[128], T2 (
       },
       [&](int q) {
         if (q + 1 < BN / 64) dact_load_box(aux[(q + 1) % 2], rp, ldr, q + 1);
+      },
+      [&](int q, unsigned buf) {
+        if (part) dact_box_colsum(buf, part, ldp, row, n0 + 64 * q, lane);
       },
       stg, map, row, n0, z, lane);
 }
@@ -647,10 +689,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const int srow = (int)(tm * BM + c * 64 + warp * 16), scol = (int)(tn * BN);
 #if FE_EPI && FE_EPI_DACT
       if (rp_dact) {
-        wg_epilogue_dact_tma(d, aux, alpha, rp_dact, epi.ldr, stg, &tma_c, srow, scol, (int)z,
-                             lane);
+        // epi.part: [m/16][n] (batch 1), the host-checked layout of the column partial sums.
+        wg_epilogue_dact_tma(d, aux, alpha, rp_dact, epi.ldr, epi.part, n, stg, &tma_c, srow,
+                             scol, (int)z, lane);
         continue;
       }
+      // Column sums are written by the branch above only: the host passes `epi.part` only when
+      // every tile holding output rows takes it (m % 64 == 0, n % BN == 0, TMA-storable C and
+      // aligned R: matmul::cuda::dact_colsum_ok). (A trap here for any other tile made ptxas
+      // spill 200-280 bytes in every DACT kernel.)
 #elif FE_EPI
       if (store_tma && fast) {
         const T* rp = epi.r ? epi.r + z * epi.stride_r + row0 * epi.ldr + col0 : nullptr;
