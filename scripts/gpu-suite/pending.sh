@@ -322,4 +322,15 @@ kd=$(cd "$bundle" && pwd)/kdir
   'bench-ce|100|ferrite bench cross_entropy --device cuda --dtype bf16 --json $D/bench-ce.json' \
   'memcheck|150|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant persistent_pairs --quick' \
   || status=1; }
+# O (session 12): N's check ran the GPU backward under `naive` only (the check runs it under
+# `naive` and `fused`), so the activation-backward epilogue and its column sums were not in it:
+# the quick 16-bit check under `fused` ([384]x136<-512: every tile writes column sums;
+# [264]x520<-64: edge tiles, the pass over dx), the same under memcheck, the norm GPU tests
+# (determinism of the 16-byte partial stores), and the linear bench once more.
+[[ $part == *O* ]] && { bash "$here/steps.sh" pending-O "$bundle" \
+  'check-fused|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'memcheck|120|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  "tests-norm|60|$bundle/tests/ferrite-lib --test-threads=1 ops::norm" \
+  'bench-linear|100|ferrite bench linear --device cuda --json $D/bench-linear.json' \
+  || status=1; }
 exit $status

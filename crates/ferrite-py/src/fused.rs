@@ -102,7 +102,6 @@ pub fn linear_forward(
             &flinear::FwdOut {
                 y: &y.t,
                 z: opt_ref(&z),
-                x_pre: None,
             },
             &opts,
         )?;
@@ -149,6 +148,7 @@ pub fn linear_backward(
                 x: &x.t,
                 w: &w.t,
                 z: opt_ref(&z),
+                x_pre: None,
             },
             &flinear::BwdOut {
                 dx: opt_ref(&dx),

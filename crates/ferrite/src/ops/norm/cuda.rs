@@ -262,7 +262,7 @@ pub fn launch_bwd(
     stream: &Stream,
 ) -> Result<()> {
     // The dx kernel writes the partial rows with 16-byte stores (rows of cols % VEC == 0 floats).
-    if scratch % 16 != 0 {
+    if !scratch.is_multiple_of(16) {
         return Err(Error::bad_arg(
             OP,
             "scratch",
