@@ -38,6 +38,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("ferrite.cuh", include_str!("kernels/ferrite.cuh")),
     ("philox.cuh", include_str!("kernels/philox.cuh")),
     ("hopper.cuh", include_str!("kernels/hopper.cuh")),
+    ("async.cuh", include_str!("kernels/async.cuh")),
 ];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).

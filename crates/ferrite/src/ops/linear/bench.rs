@@ -396,35 +396,34 @@ fn bench_gpu(
                 ],
             )?
             .into_iter();
-            let s = stats.next().expect("one Stats per closure");
-            let mut r = record(
-                d,
-                &name,
+            // A backward row: the whole backward's flops and ideal bytes, this shape's label.
+            let bwd_row = |variant: &str, s, config: String| {
+                let mut r = record(
+                    d,
+                    &name,
+                    variant,
+                    dtype,
+                    shape_b.clone(),
+                    s,
+                    2.0 * flops,
+                    bwd_bytes(shape, es),
+                );
+                r.dtype = label.into();
+                r.config = config;
+                r
+            };
+            let mut next = || stats.next().expect("one Stats per closure");
+            group.push(bwd_row(
                 "backward",
-                dtype,
-                shape_b.clone(),
-                s,
-                2.0 * flops,
-                bwd_bytes(shape, es),
-            );
-            r.dtype = label.into();
-            r.config =
-                "dZ+db kernel (fixed-order chunks), dX and dW through matmul's default pick".into();
-            group.push(r);
-            let s = stats.next().expect("one Stats per closure");
-            let mut r = record(
-                d,
-                &name,
+                next(),
+                "dZ+db kernel (fixed-order chunks), dX and dW through matmul's default pick".into(),
+            ));
+            let mut r = bwd_row(
                 "cublas dX+dW",
-                dtype,
-                shape_b.clone(),
-                s,
-                2.0 * flops,
-                bwd_bytes(shape, es),
+                next(),
+                "two cublasGemmStridedBatchedEx (no activation backward, no db)".into(),
             );
-            r.dtype = label.into();
             r.is_peer = true;
-            r.config = "two cublasGemmStridedBatchedEx (no activation backward, no db)".into();
             group.push(r);
             for (what, g_) in [("dX GEMM", &gx), ("dW GEMM", &gw)] {
                 let mut r = record(
@@ -433,7 +432,7 @@ fn bench_gpu(
                     what,
                     dtype,
                     shape_b.clone(),
-                    stats.next().expect("one Stats per closure"),
+                    next(),
                     flops,
                     fwd_bytes(shape, es) - (es * n) as f64,
                 );
@@ -444,40 +443,25 @@ fn bench_gpu(
                 );
                 group.push(r);
             }
-            let mut r = record(
-                d,
-                &name,
+            group.push(bwd_row(
                 "backward (chain)",
-                dtype,
-                shape_b.clone(),
-                stats.next().expect("one Stats per closure"),
-                2.0 * flops,
-                bwd_bytes(shape, es),
-            );
-            r.dtype = label.into();
-            r.config = format!(
-                "one layer of a chain of {ACT} layers: dY is this layer's dZ (formed by the layer \
-                 above's dX GEMM); db pass over it; dX GEMM with the {ACT}' epilogue forming the \
-                 layer below's dZ; dW GEMM"
-            );
-            group.push(r);
-            let mut r = record(
-                d,
-                &name,
+                next(),
+                format!(
+                    "one layer of a chain of {ACT} layers: dY is this layer's dZ (formed by the \
+                     layer above's dX GEMM); db pass over it; dX GEMM with the {ACT}' epilogue \
+                     forming the layer below's dZ; dW GEMM"
+                ),
+            ));
+            group.push(bwd_row(
                 "backward (chain, db in epilogue)",
-                dtype,
-                shape_b.clone(),
-                stats.next().expect("one Stats per closure"),
-                2.0 * flops,
-                bwd_bytes(shape, es),
-            );
-            r.dtype = label.into();
-            r.config = format!(
-                "the chain form with every db from a GEMM epilogue: dX GEMM with the {ACT}' \
-                 epilogue forming the layer below's dZ and its 16-row column sums (that layer's \
-                 db after one small reduction; this layer's came from the layer above's); dW GEMM"
-            );
-            group.push(r);
+                next(),
+                format!(
+                    "the chain form with every db from a GEMM epilogue: dX GEMM with the {ACT}' \
+                     epilogue forming the layer below's dZ and its 16-row column sums (that \
+                     layer's db after one small reduction; this layer's came from the layer \
+                     above's); dW GEMM"
+                ),
+            ));
             relate(&mut group, "backward", None);
             out.extend(group);
         }

@@ -65,24 +65,6 @@ __device__ __forceinline__ float block_max(float a, float* red) {
   return a;
 }
 
-// cp.async of 16 bytes from global into shared memory (sm_80+), bypassing L1 and the registers:
-// a thread can have many in flight at no register cost. Completion is per thread
-// (the wait below returns once all but the N newest committed groups have landed), so a thread that reads
-// back only what it copied itself needs no barrier.
-__device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                   (unsigned)__cvta_generic_to_shared(smem_dst)),
-               "l"(gmem_src)
-               : "memory");
-}
-__device__ __forceinline__ void async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // A 16-byte vector of storage elements, for 128-bit loads and stores.
 template <typename E>
 struct alignas(16) Vec16 {

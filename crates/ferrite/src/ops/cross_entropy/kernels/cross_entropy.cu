@@ -41,6 +41,7 @@
 // gradient are NaN and ce_targets has reported the row; the host turns it into an error.
 
 #include "ferrite.cuh"
+#include "async.cuh"
 
 using namespace ferrite;
 

@@ -33,6 +33,7 @@
 //   rows, ~10 µs of latency per launch, run once for dw and again for db).
 
 #include "ferrite.cuh"
+#include "async.cuh"
 
 using namespace ferrite;
 
