@@ -333,4 +333,9 @@ kd=$(cd "$bundle" && pwd)/kdir
   "tests-norm|60|$bundle/tests/ferrite-lib --test-threads=1 ops::norm" \
   'bench-linear|100|ferrite bench linear --device cuda --json $D/bench-linear.json' \
   || status=1; }
+# P (session 12): the PyTorch front's tests on CUDA with this session's kernels (norm backward
+# stores, cross_entropy's cp.async pass 1 and default pick, the linear changes).
+[[ $part == *P* ]] && { bash "$here/steps.sh" pending-P "$bundle" \
+  "pytest|300|OUT=\$D/python SKIP_DEMO=1 bash $here/python-gpu.sh $bundle/wheels" \
+  || status=1; }
 exit $status
