@@ -338,4 +338,15 @@ kd=$(cd "$bundle" && pwd)/kdir
 [[ $part == *P* ]] && { bash "$here/steps.sh" pending-P "$bundle" \
   "pytest|300|OUT=\$D/python SKIP_DEMO=1 bash $here/python-gpu.sh $bundle/wheels" \
   || status=1; }
+# Q (session 13): where the chain form's dX GEMM loses its ~45 µs (8192×4096←4096): the bench's
+# new rows (the dX GEMM with the act' epilogue alone, with and without the column sums) under
+# the committed kernel and four ablations of its epilogue (kdir/: R made from registers instead
+# of loaded, the same without the L2 prefetch, act' left out, column sums left out: timing only,
+# their results are wrong), with the SM clock, power and throttle reasons logged every 100 ms.
+lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --m 8192 --n 4096 --k 4096'
+[[ $part == *Q* ]] && { bash "$here/steps.sh" pending-Q "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only FE_EPI_DACT=1 > $D/kernels-dact.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt' \
+  'check|90|ferrite check linear --device cuda --variant naive --variant fused --quick --dtype bf16 --json $D/check-linear.json' \
+  "ablate|420|(nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active --format=csv -lms 100 > \$D/smi.csv 2>&1 &); for v in base noR noRpf noact nocs base; do if [ \$v = base ]; then $lin --json \$D/abl-\$v-\$SECONDS.json; else FERRITE_KERNEL_DIR=$kd/\$v $lin --json \$D/abl-\$v.json; fi || exit 1; done; pkill -f 'nvidia-smi --query' || true" \
+  || status=1; }
 exit $status

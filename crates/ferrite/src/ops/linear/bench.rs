@@ -145,6 +145,26 @@ impl Layer {
             opts,
         )
     }
+    /// The chain form's dX GEMM alone (its activation-backward epilogue, with the column sums and
+    /// their reduction when `colsum`): what the epilogue costs beside the plain dX GEMM.
+    fn dx_chain(&self, opts: &LinearOptions, colsum: bool) -> Result<()> {
+        backward_into(
+            &Bwd {
+                dy: &self.dy,
+                x: &self.x,
+                w: &self.w,
+                z: None,
+                x_pre: Some((&self.z_in, ACT)),
+            },
+            &BwdOut {
+                dx: Some(&self.dx),
+                dw: None,
+                db: None,
+                db_pre: colsum.then_some(&self.db_pre),
+            },
+            opts,
+        )
+    }
 }
 
 /// Bytes a forward with bias moves at the least: X, W, b read, Y written.
@@ -381,6 +401,8 @@ fn bench_gpu(
             };
             let mut chain = |_: usize| l.backward_chain(&chain_opts, false);
             let mut chain_db = |_: usize| l.backward_chain(&chain_opts, true);
+            let mut dx_dact = |_: usize| l.dx_chain(&chain_opts, false);
+            let mut dx_dact_cs = |_: usize| l.dx_chain(&chain_opts, true);
             let mut stats = time_gpu_alternating(
                 dev,
                 &stream,
@@ -393,6 +415,8 @@ fn bench_gpu(
                     &mut our_dw,
                     &mut chain,
                     &mut chain_db,
+                    &mut dx_dact,
+                    &mut dx_dact_cs,
                 ],
             )?
             .into_iter();
@@ -462,6 +486,33 @@ fn bench_gpu(
                      above's); dW GEMM"
                 ),
             ));
+            for (what, config) in [
+                (
+                    "dX GEMM, act' epilogue",
+                    format!("the chain form's dX GEMM alone: the {ACT}' epilogue, no column sums"),
+                ),
+                (
+                    "dX GEMM, act' epilogue + db",
+                    format!(
+                        "the chain form's dX GEMM alone: the {ACT}' epilogue with the 16-row \
+                         column sums, and their reduction"
+                    ),
+                ),
+            ] {
+                let mut r = record(
+                    d,
+                    &name,
+                    what,
+                    dtype,
+                    shape_b.clone(),
+                    next(),
+                    flops,
+                    fwd_bytes(shape, es) - (es * n) as f64,
+                );
+                r.dtype = label.into();
+                r.config = config;
+                group.push(r);
+            }
             relate(&mut group, "backward", None);
             out.extend(group);
         }

@@ -249,6 +249,46 @@ fn col_sum(
     )
 }
 
+/// Where `linear_bwd_dz` reads and writes: dY (`g`, rows `ldg` apart), Z (0 when the program's
+/// activation is none), dZ (0: not written) and the `[chunks, n]` f32 column partials (0: none).
+struct DzPass {
+    g: u64,
+    ldg: usize,
+    z: u64,
+    ldz: usize,
+    dz: u64,
+    lddz: usize,
+    partial: u64,
+}
+
+/// One launch of `linear_bwd_dz` over m×n (m·n > 0): dZ = dY ⊙ act'(Z) where `dz` is set, and
+/// the column sums of dZ over fixed chunks of `rows_per_chunk(m)` rows where `partial` is set.
+fn launch_bwd_dz(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    prog: &Program,
+    p: &DzPass,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    let rpc = rows_per_chunk(m);
+    let kern = dev.kernel(prog, "linear_bwd_dz")?;
+    let mut a = KernelArgs::new();
+    a.push(p.g)
+        .push(p.ldg as i64)
+        .push(p.z)
+        .push(p.ldz as i64)
+        .push(p.dz)
+        .push(p.lddz as i64)
+        .push(p.partial)
+        .push(m as i64)
+        .push(n as i64)
+        .push(rpc as i64);
+    let col_blocks = (n as u32).div_ceil(THREADS).max(1);
+    let chunks = m.div_ceil(rpc) as u32;
+    kern.launch(stream, (col_blocks, chunks, 1), (THREADS, 1, 1), 0, &mut a)
+}
+
 /// db[j] = Σ_i g[i][j] over an m×n matrix with rows `ld` apart: the dZ/db kernel with no dZ to
 /// write (row chunks in a fixed order), then `col_sum` of the chunk partials.
 #[allow(clippy::too_many_arguments)]
@@ -265,29 +305,18 @@ fn db_pass(
     if m * n == 0 {
         return col_sum(dev, stream, dtype, 0, 0, n, db);
     }
-    let rpc = rows_per_chunk(m);
-    let chunks = m.div_ceil(rpc);
+    let chunks = m.div_ceil(rows_per_chunk(m));
     let partial = dev.alloc(chunks * n * 4, stream)?;
-    let kern = dev.kernel(&program(dtype, Activation::None), "linear_bwd_dz")?;
-    let mut a = KernelArgs::new();
-    a.push(g)
-        .push(ld as i64)
-        .push(0u64)
-        .push(n as i64)
-        .push(0u64)
-        .push(n as i64)
-        .push(partial.ptr())
-        .push(m as i64)
-        .push(n as i64)
-        .push(rpc as i64);
-    let col_blocks = (n as u32).div_ceil(THREADS).max(1);
-    kern.launch(
-        stream,
-        (col_blocks, chunks as u32, 1),
-        (THREADS, 1, 1),
-        0,
-        &mut a,
-    )?;
+    let pass = DzPass {
+        g,
+        ldg: ld,
+        z: 0,
+        ldz: n.max(1),
+        dz: 0,
+        lddz: n.max(1),
+        partial: partial.ptr(),
+    };
+    launch_bwd_dz(dev, stream, &program(dtype, Activation::None), &pass, m, n)?;
     col_sum(dev, stream, dtype, partial.ptr(), chunks, n, db)
 }
 
@@ -341,29 +370,22 @@ pub fn backward(
         Some(b) => (b.ptr(), n.max(1)),
         None => (dy_ptr, lddy),
     };
-    let prog = program(p.dtype, act);
-    let block = (THREADS, 1, 1);
-    let col_blocks = (n as u32).div_ceil(THREADS).max(1);
-    let rpc = rows_per_chunk(m);
-    let chunks = m.div_ceil(rpc);
+    let chunks = m.div_ceil(rows_per_chunk(m));
     let partial = match o.db {
         Some(_) if m * n > 0 => Some(dev.alloc(chunks * n * 4, &stream)?),
         _ => None,
     };
     if m * n > 0 && (dz_buf.is_some() || partial.is_some()) {
-        let kern = dev.kernel(&prog, "linear_bwd_dz")?;
-        let mut a = KernelArgs::new();
-        a.push(dy_ptr)
-            .push(lddy as i64)
-            .push(z_ptr)
-            .push(ldz as i64)
-            .push(dz_buf.as_ref().map_or(0, |b| b.ptr()))
-            .push(lddz as i64)
-            .push(partial.as_ref().map_or(0, |b| b.ptr()))
-            .push(m as i64)
-            .push(n as i64)
-            .push(rpc as i64);
-        kern.launch(&stream, (col_blocks, chunks as u32, 1), block, 0, &mut a)?;
+        let pass = DzPass {
+            g: dy_ptr,
+            ldg: lddy,
+            z: z_ptr,
+            ldz,
+            dz: dz_buf.as_ref().map_or(0, |b| b.ptr()),
+            lddz,
+            partial: partial.as_ref().map_or(0, |b| b.ptr()),
+        };
+        launch_bwd_dz(&dev, &stream, &program(p.dtype, act), &pass, m, n)?;
     }
     if let Some(db) = o.db {
         // With m = 0 no chunk exists and every db[j] is the empty sum, 0.
@@ -436,7 +458,7 @@ pub fn backward(
                             .push(ldzi as i64)
                             .push(m as i64)
                             .push(k as i64);
-                        kern.launch(&stream, (blocks_for(m * k), 1, 1), block, 0, &mut a)?;
+                        kern.launch(&stream, (blocks_for(m * k), 1, 1), (THREADS, 1, 1), 0, &mut a)?;
                     }
                 }
                 if let Some(dbp) = o.db_pre {
