@@ -347,6 +347,54 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
 [[ $part == *Q* ]] && { bash "$here/steps.sh" pending-Q "$bundle" \
   'warm|150|ferrite kernels --arch sm_90a --only FE_EPI_DACT=1 > $D/kernels-dact.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt' \
   'check|90|ferrite check linear --device cuda --variant naive --variant fused --quick --dtype bf16 --json $D/check-linear.json' \
-  "ablate|420|(nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active --format=csv -lms 100 > \$D/smi.csv 2>&1 &); for v in base noR noRpf noact nocs base; do if [ \$v = base ]; then $lin --json \$D/abl-\$v-\$SECONDS.json; else FERRITE_KERNEL_DIR=$kd/\$v $lin --json \$D/abl-\$v.json; fi || exit 1; done; pkill -f 'nvidia-smi --query' || true" \
+  "ablate|420|nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active --format=csv -lms 100 > \$D/smi.csv 2>&1 & sp=\$!; for v in base noR noRpf noact nocs base; do if [ \$v = base ]; then $lin --json \$D/abl-\$v-\$SECONDS.json; else FERRITE_KERNEL_DIR=$kd/\$v $lin --json \$D/abl-\$v.json; fi || exit 1; done; kill \$sp" \
+  || status=1; }
+# R (session 13): Q found the act' epilogue's +45 µs unchanged with R's loads, its prefetch, act'
+# or the column sums left out; what remains different from the plain dX GEMM is the launch
+# configuration (the plain GEMM runs the tuner's pick, the epilogue kernels WG_DEFAULT, c2g8).
+# The plain NN GEMM at the dX shapes under every configuration, and the DACT kernel forced to
+# each configuration (kdir/dact-*: FE_CLUSTER and group_m overridden in the DACT build only).
+[[ $part == *R* ]] && { bash "$here/steps.sh" pending-R "$bundle" \
+  'configs|200|for nk in "4096 4096" "4096 14336" "14336 4096"; do set -- $nk; ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n $1 --k $2 --config c2g8 --config c2g4 --config c2g16 --config c2g32 --config c1g8 --config c1g16 --json $D/configs-$1-$2.json || exit 1; done' \
+  "dact|300|nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv -lms 200 > \$D/smi.csv 2>&1 & sp=\$!; for v in base c1g8 c1g16 c2g16 c2g4 c2g32; do if [ \$v = base ]; then $lin --json \$D/dact-base.json; else FERRITE_KERNEL_DIR=$kd/dact-\$v $lin --json \$D/dact-\$v.json; fi || exit 1; done; kill \$sp" \
+  || status=1; }
+# S (session 13): R found every configuration within noise (the act' kernel ~0.445 ms under all
+# six, the plain NN GEMM ~0.40–0.42): the +45 µs is not the configuration either. The act'
+# kernel with the plain store in place of its epilogue (kdir/dact-plainepi) and with no store at
+# all (kdir/dact-nostore), timed; then per-SASS profiles of the act' kernel (now named
+# matmul_wgmma_dact) and of the plain NN GEMM at the same shape.
+[[ $part == *S* ]] && { bash "$here/steps.sh" pending-S "$bundle" \
+  "time|240|for v in base plainepi nostore base; do if [ \$v = base ]; then $lin --json \$D/t-base-\$SECONDS.json; else FERRITE_KERNEL_DIR=$kd/dact-\$v $lin --json \$D/t-\$v.json; fi || exit 1; done" \
+  "ncu-dact|150|bash $here/ncu-source.sh \$D dact matmul_wgmma_dact 5 -- $lin" \
+  "ncu-plain|150|bash $here/ncu-source.sh \$D plain-nn '^matmul_wgmma\$' 5 -- ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 4096 --k 4096 --config c2g8" \
+  || status=1; }
+# T (session 13): S's profile put the act' kernel's extra time in its epilogue (consumer samples
+# there 2.6× the plain kernel's, with the tensor cores idle). The helper epilogue: consumers stage
+# the whole tile (3-stage ring), warps 1–3 of the producer warpgroup apply act', sum the columns
+# and store under the next tile's mainloop. Its check (quick 16-bit, every tile of [384]x136<-512
+# staged with column sums; edge tiles), memcheck and racecheck, the bench at the three shapes
+# twice, and the plain NN GEMM with a 3-stage ring (kdir/plain3) against the 4-stage one.
+[[ $part == *T* ]] && { bash "$here/steps.sh" pending-T "$bundle" \
+  'check|120|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'memcheck|90|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'racecheck|90|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'bench|180|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
+  "stages|90|for r in 1 2; do ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 4096 --k 4096 --config c2g8 --json \$D/stages4-\$r.json && FERRITE_KERNEL_DIR=$kd/plain3 ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 4096 --k 4096 --config c2g8 --json \$D/stages3-\$r.json || exit 1; done" \
+  || status=1; }
+# U (session 13): T's helpers were too slow at K = 4096 (the act' kernel 0.574 ms against 0.445
+# before: ~74 µs of helper work per tile, more than the mainloop; 4-byte accesses, R from DRAM).
+# Now 16-byte accesses (a warp access = 4 rows), R prefetched into L2 a tile ahead, 88/200
+# registers. The check (after compiling), memcheck, and the bench at the three shapes.
+[[ $part == *U* ]] && { bash "$here/steps.sh" pending-U "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
+  'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'memcheck|90|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'bench|120|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear.json' \
+  || status=1; }
+# V (session 13): U's kernel (check 720/720, memcheck clean) under racecheck, and the linear
+# bench twice more (the backward ratios move ±3–5% between calls).
+[[ $part == *V* ]] && { bash "$here/steps.sh" pending-V "$bundle" \
+  'racecheck|120|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16' \
+  'bench|240|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
   || status=1; }
 exit $status

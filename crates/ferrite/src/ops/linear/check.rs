@@ -365,6 +365,11 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
         let db_ref: Vec<f64> = (0..n)
             .map(|j| (0..m).map(|i| dz[i * n + j]).sum())
             .collect();
+        // Σ |terms| per column: db is a sum whose terms cancel, so its rounding error scales
+        // with them, not with the sum (error_vs_terms).
+        let db_mag: Vec<f64> = (0..n)
+            .map(|j| (0..m).map(|i| dz[i * n + j].abs()).sum())
+            .collect();
         let dx = Tensor::empty(&xs, dtype, dev)?;
         let dw = Tensor::empty(&[n, k], dtype, dev)?;
         let db = Tensor::empty(&[n], dtype, dev)?;
@@ -413,7 +418,7 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
         rec.push(
             out,
             format!("{label} db"),
-            Ok(rel_error(&db.to_f64_vec()?, &db_ref)),
+            Ok(error_vs_terms(&db.to_f64_vec()?, &db_ref, &db_mag)),
         );
         // Determinism: a second run on the same inputs gives the same db and dW bits.
         if act == Activation::GeluTanh || c.all_combos && act == Activation::None {
@@ -449,9 +454,11 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
             // The layer below's db: Σ rows of its dZ (from the epilogue's 16-row column sums
             // where every tile writes them — rows a multiple of 64, `in` of 256 — else a pass).
             let mut ref_db_pre = vec![0f64; k];
+            let mut mag_db_pre = vec![0f64; k];
             for row in ref_pre.chunks(k.max(1)) {
-                for (a, &v) in ref_db_pre.iter_mut().zip(row) {
+                for ((a, g), &v) in ref_db_pre.iter_mut().zip(mag_db_pre.iter_mut()).zip(row) {
                     *a += v;
+                    *g += v.abs();
                 }
             }
             let dx = Tensor::empty(&xs, dtype, dev)?;
@@ -479,7 +486,7 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
                     sync(dev, "linear backward (x_pre)")?;
                     Ok((
                         rel_error(&dx.to_f64_vec()?, &ref_pre),
-                        rel_error(&db_pre.to_f64_vec()?, &ref_db_pre),
+                        error_vs_terms(&db_pre.to_f64_vec()?, &ref_db_pre, &mag_db_pre),
                     ))
                 });
             let (e_dx, e_db) = match res {

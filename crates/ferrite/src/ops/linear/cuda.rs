@@ -458,7 +458,13 @@ pub fn backward(
                             .push(ldzi as i64)
                             .push(m as i64)
                             .push(k as i64);
-                        kern.launch(&stream, (blocks_for(m * k), 1, 1), (THREADS, 1, 1), 0, &mut a)?;
+                        kern.launch(
+                            &stream,
+                            (blocks_for(m * k), 1, 1),
+                            (THREADS, 1, 1),
+                            0,
+                            &mut a,
+                        )?;
                     }
                 }
                 if let Some(dbp) = o.db_pre {

@@ -230,10 +230,34 @@ const WG_SMEM: u32 = WG_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES + 16 * W
 /// The TMA-store kernel's C staging area (wgmma.cu's STAGING_BYTES): 8 consumer warps × 2
 /// buffers × one 16×64 box of 16-bit C.
 const WG_STAGING: u32 = 8 * 2 * 16 * 128;
+/// The activation-backward kernel (`-DFE_EPI_DACT`) stages a whole 128×256 tile of 16-bit C
+/// (8 warps × 4 boxes) for its helper warps, and makes room for it with a 3-stage ring.
+const WG_DACT_STAGES: u32 = 3;
+const WG_DACT_STAGING: u32 = 8 * 4 * 16 * 128;
+/// Its ring, staging area, 2·stages + 2 mbarriers and the alignment slack.
+const WG_DACT_SMEM: u32 = WG_DACT_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES
+    + 16 * WG_DACT_STAGES
+    + 16
+    + 1024
+    + WG_DACT_STAGING;
 
 /// Dynamic shared memory of a `wgmma` kernel, with or without the TMA-store staging area.
 fn wg_smem(tma_store_kernel: bool) -> u32 {
     WG_SMEM + if tma_store_kernel { WG_STAGING } else { 0 }
+}
+
+/// Whether `epi` is the activation-backward epilogue (its module has its own ring and staging).
+fn is_dact(epi: Option<Epi>) -> bool {
+    matches!(epi, Some(Epi { dact: true, .. }))
+}
+
+/// Stages of the `wgmma` ring in the module built for `epi`.
+fn wg_stages(epi: Option<Epi>) -> u32 {
+    if is_dact(epi) {
+        WG_DACT_STAGES
+    } else {
+        WG_STAGES
+    }
 }
 
 /// Whether the `wgmma` module for `dtype` / `epi` has the TMA-store epilogue: 16-bit C with the
@@ -564,7 +588,7 @@ fn wgmma_program(
     let p = p
         .define("FE_A_TRANS", a_trans as u32)
         .define("FE_B_TRANS", b_trans as u32)
-        .define("FE_STAGES", WG_STAGES)
+        .define("FE_STAGES", wg_stages(epi))
         .define("FE_CLUSTER", cluster);
     let p = if wg_has_tma_store(dtype, epi) {
         p.define("FE_TMA_STORE", 1)
@@ -726,13 +750,22 @@ pub fn epilogue_specs() -> Vec<KernelSpec> {
                 };
                 v.push(KernelSpec {
                     program: wgmma_program(d, false, false, WG_CLUSTER, Some(dact)),
-                    functions: vec!["matmul_wgmma".into()],
+                    functions: vec![wgmma_function(Some(dact)).into()],
                     min_arch: Arch::SM90,
                 });
             }
         }
     }
     v
+}
+
+/// The `wgmma` kernel's function name in a module built with `epi`: the activation-backward build
+/// is `matmul_wgmma_dact`, so a profile of a linear backward tells it from the plain GEMMs.
+pub fn wgmma_function(epi: Option<Epi>) -> &'static str {
+    match epi {
+        Some(Epi { dact: true, .. }) => "matmul_wgmma_dact",
+        _ => "matmul_wgmma",
+    }
 }
 
 /// The kernel, block shape, dynamic shared memory and C tile per block a variant launches with.
@@ -1005,9 +1038,13 @@ fn plan_inner(
                 (g.a.trans, g.b.trans)
             };
             let program = wgmma_program(g.dtype, at, bt, cluster, epi);
-            let kernel = dev.kernel(&program, "matmul_wgmma")?;
+            let kernel = dev.kernel(&program, wgmma_function(epi))?;
             let has_store = wg_has_tma_store(g.dtype, epi);
-            let smem = wg_smem(has_store);
+            let smem = if is_dact(epi) {
+                WG_DACT_SMEM
+            } else {
+                wg_smem(has_store)
+            };
             kernel.set_max_dynamic_smem(smem)?;
             let pack = if tf32 {
                 Some(dev.kernel(&program, "matmul_wgmma_pack")?)
@@ -1030,10 +1067,11 @@ fn plan_inner(
                 smem,
                 tile: WG_TILE,
                 config: format!(
-                    "tile {}×{}×{}, TMA 128B-swizzle {WG_STAGES}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k{} {ty}, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast), {}{note}{}",
+                    "tile {}×{}×{}, TMA 128B-swizzle {}-stage ring, 1 producer + 2 consumer warpgroups m64n{}k{} {ty}, persistent grid ≤ {sms}, groups of {group_m} row tiles, cluster {cluster}×1 (B multicast), {}{note}{}",
                     WG_TILE.0,
                     WG_TILE.1,
                     wg_bk(g.dtype),
+                    wg_stages(epi),
                     WG_TILE.1,
                     wg_kstep(g.dtype),
                     if has_store && wg.tma_store {
@@ -1063,7 +1101,7 @@ fn epilogue_note(epi: Option<Epi>) -> String {
         Some(Epi {
             act, dact: true, ..
         }) => format!(
-            ", fused {act}' epilogue (C = acc·{act}'(R): the layer below's dZ; R pairs loaded a box ahead)"
+            ", fused {act}' epilogue (C = acc·{act}'(R): the layer below's dZ; consumers stage the whole tile, 3 helper warps apply {act}' and store it under the next tile's mainloop)"
         ),
         Some(Epi {
             act, pairs: true, ..
@@ -1752,6 +1790,10 @@ mod tests {
         assert!(
             wg_smem(true) <= 227 * 1024,
             "ring + staging fit one H100 block"
+        );
+        assert!(
+            WG_DACT_SMEM <= 227 * 1024,
+            "the activation-backward kernel's ring + whole-tile staging fit one H100 block"
         );
     }
 }

@@ -61,6 +61,9 @@
 // 8192³ 0.92–0.95 → 0.96–1.04× (bench/results/2026-11-25-h100-session11/pending-C; `c2g8d`
 // names the same launch with direct stores). Not done yet: last-wave balancing, other tile
 // shapes.
+// The activation-backward build (-DFE_EPI_DACT, `matmul_wgmma_dact`; 2026-11-25): 3 stages and a
+// whole-tile staging area; the producer warpgroup's warps 1–3 run its epilogue (see
+// dact_helper_tile).
 
 // TmaDesc, smem_u32, mbarriers, smem_desc, wgmma fences.
 #include "hopper.cuh"
@@ -116,8 +119,16 @@ constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 
 // The C staging area: per consumer warp, SBUF buffers of one 16-row × 64-column box (2 KiB,
 // 128-byte swizzled, the layout the TMA store reads), after the ring. 8 warps × 2 × 2 KiB = 32 KiB
 // beside the 192 KiB ring: the most that fits with 4 stages (227 KiB per block).
-constexpr int SBUF = 2, SBOX = 16 * 128;
+// The activation-backward build (FE_EPI_DACT) stages a whole tile instead: SBUF = 4 boxes per
+// warp (its 16 × 256 slice), 64 KiB, which the host makes room for with a 3-stage ring (144 KiB).
+#if FE_EPI_DACT
+constexpr int SBUF = 4;
+#else
+constexpr int SBUF = 2;
+#endif
+constexpr int SBOX = 16 * 128;
 constexpr int STAGING_BYTES = FE_TMA_STORE ? 8 * SBUF * SBOX : 0;
+static_assert(!FE_EPI_DACT || (FE_TMA_STORE && STAGES <= 3), "DACT: TMA store, 3-stage ring");
 static_assert(!FE_TMA_STORE || (ES == 2 && (!FE_EPI || FE_EPI_PAIRS)),
               "TMA store: plain or pair epilogue, 16-bit C");
 #if FE_WGMMA_TF32
@@ -225,27 +236,32 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 // `before(q)` runs first in box q's turn (the activation-backward epilogue loads the next box's
 // operands there), `after(q, buf)` last, once the box is in the staging buffer `buf` and its
 // store issued (the buffer is rewritten only two boxes later, after the warp's next barrier).
+// Box q of the warp's slice into the staging buffer buf (the stmatrix part of store_warp_tma).
+template <class Vals>
+__device__ __forceinline__ void stage_box(const Vals& vals, int q, unsigned buf, int lane) {
+  const unsigned lr = lane & 7, mat = lane >> 3;
+  const unsigned lane_row = ((mat & 1) * 8 + lr) * 128;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    unsigned v[4];
+    vals(8 * q + 2 * p, v);
+    // Matrices 0, 1: column group 2p of the box, rows 0–7 and 8–15; matrices 2, 3: group 2p+1.
+    const unsigned chunk = 2 * p + (mat >> 1);
+    stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4), v[0], v[1], v[2], v[3]);
+  }
+}
 template <class Vals, class Before, class After>
 __device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& before,
                                                const After& after, unsigned stg,
                                                const TmaDesc* map, int row, int n0, int z,
                                                int lane) {
-  const unsigned lr = lane & 7, mat = lane >> 3;
-  const unsigned lane_row = ((mat & 1) * 8 + lr) * 128;
 #pragma unroll
   for (int q = 0; q < BN / 64; ++q) {
     before(q);
     const unsigned buf = stg + (q % SBUF) * SBOX;
     if (lane == 0) bulk_wait_read<SBUF - 1>();
     __syncwarp();
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      unsigned v[4];
-      vals(8 * q + 2 * p, v);
-      // Matrices 0, 1: column group 2p of the box, rows 0–7 and 8–15; matrices 2, 3: group 2p+1.
-      const unsigned chunk = 2 * p + (mat >> 1);
-      stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4), v[0], v[1], v[2], v[3]);
-    }
+    stage_box(vals, q, buf, lane);
     fence_async_smem();
     __syncwarp();
     if (lane == 0) {
@@ -401,90 +417,146 @@ __device__ __forceinline__ void prefetch_r_l2(const T* r, i64 ldr, int lane) {
 }
 #endif
 
-#if FE_EPI && FE_EPI_DACT && FE_TMA_STORE
-// The activation-backward epilogue's operand: the thread's 16 pre-activation pairs of box q
-// (store_warp_tma's 4 stmatrix groups × {row lane/4, +8} × {column group j, j + 1}), rp at the
-// thread's first pair. 4-byte loads; the pair of the next column group fills the other half of
-// the same 32-byte sectors, from L1.
-__device__ __forceinline__ void dact_load_box(T2 (&a)[16], const T* rp, i64 ldr, int q) {
-#pragma unroll
-  for (int p = 0; p < 4; ++p)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      a[4 * p + e] =
-          __ldg(reinterpret_cast<const T2*>(rp + (e % 2) * 8 * ldr + 8 * (8 * q + 2 * p + e / 2)));
+#if FE_EPI_DACT
+// ---- the activation-backward epilogue: consumers stage, helpers finish ----
+// The epilogue C = act'(R) ⊙ (alpha·acc) used to run in the consumer warps with the tensor cores
+// idle: ~15% of the consumers' stall samples against ~6% for the plain store (Nsight Compute on
+// the H100, bench/results/2026-11-25-h100-session13/pending-S) — R's loads, act' (a tanh and
+// ~10 FMAs per element), the column sums; leaving out any one of them changed nothing (pending-Q).
+// Now the consumers only round alpha·acc to 16 bits and stmatrix their whole 16 × 256 slices
+// into a tile-sized staging area (SBUF = 4 boxes per warp; the ring has 3 stages to make room,
+// which timed the same as 4 for the plain GEMM, pending-T), arrive on `stg_full` and start the
+// next tile's mainloop. Warps 1–3 of the producer warpgroup (idle until now) wait on it; for
+// each box they read R (16-byte loads, prefetched into L2 a tile ahead), multiply in place, add
+// the column sums and hand the box to the TMA store; once the stores have read the area they
+// arrive on `stg_empty`, which the consumers wait on before staging the next tile. The helpers'
+// work for tile t runs under the mainloop of tile t + 1. The product is rounded twice (alpha·acc
+// to 16 bits, then the product), as the unfused path (GEMM, then linear_dact) rounds it.
+// Measured (pending-U, V): the act' kernel's cost over the plain dX GEMM fell at the shapes with
+// many tiles per SM (8192×14336 output: ~+250 → +130 µs) and stayed ~+45 µs at 8192×4096←4096,
+// where the three helper warps take about as long per tile as the mainloop.
+
+// 16-byte shared-memory access at a u32 shared address.
+__device__ __forceinline__ uint4 lds_v4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts_v4(unsigned addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ float2 u32_f2(unsigned u) {
+  return fe_f2(*reinterpret_cast<const T2*>(&u));
 }
 
-// Column sums of a staged 16 × 64 box (the rounded values the TMA store writes): lane j sums
-// columns 2j, 2j + 1 over the 16 rows (16-byte chunk j/4 of each row, at its swizzled place;
-// the 32 lanes read one 128-byte row at a time, no bank conflicts) and stores the float2 at
-// part[row/16][n0 + 2j] (the warp's 256 contiguous bytes). A fixed order: the same bits on
-// every run.
-// Rows R.. of the box added into (sx, sy). The swizzled address (chunk ^ R%8) is formed inside
-// the asm, per load, from immediates: computed in C++, the compiler kept the 8 row offsets live
-// across the epilogue and ptxas spilled (88-136 bytes).
-template <int R>
-__device__ __forceinline__ void dact_colsum_rows(unsigned lane_off, unsigned buf, float& sx,
-                                                 float& sy) {
-  unsigned u;
-  asm volatile(
-      "{\n .reg .b32 a;\n xor.b32 a, %1, %2;\n add.u32 a, a, %3;\n"
-      " ld.shared.b32 %0, [a+%4];\n}\n"
-      : "=r"(u)
-      : "r"(lane_off), "n"((R & 7) << 4), "r"(buf), "n"(R * 128)
-      : "memory");
-  const float2 g = fe_f2(*reinterpret_cast<const T2*>(&u));
-  sx += g.x;
-  sy += g.y;
-  if constexpr (R + 1 < 16) dact_colsum_rows<R + 1>(lane_off, buf, sx, sy);
-}
-// The partial row's address is formed only here, from the kernel parameters and the box's
-// coordinates (a pointer held across the epilogue made ptxas spill).
-__device__ __forceinline__ void dact_box_colsum(unsigned buf, float* part, i64 ldp, int row,
-                                                int col, int lane) {
-  // Byte offset of the lane's pair in an unswizzled row: chunk lane/4, 4 bytes per lane in it.
-  const unsigned lane_off = ((unsigned)lane >> 2) << 4 | ((unsigned)lane & 3) * 4;
-  float sx = 0.f, sy = 0.f;
-  dact_colsum_rows<0>(lane_off, buf, sx, sy);
-  *reinterpret_cast<float2*>(part + (i64)(row >> 4) * ldp + col + 2 * lane) = make_float2(sx, sy);
+// R of the staged halves of the tile at (m0, n0) into L2, by the 96 helper lanes (h·32 + lane):
+// 128 rows × 4 lines of 128 bytes. Issued a tile ahead, so the helpers' loads hit L2.
+__device__ __forceinline__ void dact_prefetch_r(const T* r, i64 ldr, int m0, int n0, bool staged0,
+                                                bool staged1, int h, int lane) {
+  for (int li = h * 32 + lane; li < BM * 4; li += 96) {
+    const int row = li >> 2;
+    if (!(row < 64 ? staged0 : staged1)) continue;
+    const T* p = r + (i64)(m0 + row) * ldr + n0 + (li & 3) * 64;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+  }
 }
 
-// C = alpha·acc · act'(R) through the TMA store. Box 0's R pairs are in aux[0] already (loaded
-// before the tile's last wgmma group completed); box q + 1's are loaded at the start of box q,
-// so each box's loads are in flight while the previous box is computed and stored. With
-// `part` (the [m/16][ldp] column partial sums), each box's column sums too.
-__device__ __forceinline__ void wg_epilogue_dact_tma(const float (&d)[128], T2 (&aux)[2][16],
-                                                     float alpha, const T* rp, i64 ldr,
-                                                     float* part, i64 ldp, unsigned stg,
-                                                     const TmaDesc* map, int row, int n0, int z,
-                                                     int lane) {
-  store_warp_tma(
-      [&](int j, unsigned(&v)[4]) {
-        const int q = j / 8, p = (j % 8) / 2;
+// Helper warp h (0..2)'s boxes of the staged tile at tile row m0, column n0: boxes b = h, h + 3,
+// ... of the 32 (consumer warp b/4's box b%4), those of a consumer half that staged (`staged0`
+// rows 0–63, `staged1` rows 64–127). Lane l owns the 16-byte chunk l%8 (8 columns) of rows
+// l/8, l/8 + 4, l/8 + 8, l/8 + 12 of the box: a warp access is 4 whole 128-byte rows, in shared
+// memory (at their swizzled places: conflict-free) as in R; R was prefetched into L2 a tile
+// ahead (loading the next box's R under this one's math as well made ptxas spill at 72
+// registers). With `part` (the [m/16][ldp] f32 column partial sums), each box's 16-row
+// sums of the rounded products: each lane's 4 rows in order, then the 4 lanes of a chunk added
+// by two fixed butterfly steps — the same bits on every run.
+__device__ __forceinline__ void dact_helper_tile(unsigned staging, const TmaDesc* map, const T* r,
+                                                 i64 ldr, float* part, i64 ldp, int m0, int n0,
+                                                 int z, bool staged0, bool staged1, int h,
+                                                 int lane) {
+  const int ch = lane & 7, rsub = lane >> 3;
+  auto staged_box = [&](int b) { return (b >> 2) < 4 ? staged0 : staged1; };
+  auto next_box = [&](int b) {
+    while (b < 32 && !staged_box(b)) b += 3;
+    return b;
+  };
+  // Every row of a staged box is inside R (the half staged only if its 64 rows and the tile's
+  // 256 columns are inside C, and R is indexed like C).
+  auto load_r = [&](int b, uint4(&v)[4]) {
+    const T* p = r + (i64)(m0 + 16 * (b >> 2) + rsub) * ldr + n0 + 64 * (b & 3) + 8 * ch;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int jj = j + e / 2, i = e % 2;
-          const float2 g = fe_f2(aux[q % 2][4 * p + e]);
-          v[e] = pack_u32(alpha * d[4 * jj + 2 * i] * fe_dact(g.x),
-                          alpha * d[4 * jj + 2 * i + 1] * fe_dact(g.y));
-        }
-      },
-      [&](int q) {
-        if (q + 1 < BN / 64) dact_load_box(aux[(q + 1) % 2], rp, ldr, q + 1);
-      },
-      [&](int q, unsigned buf) {
-        if (part) dact_box_colsum(buf, part, ldp, row, n0 + 64 * q, lane);
-      },
-      stg, map, row, n0, z, lane);
+    for (int i = 0; i < 4; ++i) v[i] = __ldg(reinterpret_cast<const uint4*>(p + 4 * i * ldr));
+  };
+  uint4 cur[4];
+  for (int b = next_box(h); b < 32; b = next_box(b + 3)) {
+    load_r(b, cur);
+    const int w = b >> 2, q = b & 3;
+    const unsigned buf = staging + (w * SBUF + q) * SBOX;
+    float cs[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) cs[e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int rr = 4 * i + rsub;
+      const unsigned addr = buf + rr * 128 + ((ch ^ (rr & 7)) << 4);
+      const uint4 cv = lds_v4(addr);
+      const unsigned cu[4] = {cv.x, cv.y, cv.z, cv.w};
+      const unsigned gu[4] = {cur[i].x, cur[i].y, cur[i].z, cur[i].w};
+      unsigned ou[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 c2 = u32_f2(cu[e]), g = u32_f2(gu[e]);
+        ou[e] = pack_u32(c2.x * fe_dact(g.x), c2.y * fe_dact(g.y));
+        const float2 o = u32_f2(ou[e]);
+        cs[2 * e] += o.x;
+        cs[2 * e + 1] += o.y;
+      }
+      sts_v4(addr, make_uint4(ou[0], ou[1], ou[2], ou[3]));
+    }
+    if (part) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], 8);
+        cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], 16);
+      }
+      if (rsub == 0) {
+        float4* pp = reinterpret_cast<float4*>(part + (i64)((m0 + 16 * w) >> 4) * ldp + n0 + 64 * q +
+                                               8 * ch);
+        pp[0] = make_float4(cs[0], cs[1], cs[2], cs[3]);
+        pp[1] = make_float4(cs[4], cs[5], cs[6], cs[7]);
+      }
+    }
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0) tma_store(map, buf, n0 + 64 * q, m0 + 16 * w, z);
+  }
+  // The area is free again once the stores have read it.
+  if (lane == 0) {
+    bulk_commit();
+    bulk_wait_read<0>();
+  }
+  __syncwarp();
 }
 #endif
 
 
+// The activation-backward build has its own name, so profilers and traces tell it from the plain
+// GEMM it runs beside in a backward (matmul::cuda::wgmma_function).
+#if FE_EPI_DACT
+#define FE_WGMMA_FN matmul_wgmma_dact
+#else
+#define FE_WGMMA_FN matmul_wgmma
+#endif
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #if FE_CLUSTER > 1
     __cluster_dims__(FE_CLUSTER, 1, 1)
 #endif
-    matmul_wgmma(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
+    FE_WGMMA_FN(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
                  const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
                  const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -493,8 +565,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   const unsigned staging = base + STAGES * STAGE_BYTES;  // FE_TMA_STORE: C boxes, per warp
   const unsigned full0 = staging + STAGING_BYTES;        // full[s] at full0 + 8s
   const unsigned empty0 = full0 + STAGES * 8;            // empty[s] at empty0 + 8s
+#if FE_EPI_DACT
+  // The staging handshake of the activation-backward epilogue (dact_helper_tile).
+  const unsigned stg_full = empty0 + STAGES * 8, stg_empty = stg_full + 8;
+  constexpr unsigned EXTRA_BARRIERS = 16;
+#else
+  constexpr unsigned EXTRA_BARRIERS = 0;
+#endif
   // The host sizes the dynamic shared memory (cuda.rs, wg_smem); a smaller one would overrun.
-  if (dynamic_smem_bytes() < (empty0 + STAGES * 8) - raw) __trap();
+  if (dynamic_smem_bytes() < (empty0 + STAGES * 8 + EXTRA_BARRIERS) - raw) __trap();
 
   // The walk is over cluster tiles (CL·BM rows × BN): block `rank` of a cluster takes row tile
   // CL·tm + rank (past the last row tile it computes zeros and writes nothing).
@@ -509,6 +588,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, 8 * CL);  // one arrival per consumer warp of the cluster
     }
+#if FE_EPI_DACT
+    mbar_init(stg_full, 8);   // each consumer warp, once per tile
+    mbar_init(stg_empty, 3);  // each helper warp, once per tile
+#endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
@@ -517,10 +600,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   else
     __syncthreads();
 
+#if FE_EPI_DACT
+  // Whether consumer half `half` of tile (tm, tn) stages its slice for the helpers: every row and
+  // column inside C, TMA-storable C and aligned pairs of C and R. Consumers and helpers decide
+  // alike; the other halves take the element-wise store loop.
+  const FeEpi epi_h = FE_EPI_MAKE;
+  const bool dact_pairs = store_tma && beta == 0.f && ((u64)C % (2 * ES) == 0) && (ldc % 2 == 0) &&
+                          (stride_c % 2 == 0) && fe_pairs_aligned(epi_h.r, epi_h.ldr, epi_h.stride_r);
+  auto staged = [&](i64 tm, i64 tn, int half) {
+    return dact_pairs && (tn + 1) * BN <= n && tm * BM + half * 64 + 64 <= m;
+  };
+#endif
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
+#if FE_EPI_DACT
+    // 88 for the helper warps (their 4 16-byte R loads and 8 column sums; at 72–80 ptxas spilled
+    // in some activations), 200 for the consumers: 128·88 + 256·200 ≤ the 384·168 allocated.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n");
+#else
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+#endif
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
@@ -573,9 +673,49 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
       }
     }
+#if FE_EPI_DACT
+    else if (threadIdx.x >= 32) {
+      // ---- helpers (warps 1–3): the activation-backward epilogue of the staged tiles ----
+      const int h = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
+      // R of tile t into L2: issued when the helpers start tile t − 1 (the first at once).
+      auto prefetch = [&](i64 t) {
+        if (t >= total) return;
+        i64 z, tm, tn;
+        tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
+        tm = tm * CL + rank;
+        const bool s0 = staged(tm, tn, 0), s1 = staged(tm, tn, 1);
+        if (s0 || s1)
+          dact_prefetch_r(epi_h.r + z * epi_h.stride_r, epi_h.ldr, (int)(tm * BM), (int)(tn * BN),
+                          s0, s1, h, lane);
+      };
+      prefetch(first_tile);
+      unsigned fph = 0;
+      for (i64 t = first_tile; t < total; t += tile_step) {
+        i64 z, tm, tn;
+        tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
+        tm = tm * CL + rank;
+        mbar_wait(stg_full, fph);
+        prefetch(t + tile_step);
+        fph ^= 1;
+        const bool s0 = staged(tm, tn, 0), s1 = staged(tm, tn, 1);
+        // epi.part: [m/16][n] (batch 1), written only where the host checked that every tile
+        // holding output rows stages (matmul::cuda::dact_colsum_ok).
+        if (s0 || s1)
+          dact_helper_tile(staging, &tma_c, epi_h.r + z * epi_h.stride_r, epi_h.ldr, epi_h.part,
+                           n, (int)(tm * BM), (int)(tn * BN), (int)z, s0, s1, h, lane);
+        if (lane == 0) mbar_arrive(stg_empty);
+      }
+      // Shared memory stays allocated until the last stores have read it.
+      if (lane == 0) bulk_wait<0>();
+    }
+#endif
   } else {
     // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
+#if FE_EPI_DACT
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+#else
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+#endif
     const int c = wg - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     // Pairs of C (2 elements: 4 bytes for 16-bit, 8 for f32) stored as one access when aligned.
@@ -606,6 +746,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     float d[128];
     int s = 0;
     unsigned ph = 0;
+#if FE_EPI_DACT
+    unsigned eph = 0;  // stg_empty's parity
+#endif
     for (i64 t = first_tile; t < total; t += tile_step) {
       i64 z, tm, tn;
       tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
@@ -614,11 +757,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       // (store_tma is tested at the store, not here: folded in here, ptxas spilled 24 bytes in
       // the f16 GELU-erf kernel.)
       const bool fast = epi_pairs && (tn + 1) * BN <= n && tm * BM + c * 64 + 64 <= m;
+#if FE_EPI_DACT
+      (void)fast;  // the DACT build decides with `staged` (helpers and consumers alike)
+#endif
       // The thread's 32 bias pairs, loaded before the mainloop (32 independent 4-byte loads, 32
       // registers beside the 128 accumulators): their latency hides behind the k-loop.
-#if FE_EPI_DACT
-      T2 aux[2][16];  // the activation-backward epilogue's R pairs, two boxes
-#else
+#if !FE_EPI_DACT
       T2 bias2[BN / 8];
       if (fast && epi.bias) {
         const T* bp = epi.bias + tn * BN + 2 * (lane % 4);
@@ -634,7 +778,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
       acc_fence(d);
       int prev = -1;
-#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
+#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE && !FE_EPI_DACT
       const int pf_kt = ktiles > R_PREFETCH_AHEAD ? ktiles - R_PREFETCH_AHEAD : 0;
 #endif
       for (int kt = 0; kt < ktiles; ++kt) {
@@ -652,7 +796,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           wgmma_256(d, da, db, 1);
         }
         wgmma_commit();
-#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
+#if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE && !FE_EPI_DACT
         if (kt == pf_kt && fast && store_tma && epi.r)
           prefetch_r_l2(epi.r + z * epi.stride_r + (tm * BM + c * 64 + warp * 16) * epi.ldr + tn * BN,
                         epi.ldr, lane);
@@ -665,15 +809,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           ph ^= 1;
         }
       }
-#if FE_EPI && FE_EPI_DACT && FE_TMA_STORE
-      // The first box's R pairs, loaded while the tile's last wgmma group still runs.
-      const T* rp_dact = nullptr;
-      if (store_tma && fast) {
-        rp_dact = epi.r + z * epi.stride_r + (tm * BM + c * 64 + warp * 16 + lane / 4) * epi.ldr +
-                  tn * BN + 2 * (lane % 4);
-        dact_load_box(aux[0], rp_dact, epi.ldr, 0);
-      }
-#endif
       wgmma_wait<0>();
       acc_fence(d);
       if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
@@ -688,16 +823,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const unsigned stg = staging + (c * 4 + warp) * SBUF * SBOX;
       const int srow = (int)(tm * BM + c * 64 + warp * 16), scol = (int)(tn * BN);
 #if FE_EPI && FE_EPI_DACT
-      if (rp_dact) {
-        // epi.part: [m/16][n] (batch 1), the host-checked layout of the column partial sums.
-        wg_epilogue_dact_tma(d, aux, alpha, rp_dact, epi.ldr, epi.part, n, stg, &tma_c, srow,
-                             scol, (int)z, lane);
-        continue;
+      {
+        // Every warp, every tile: the helpers have drained the previous tile's staging (which
+        // also keeps this warp's stg_full arrival in its own tile's phase, however far ahead
+        // the warp runs), then alpha·acc rounded into the warp's slice, and the arrival.
+        mbar_wait(stg_empty, eph ^ 1);
+        eph ^= 1;
+        const bool st = staged(tm, tn, c);
+        if (st) {
+          const auto vals = [&](int j, unsigned(&v)[4]) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jj = j + e / 2, i = e % 2;
+              v[e] = pack_u32(alpha * d[4 * jj + 2 * i], alpha * d[4 * jj + 2 * i + 1]);
+            }
+          };
+#pragma unroll
+          for (int q = 0; q < BN / 64; ++q) stage_box(vals, q, stg + q * SBOX, lane);
+          __syncwarp();
+        }
+        if (lane == 0) mbar_arrive(stg_full);
+        if (st) continue;
+        (void)srow;
+        (void)scol;
       }
-      // Column sums are written by the branch above only: the host passes `epi.part` only when
-      // every tile holding output rows takes it (m % 64 == 0, n % BN == 0, TMA-storable C and
-      // aligned R: matmul::cuda::dact_colsum_ok). (A trap here for any other tile made ptxas
-      // spill 200-280 bytes in every DACT kernel.)
+      // Column sums are written by the helpers only: the host passes `epi.part` only when every
+      // tile holding output rows stages (m % 64 == 0, n % BN == 0, TMA-storable C and aligned
+      // R: matmul::cuda::dact_colsum_ok).
 #elif FE_EPI
       if (store_tma && fast) {
         const T* rp = epi.r ? epi.r + z * epi.stride_r + row0 * epi.ldr + col0 : nullptr;
