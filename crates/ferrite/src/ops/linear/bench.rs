@@ -449,23 +449,28 @@ fn bench_gpu(
             );
             r.is_peer = true;
             group.push(r);
-            for (what, g_) in [("dX GEMM", &gx), ("dW GEMM", &gw)] {
+            // A row of one GEMM of the backward: one GEMM's flops and bytes.
+            let gemm_row = |what: &str, s, config: String| {
                 let mut r = record(
                     d,
                     &name,
                     what,
                     dtype,
                     shape_b.clone(),
-                    next(),
+                    s,
                     flops,
                     fwd_bytes(shape, es) - (es * n) as f64,
                 );
                 r.dtype = label.into();
-                r.config = format!(
+                r.config = config;
+                r
+            };
+            for (what, g_) in [("dX GEMM", &gx), ("dW GEMM", &gw)] {
+                let config = format!(
                     "the backward's {what} alone, matmul's default pick ({})",
                     g_.label()
                 );
-                group.push(r);
+                group.push(gemm_row(what, next(), config));
             }
             group.push(bwd_row(
                 "backward (chain)",
@@ -499,19 +504,7 @@ fn bench_gpu(
                     ),
                 ),
             ] {
-                let mut r = record(
-                    d,
-                    &name,
-                    what,
-                    dtype,
-                    shape_b.clone(),
-                    next(),
-                    flops,
-                    fwd_bytes(shape, es) - (es * n) as f64,
-                );
-                r.dtype = label.into();
-                r.config = config;
-                group.push(r);
+                group.push(gemm_row(what, next(), config));
             }
             relate(&mut group, "backward", None);
             out.extend(group);
