@@ -397,4 +397,10 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   'racecheck|120|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16' \
   'bench|240|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
   || status=1; }
+# W (session 13): the helper epilogue is about as slow per tile as the mainloop at k = 4096
+# (U/V: the act' kernel +45–50 µs over the plain dX GEMM at 8192×4096←4096); where its warps
+# stall, per SASS instruction.
+[[ $part == *W* ]] && { bash "$here/steps.sh" pending-W "$bundle" \
+  "ncu-dact|200|bash $here/ncu-source.sh \$D dact-helpers matmul_wgmma_dact 5 -- $lin" \
+  || status=1; }
 exit $status

@@ -240,6 +240,10 @@ const WG_DACT_SMEM: u32 = WG_DACT_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTE
     + 16
     + 1024
     + WG_DACT_STAGING;
+const _: () = assert!(
+    WG_DACT_SMEM <= 227 * 1024,
+    "the activation-backward kernel's ring + whole-tile staging fit one H100 block"
+);
 
 /// Dynamic shared memory of a `wgmma` kernel, with or without the TMA-store staging area.
 fn wg_smem(tma_store_kernel: bool) -> u32 {
@@ -1790,10 +1794,6 @@ mod tests {
         assert!(
             wg_smem(true) <= 227 * 1024,
             "ring + staging fit one H100 block"
-        );
-        assert!(
-            WG_DACT_SMEM <= 227 * 1024,
-            "the activation-backward kernel's ring + whole-tile staging fit one H100 block"
         );
     }
 }
