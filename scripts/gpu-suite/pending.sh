@@ -403,4 +403,24 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
 [[ $part == *W* ]] && { bash "$here/steps.sh" pending-W "$bundle" \
   "ncu-dact|200|bash $here/ncu-source.sh \$D dact-helpers matmul_wgmma_dact 5 -- $lin" \
   || status=1; }
+# X (session 13): W's profile: the helpers now wait on the consumers, the consumers' epilogue is
+# a third of the plain kernel's, but the mainloop waits on its `full` barrier (10.9k samples
+# against 1.2k in the plain kernel): with 3 stages the producer has one stage of lookahead. The
+# producer now asks L2 for the boxes a ring's length ahead (cp.async.bulk.prefetch.tensor);
+# timed against U's kernel (kdir/head), and each with the DACT build's cluster forced to 1
+# (kdir/c1, kdir/pfc1: a stage no longer waits on the peer block's consumers), twice.
+[[ $part == *X* ]] && { bash "$here/steps.sh" pending-X "$bundle" \
+  "time|400|for r in 1 2; do for v in pf head c1 pfc1; do if [ \$v = pf ]; then $lin --json \$D/t-\$v-\$r.json; else FERRITE_KERNEL_DIR=$kd/\$v $lin --json \$D/t-\$v-\$r.json; fi || exit 1; done; done" \
+  || status=1; }
+# Y (session 13): X's L2 prefetch by the producer made the act' kernel slower (0.547 ms against
+# 0.470; dropped); the DACT build without a cluster was faster (0.452). The DACT kernel now
+# launches with no cluster (matmul::cuda::WG_DACT): its check, memcheck and racecheck, and the
+# linear bench at the three shapes twice.
+[[ $part == *Y* ]] && { bash "$here/steps.sh" pending-Y "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
+  'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'memcheck|90|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'racecheck|90|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'bench|200|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
+  || status=1; }
 exit $status

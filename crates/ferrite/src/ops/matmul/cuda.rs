@@ -245,6 +245,16 @@ const _: () = assert!(
     "the activation-backward kernel's ring + whole-tile staging fit one H100 block"
 );
 
+/// The activation-backward kernel's launch: no cluster. With its 3-stage ring a stage that also
+/// waits on the peer block's consumers left the producer too little lookahead (H100, 8192×4096
+/// ←4096: 0.452 ms against 0.470 for 2-block clusters in the same rounds, two alternations;
+/// bench/results/2026-11-25-h100-session13/pending-X).
+pub const WG_DACT: WgConfig = WgConfig {
+    cluster: 1,
+    group_m: WG_GROUP_M,
+    tma_store: true,
+};
+
 /// Dynamic shared memory of a `wgmma` kernel, with or without the TMA-store staging area.
 fn wg_smem(tma_store_kernel: bool) -> u32 {
     WG_SMEM + if tma_store_kernel { WG_STAGING } else { 0 }
@@ -753,7 +763,7 @@ pub fn epilogue_specs() -> Vec<KernelSpec> {
                     dact: true,
                 };
                 v.push(KernelSpec {
-                    program: wgmma_program(d, false, false, WG_CLUSTER, Some(dact)),
+                    program: wgmma_program(d, false, false, WG_DACT.cluster, Some(dact)),
                     functions: vec![wgmma_function(Some(dact)).into()],
                     min_arch: Arch::SM90,
                 });
@@ -893,7 +903,7 @@ pub fn plan_epilogue_dact(g: &Gemm, dev: &Arc<CudaDevice>, act: Activation) -> R
         pairs: true,
         dact: true,
     };
-    plan_inner("wgmma", g, dev, Some(epi), WG_DEFAULT)
+    plan_inner("wgmma", g, dev, Some(epi), WG_DACT)
 }
 
 /// Whether launch `l` of the activation-backward epilogue can also write the column sums

@@ -61,8 +61,8 @@
 // 8192³ 0.92–0.95 → 0.96–1.04× (bench/results/2026-11-25-h100-session11/pending-C; `c2g8d`
 // names the same launch with direct stores). Not done yet: last-wave balancing, other tile
 // shapes.
-// The activation-backward build (-DFE_EPI_DACT, `matmul_wgmma_dact`; 2026-11-25): 3 stages and a
-// whole-tile staging area; the producer warpgroup's warps 1–3 run its epilogue (see
+// The activation-backward build (-DFE_EPI_DACT, `matmul_wgmma_dact`; 2026-11-25): 3 stages, a
+// whole-tile staging area, no cluster; the producer warpgroup's warps 1–3 run its epilogue (see
 // dact_helper_tile).
 
 // TmaDesc, smem_u32, mbarriers, smem_desc, wgmma fences.
@@ -424,17 +424,22 @@ __device__ __forceinline__ void prefetch_r_l2(const T* r, i64 ldr, int lane) {
 // the H100, bench/results/2026-11-25-h100-session13/pending-S) — R's loads, act' (a tanh and
 // ~10 FMAs per element), the column sums; leaving out any one of them changed nothing (pending-Q).
 // Now the consumers only round alpha·acc to 16 bits and stmatrix their whole 16 × 256 slices
-// into a tile-sized staging area (SBUF = 4 boxes per warp; the ring has 3 stages to make room,
-// which timed the same as 4 for the plain GEMM, pending-T), arrive on `stg_full` and start the
-// next tile's mainloop. Warps 1–3 of the producer warpgroup (idle until now) wait on it; for
+// into a tile-sized staging area (SBUF = 4 boxes per warp; the ring has 3 stages to make room),
+// arrive on `stg_full` and start the next tile's mainloop. Warps 1–3 of the producer warpgroup (idle until now) wait on it; for
 // each box they read R (16-byte loads, prefetched into L2 a tile ahead), multiply in place, add
 // the column sums and hand the box to the TMA store; once the stores have read the area they
 // arrive on `stg_empty`, which the consumers wait on before staging the next tile. The helpers'
 // work for tile t runs under the mainloop of tile t + 1. The product is rounded twice (alpha·acc
 // to 16 bits, then the product), as the unfused path (GEMM, then linear_dact) rounds it.
-// Measured (pending-U, V): the act' kernel's cost over the plain dX GEMM fell at the shapes with
-// many tiles per SM (8192×14336 output: ~+250 → +130 µs) and stayed ~+45 µs at 8192×4096←4096,
-// where the three helper warps take about as long per tile as the mainloop.
+// What it costs (pending-W, per SASS): the consumers' epilogue fell to a third of the plain
+// kernel's, the helpers mostly wait for work, but the mainloop waits on its `full` barrier ~9×
+// as often as the 4-stage plain kernel's: with 3 stages the producer has one stage of lookahead
+// (the consumers hold two). Asking L2 for the boxes a ring ahead (cp.async.bulk.prefetch.tensor)
+// made it slower still (pending-X); a launch without a cluster (a stage no longer waits on the
+// peer block's consumers) made it faster, and is what the host runs (matmul::cuda::WG_DACT).
+// Over the plain dX GEMM of the same rounds (pending-Y): +17–36 µs at k = 14336, +29–55 µs at
+// 8192×4096←4096, +72–128 µs at 8192×14336 output with k = 4096 (was ~+45 µs at 8192×4096←4096
+// with the epilogue in the consumers).
 
 // 16-byte shared-memory access at a u32 shared address.
 __device__ __forceinline__ uint4 lds_v4(unsigned addr) {
