@@ -423,4 +423,17 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   'racecheck|90|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
   'bench|200|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
   || status=1; }
+# Z (session 13): the DACT kernel's ring as 6 stages of k = 32 (64-byte K-major rows with the
+# 64-byte swizzle; m/n-major boxes of 64 × 32): the same 144 KiB, but the consumers hold 48 KiB
+# instead of 96 and the producer keeps 96 KiB in flight, as in the 4-stage ring. Its check,
+# memcheck, racecheck, and the linear bench twice. (Result: correct but slower — the act'
+# kernel +95–283 µs over the plain dX GEMM against Y's +17–128 — so it was not kept; the part
+# needs that build to rerun.)
+[[ $part == *Z* ]] && { bash "$here/steps.sh" pending-Z "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
+  'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'memcheck|90|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'racecheck|90|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'bench|200|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
+  || status=1; }
 exit $status
