@@ -436,4 +436,14 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   'racecheck|90|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
   'bench|200|for r in 1 2; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear-$r.json || exit 1; done' \
   || status=1; }
+# AA (session 13): a hybrid, 4-stage ring: the consumers apply act' to boxes 2–3 in registers (as
+# in session 12) and stage boxes 0–1 raw in the plain kernel's 32 KiB area for the helper warps.
+# Check (quick 16-bit) and the linear bench once. (Result: 720/720, but not faster than Y's
+# kernel — act' +55 / +72 / +134 µs over the plain dX GEMM — and it spilled 8–16 bytes in the
+# tanh activations: not kept; the part needs that build to rerun. Its `*A*` also ran part A.)
+[[ $part == AA ]] && { bash "$here/steps.sh" pending-AA "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only FE_EPI_DACT > $D/kernels-dact.txt; ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt' \
+  'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'bench|120|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear.json' \
+  || status=1; }
 exit $status
