@@ -128,26 +128,16 @@ impl Layer {
     /// produced it with that dZ (`db_pre`) — and this layer's dX epilogue produces the layer
     /// below's (`db_pre`): no pass over any dZ is left, only the 16-row partials' reduction.
     fn backward_chain(&self, opts: &LinearOptions, fused_db: bool) -> Result<()> {
-        backward_into(
-            &Bwd {
-                dy: &self.dy,
-                x: &self.x,
-                w: &self.w,
-                z: None,
-                x_pre: Some((&self.z_in, ACT)),
-            },
-            &BwdOut {
-                dx: Some(&self.dx),
-                dw: Some(&self.dw),
-                db: (!fused_db).then_some(&self.db),
-                db_pre: fused_db.then_some(&self.db_pre),
-            },
-            opts,
-        )
+        self.chain(opts, true, !fused_db, fused_db)
     }
     /// The chain form's dX GEMM alone (its activation-backward epilogue, with the column sums and
     /// their reduction when `colsum`): what the epilogue costs beside the plain dX GEMM.
     fn dx_chain(&self, opts: &LinearOptions, colsum: bool) -> Result<()> {
+        self.chain(opts, false, false, colsum)
+    }
+    /// The chain form's backward with the outputs asked for: dX always (⊙ act'(Z_in)), dW, this
+    /// layer's db (a pass over dY), the layer below's db from the dX epilogue.
+    fn chain(&self, opts: &LinearOptions, dw: bool, db: bool, db_pre: bool) -> Result<()> {
         backward_into(
             &Bwd {
                 dy: &self.dy,
@@ -158,9 +148,9 @@ impl Layer {
             },
             &BwdOut {
                 dx: Some(&self.dx),
-                dw: None,
-                db: None,
-                db_pre: colsum.then_some(&self.db_pre),
+                dw: dw.then_some(&self.dw),
+                db: db.then_some(&self.db),
+                db_pre: db_pre.then_some(&self.db_pre),
             },
             opts,
         )
