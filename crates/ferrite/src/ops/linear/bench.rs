@@ -410,21 +410,25 @@ fn bench_gpu(
                 ],
             )?
             .into_iter();
-            // A backward row: the whole backward's flops and ideal bytes, this shape's label.
-            let bwd_row = |variant: &str, s, config: String| {
-                let mut r = record(
-                    d,
-                    &name,
-                    variant,
-                    dtype,
-                    shape_b.clone(),
-                    s,
-                    2.0 * flops,
-                    bwd_bytes(shape, es),
-                );
+            // A row of this shape's backward group, with its flops and bytes: the whole backward's
+            // (bwd_row) or one GEMM's (gemm_row).
+            let row = |variant: &str, s, config: String, fl: f64, bytes: f64| {
+                let mut r = record(d, &name, variant, dtype, shape_b.clone(), s, fl, bytes);
                 r.dtype = label.into();
                 r.config = config;
                 r
+            };
+            let bwd_row = |variant: &str, s, config: String| {
+                row(variant, s, config, 2.0 * flops, bwd_bytes(shape, es))
+            };
+            let gemm_row = |what: &str, s, config: String| {
+                row(
+                    what,
+                    s,
+                    config,
+                    flops,
+                    fwd_bytes(shape, es) - (es * n) as f64,
+                )
             };
             let mut next = || stats.next().expect("one Stats per closure");
             group.push(bwd_row(
@@ -439,22 +443,6 @@ fn bench_gpu(
             );
             r.is_peer = true;
             group.push(r);
-            // A row of one GEMM of the backward: one GEMM's flops and bytes.
-            let gemm_row = |what: &str, s, config: String| {
-                let mut r = record(
-                    d,
-                    &name,
-                    what,
-                    dtype,
-                    shape_b.clone(),
-                    s,
-                    flops,
-                    fwd_bytes(shape, es) - (es * n) as f64,
-                );
-                r.dtype = label.into();
-                r.config = config;
-                r
-            };
             for (what, g_) in [("dX GEMM", &gx), ("dW GEMM", &gw)] {
                 let config = format!(
                     "the backward's {what} alone, matmul's default pick ({})",

@@ -733,7 +733,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // operands and the FE_EPI_PAIRS=0 kernel the element-wise store loop below.
     const FeEpi epi = FE_EPI_MAKE;
 #endif
-#if FE_EPI && FE_EPI_PAIRS
+#if FE_EPI && FE_EPI_PAIRS && !FE_EPI_DACT
+    // (The DACT build decides with `staged`, helpers and consumers alike.)
     const bool epi_pairs = pair_ok && beta == 0.f && fe_pairs_aligned(epi.bias, 0, 0) &&
                            fe_pairs_aligned(epi.z, epi.ldz, epi.stride_z) &&
                            fe_pairs_aligned(epi.r, epi.ldr, epi.stride_r);
@@ -758,16 +759,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       i64 z, tm, tn;
       tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
       tm = tm * CL + rank;
-#if FE_EPI && FE_EPI_PAIRS
+#if FE_EPI && FE_EPI_PAIRS && !FE_EPI_DACT
       // (store_tma is tested at the store, not here: folded in here, ptxas spilled 24 bytes in
       // the f16 GELU-erf kernel.)
       const bool fast = epi_pairs && (tn + 1) * BN <= n && tm * BM + c * 64 + 64 <= m;
-#if FE_EPI_DACT
-      (void)fast;  // the DACT build decides with `staged` (helpers and consumers alike)
-#endif
       // The thread's 32 bias pairs, loaded before the mainloop (32 independent 4-byte loads, 32
       // registers beside the 128 accumulators): their latency hides behind the k-loop.
-#if !FE_EPI_DACT
       T2 bias2[BN / 8];
       if (fast && epi.bias) {
         const T* bp = epi.bias + tn * BN + 2 * (lane % 4);
@@ -777,7 +774,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) bias2[j] = fe_pack2<T2>(0.f, 0.f);
       }
-#endif
 #endif
 #pragma unroll
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
