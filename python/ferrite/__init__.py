@@ -20,7 +20,7 @@ from ._attention import (
     scaled_dot_product_attention,
 )
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
-from ._ops import cuda_status, layer_norm, linear, matmul, rms_norm
+from ._ops import cuda_status, layer_norm, linear, matmul, mlp, rms_norm
 from . import nn, optim
 from .nn import optimize
 
@@ -30,6 +30,7 @@ variants = _native.variants
 __all__ = [
     "matmul",
     "linear",
+    "mlp",
     "rms_norm",
     "layer_norm",
     "softmax",

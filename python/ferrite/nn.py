@@ -10,7 +10,9 @@ flash attention when the call allows it (``need_weights=False``, no key-padding 
 mask other than a causal one flagged by ``is_causal``, no ``bias_k``/``add_zero_attn``, dropout 0
 or eval mode); any other call runs torch's implementation.
 
-New modules with no exact torch counterpart: ``SwiGLU`` (the gated MLP of Llama-style blocks:
+New modules with no exact torch counterpart: ``MLP`` (the GPT-style MLP, fc1 → activation → fc2,
+as ``ferrite.mlp``: the activation's backward and fc1's bias gradient inside fc2's dX GEMM),
+``SwiGLU`` (the gated MLP of Llama-style blocks:
 one fused gate+up projection, ferrite's SwiGLU, the down projection) and ``CausalSelfAttention``
 (fused QKV projection, flash attention with optional GQA / sliding window, output projection).
 
@@ -21,14 +23,14 @@ object, its parameters, buffers and hooks stay the same objects (an optimizer bu
 holds them).
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _attention, _fused, _ops
 
-__all__ = ["Linear", "LayerNorm", "RMSNorm", "MultiheadAttention", "SwiGLU", "CausalSelfAttention", "optimize"]
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "MultiheadAttention", "MLP", "SwiGLU", "CausalSelfAttention", "optimize"]
 
 
 def _ferrite_can_run(x: Tensor, matmul: bool = False) -> bool:
@@ -134,6 +136,36 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
+
+
+class MLP(torch.nn.Module):
+    """``fc2(activation(fc1(x)))`` through ``ferrite.mlp`` (``fc1``, ``fc2``: ``torch.nn.Linear``,
+    so the ``state_dict`` is that of the same two layers in torch). The backward runs in the
+    chain form: fc2's dX GEMM forms fc1's pre-activation gradient and bias gradient in its
+    epilogue. An input ferrite cannot run falls back to torch."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        out: Optional[int] = None,
+        activation: str = "gelu_tanh",
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if _ops._activation("ferrite.nn.MLP", activation) == "none":
+            _ops._fail("ferrite.nn.MLP", "activation", "'relu', 'gelu', 'gelu_tanh' or 'silu'", repr(activation))
+        self.activation = activation
+        self.fc1 = torch.nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
+        self.fc2 = torch.nn.Linear(hidden, dim if out is None else out, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _ferrite_can_run(x, matmul=True) or x.dtype != self.fc1.weight.dtype:
+            h = _ops._torch_act(self.fc1(x), _ops._ACTIVATIONS[self.activation])
+            return self.fc2(h)
+        return _ops.mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation)
 
 
 class SwiGLU(torch.nn.Module):

@@ -42,6 +42,25 @@ def test_linear_activation(dtype, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim,hidden", [(192, 128, 512), (111, 96, 136)])
+def test_mlp(dtype, rows, dim, hidden):
+    # 192 rows × 512 hidden: fc2's dX GEMM writes db1's column sums in its epilogue (rows a
+    # multiple of 64, hidden of 256); 111 × 136: the same backward with db1 from a pass.
+    grads_vs_torch(
+        lambda x, w1, b1, w2, b2: ferrite.mlp(x, w1, b1, w2, b2, activation="gelu_tanh"),
+        lambda x, w1, b1, w2, b2: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2),
+        [
+            r(rows, dim, dtype=dtype, scale=0.5),
+            r(hidden, dim, dtype=dtype, scale=dim**-0.5),
+            r(hidden, dtype=dtype),
+            r(dim, hidden, dtype=dtype, scale=hidden**-0.5),
+            r(dim, dtype=dtype),
+        ],
+        scale=3,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_and_swiglu(dtype):
     grads_vs_torch(lambda x: ferrite.softmax(x, scale=0.5), lambda x: torch.softmax(0.5 * x, -1), [r(37, 1000, dtype=dtype)])
     grads_vs_torch(

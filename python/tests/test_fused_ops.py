@@ -59,6 +59,81 @@ def test_linear_bad_activation():
         ferrite.linear(torch.randn(2, 3), torch.randn(4, 3), activation="tanh")
 
 
+# ---- the two-layer MLP (chain-form backward) -------------------------------------------------------
+
+
+def _mlp_ref(act):
+    return lambda x, w1, b1, w2, b2: F.linear(ACTS[act](F.linear(x, w1, b1)), w2, b2)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_mlp(act):
+    x, w1, b1 = r(3, 7, 33, scale=0.5), r(45, 33, scale=33**-0.5), r(45)
+    w2, b2 = r(29, 45, scale=45**-0.5), r(29)
+    fer = lambda x, w1, b1, w2, b2: ferrite.mlp(x, w1, b1, w2, b2, activation=act)
+    grads_vs_torch(fer, _mlp_ref(act), [x, w1, b1, w2, b2], scale=2)
+
+
+@pytest.mark.parametrize("which", ["x", "w1", "b1", "w2", "b2"])
+def test_mlp_one_gradient(which):
+    names = ["x", "w1", "b1", "w2", "b2"]
+    shapes = [(11, 20), (37, 20), (37,), (9, 37), (9,)]
+    ins = [r(*s, grad=n == which, scale=0.5) for n, s in zip(names, shapes)]
+    fer = lambda *a: ferrite.mlp(*a, activation="gelu_tanh")
+    grads_vs_torch(fer, _mlp_ref("gelu_tanh"), ins, scale=2)
+
+
+def test_mlp_without_bias_and_without_grad():
+    x, w1, w2 = r(2, 5, 16), r(24, 16, scale=0.25), r(7, 24, scale=0.2)
+    fer = lambda x, w1, w2: ferrite.mlp(x, w1, None, w2, None, activation="silu")
+    grads_vs_torch(fer, lambda x, w1, w2: F.linear(F.silu(F.linear(x, w1)), w2), [x, w1, w2], scale=2)
+    with torch.no_grad():
+        y, h, z = torch.ops.ferrite.mlp(x, w1, None, w2, None, "silu", False)
+        assert z.numel() == 0
+        close(y, F.linear(F.silu(F.linear(x, w1)), w2))
+
+
+def test_mlp_empty_rows():
+    x, w1, b1, w2, b2 = r(0, 16), r(24, 16), r(24), r(7, 24), r(7)
+    y = ferrite.mlp(x, w1, b1, w2, b2)
+    assert y.shape == (0, 7)
+    y.sum().backward()
+    assert torch.equal(w1.grad, torch.zeros_like(w1)) and torch.equal(b2.grad, torch.zeros_like(b2))
+
+
+def test_mlp_module_matches_torch():
+    torch.manual_seed(3)
+    m = ferrite.nn.MLP(24, 40, activation="gelu")
+    ref = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
+    ref.load_state_dict({k.replace("fc1", "0").replace("fc2", "2"): v for k, v in m.state_dict().items()})
+    x = r(6, 24)
+    close(m(x), ref(x))
+    m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    close(m.fc1.weight.grad, ref[0].weight.grad)
+    close(m.fc1.bias.grad, ref[0].bias.grad)
+    close(m.fc2.weight.grad, ref[2].weight.grad)
+
+
+def test_mlp_bad_input():
+    x, w1, b1, w2, b2 = r(4, 16), r(24, 16), r(24), r(7, 24), r(7)
+    with pytest.raises(ValueError, match=r"ferrite.mlp: argument `w2`: expected a 2-D tensor \[out_features, 24\]"):
+        ferrite.mlp(x, w1, b1, r(7, 23), b2)
+    with pytest.raises(ValueError, match=r"argument `b2`: expected a 1-D tensor \[7\]"):
+        ferrite.mlp(x, w1, b1, w2, r(8))
+    with pytest.raises(ValueError, match=r"argument `weight`: expected \[out_features, 16\]"):
+        ferrite.mlp(x, r(24, 15), b1, w2, b2)
+    with pytest.raises(ValueError, match=r"argument `activation`: expected an activation"):
+        ferrite.mlp(x, w1, b1, w2, b2, activation=None)
+    with pytest.raises(ValueError, match=r"argument `activation`"):
+        ferrite.nn.MLP(16, 24, activation="tanh")
+
+
+def test_mlp_opcheck():
+    x, w1, b1, w2, b2 = r(5, 16), r(24, 16), r(24), r(7, 24), r(7)
+    torch.library.opcheck(torch.ops.ferrite.mlp.default, (x, w1, b1, w2, b2, "gelu_tanh", True))
+
+
 # ---- softmax -------------------------------------------------------------------------------------
 
 

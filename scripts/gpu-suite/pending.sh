@@ -446,4 +446,39 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
   'bench|120|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json $D/bench-linear.json' \
   || status=1; }
+# 14.1 (session 14; parts from here on are named by session and number, matched exactly): the
+# DACT kernel borrows its staging area as a 4th ring slot for the k-blocks from FE_DACT_SLOT_FROM
+# (8) of each tile on (wgmma.cu, ring_step), once the helpers have stored the previous tile.
+# Check (quick 16-bit), memcheck, racecheck, then the linear bench at the three shapes under
+# session 13's kernel (kdir/head) and the new one with the slot from k-block 4, 8 (built in),
+# 12 and 16 (kdir/f4, f12, f16), alternating.
+[[ $part == 14.1 ]] && { bash "$here/steps.sh" pending-14.1 "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
+  'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  'memcheck|60|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'racecheck|60|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  "ab|330|for v in head f8 f4 f12 f16 head f8 f12; do if [ \$v = f8 ]; then k=; else k=$kd/\$v; fi; FERRITE_KERNEL_DIR=\$k ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  || status=1; }
+# 14.2 (session 14): 14.1's borrowed slot made the act' kernel slower (+96–423 µs over the plain
+# dX GEMM against head's +12–84): the producer waited for the helpers, which take ~20 µs per
+# tile (R loads, one box at a time). Now the helpers keep 1 or 2 boxes of R loading ahead
+# (FE_DACT_R_AHEAD, registers 104/200 or 120/192). Built in: ahead 1, slot from k-block 12;
+# check, memcheck, racecheck (and the check under a2f12), then the linear bench under head,
+# a1 / a2 (no borrowed slot), a1f12, a2f12, a2f8, alternating.
+[[ $part == 14.2 ]] && { bash "$here/steps.sh" pending-14.2 "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
+  'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
+  "check-a2f12|100|FERRITE_KERNEL_DIR=$kd/a2f12 ferrite check linear --device cuda --variant fused --quick --dtype bf16 --json \$D/check-a2f12.json" \
+  'memcheck|60|compute-sanitizer --tool memcheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  'racecheck|60|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16' \
+  "ab|330|for v in head a1 a2 a1f12 a2f12 a2f8 head a2 a1f12 a2f12; do FERRITE_KERNEL_DIR=$kd/\$v ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  || status=1; }
+# 14.3 (session 14): the PyTorch front's `ferrite.mlp` (fc1 → activation → fc2 with the chain-form
+# backward: act' and db1 in fc2's dX GEMM epilogue): pytest on CUDA (all tests, the new MLP
+# parity included), then fwd+bwd against torch eager and ferrite's two `linear` calls at
+# 8192 rows, 4096 → 14336 → 4096 and 4096 → 16384 → 4096 (mlp_peers.py).
+[[ $part == 14.3 ]] && { bash "$here/steps.sh" pending-14.3 "$bundle" \
+  "pytest|300|OUT=\$D/python SKIP_DEMO=1 bash $here/python-gpu.sh $bundle/wheels" \
+  "mlp|200|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} && for h in 14336 16384; do python3 $here/mlp_peers.py \$D/mlp-\$h.json --hidden \$h || exit 1; done" \
+  || status=1; }
 exit $status

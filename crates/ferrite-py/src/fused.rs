@@ -34,6 +34,17 @@ fn activation(op: &str, name: &str) -> ferrite::Result<Activation> {
     })
 }
 
+fn parse_activation(op: &str, arg: &str, act: &str) -> ferrite::Result<EpiActivation> {
+    EpiActivation::parse(act).ok_or_else(|| {
+        Error::bad_arg(
+            op,
+            arg,
+            "one of none, relu, gelu_tanh, gelu_erf, silu",
+            act,
+        )
+    })
+}
+
 fn linear_options(
     op: &str,
     act: &str,
@@ -43,14 +54,7 @@ fn linear_options(
 ) -> ferrite::Result<LinearOptions> {
     Ok(LinearOptions {
         variant,
-        activation: EpiActivation::parse(act).ok_or_else(|| {
-            Error::bad_arg(
-                op,
-                "activation",
-                "one of none, relu, gelu_tanh, gelu_erf, silu",
-                act,
-            )
-        })?,
+        activation: parse_activation(op, "activation", act)?,
         precision: if tf32 {
             Precision::Tf32
         } else {
@@ -112,8 +116,11 @@ pub fn linear_forward(
 /// dx, dw, db of `linear_forward` (ferrite's `linear::backward_into`: the activation's backward
 /// fused with the deterministic db reduction, then two GEMMs). `z` is required unless the
 /// activation is none; any output may be left out.
+/// The chain form: with `x_pre` (the input's own pre-activation, x = x_pre_activation(x_pre),
+/// the layer below's), `dx` receives that layer's dZ = dX ⊙ act'(x_pre), formed in the dX
+/// GEMM's epilogue, and `db_pre` (with `dx`) that layer's bias gradient, its column sums.
 #[pyfunction]
-#[pyo3(signature = (dy, x, w, z=None, dx=None, dw=None, db=None, activation="none", tf32=false, device=-1, stream=0, variant=None))]
+#[pyo3(signature = (dy, x, w, z=None, dx=None, dw=None, db=None, activation="none", tf32=false, device=-1, stream=0, variant=None, x_pre=None, x_pre_activation="none", db_pre=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward(
     py: Python<'_>,
@@ -129,12 +136,19 @@ pub fn linear_backward(
     device: i64,
     stream: u64,
     variant: Option<String>,
+    x_pre: Option<Desc>,
+    x_pre_activation: &str,
+    db_pre: Option<Desc>,
 ) -> PyResult<()> {
     const OP: &str = "ferrite.linear_backward";
     let act = activation.to_string();
+    let act_pre = x_pre_activation.to_string();
     run(py, OP, move || {
         let tgt = target(OP, device, stream)?;
         let opts = linear_options(OP, &act, tf32, variant, &tgt)?;
+        let pre_act = parse_activation(OP, "x_pre_activation", &act_pre)?;
+        let x_pre = wrap_opt(OP, "x_pre", &x_pre, &tgt)?;
+        let db_pre = wrap_opt(OP, "db_pre", &db_pre, &tgt)?;
         let dy = wrap(OP, "dy", &dy, &tgt)?;
         let x = wrap(OP, "x", &x, &tgt)?;
         let w = wrap(OP, "weight", &w, &tgt)?;
@@ -148,17 +162,17 @@ pub fn linear_backward(
                 x: &x.t,
                 w: &w.t,
                 z: opt_ref(&z),
-                x_pre: None,
+                x_pre: opt_ref(&x_pre).map(|t| (t, pre_act)),
             },
             &flinear::BwdOut {
                 dx: opt_ref(&dx),
                 dw: opt_ref(&dw),
                 db: opt_ref(&db),
-                db_pre: None,
+                db_pre: opt_ref(&db_pre),
             },
             &opts,
         )?;
-        write_back_all(&[dx.as_ref(), dw.as_ref(), db.as_ref()])
+        write_back_all(&[dx.as_ref(), dw.as_ref(), db.as_ref(), db_pre.as_ref()])
     })
 }
 
