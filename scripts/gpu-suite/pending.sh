@@ -451,7 +451,9 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
 # (8) of each tile on (wgmma.cu, ring_step), once the helpers have stored the previous tile.
 # Check (quick 16-bit), memcheck, racecheck, then the linear bench at the three shapes under
 # session 13's kernel (kdir/head) and the new one with the slot from k-block 4, 8 (built in),
-# 12 and 16 (kdir/f4, f12, f16), alternating.
+# 12 and 16 (kdir/f4, f12, f16), alternating. (Result: correct, but the act' kernel +96–423 µs
+# over the plain dX GEMM against head's +12–84: the producer waited on the helpers. Not kept;
+# the part needs that build: bench/results/2026-11-26-h100-session14/pending-14.2/dact-experiment.patch.)
 [[ $part == 14.1 ]] && { bash "$here/steps.sh" pending-14.1 "$bundle" \
   'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
   'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
@@ -464,7 +466,10 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
 # tile (R loads, one box at a time). Now the helpers keep 1 or 2 boxes of R loading ahead
 # (FE_DACT_R_AHEAD, registers 104/200 or 120/192). Built in: ahead 1, slot from k-block 12;
 # check, memcheck, racecheck (and the check under a2f12), then the linear bench under head,
-# a1 / a2 (no borrowed slot), a1f12, a2f12, a2f8, alternating.
+# a1 / a2 (no borrowed slot), a1f12, a2f12, a2f8, alternating. (Result: correct; the borrowed
+# slot still slower, the lookahead alone within noise of head. Not kept; the kdir copies are the
+# patch in bench/results/2026-11-26-h100-session14/pending-14.2 with FE_DACT_R_AHEAD and
+# FE_DACT_SLOT_FROM defined first.)
 [[ $part == 14.2 ]] && { bash "$here/steps.sh" pending-14.2 "$bundle" \
   'warm|150|ferrite kernels --arch sm_90a --only linear > $D/kernels-linear.txt; ferrite kernels --arch sm_90a --only FE_EPI > $D/kernels-epi.txt' \
   'check|150|ferrite check linear --device cuda --variant fused --quick --dtype bf16 --dtype f16 --json $D/check-fused.json' \
