@@ -35,14 +35,8 @@ fn activation(op: &str, name: &str) -> ferrite::Result<Activation> {
 }
 
 fn parse_activation(op: &str, arg: &str, act: &str) -> ferrite::Result<EpiActivation> {
-    EpiActivation::parse(act).ok_or_else(|| {
-        Error::bad_arg(
-            op,
-            arg,
-            "one of none, relu, gelu_tanh, gelu_erf, silu",
-            act,
-        )
-    })
+    EpiActivation::parse(act)
+        .ok_or_else(|| Error::bad_arg(op, arg, "one of none, relu, gelu_tanh, gelu_erf, silu", act))
 }
 
 fn linear_options(
