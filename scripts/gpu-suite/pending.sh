@@ -486,4 +486,26 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   "pytest|300|OUT=\$D/python SKIP_DEMO=1 bash $here/python-gpu.sh $bundle/wheels" \
   "mlp|200|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} && for h in 14336 16384; do python3 $here/mlp_peers.py \$D/mlp-\$h.json --hidden \$h || exit 1; done" \
   || status=1; }
+# 14.4 (session 14): our NN GEMM ran 5–11% slower than our NT GEMM of the same m, n, k in
+# 14.1–14.2 (the backward's dX GEMM against the forward's). Nsight Compute per-SASS profiles of
+# both at 8192×14336×4096: NT = the linear bench's bare forward GEMM, NN = the matmul bench.
+# (Result: 1.22 ms each at 1.60 GHz — the bench's gap was the blocks' clock histories.)
+[[ $part == 14.4 ]] && { bash "$here/steps.sh" pending-14.4 "$bundle" \
+  "ncu-nt|150|bash $here/ncu-source.sh \$D nt '^matmul_wgmma\$' 5 -- ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --m 8192 --n 14336 --k 4096" \
+  "ncu-nn|150|bash $here/ncu-source.sh \$D nn '^matmul_wgmma\$' 5 -- ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 --config c2g8" \
+  "gz|30|gzip \$D/*-sass.csv; rm -f \$D/*.ncu-rep" \
+  || status=1; }
+# 14.5 (session 14): 14.4 timed our NN and NT GEMMs alike under Nsight Compute (1.22 ms each at
+# 8192×14336×4096, SM clock 1.60 GHz): cuBLAS's NN GEMM of that shape under the same profiler.
+[[ $part == 14.5 ]] && { bash "$here/steps.sh" pending-14.5 "$bundle" \
+  "ncu-cublas|150|source $here/ncu-env.sh; PATH=\$PATH:\$cuda_tools_path; for l in NN NT; do ncu --clock-control none \$ncu_sections --nvtx --nvtx-include 'mm/' -f -o \$D/cublas-\$l python3 $here/cublas_mm.py 8192 14336 4096 \$l > \$D/cublas-\$l.txt 2>&1; ncu -i \$D/cublas-\$l.ncu-rep --print-details all >> \$D/cublas-\$l.txt 2>&1; done" \
+  "gz|30|rm -f \$D/*.ncu-rep" \
+  || status=1; }
+# 14.6 (session 14): 14.4/14.5 put our GEMM 1.7% behind cuBLAS's at equal clocks (1.22 against
+# 1.20 ms at 1.6 GHz, 8192×14336×4096) while the benches see 2–10%: sustained throughput, SM
+# clock and board power of each, back to back for 3 s, alternating (power_clocks.py). (Result:
+# both at the 700 W limit; cuBLAS 974/1005 GFLOP/J, ours 929/980: 0.94/0.975 of its speed.)
+[[ $part == 14.6 ]] && { bash "$here/steps.sh" pending-14.6 "$bundle" \
+  "power|200|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache && python3 $here/power_clocks.py \$D/power-14336-4096.json --n 14336 --k 4096 && python3 $here/power_clocks.py \$D/power-4096-14336.json --n 4096 --k 14336" \
+  || status=1; }
 exit $status
