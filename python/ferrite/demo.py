@@ -15,8 +15,9 @@ Components: RMSNorm and LayerNorm over [tokens, dim], the MLP up-projection Line
 - ``torch``: PyTorch's fused ops (``F.rms_norm``, ``F.layer_norm``, ``F.linear``, SDPA,
   ``F.cross_entropy``);
 - ``torch.compile``: the ``torch`` variant under ``torch.compile``;
-- ``ferrite``: ferrite's ops (the block: ferrite's RMSNorm, linear (GELU in the epilogue), flash
-  attention, with the ``torch`` block's parameters);
+- ``ferrite``: ferrite's ops (the block: ferrite's RMSNorm, linear, flash attention and
+  ``ferrite.mlp`` (GELU in the up-projection's epilogue; backward in the chain form), with the
+  ``torch`` block's parameters);
 - ``ferrite+compile``: the ``ferrite`` variant under ``torch.compile(fullgraph=True)``.
 
 For each: median time, throughput (GB/s for the norms, TFLOP/s for the linear and the block,
@@ -109,7 +110,9 @@ class FerriteBlock(torch.nn.Module):
         o = ferrite.flash_attn_func(q, k, v, causal=True)
         x = x + ferrite.linear(o.reshape(b, s, d), p.proj.weight, p.proj.bias)
         h = ferrite.rms_norm(x, [d], p.norm2.weight, p.norm2.eps)
-        return x + ferrite.linear(ferrite.linear(h, p.up.weight, p.up.bias, activation="gelu"), p.down.weight, p.down.bias)
+        # the MLP as one op: its backward forms GELU' and the up-projection's db inside the
+        # down-projection's dX GEMM (the chain form)
+        return x + ferrite.mlp(h, p.up.weight, p.up.bias, p.down.weight, p.down.bias, activation="gelu")
 
 
 # ----------------------------------------------------------------------------------------------
