@@ -508,4 +508,11 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
 [[ $part == 14.6 ]] && { bash "$here/steps.sh" pending-14.6 "$bundle" \
   "power|200|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache && python3 $here/power_clocks.py \$D/power-14336-4096.json --n 14336 --k 4096 && python3 $here/power_clocks.py \$D/power-4096-14336.json --n 4096 --k 14336" \
   || status=1; }
+# 14.7 (session 14): the f32 norm backward, not re-measured since its partial-sum stores became
+# float4 (session 12 measured bf16 only; f32 layer_norm bwd was 89% of copy before): the norm
+# bench in f32 and bf16, and the norm check.
+[[ $part == 14.7 ]] && { bash "$here/steps.sh" pending-14.7 "$bundle" \
+  'bench|150|ferrite bench norm --device cuda --dtype f32 --dtype bf16 --json $D/bench-norm.json' \
+  'check|150|ferrite check norm --device cuda --json $D/check-norm.json' \
+  || status=1; }
 exit $status
