@@ -515,4 +515,50 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   'bench|150|ferrite bench norm --device cuda --dtype f32 --dtype bf16 --json $D/bench-norm.json' \
   'check|150|ferrite check norm --device cuda --json $D/check-norm.json' \
   || status=1; }
+# 14.8 (session 14): 14.6 put our GEMM's sustained gap in energy per FLOP at the 700 W limit.
+# Does operand traffic drive it? The same sustained runs with the wgmma launch forced to c2g8
+# (B multicast across a 2-block cluster: 32 KiB of L2 reads per block-stage), c1g8 (no cluster:
+# 48 KiB), c2g16 and c2g8d (direct stores), beside the tuner's pick (FERRITE_WGMMA_CONFIG).
+[[ $part == 14.8 ]] && { bash "$here/steps.sh" pending-14.8 "$bundle" \
+  "power|300|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache && python3 $here/power_clocks.py \$D/power-configs.json --n 14336 --k 4096 --configs c2g8,c1g8,c2g16,c2g8d" \
+  || status=1; }
+# 14.9 (session 14): 14.8 — sustained energy per FLOP: c1g8 (+50% L2 reads) 1.5% below c2g8,
+# direct stores (c2g8d) 9% below: the epilogue, not the operand traffic. Its share: our GEMM
+# with no C store at all (kdir/nostore: the TMA-store epilogue skipped; output unwritten, timing
+# only), against the committed one, each run alternating with cuBLAS.
+[[ $part == 14.9 ]] && { bash "$here/steps.sh" pending-14.9 "$bundle" \
+  "power|300|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache FERRITE_WGMMA_CONFIG=c2g8 && python3 $here/power_clocks.py \$D/power-base.json --n 14336 --k 4096 && FERRITE_KERNEL_DIR=$kd/nostore python3 $here/power_clocks.py \$D/power-nostore.json --n 14336 --k 4096 && python3 $here/power_clocks.py \$D/power-base2.json --n 14336 --k 4096" \
+  || status=1; }
+# 14.10 (session 14): 14.9 — with no C store at all ours ran 1.429 ms against cuBLAS's 1.412
+# (which stores C) and our committed 1.481: the epilogue costs us ~3.5%, cuBLAS's is nearly free.
+# Ours waits twice per tile for the TMA unit to read a staging buffer (2 per warp, 4 boxes).
+# kdir/s3b4: 3 stages and the whole 16 × 256 slice staged (4 boxes, no waits; the ring shallower,
+# which session 13 found free for this GEMM): check, then sustained runs against the committed.
+[[ $part == 14.10 ]] && { bash "$here/steps.sh" pending-14.10 "$bundle" \
+  "check|150|FERRITE_KERNEL_DIR=$kd/s3b4 ferrite check matmul --device cuda --variant wgmma --quick --json \$D/check-s3b4.json" \
+  "power|300|site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/wheels/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && export PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache FERRITE_WGMMA_CONFIG=c2g8 && for s in '14336 4096' '4096 14336'; do set -- \$s; python3 $here/power_clocks.py \$D/power-base-\$1-\$2.json --n \$1 --k \$2 --rounds 2 && FERRITE_KERNEL_DIR=$kd/s3b4 python3 $here/power_clocks.py \$D/power-s3b4-\$1-\$2.json --n \$1 --k \$2 --rounds 2 || exit 1; done" \
+  || status=1; }
+# 14.11 (session 14): 14.10's whole-slice staging beside a 3-stage ring, now the host's choice
+# for every TMA-store build (plain 16-bit C, the pair epilogue, the activation backward): the
+# matmul and linear checks (quick) and racecheck, then sustained runs (power_clocks.py) of the
+# previous build's wheel (wheels-old) and this one at two shapes, and the linear bench under the
+# previous binary (bin-old) and this one, alternating.
+[[ $part == 14.11 ]] && { bash "$here/steps.sh" pending-14.11 "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only wgmma > $D/kernels-wgmma.txt' \
+  'check|200|ferrite check matmul --device cuda --variant wgmma --quick --json $D/check-matmul.json; a=$?; ferrite check linear --device cuda --variant fused --variant persistent_pairs --quick --dtype bf16 --dtype f16 --json $D/check-linear.json; exit $((a|$?))' \
+  'racecheck|90|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check matmul --device cuda --variant wgmma --quick --dtype bf16' \
+  "power|300|for w in wheels-old wheels; do site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/\$w/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && for s in '14336 4096' '4096 4096'; do set -- \$s; PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache-\$w FERRITE_WGMMA_CONFIG=c2g8 python3 $here/power_clocks.py \$D/power-\$w-\$1-\$2.json --n \$1 --k \$2 --rounds 2 || exit 1; done; done" \
+  "bench|300|for v in new old new old; do if [ \$v = old ]; then b=$bundle/bin-old/ferrite; else b=ferrite; fi; \$b bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  || status=1; }
+# 14.12 (session 14): 14.11 — whole-slice staging beside 3 stages helped the plain GEMM (sustained
+# 0.940 → 0.956× cuBLAS at 8192×14336×4096) and the chain backward, but the pair epilogue's
+# forward ran up to 8% slower: the pair build is back at 4 stages and 2 buffers per warp, the
+# plain and DACT builds keep 3 + 4. Checks, racecheck, and the A/B of 14.11 once more.
+[[ $part == 14.12 ]] && { bash "$here/steps.sh" pending-14.12 "$bundle" \
+  'warm|150|ferrite kernels --arch sm_90a --only wgmma > $D/kernels-wgmma.txt' \
+  'check|200|ferrite check matmul --device cuda --variant wgmma --quick --json $D/check-matmul.json; a=$?; ferrite check linear --device cuda --variant fused --variant persistent_pairs --quick --dtype bf16 --dtype f16 --json $D/check-linear.json; exit $((a|$?))' \
+  'racecheck|120|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check matmul --device cuda --variant wgmma --quick --dtype bf16; a=$?; compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant persistent_pairs --variant fused --quick --dtype bf16; exit $((a|$?))' \
+  "power|200|for w in wheels-old wheels; do site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/\$w/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache-\$w FERRITE_WGMMA_CONFIG=c2g8 python3 $here/power_clocks.py \$D/power-\$w.json --n 14336 --k 4096 --rounds 2 || exit 1; done" \
+  "bench|300|for v in new old new old; do if [ \$v = old ]; then b=$bundle/bin-old/ferrite; else b=ferrite; fi; \$b bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  || status=1; }
 exit $status

@@ -3,7 +3,11 @@ matmul (its default pick: `wgmma` on sm_90), each run back to back for a few sec
 while nvidia-smi samples clocks and power every 50 ms. Tells a per-clock gap from a clock gap:
 under the power limit a kernel that spends more energy per FLOP runs at a lower clock.
     python3 power_clocks.py OUT_JSON [--m 8192 --n 14336 --k 4096 --seconds 3 --rounds 3]
+                                     [--configs c2g8,c1g8]
+With --configs, ferrite also runs under each named `wgmma` launch configuration (the
+FERRITE_WGMMA_CONFIG knob, set before each of its phases) beside its default pick.
 """
+import os
 import argparse
 import json
 import statistics
@@ -31,15 +35,25 @@ def main():
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default="")
     a = p.parse_args()
     x = torch.randn(a.m, a.k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(a.k, a.n, device="cuda", dtype=torch.bfloat16)
     ways = {"cublas": lambda: torch.matmul(x, w), "ferrite": lambda: ferrite.matmul(x, w)}
+    configs = {"ferrite": None}
+    for c in filter(None, a.configs.split(",")):
+        ways[f"ferrite {c}"] = ways["ferrite"]
+        configs[f"ferrite {c}"] = c
     err = (ways["ferrite"]().float() - ways["cublas"]().float()).abs().max().item()
     flop = 2 * a.m * a.n * a.k
     phases = []
     for r in range(a.rounds):
         for name, f in ways.items():
+            if name in configs:
+                os.environ.pop("FERRITE_WGMMA_CONFIG", None)
+                if configs[name]:
+                    os.environ["FERRITE_WGMMA_CONFIG"] = configs[name]
+                f()  # plan (and compile) outside the timed phase
             torch.cuda.synchronize()
             smi = sampler()
             time.sleep(0.2)
@@ -74,7 +88,7 @@ def main():
             )
             q = phases[-1]
             print(
-                f"{name:<8} round {r}: {q['ms_per_call']:.3f} ms/call {q['tflops']:.0f} TFLOP/s, "
+                f"{name:<15} round {r}: {q['ms_per_call']:.3f} ms/call {q['tflops']:.0f} TFLOP/s, "
                 f"SM {q['sm_mhz']:.0f} MHz, {q['power_w']:.0f} W, {q['temp_c']:.0f} C"
             )
     summary = {}
@@ -87,7 +101,7 @@ def main():
     print(f"{a.m}×{a.n}×{a.k} bf16 NN, max |ferrite − cublas| = {err:.3g}")
     for name, s in summary.items():
         print(
-            f"{name:<8} median {s['ms_per_call']:.3f} ms, {s['tflops']:.0f} TFLOP/s, {s['sm_mhz']:.0f} MHz, "
+            f"{name:<15} median {s['ms_per_call']:.3f} ms, {s['tflops']:.0f} TFLOP/s, {s['sm_mhz']:.0f} MHz, "
             f"{s['power_w']:.0f} W: {s['tflop_per_ghz']:.0f} TFLOP/s per GHz, {s['gflop_per_joule']:.0f} GFLOP/J"
         )
     with open(a.out, "w") as f:

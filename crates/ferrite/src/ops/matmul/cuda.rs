@@ -122,6 +122,14 @@ const MMA_STAGE_BYTES: u32 = 2 * 128 * 80;
 const WG_TILE: (u32, u32) = (128, 256);
 const WG_ROW_BYTES: u32 = 128;
 const WG_STAGES: u32 = 4;
+/// The ring of the plain TMA-store build (16-bit C) and the activation backward: one stage less,
+/// to make room for the consumers' whole C slices (`WG_STAGING`). Sustained on the H100
+/// (8192×14336×4096 bf16) the 2-buffer staging beside 4 stages cost ~2% (each warp waited for
+/// the TMA unit twice per tile); the 4th stage's lookahead measured nothing
+/// (bench/results/2026-11-26-h100-session14, pending-14.10/14.11; session 13, pending-T). The
+/// pair epilogue keeps 4 stages and 2 buffers per warp (`WG_PAIR_STAGING`): its forward ran up
+/// to 8% slower the other way (pending-14.11).
+const WG_STORE_STAGES: u32 = 3;
 const WG_THREADS: u32 = 384;
 /// Cluster sizes `wgmma` is compiled for, and the one it runs with: pairs of blocks along m
 /// sharing (multicasting) each B tile measured 0–5% faster than single blocks on the H100.
@@ -200,6 +208,11 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
 /// on the default path (bench still tunes, check still runs every configuration).
 pub const WG_TUNE_BY_DEFAULT: bool = true;
 
+/// The environment variable that forces one `wgmma` launch configuration (`c2g8`, `c1g16`, ...)
+/// on every matmul call that names none, in place of the tuner's pick: a developer's knob, for
+/// timing configurations through a front that cannot pass one (scripts/gpu-suite/power_clocks.py).
+pub const WG_CONFIG_VAR: &str = "FERRITE_WGMMA_CONFIG";
+
 /// The configuration named `name` (as `WgConfig`'s Display writes it): a tuning candidate, or
 /// one with a `d` suffix (the same launch with direct stores, for comparisons).
 pub fn wg_config_named(name: &str) -> Result<WgConfig> {
@@ -223,26 +236,21 @@ pub fn wg_config_named(name: &str) -> Result<WgConfig> {
             )
         })
 }
-/// Dynamic shared memory of `wgmma`: the ring (A 128 rows + B 256 rows of 128 bytes of k per
-/// stage: 48 KiB for every dtype), its 2·stages mbarriers, and 1 KiB of slack to align the ring
-/// to the 1024-byte swizzle atom.
-const WG_SMEM: u32 = WG_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES + 16 * WG_STAGES + 1024;
-/// The TMA-store kernel's C staging area (wgmma.cu's STAGING_BYTES): 8 consumer warps × 2
-/// buffers × one 16×64 box of 16-bit C.
-const WG_STAGING: u32 = 8 * 2 * 16 * 128;
-/// The activation-backward kernel (`-DFE_EPI_DACT`) stages a whole 128×256 tile of 16-bit C
-/// (8 warps × 4 boxes) for its helper warps, and makes room for it with a 3-stage ring.
-const WG_DACT_STAGES: u32 = 3;
-const WG_DACT_STAGING: u32 = 8 * 4 * 16 * 128;
-/// Its ring, staging area, 2·stages + 2 mbarriers and the alignment slack.
-const WG_DACT_SMEM: u32 = WG_DACT_STAGES * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES
-    + 16 * WG_DACT_STAGES
-    + 16
-    + 1024
-    + WG_DACT_STAGING;
+/// Dynamic shared memory of a `wgmma` ring of `stages`: A 128 rows + B 256 rows of 128 bytes of
+/// k per stage (48 KiB for every dtype), its 2·stages mbarriers, and 1 KiB of slack to align the
+/// ring to the 1024-byte swizzle atom.
+const fn wg_ring_smem(stages: u32) -> u32 {
+    stages * (WG_TILE.0 + WG_TILE.1) * WG_ROW_BYTES + 16 * stages + 1024
+}
+/// The C staging area (wgmma.cu's STAGING_BYTES) of the plain TMA-store and the activation-
+/// backward builds: 8 consumer warps × 4 buffers × one 16×64 box of 16-bit C — each warp's whole
+/// 16×256 slice; the pair epilogue's: 2 buffers per warp.
+const WG_STAGING: u32 = 8 * 4 * 16 * 128;
+const WG_PAIR_STAGING: u32 = 8 * 2 * 16 * 128;
 const _: () = assert!(
-    WG_DACT_SMEM <= 227 * 1024,
-    "the activation-backward kernel's ring + whole-tile staging fit one H100 block"
+    wg_ring_smem(WG_STORE_STAGES) + WG_STAGING + 16 <= 227 * 1024
+        && wg_ring_smem(WG_STAGES) + WG_PAIR_STAGING <= 227 * 1024,
+    "the wgmma rings beside their staging areas fit one H100 block"
 );
 
 /// The activation-backward kernel's launch: no cluster. With its 3-stage ring a stage that also
@@ -255,9 +263,20 @@ pub const WG_DACT: WgConfig = WgConfig {
     tma_store: true,
 };
 
-/// Dynamic shared memory of a `wgmma` kernel, with or without the TMA-store staging area.
-fn wg_smem(tma_store_kernel: bool) -> u32 {
-    WG_SMEM + if tma_store_kernel { WG_STAGING } else { 0 }
+/// Ring stages and C staging bytes of the `wgmma` module for `dtype` / `epi`.
+fn wg_layout(dtype: DType, epi: Option<Epi>) -> (u32, u32) {
+    match epi {
+        _ if !wg_has_tma_store(dtype, epi) => (WG_STAGES, 0),
+        Some(e) if !e.dact => (WG_STAGES, WG_PAIR_STAGING),
+        _ => (WG_STORE_STAGES, WG_STAGING),
+    }
+}
+
+/// Dynamic shared memory of the `wgmma` module for `dtype` / `epi`: its ring and staging area,
+/// and the activation-backward build's two staging-handshake mbarriers.
+fn wg_smem(dtype: DType, epi: Option<Epi>) -> u32 {
+    let (stages, staging) = wg_layout(dtype, epi);
+    wg_ring_smem(stages) + staging + if is_dact(epi) { 16 } else { 0 }
 }
 
 /// Whether `epi` is the activation-backward epilogue (its module has its own ring and staging).
@@ -265,13 +284,9 @@ fn is_dact(epi: Option<Epi>) -> bool {
     matches!(epi, Some(Epi { dact: true, .. }))
 }
 
-/// Stages of the `wgmma` ring in the module built for `epi`.
-fn wg_stages(epi: Option<Epi>) -> u32 {
-    if is_dact(epi) {
-        WG_DACT_STAGES
-    } else {
-        WG_STAGES
-    }
+/// Stages of the `wgmma` ring in the module for `dtype` / `epi`.
+fn wg_stages(dtype: DType, epi: Option<Epi>) -> u32 {
+    wg_layout(dtype, epi).0
 }
 
 /// Whether the `wgmma` module for `dtype` / `epi` has the TMA-store epilogue: 16-bit C with the
@@ -602,7 +617,7 @@ fn wgmma_program(
     let p = p
         .define("FE_A_TRANS", a_trans as u32)
         .define("FE_B_TRANS", b_trans as u32)
-        .define("FE_STAGES", wg_stages(epi))
+        .define("FE_STAGES", wg_stages(dtype, epi))
         .define("FE_CLUSTER", cluster);
     let p = if wg_has_tma_store(dtype, epi) {
         p.define("FE_TMA_STORE", 1)
@@ -1054,11 +1069,7 @@ fn plan_inner(
             let program = wgmma_program(g.dtype, at, bt, cluster, epi);
             let kernel = dev.kernel(&program, wgmma_function(epi))?;
             let has_store = wg_has_tma_store(g.dtype, epi);
-            let smem = if is_dact(epi) {
-                WG_DACT_SMEM
-            } else {
-                wg_smem(has_store)
-            };
+            let smem = wg_smem(g.dtype, epi);
             kernel.set_max_dynamic_smem(smem)?;
             let pack = if tf32 {
                 Some(dev.kernel(&program, "matmul_wgmma_pack")?)
@@ -1085,7 +1096,7 @@ fn plan_inner(
                     WG_TILE.0,
                     WG_TILE.1,
                     wg_bk(g.dtype),
-                    wg_stages(epi),
+                    wg_stages(g.dtype, epi),
                     WG_TILE.1,
                     wg_kstep(g.dtype),
                     if has_store && wg.tma_store {
@@ -1364,8 +1375,20 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
     } else {
         variant
     };
-    let cfg = match (&opts.config, variant) {
-        (Some(name), "wgmma") => wg_config_named(name)?,
+    let forced = std::env::var(WG_CONFIG_VAR).ok().filter(|s| !s.is_empty());
+    let cfg = match (opts.config.as_ref().or(forced.as_ref()), variant) {
+        (Some(name), "wgmma") => wg_config_named(name).map_err(|e| {
+            if opts.config.is_none() {
+                Error::bad_arg(
+                    "matmul",
+                    WG_CONFIG_VAR,
+                    "a `wgmma` launch configuration name (c2g8, c1g16, ...)",
+                    name,
+                )
+            } else {
+                e
+            }
+        })?,
         (None, "wgmma") if WG_TUNE_BY_DEFAULT && g.k > 0 && g.batch * g.m * g.n > 0 => {
             wg_tuned(g, p, &dev, &stream)?
         }
@@ -1770,7 +1793,7 @@ mod tests {
             }
         }
         assert_eq!(
-            WG_SMEM,
+            wg_ring_smem(WG_STAGES),
             WG_STAGES * 48 * 1024 + 16 * WG_STAGES + 1024,
             "48 KiB per stage"
         );
@@ -1800,10 +1823,36 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 16 * 64, "every element of the box written");
-        assert_eq!(wg_smem(true) - wg_smem(false), WG_STAGING);
-        assert!(
-            wg_smem(true) <= 227 * 1024,
-            "ring + staging fit one H100 block"
+        let pair = Epi {
+            act: Activation::GeluTanh,
+            pairs: true,
+            dact: false,
+        };
+        let dact = Epi { dact: true, ..pair };
+        let smem = |e| wg_smem(DType::BF16, e);
+        assert_eq!(
+            smem(None),
+            wg_ring_smem(3) + WG_STAGING,
+            "3 stages beside whole slices"
         );
+        assert_eq!(smem(Some(dact)), smem(None) + 16, "and the DACT handshake");
+        assert_eq!(
+            smem(Some(pair)),
+            wg_ring_smem(4) + WG_PAIR_STAGING,
+            "pairs: 4 stages"
+        );
+        assert_eq!(
+            wg_smem(DType::F32, None),
+            wg_ring_smem(4),
+            "no store epilogue: 4 stages"
+        );
+        assert_eq!(
+            WG_STAGING,
+            8 * 4 * 16 * 64 * 2,
+            "each warp's 16×256 slice of 16-bit C"
+        );
+        for e in [None, Some(pair), Some(dact)] {
+            assert!(smem(e) <= 227 * 1024, "ring + staging fit one H100 block");
+        }
     }
 }

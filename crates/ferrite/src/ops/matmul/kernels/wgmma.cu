@@ -13,7 +13,8 @@
 //   thread. It runs at Hopper's full tensor rate, which mma.sync cannot reach (≈ 2× per SM).
 // - Warp specialisation: block = 3 warpgroups (384 threads). Warpgroup 0 is the producer: it
 //   gives registers back (`setmaxnreg.dec` 40) and one of its threads keeps a ring of FE_STAGES
-//   (4) stages of A 128×64 + B 64×256 (48 KiB each) full. Warpgroups 1 and 2 are consumers
+//   (4; 3 in the plain TMA-store build, see SBUF) stages of A 128×64 + B 64×256 (48 KiB each)
+//   full. Warpgroups 1 and 2 are consumers
 //   (`setmaxnreg.inc` 232): each owns 64 rows × 256 columns of the 128×256 C tile, waits on the
 //   stage's `full` barrier, issues 4 wgmmas (k = 64), commits, keeps one wgmma group in flight
 //   (`wgmma.wait_group 1`) and then releases the previous stage on its `empty` barrier.
@@ -55,8 +56,9 @@
 // The TMA-store epilogue (-DFE_TMA_STORE=1, 16-bit C; 2026-11-25): the consumers used to store
 // C from registers, 64 4-byte stores per thread per tile, each warp instruction touching 8 rows
 // (8 half-filled sectors), while the tensor cores waited. Now each warp writes its 16 × 256 slice
-// into a 2-buffer staging area with stmatrix (4 instructions per 16 × 64 box), one lane hands
-// each box to the TMA unit, and the warp starts the next tile while the stores drain. Measured
+// into a staging area with stmatrix (4 instructions per 16 × 64 box), one lane hands each box
+// to the TMA unit, and the warp starts the next tile while the stores drain (since 2026-11-26
+// the plain build stages the whole slice at once, beside a 3-stage ring: see SBUF). Measured
 // on the H100 in the same alternating rounds: 4096³ bf16/f16 0.86–0.88× → 0.98–0.99× cuBLAS,
 // 8192³ 0.92–0.95 → 0.96–1.04× (bench/results/2026-11-25-h100-session11/pending-C; `c2g8d`
 // names the same launch with direct stores). Not done yet: last-wave balancing, other tile
@@ -117,18 +119,28 @@ constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 
 #define FE_TMA_STORE 0
 #endif
 // The C staging area: per consumer warp, SBUF buffers of one 16-row × 64-column box (2 KiB,
-// 128-byte swizzled, the layout the TMA store reads), after the ring. 8 warps × 2 × 2 KiB = 32 KiB
-// beside the 192 KiB ring: the most that fits with 4 stages (227 KiB per block).
-// The activation-backward build (FE_EPI_DACT) stages a whole tile instead: SBUF = 4 boxes per
-// warp (its 16 × 256 slice), 64 KiB, which the host makes room for with a 3-stage ring (144 KiB).
-#if FE_EPI_DACT
-constexpr int SBUF = 4;
-#else
+// 128-byte swizzled, the layout the TMA store reads), after the ring.
+// - Plain C and the activation backward (FE_EPI_DACT): SBUF = 4, the warp's whole 16 × 256 slice
+//   (64 KiB for the block) beside a 3-stage ring (144 KiB; the host compiles these builds with 3
+//   stages). Until 2026-11-26 the plain build had 2 buffers beside 4 stages: each warp waited
+//   twice per tile for the TMA unit to finish reading a buffer, with the tensor cores idle.
+//   Sustained on the H100 at the 700 W limit (bench/results/2026-11-26-h100-session14,
+//   pending-14.9 to 14.11): with no store at all the GEMM ran 1.429 ms against 1.481 at
+//   8192×14336×4096 — the epilogue cost ~3.5% — and whole-slice staging took it to 1.446–1.467
+//   (0.936–0.940 → 0.955–0.956× cuBLAS; 8192×4096×14336 0.972 → 0.979×, 8192×4096×4096 0.942 →
+//   0.949×); one stage less of lookahead cost nothing measurable (session 13, pending-T).
+// - The pair epilogue (bias, activation, Z): SBUF = 2 (32 KiB) beside 4 stages, as before: with
+//   3 stages and whole slices its forward ran up to 8% slower at 8192×4096←4096 (pending-14.11).
+#if FE_EPI && !FE_EPI_DACT
 constexpr int SBUF = 2;
+#else
+constexpr int SBUF = 4;
 #endif
 constexpr int SBOX = 16 * 128;
 constexpr int STAGING_BYTES = FE_TMA_STORE ? 8 * SBUF * SBOX : 0;
-static_assert(!FE_EPI_DACT || (FE_TMA_STORE && STAGES <= 3), "DACT: TMA store, 3-stage ring");
+static_assert(!FE_TMA_STORE || SBUF == 2 || STAGES <= 3,
+              "whole-slice staging beside a 3-stage ring (227 KiB per block)");
+static_assert(!FE_EPI_DACT || FE_TMA_STORE, "DACT: TMA store");
 static_assert(!FE_TMA_STORE || (ES == 2 && (!FE_EPI || FE_EPI_PAIRS)),
               "TMA store: plain or pair epilogue, 16-bit C");
 #if FE_WGMMA_TF32
@@ -235,7 +247,7 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 // on while the stores drain.
 // `before(q)` runs first in box q's turn (the activation-backward epilogue loads the next box's
 // operands there), `after(q, buf)` last, once the box is in the staging buffer `buf` and its
-// store issued (the buffer is rewritten only two boxes later, after the warp's next barrier).
+// store issued (the buffer is rewritten only SBUF boxes later, after the warp's next barrier).
 // Box q of the warp's slice into the staging buffer buf (the stmatrix part of store_warp_tma).
 template <class Vals>
 __device__ __forceinline__ void stage_box(const Vals& vals, int q, unsigned buf, int lane) {
