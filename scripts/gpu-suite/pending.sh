@@ -561,4 +561,17 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   "power|200|for w in wheels-old wheels; do site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/\$w/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache-\$w FERRITE_WGMMA_CONFIG=c2g8 python3 $here/power_clocks.py \$D/power-\$w.json --n 14336 --k 4096 --rounds 2 || exit 1; done" \
   "bench|300|for v in new old new old; do if [ \$v = old ]; then b=$bundle/bin-old/ferrite; else b=ferrite; fi; \$b bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
   || status=1; }
+# 14.13 (session 14): confirmation of 14.12's build: the linear bench three more times, and the
+# square matmul benches (4096³, 8192³ bf16, wgmma's default pick and cuBLAS) under the previous
+# binary (bin-old) and this one.
+[[ $part == 14.13 ]] && { bash "$here/steps.sh" pending-14.13 "$bundle" \
+  "bench|300|for v in new new new; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  "matmul|200|for v in new old new old; do if [ \$v = old ]; then b=$bundle/bin-old/ferrite; else b=ferrite; fi; for n in 4096 8192; do \$b bench matmul --device cuda --dtype bf16 --variant wgmma --size \$n --json \$D/mm-\$v-\$n-\$(date +%s).json >> \$D/mm-\$v.txt 2>&1 || exit 1; done; done" \
+  || status=1; }
+# 14.14 (session 14): 14.13's square benches were inconclusive (8192³: 0.951/0.996 new against
+# 1.04/1.024 old, cuBLAS itself moving 3%): sustained runs (power_clocks.py) of the previous
+# wheel and this one at 8192³ and 4096³, the tuner's pick.
+[[ $part == 14.14 ]] && { bash "$here/steps.sh" pending-14.14 "$bundle" \
+  "power|300|for w in wheels-old wheels; do site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/\$w/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && for n in 8192 4096; do PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache-\$w python3 $here/power_clocks.py \$D/power-\$w-\$n.json --m \$n --n \$n --k \$n --rounds 2 || exit 1; done; done" \
+  || status=1; }
 exit $status
