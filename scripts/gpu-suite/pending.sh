@@ -574,4 +574,22 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
 [[ $part == 14.14 ]] && { bash "$here/steps.sh" pending-14.14 "$bundle" \
   "power|300|for w in wheels-old wheels; do site=\$(mktemp -d); python3 -m zipfile -e \$(ls $bundle/\$w/ferrite-*.whl | head -1) \$site && cp python/ferrite/*.py \$site/ferrite/ && for n in 8192 4096; do PYTHONPATH=\$site LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} FERRITE_CACHE_DIR=/tmp/ferrite-cache-\$w python3 $here/power_clocks.py \$D/power-\$w-\$n.json --m \$n --n \$n --k \$n --rounds 2 || exit 1; done; done" \
   || status=1; }
+# 14.15 (session 14): with the whole-slice staging build the chain backward misses 0.9 only at
+# 8192×4096←14336, where the act' dX kernel (8192×14336 output, k = 4096) costs +114–166 µs over
+# the plain dX GEMM (now the same 3-stage ring and staging): per-SASS profiles of both there.
+[[ $part == 14.15 ]] && { bash "$here/steps.sh" pending-14.15 "$bundle" \
+  "ncu-dact|150|bash $here/ncu-source.sh \$D dact matmul_wgmma_dact 5 -- ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --m 8192 --n 4096 --k 14336" \
+  "ncu-plain|150|bash $here/ncu-source.sh \$D plain '^matmul_wgmma\$' 5 -- ferrite bench matmul --device cuda --dtype bf16 --variant wgmma --m 8192 --n 14336 --k 4096 --config c1g8" \
+  "gz|30|gzip \$D/*-sass.csv; rm -f \$D/*.ncu-rep" \
+  || status=1; }
+# 14.16 (session 14): 14.15 — at 8192×4096←14336 the act' dX kernel ran 1.35 ms against 1.21 for
+# the plain dX GEMM (single launches), with DRAM traffic up by ~0.5 GB (R is 235 MB) and the L2
+# hit rate down from 73.7 to 66.5%: R's lines crowd the operands out of L2. kdir/v1: the
+# helpers' R loads with an L2 evict-first policy; kdir/v2: also every TMA store of C (both
+# builds). A quick check under v2, then the linear bench at that shape, head/v1/v2 alternating.
+# (Result: correct, no faster: act' dX 1.549–1.562 ms in every variant; not kept.)
+[[ $part == 14.16 ]] && { bash "$here/steps.sh" pending-14.16 "$bundle" \
+  "check|150|FERRITE_KERNEL_DIR=$kd/v2 ferrite check linear --device cuda --variant fused --quick --dtype bf16 --json \$D/check-v2.json; a=\$?; FERRITE_KERNEL_DIR=$kd/v2 ferrite check matmul --device cuda --variant wgmma --quick --dtype bf16 --json \$D/check-mm-v2.json; exit \$((a|\$?))" \
+  "ab|300|for v in head v1 v2 head v1 v2; do FERRITE_KERNEL_DIR=$kd/\$v ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --m 8192 --n 4096 --k 14336 --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  || status=1; }
 exit $status
