@@ -564,9 +564,9 @@ _linear_act.register_autograd(_linear_act_bwd, setup_context=_linear_act_setup)
 
 def _mlp_shapes(op, x, w1, b1, w2, b2) -> Tuple[List[int], List[int]]:
     hidden = _linear_shape(op, x, w1, b1)
+    _check_tensors(op, [("input", x), ("w2", w2), ("b2", b2)])
     if w2.dim() != 2 or w2.shape[1] != w1.shape[0]:
         _fail(op, "w2", f"a 2-D tensor [out_features, {w1.shape[0]}] (w1 is {list(w1.shape)})", _describe(w2))
-    _check_tensors(op, [("input", x), ("w2", w2), ("b2", b2)])
     if b2 is not None and (b2.dim() != 1 or b2.shape[0] != w2.shape[0]):
         _fail(op, "b2", f"a 1-D tensor [{w2.shape[0]}] (out_features)", _describe(b2))
     return hidden, list(x.shape[:-1]) + [w2.shape[0]]

@@ -213,6 +213,23 @@ pub const WG_TUNE_BY_DEFAULT: bool = true;
 /// timing configurations through a front that cannot pass one (scripts/gpu-suite/power_clocks.py).
 pub const WG_CONFIG_VAR: &str = "FERRITE_WGMMA_CONFIG";
 
+/// The configuration `WG_CONFIG_VAR` forces, if set (read per call, so a process may change it
+/// between calls; only `wgmma` calls that name no configuration look).
+fn forced_wg_config() -> Result<Option<WgConfig>> {
+    let Some(name) = std::env::var_os(WG_CONFIG_VAR).filter(|s| !s.is_empty()) else {
+        return Ok(None);
+    };
+    let name = name.to_string_lossy();
+    wg_config_named(&name).map(Some).map_err(|_| {
+        Error::bad_arg(
+            "matmul",
+            WG_CONFIG_VAR,
+            "a `wgmma` launch configuration name (c2g8, c1g16, ...)",
+            &name,
+        )
+    })
+}
+
 /// The configuration named `name` (as `WgConfig`'s Display writes it): a tuning candidate, or
 /// one with a `d` suffix (the same launch with direct stores, for comparisons).
 pub fn wg_config_named(name: &str) -> Result<WgConfig> {
@@ -1375,23 +1392,15 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
     } else {
         variant
     };
-    let forced = std::env::var(WG_CONFIG_VAR).ok().filter(|s| !s.is_empty());
-    let cfg = match (opts.config.as_ref().or(forced.as_ref()), variant) {
-        (Some(name), "wgmma") => wg_config_named(name).map_err(|e| {
-            if opts.config.is_none() {
-                Error::bad_arg(
-                    "matmul",
-                    WG_CONFIG_VAR,
-                    "a `wgmma` launch configuration name (c2g8, c1g16, ...)",
-                    name,
-                )
-            } else {
-                e
+    let cfg = match (&opts.config, variant) {
+        (Some(name), "wgmma") => wg_config_named(name)?,
+        (None, "wgmma") => match forced_wg_config()? {
+            Some(cfg) => cfg,
+            None if WG_TUNE_BY_DEFAULT && g.k > 0 && g.batch * g.m * g.n > 0 => {
+                wg_tuned(g, p, &dev, &stream)?
             }
-        })?,
-        (None, "wgmma") if WG_TUNE_BY_DEFAULT && g.k > 0 && g.batch * g.m * g.n > 0 => {
-            wg_tuned(g, p, &dev, &stream)?
-        }
+            None => WG_DEFAULT,
+        },
         _ => WG_DEFAULT,
     };
     let l = plan_with(variant, g, &dev, cfg)?;
