@@ -592,4 +592,69 @@ lin='ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs 
   "check|150|FERRITE_KERNEL_DIR=$kd/v2 ferrite check linear --device cuda --variant fused --quick --dtype bf16 --json \$D/check-v2.json; a=\$?; FERRITE_KERNEL_DIR=$kd/v2 ferrite check matmul --device cuda --variant wgmma --quick --dtype bf16 --json \$D/check-mm-v2.json; exit \$((a|\$?))" \
   "ab|300|for v in head v1 v2 head v1 v2; do FERRITE_KERNEL_DIR=$kd/\$v ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --m 8192 --n 4096 --k 14336 --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
   || status=1; }
+# 15.1 (session 15): the act' dX kernel (matmul_wgmma_dact) launches without a cluster since
+# session 13, but kept g8, i.e. 8 tile rows per group where c2g8 has 16: a wave of 132 128×256
+# tiles then spans 8 rows × 16.5 columns (A 1 MB + B 2 MB per panel at k = 4096: 41 MB of
+# operands in a 50 MB L2 shared with R) against 32.5 MB for 16 × 8.25. The linear bench with the
+# kernel's group height forced (FERRITE_WGMMA_DACT_GROUP) to 8, 16 and 32, alternating.
+[[ $part == 15.1 ]] && { bash "$here/steps.sh" pending-15.1 "$bundle" \
+  "ab|400|for g in 8 16 32 8 16 32; do FERRITE_WGMMA_DACT_GROUP=\$g ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-g\$g-\$(date +%s).json > \$D/ab-g\$g.txt 2>&1 || exit 1; done; python3 $here/ab_linear.py \$D > \$D/ab-table.txt" \
+  || status=1; }
+# 15.2 (session 15): 15.1 — no group height helped (act' dX +125–169 µs at g16, +128–165 at g8,
+# +184–198 at g32) and the same two GEMMs' ratio to cuBLAS's moved 0.926–0.997 between calls of
+# one binary: the linear bench now interleaves its launches repeat by repeat
+# (time_gpu_interleaved). Under it, R's L2 traffic in the act' dX kernel: kdir/noprefetch drops
+# the helpers' prefetch of R into L2 a tile ahead (its lines sat in L2 ~45 µs beside the
+# operands; the helpers have ~25 µs of slack per tile to wait for R instead), kdir/evictfirst
+# also loads R with an L2 evict-first policy (14.16 had the policy on loads of lines already
+# prefetched at normal priority). A quick check under each, then the bench, alternating.
+[[ $part == 15.2 ]] && { bash "$here/steps.sh" pending-15.2 "$bundle" \
+  "check|200|s=0; for v in noprefetch evictfirst; do FERRITE_KERNEL_DIR=$kd/\$v ferrite check linear --device cuda --variant fused --quick --dtype bf16 --json \$D/check-\$v.json > \$D/check-\$v.txt 2>&1 || s=1; tail -2 \$D/check-\$v.txt; done; exit \$s" \
+  "ab|400|for v in head noprefetch evictfirst head noprefetch evictfirst; do FERRITE_KERNEL_DIR=$kd/\$v ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done; python3 $here/ab_linear.py \$D > \$D/ab-table.txt" \
+  || status=1; }
+# 15.3 (session 15): 15.2 — interleaved, the same binary's ratios repeat to ±0.002 and the act'
+# dX kernel costs +37–62 µs over the plain dX GEMM (block rounds had shown +120–200): chain
+# 0.930/0.976/0.941 and 0.930/0.973/0.939; neither R variant helped. Now the same build twice
+# more interleaved, and once under --timing sustained (each launch 1 s settled + 1 s timed, 2
+# rounds: at the clock its own power draw holds).
+[[ $part == 15.3 ]] && { bash "$here/steps.sh" pending-15.3 "$bundle" \
+  "ab|200|for v in inter inter; do ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  "sustained|300|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --timing sustained --json \$D/ab-sust-\$(date +%s).json > \$D/ab-sust.txt 2>&1; r=\$?; python3 $here/ab_linear.py \$D > \$D/ab-table.txt; exit \$r" \
+  || status=1; }
+# 15.4 (session 15): 15.3 — interleaved twice more 0.928/0.975/0.939–0.940; sustained
+# 0.906/0.945/0.927 (8192×4096←4096 the closest). There the act' dX kernel (1024 tiles, ~8 per
+# block) pays the helpers' ~15–20 µs of the last tile with nothing to hide it under: now the 8
+# consumer warps join the 3 helpers on each block's last tile (kdir/old: the kernel before).
+# Checks (a new GPU-only case where blocks take two tiles), racecheck, the bench new/old/new
+# interleaved, then sustained.
+[[ $part == 15.4 ]] && { bash "$here/steps.sh" pending-15.4 "$bundle" \
+  "check|200|ferrite check linear --device cuda --variant fused --quick --json \$D/check.json" \
+  "racecheck|150|compute-sanitizer --tool racecheck --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16 | tail -3" \
+  "ab|200|for v in new old new; do FERRITE_KERNEL_DIR=$kd/\$v ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  "sustained|220|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --timing sustained --json \$D/ab-sust-\$(date +%s).json > \$D/ab-sust.txt 2>&1; r=\$?; python3 $here/ab_linear.py \$D > \$D/ab-table.txt; exit \$r" \
+  || status=1; }
+# 15.5 (session 15): 15.4 — the join: act' dX +21/+17/+40 µs over the plain dX GEMM (old kernel
+# +35/+32/+68), chain 0.944/0.981/0.950 interleaved, 0.927/0.972/0.915 sustained; checks pass,
+# but racecheck showed 4 hazards (the new GPU-only case is the first whose blocks take two act' dX
+# tiles). Full racecheck reports under the new kernel and the old one.
+[[ $part == 15.5 ]] && { bash "$here/steps.sh" pending-15.5 "$bundle" \
+  "race-new|150|compute-sanitizer --tool racecheck --print-limit 40 --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16 > \$D/race-new.log 2>&1; r=\$?; tail -3 \$D/race-new.log; exit \$r" \
+  "race-old|150|FERRITE_KERNEL_DIR=$kd/old compute-sanitizer --tool racecheck --print-limit 40 --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16 > \$D/race-old.log 2>&1; r=\$?; tail -3 \$D/race-old.log; exit \$r" \
+  || status=1; }
+# 15.6 (session 15): 15.5 — racecheck flags the joined build only (the old one: 0 hazards): a
+# helper's STS of a box in an earlier tile against the joined tile's LDS of it by another warp
+# (consumer or helper), ordered only through one-lane arrivals after __syncwarp. Now every thread
+# of the handoff arrives on stg_full / stg_empty (256 / 96). Racecheck, check, one bench.
+[[ $part == 15.6 ]] && { bash "$here/steps.sh" pending-15.6 "$bundle" \
+  "race|150|compute-sanitizer --tool racecheck --print-limit 40 --error-exitcode 9 ferrite check linear --device cuda --variant fused --quick --dtype bf16 > \$D/race.log 2>&1; r=\$?; tail -3 \$D/race.log; exit \$r" \
+  "check|200|ferrite check linear --device cuda --variant fused --quick --json \$D/check.json > \$D/check.log 2>&1; r=\$?; tail -2 \$D/check.log; exit \$r" \
+  "ab|100|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-new-\$(date +%s).json > \$D/ab-new.txt 2>&1; r=\$?; python3 $here/ab_linear.py \$D > \$D/ab-table.txt; exit \$r" \
+  || status=1; }
+# 15.7 (session 15): 15.6 — racecheck 0 hazards, check 1125/1125; the bench (a fresh machine)
+# put the act' dX kernel at +68 µs over plain dX at 8192×4096←14336 (15.4: +40). Same-call A/B of
+# every-thread arrivals (new) against 15.4's one-lane ones (kdir/j1), then sustained.
+[[ $part == 15.7 ]] && { bash "$here/steps.sh" pending-15.7 "$bundle" \
+  "ab|200|for v in new j1 new j1; do FERRITE_KERNEL_DIR=$kd/\$v ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --json \$D/ab-\$v-\$(date +%s).json > \$D/ab-\$v.txt 2>&1 || exit 1; done" \
+  "sustained|220|ferrite bench linear --device cuda --dtype bf16 --variant persistent_pairs --timing sustained --json \$D/ab-sust-\$(date +%s).json > \$D/ab-sust.txt 2>&1; r=\$?; python3 $here/ab_linear.py \$D > \$D/ab-table.txt; exit \$r" \
+  || status=1; }
 exit $status

@@ -5,7 +5,7 @@ mod data_cmd;
 use clap::{Args, Parser, Subcommand};
 use ferrite::core::cuda::{self, jit};
 use ferrite::core::harness::report::{bench_table, check_table, ladder_svg, Table};
-use ferrite::core::harness::{BenchConfig, CheckConfig};
+use ferrite::core::harness::{BenchConfig, CheckConfig, Timing};
 use ferrite::core::rng::Rng;
 use ferrite::{ops, Arch, DType, Device, Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -95,6 +95,11 @@ struct BenchArgs {
     /// registers instead of by TMA).
     #[arg(long = "config")]
     configs: Vec<String>,
+    /// How the linear bench times ours against the peer: `interleaved` (repeat by repeat in
+    /// shuffled order, one clock history for all) or `sustained` (each back to back for seconds,
+    /// at the clock its own power draw holds; slower).
+    #[arg(long, default_value = "interleaved")]
+    timing: String,
 }
 
 #[derive(Args)]
@@ -336,6 +341,18 @@ fn bench(a: BenchArgs) -> Result<()> {
         shapes,
         quick: a.common.quick,
         configs: a.configs.clone(),
+        timing: match a.timing.as_str() {
+            "interleaved" => Timing::Interleaved,
+            "sustained" => Timing::Sustained,
+            t => {
+                return Err(Error::bad_arg(
+                    "bench",
+                    "--timing",
+                    "interleaved or sustained",
+                    t,
+                ))
+            }
+        },
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;

@@ -146,6 +146,115 @@ pub fn time_gpu_alternating(
     Ok(samples.into_iter().map(Stats::from_samples).collect())
 }
 
+/// Times several launches of similar length one repeat at a time: every cycle runs each closure
+/// once, in a fresh shuffled order, so all of them share the GPU's clock and power history down
+/// to a few milliseconds and none always follows the same neighbour. Block rounds
+/// (`time_gpu_alternating`) left ~270 ms between a peer's samples and ours: on the H100 at its
+/// 700 W limit, the same two GEMMs' ratio to cuBLAS's then moved by 0.926–0.997 between calls
+/// of one binary (bench/results/2026-11-26-h100-session15/pending-15.1). Cycles: enough to
+/// spend the budget's target per closure, within its repeat bounds.
+pub fn time_gpu_interleaved(
+    dev: &CudaDevice,
+    stream: &Stream,
+    budget: Budget,
+    fs: &mut [&mut dyn FnMut(usize) -> Result<()>],
+) -> Result<Vec<Stats>> {
+    let n = fs.len();
+    for f in fs.iter_mut() {
+        for i in 0..budget.warmup {
+            f(i)?;
+        }
+    }
+    dev.synchronize(stream, "warm-up")?;
+    // One probe cycle sizes the run.
+    let probe = GpuTimer::new(dev)?;
+    probe.start(stream)?;
+    for f in fs.iter_mut() {
+        f(0)?;
+    }
+    probe.stop(stream)?;
+    let cycle_ms = probe.elapsed_ms()?.max(1e-4);
+    let cycles = ((n as f64 * budget.target.as_secs_f64() * 1e3 / cycle_ms) as usize)
+        .clamp(budget.min_reps, budget.max_reps);
+    let timers: Vec<GpuTimer> = (0..cycles * n)
+        .map(|_| GpuTimer::new(dev))
+        .collect::<Result<_>>()?;
+    let mut slot = vec![0usize; cycles * n];
+    for c in 0..cycles {
+        for (j, k) in interleave_order(c, n).into_iter().enumerate() {
+            let t = &timers[c * n + j];
+            t.start(stream)?;
+            fs[k](c + 1)?;
+            t.stop(stream)?;
+            slot[c * n + j] = k;
+        }
+    }
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(cycles); n];
+    for (t, &k) in timers.iter().zip(&slot) {
+        samples[k].push(t.elapsed_ms()?);
+    }
+    Ok(samples.into_iter().map(Stats::from_samples).collect())
+}
+
+/// Times several launches each at its own steady state: per round, each closure runs back to back
+/// for `settle` (untimed: at the H100's 700 W limit the clock takes a second or so to find the
+/// level the launch's power draw holds), then for `measure` with an event pair per repeat;
+/// `rounds` rounds, the samples pooled per closure. Slower than `time_gpu_interleaved`, it
+/// charges a launch that draws more power per FLOP with the lower clock it earns.
+pub fn time_gpu_sustained(
+    dev: &CudaDevice,
+    stream: &Stream,
+    settle: Duration,
+    measure: Duration,
+    rounds: usize,
+    fs: &mut [&mut dyn FnMut(usize) -> Result<()>],
+) -> Result<Vec<Stats>> {
+    let mut ones = Vec::with_capacity(fs.len());
+    for f in fs.iter_mut() {
+        f(0)?;
+        dev.synchronize(stream, "sustained-timing probe")?;
+        let probe = GpuTimer::new(dev)?;
+        probe.start(stream)?;
+        f(0)?;
+        probe.stop(stream)?;
+        ones.push(probe.elapsed_ms()?.max(1e-4));
+    }
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); fs.len()];
+    for _ in 0..rounds.max(1) {
+        for (k, f) in fs.iter_mut().enumerate() {
+            let reps = |d: Duration| (d.as_secs_f64() * 1e3 / ones[k]).ceil() as usize;
+            let budget = Budget {
+                warmup: reps(settle).max(1),
+                min_reps: reps(measure).max(5),
+                max_reps: reps(measure).max(5),
+                target: measure,
+            };
+            samples[k].extend(time_gpu_samples(dev, stream, budget, &mut **f)?);
+        }
+    }
+    Ok(samples.into_iter().map(Stats::from_samples).collect())
+}
+
+/// The order of cycle `cycle`'s `n` closures in `time_gpu_interleaved`: a permutation of 0..n
+/// drawn from a fixed-seed generator (the same orders on every run).
+pub fn interleave_order(cycle: usize, n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    // splitmix64 of the cycle: independent orders per cycle without a stored generator.
+    let mut x = (cycle as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut next = || {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
 /// `time_gpu_alternating` over boxed closures (a bench's list of launches of different types).
 pub fn time_gpu_alternating_boxed(
     dev: &CudaDevice,
@@ -322,6 +431,33 @@ pub fn relate(records: &mut [BenchRecord], baseline: &str, ceiling: Option<(&str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interleave_orders_are_fixed_varied_permutations() {
+        let n = 8;
+        let mut firsts = std::collections::BTreeSet::new();
+        // Which closure ran right before closure 0, over the cycles.
+        let mut before0 = std::collections::BTreeSet::new();
+        for c in 0..200 {
+            let o = interleave_order(c, n);
+            assert_eq!(o, interleave_order(c, n), "cycle {c}: not reproducible");
+            let mut sorted = o.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "cycle {c}: {o:?}");
+            firsts.insert(o[0]);
+            if let Some(p) = o.iter().position(|&k| k == 0).filter(|&p| p > 0) {
+                before0.insert(o[p - 1]);
+            }
+        }
+        assert_eq!(firsts.len(), n, "every closure leads some cycle");
+        assert_eq!(
+            before0.len(),
+            n - 1,
+            "closure 0 follows every other closure"
+        );
+        assert_eq!(interleave_order(3, 1), vec![0]);
+        assert!(interleave_order(3, 0).is_empty());
+    }
 
     #[test]
     fn stats_and_relations() {

@@ -27,6 +27,20 @@ pub struct BenchConfig {
     /// Launch configurations to time by name, each as its own row, for variants that have them
     /// (matmul `wgmma`: `c2g8`, `c2g8d`, ...); the tuned one when empty.
     pub configs: Vec<String>,
+    /// How benches that compare launches against a peer time them (those that take it: linear).
+    pub timing: Timing,
+}
+
+/// How a bench times a group of launches it compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Timing {
+    /// Repeat by repeat in shuffled order (`bench::time_gpu_interleaved`): every launch under
+    /// the same clock and power history, as in a training step that mixes them.
+    #[default]
+    Interleaved,
+    /// Each launch back to back for seconds, settled first, in alternating rounds
+    /// (`bench::time_gpu_sustained`): every launch at the clock its own power draw holds.
+    Sustained,
 }
 
 impl BenchConfig {

@@ -7,19 +7,20 @@
 use super::{
     backward_into, forward_into, variants, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, OP,
 };
-use crate::core::cuda::{device, CudaDevice};
+use crate::core::cuda::{device, CudaDevice, Stream};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::harness::bench::{
-    relate, time_cpu_op, time_gpu, time_gpu_alternating, time_gpu_alternating_boxed, BenchRecord,
-    Budget, Stats, ALTERNATING_ROUNDS,
+    relate, time_cpu_op, time_gpu, time_gpu_interleaved, time_gpu_sustained, BenchRecord, Budget,
+    Stats,
 };
-use crate::core::harness::{BenchConfig, Ceilings, Precision};
+use crate::core::harness::{BenchConfig, Ceilings, Precision, Timing};
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use crate::ops::matmul::{self, cuda as mmc};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The epilogue the forward rows are timed with.
 const ACT: Activation = Activation::GeluTanh;
@@ -179,6 +180,46 @@ fn record(
     BenchRecord::new(d, name, OP, variant, dtype, shape, stats, flops, bytes)
 }
 
+/// Times a group of launches that a bench compares, as `timing` asks.
+fn time_group(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    timing: Timing,
+    fs: &mut [&mut dyn FnMut(usize) -> Result<()>],
+) -> Result<Vec<Stats>> {
+    match timing {
+        Timing::Interleaved => time_gpu_interleaved(dev, stream, Budget::gpu(), fs),
+        Timing::Sustained => time_gpu_sustained(
+            dev,
+            stream,
+            SUSTAINED_SETTLE,
+            SUSTAINED_MEASURE,
+            SUSTAINED_ROUNDS,
+            fs,
+        ),
+    }
+}
+
+/// `--timing sustained`: per round and launch, 1 s back to back untimed, then 1 s timed; 2 rounds.
+const SUSTAINED_SETTLE: Duration = Duration::from_secs(1);
+const SUSTAINED_MEASURE: Duration = Duration::from_secs(1);
+const SUSTAINED_ROUNDS: usize = 2;
+
+/// Writes how a group's GPU rows were timed into their notes (the JSON keeps it).
+fn note_timing(group: &mut [BenchRecord], timing: Timing) {
+    let how = match timing {
+        Timing::Interleaved => "timing: interleaved repeats (shuffled order per cycle)".to_string(),
+        Timing::Sustained => format!(
+            "timing: sustained ({} s settle + {} s timed per launch, {SUSTAINED_ROUNDS} rounds)",
+            SUSTAINED_SETTLE.as_secs(),
+            SUSTAINED_MEASURE.as_secs()
+        ),
+    };
+    for r in group.iter_mut().filter(|r| r.note.is_empty()) {
+        r.note = how.clone();
+    }
+}
+
 fn bench_gpu(
     cfg: &BenchConfig,
     dev: &Arc<CudaDevice>,
@@ -255,11 +296,11 @@ fn bench_gpu(
                     Err(e) => return Err(e),
                 }
             }
-            // The bare GEMM, cuBLAS's, and every variant in alternating rounds, under one clock
-            // history (timed one after the other, the first of a pair gained up to ~10 % on the
-            // H100; docs/matmul.md).
+            // The bare GEMM, cuBLAS's, and every variant interleaved repeat by repeat, under one
+            // clock history (timed one after the other, the first of a pair gained up to ~10 % on
+            // the H100; docs/matmul.md).
             progress(&format!(
-                "linear {d} timing {label} {shape_s} (alternating rounds)"
+                "linear {d} timing {label} {shape_s} (interleaved repeats)"
             ));
             let (g_, gl_, stream_, l_) = (&g, &gl, &stream, &l);
             let mut fs: Vec<Box<dyn FnMut(usize) -> Result<()> + '_>> = vec![
@@ -269,14 +310,10 @@ fn bench_gpu(
             for (_, opts) in &runs {
                 fs.push(Box::new(move |_: usize| l_.forward(opts)));
             }
-            let mut stats = time_gpu_alternating_boxed(
-                dev,
-                &stream,
-                Budget::gpu(),
-                ALTERNATING_ROUNDS,
-                &mut fs,
-            )?
-            .into_iter();
+            let mut refs: Vec<&mut dyn FnMut(usize) -> Result<()>> =
+                fs.iter_mut().map(|f| f.as_mut() as _).collect();
+            let mut stats = time_group(dev, &stream, cfg.timing, &mut refs)?.into_iter();
+            drop(refs);
             drop(fs);
             let mut r = record(
                 d,
@@ -343,6 +380,7 @@ fn bench_gpu(
                 "naive",
                 ceilings.gpu_gemm(label).map(|c| ("cuBLAS 4096³", c, true)),
             );
+            note_timing(&mut group, cfg.timing);
             out.extend(group);
 
             // Backward: dZ + db kernel and two GEMMs vs the two cuBLAS GEMMs alone.
@@ -365,9 +403,9 @@ fn bench_gpu(
                 b: l.x.device_ptr()?,
                 c: l.dw.device_ptr()?,
             };
-            // Ours and the two cuBLAS GEMMs in alternating rounds: neither runs under a clock
-            // history the other did not share (timed one after the other, the first of a pair
-            // gained up to ~10 % on the H100; docs/matmul.md).
+            // Ours and the two cuBLAS GEMMs interleaved repeat by repeat: neither runs under a
+            // clock history the other did not share (timed one after the other, the first of a
+            // pair gained up to ~10 % on the H100; docs/matmul.md).
             progress(&format!(
                 "linear {d} backward and cublas dX+dW {label} {shape_b}"
             ));
@@ -393,11 +431,10 @@ fn bench_gpu(
             let mut chain_db = |_: usize| l.backward_chain(&chain_opts, true);
             let mut dx_dact = |_: usize| l.dx_chain(&chain_opts, false);
             let mut dx_dact_cs = |_: usize| l.dx_chain(&chain_opts, true);
-            let mut stats = time_gpu_alternating(
+            let mut stats = time_group(
                 dev,
                 &stream,
-                Budget::gpu(),
-                ALTERNATING_ROUNDS,
+                cfg.timing,
                 &mut [
                     &mut ours,
                     &mut peer,
@@ -485,6 +522,7 @@ fn bench_gpu(
                 group.push(gemm_row(what, next(), config));
             }
             relate(&mut group, "backward", None);
+            note_timing(&mut group, cfg.timing);
             out.extend(group);
         }
     }

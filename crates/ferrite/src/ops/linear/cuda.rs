@@ -210,14 +210,23 @@ fn forward_unfused(
 
 /// The dX GEMM with the activation-backward epilogue (`wgmma`, bf16/f16, Hopper, TMA-aligned
 /// operands), or None where it cannot run (the caller then runs the plain GEMM and
-/// `linear_dact`).
-fn plan_dact(g: &Gemm, ptrs: Ptrs, dev: &Arc<CudaDevice>, act: Activation) -> Option<mmc::Launch> {
+/// `linear_dact`). A bad `FERRITE_WGMMA_DACT_GROUP` is an error, not a silent fallback.
+fn plan_dact(
+    g: &Gemm,
+    ptrs: Ptrs,
+    dev: &Arc<CudaDevice>,
+    act: Activation,
+) -> Result<Option<mmc::Launch>> {
     if g.dtype == DType::F32
         || persistent_declines(g, Some(dev.arch()), &[ptrs.a, ptrs.b]).is_some()
     {
-        return None;
+        return Ok(None);
     }
-    mmc::plan_epilogue_dact(g, dev, act).ok()
+    match mmc::plan_epilogue_dact(g, dev, act) {
+        Ok(l) => Ok(Some(l)),
+        Err(e @ Error::BadArg { .. }) => Err(e),
+        Err(_) => Ok(None),
+    }
 }
 
 /// db[j] = Σ_p part[p][j] over `parts` f32 partial rows of n (`linear_db`: fixed order, the
@@ -422,7 +431,7 @@ pub fn backward(
                 let fused = if variant == "naive" {
                     None
                 } else {
-                    plan_dact(&g, ptrs, &dev, act_in)
+                    plan_dact(&g, ptrs, &dev, act_in)?
                 };
                 let mut e = EpiPtrs {
                     bias: 0,

@@ -935,7 +935,37 @@ pub fn plan_epilogue_dact(g: &Gemm, dev: &Arc<CudaDevice>, act: Activation) -> R
         pairs: true,
         dact: true,
     };
-    plan_inner("wgmma", g, dev, Some(epi), WG_DACT)
+    let wg = match dact_group_forced()? {
+        Some(group_m) => WgConfig { group_m, ..WG_DACT },
+        None => WG_DACT,
+    };
+    plan_inner("wgmma", g, dev, Some(epi), wg)
+}
+
+/// The environment variable that forces the activation-backward kernel's group height (cluster
+/// rows per group of the tile order, 1–64) in place of `WG_DACT`'s: a developer's knob, for
+/// timing the tile order through the linear bench (the kernel is compiled for one cluster size,
+/// so only the order can change).
+pub const WG_DACT_GROUP_VAR: &str = "FERRITE_WGMMA_DACT_GROUP";
+
+fn dact_group_forced() -> Result<Option<u32>> {
+    match std::env::var_os(WG_DACT_GROUP_VAR).filter(|s| !s.is_empty()) {
+        Some(v) => dact_group_named(&v.to_string_lossy()).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The group height `WG_DACT_GROUP_VAR`'s value `v` names: 1 to 64.
+pub fn dact_group_named(v: &str) -> Result<u32> {
+    match v.trim().parse::<u32>() {
+        Ok(g) if (1..=64).contains(&g) => Ok(g),
+        _ => Err(Error::bad_arg(
+            OP,
+            WG_DACT_GROUP_VAR,
+            "a group height from 1 to 64",
+            v,
+        )),
+    }
 }
 
 /// Whether launch `l` of the activation-backward epilogue can also write the column sums

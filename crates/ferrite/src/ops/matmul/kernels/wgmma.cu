@@ -451,7 +451,14 @@ __device__ __forceinline__ void prefetch_r_l2(const T* r, i64 ldr, int lane) {
 // peer block's consumers) made it faster, and is what the host runs (matmul::cuda::WG_DACT).
 // Over the plain dX GEMM of the same rounds (pending-Y): +17–36 µs at k = 14336, +29–55 µs at
 // 8192×4096←4096, +72–128 µs at 8192×14336 output with k = 4096 (was ~+45 µs at 8192×4096←4096
-// with the epilogue in the consumers).
+// with the epilogue in the consumers). Timed repeat by repeat beside it (the linear bench since
+// 2026-11-26, bench/results/2026-11-26-h100-session15/pending-15.3): +37–40, +39–40, +65 µs.
+// A block's last tile has no mainloop after it to hide the helpers' ~15–20 µs under: there the
+// 8 consumer warps, done with their mainloop, wait on `stg_full` too and the 11 warps share the
+// 32 boxes (`joined`; the boxes' column sums are the same bits whichever warp adds them).
+
+// The warps that share a block's last tile (joined): the 3 helpers and the 8 consumer warps.
+constexpr int DACT_WORKERS = 11;
 
 // 16-byte shared-memory access at a u32 shared address.
 __device__ __forceinline__ uint4 lds_v4(unsigned addr) {
@@ -483,8 +490,9 @@ __device__ __forceinline__ void dact_prefetch_r(const T* r, i64 ldr, int m0, int
   }
 }
 
-// Helper warp h (0..2)'s boxes of the staged tile at tile row m0, column n0: boxes b = h, h + 3,
-// ... of the 32 (consumer warp b/4's box b%4), those of a consumer half that staged (`staged0`
+// Worker warp h (0..nh−1)'s boxes of the staged tile at tile row m0, column n0: boxes b = h,
+// h + nh, ... of the 32 (consumer warp b/4's box b%4), those of a consumer half that staged
+// (`staged0`
 // rows 0–63, `staged1` rows 64–127). Lane l owns the 16-byte chunk l%8 (8 columns) of rows
 // l/8, l/8 + 4, l/8 + 8, l/8 + 12 of the box: a warp access is 4 whole 128-byte rows, in shared
 // memory (at their swizzled places: conflict-free) as in R; R was prefetched into L2 a tile
@@ -492,6 +500,7 @@ __device__ __forceinline__ void dact_prefetch_r(const T* r, i64 ldr, int m0, int
 // registers). With `part` (the [m/16][ldp] f32 column partial sums), each box's 16-row
 // sums of the rounded products: each lane's 4 rows in order, then the 4 lanes of a chunk added
 // by two fixed butterfly steps — the same bits on every run.
+template <int NH>
 __device__ __forceinline__ void dact_helper_tile(unsigned staging, const TmaDesc* map, const T* r,
                                                  i64 ldr, float* part, i64 ldp, int m0, int n0,
                                                  int z, bool staged0, bool staged1, int h,
@@ -499,7 +508,7 @@ __device__ __forceinline__ void dact_helper_tile(unsigned staging, const TmaDesc
   const int ch = lane & 7, rsub = lane >> 3;
   auto staged_box = [&](int b) { return (b >> 2) < 4 ? staged0 : staged1; };
   auto next_box = [&](int b) {
-    while (b < 32 && !staged_box(b)) b += 3;
+    while (b < 32 && !staged_box(b)) b += NH;
     return b;
   };
   // Every row of a staged box is inside R (the half staged only if its 64 rows and the tile's
@@ -510,7 +519,7 @@ __device__ __forceinline__ void dact_helper_tile(unsigned staging, const TmaDesc
     for (int i = 0; i < 4; ++i) v[i] = __ldg(reinterpret_cast<const uint4*>(p + 4 * i * ldr));
   };
   uint4 cur[4];
-  for (int b = next_box(h); b < 32; b = next_box(b + 3)) {
+  for (int b = next_box(h); b < 32; b = next_box(b + NH)) {
     load_r(b, cur);
     const int w = b >> 2, q = b & 3;
     const unsigned buf = staging + (w * SBUF + q) * SBOX;
@@ -606,8 +615,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       mbar_init(empty0 + 8 * s, 8 * CL);  // one arrival per consumer warp of the cluster
     }
 #if FE_EPI_DACT
-    mbar_init(stg_full, 8);   // each consumer warp, once per tile
-    mbar_init(stg_empty, 3);  // each helper warp, once per tile
+    // Every thread of the handoff arrives (not one per warp after a __syncwarp): each thread's
+    // staging accesses are then released by its own arrival, which is what racecheck follows —
+    // with the boxes changing hands on a block's last tile (joined), one-lane arrivals showed
+    // as hazards there (bench/results/2026-11-26-h100-session15/pending-15.5).
+    mbar_init(stg_full, 256);  // each consumer thread, once per tile
+    mbar_init(stg_empty, 96);  // each helper thread, once per tile
 #endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -627,13 +640,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   auto staged = [&](i64 tm, i64 tn, int half) {
     return dact_pairs && (tn + 1) * BN <= n && tm * BM + half * 64 + 64 <= m;
   };
+  // Whether the 8 consumer warps join the 3 helpers on tile t (both halves staged): on a block's
+  // last tile no mainloop follows for the helpers' work to hide under, so 11 warps share it.
+  auto joined = [&](i64 t, bool s0, bool s1) { return t + tile_step >= total && s0 && s1; };
 #endif
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
 #if FE_EPI_DACT
     // 88 for the helper warps (their 4 16-byte R loads and 8 column sums; at 72–80 ptxas spilled
-    // in some activations), 200 for the consumers: 128·88 + 256·200 ≤ the 384·168 allocated.
+    // in some activations), 208 for the consumers: 128·88 + 256·208 = the 384·168 allocated.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n");
 #else
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
@@ -717,10 +733,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         const bool s0 = staged(tm, tn, 0), s1 = staged(tm, tn, 1);
         // epi.part: [m/16][n] (batch 1), written only where the host checked that every tile
         // holding output rows stages (matmul::cuda::dact_colsum_ok).
-        if (s0 || s1)
-          dact_helper_tile(staging, &tma_c, epi_h.r + z * epi_h.stride_r, epi_h.ldr, epi_h.part,
-                           n, (int)(tm * BM), (int)(tn * BN), (int)z, s0, s1, h, lane);
-        if (lane == 0) mbar_arrive(stg_empty);
+        const T* rz = epi_h.r + z * epi_h.stride_r;
+        const int m0 = (int)(tm * BM), n0 = (int)(tn * BN);
+        if (joined(t, s0, s1))
+          dact_helper_tile<DACT_WORKERS>(staging, &tma_c, rz, epi_h.ldr, epi_h.part, n, m0, n0,
+                                         (int)z, s0, s1, h, lane);
+        else if (s0 || s1)
+          dact_helper_tile<3>(staging, &tma_c, rz, epi_h.ldr, epi_h.part, n, m0, n0, (int)z, s0,
+                              s1, h, lane);
+        mbar_arrive(stg_empty);
       }
       // Shared memory stays allocated until the last stores have read it.
       if (lane == 0) bulk_wait<0>();
@@ -729,7 +750,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   } else {
     // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
 #if FE_EPI_DACT
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;\n");
 #else
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 #endif
@@ -855,7 +876,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           for (int q = 0; q < BN / 64; ++q) stage_box(vals, q, stg + q * SBOX, lane);
           __syncwarp();
         }
-        if (lane == 0) mbar_arrive(stg_full);
+        mbar_arrive(stg_full);
+        if (joined(t, staged(tm, tn, 0), staged(tm, tn, 1))) {
+          // The block's last tile: once every consumer warp has staged (stg_full completes once
+          // per tile, this is its (eph ^ 1) phase), this warp takes boxes as worker 3 + c·4 + warp.
+          mbar_wait(stg_full, eph ^ 1);
+          dact_helper_tile<DACT_WORKERS>(staging, &tma_c, epi.r + z * epi.stride_r, epi.ldr,
+                                         epi.part, n, (int)(tm * BM), (int)(tn * BN), (int)z,
+                                         true, true, 3 + c * 4 + warp, lane);
+          if (lane == 0) bulk_wait<0>();
+        }
         if (st) continue;
         (void)srow;
         (void)scol;
