@@ -341,18 +341,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         shapes,
         quick: a.common.quick,
         configs: a.configs.clone(),
-        timing: match a.timing.as_str() {
-            "interleaved" => Timing::Interleaved,
-            "sustained" => Timing::Sustained,
-            t => {
-                return Err(Error::bad_arg(
-                    "bench",
-                    "--timing",
-                    "interleaved or sustained",
-                    t,
-                ))
-            }
-        },
+        timing: a.timing.parse::<Timing>()?,
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;

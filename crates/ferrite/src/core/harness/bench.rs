@@ -167,13 +167,7 @@ pub fn time_gpu_interleaved(
     }
     dev.synchronize(stream, "warm-up")?;
     // One probe cycle sizes the run.
-    let probe = GpuTimer::new(dev)?;
-    probe.start(stream)?;
-    for f in fs.iter_mut() {
-        f(0)?;
-    }
-    probe.stop(stream)?;
-    let cycle_ms = probe.elapsed_ms()?.max(1e-4);
+    let cycle_ms = time_once(dev, stream, || fs.iter_mut().try_for_each(|f| f(0)))?;
     let cycles = ((n as f64 * budget.target.as_secs_f64() * 1e3 / cycle_ms) as usize)
         .clamp(budget.min_reps, budget.max_reps);
     let timers: Vec<GpuTimer> = (0..cycles * n)
@@ -213,11 +207,7 @@ pub fn time_gpu_sustained(
     for f in fs.iter_mut() {
         f(0)?;
         dev.synchronize(stream, "sustained-timing probe")?;
-        let probe = GpuTimer::new(dev)?;
-        probe.start(stream)?;
-        f(0)?;
-        probe.stop(stream)?;
-        ones.push(probe.elapsed_ms()?.max(1e-4));
+        ones.push(time_once(dev, stream, || f(0))?);
     }
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); fs.len()];
     for _ in 0..rounds.max(1) {
@@ -268,6 +258,16 @@ pub fn time_gpu_alternating_boxed(
     time_gpu_alternating(dev, stream, budget, rounds, &mut refs)
 }
 
+/// Milliseconds of one call of `f` on `stream` (an event pair around it; at least 1e-4, so a
+/// probe can divide by it): how the timers size their runs.
+fn time_once(dev: &CudaDevice, stream: &Stream, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let probe = GpuTimer::new(dev)?;
+    probe.start(stream)?;
+    f()?;
+    probe.stop(stream)?;
+    Ok(probe.elapsed_ms()?.max(1e-4))
+}
+
 /// The per-repeat times (ms) of `time_gpu`.
 fn time_gpu_samples(
     dev: &CudaDevice,
@@ -280,11 +280,7 @@ fn time_gpu_samples(
     }
     dev.synchronize(stream, "warm-up")?;
     // One probe repeat to size the batches.
-    let probe = GpuTimer::new(dev)?;
-    probe.start(stream)?;
-    f(0)?;
-    probe.stop(stream)?;
-    let one = probe.elapsed_ms()?.max(1e-4);
+    let one = time_once(dev, stream, || f(0))?;
     let wanted = ((budget.target.as_secs_f64() * 1e3 / one) as usize)
         .clamp(budget.min_reps, budget.max_reps);
     let timers: Vec<GpuTimer> = (0..wanted)
@@ -456,6 +452,14 @@ mod tests {
             "closure 0 follows every other closure"
         );
         assert_eq!(interleave_order(3, 1), vec![0]);
+        use crate::core::harness::Timing;
+        assert_eq!("sustained".parse::<Timing>().unwrap(), Timing::Sustained);
+        assert_eq!(
+            "interleaved".parse::<Timing>().unwrap(),
+            Timing::Interleaved
+        );
+        let e = "blocks".parse::<Timing>().unwrap_err().to_string();
+        assert!(e.contains("--timing") && e.contains("blocks"), "{e}");
         assert!(interleave_order(3, 0).is_empty());
     }
 

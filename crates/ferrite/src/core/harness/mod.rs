@@ -43,6 +43,23 @@ pub enum Timing {
     Sustained,
 }
 
+impl std::str::FromStr for Timing {
+    type Err = crate::core::error::Error;
+    /// `interleaved` or `sustained` (the bench's `--timing`).
+    fn from_str(s: &str) -> Result<Timing, Self::Err> {
+        match s {
+            "interleaved" => Ok(Timing::Interleaved),
+            "sustained" => Ok(Timing::Sustained),
+            _ => Err(crate::core::error::Error::bad_arg(
+                "bench",
+                "--timing",
+                "interleaved or sustained",
+                s,
+            )),
+        }
+    }
+}
+
 impl BenchConfig {
     pub fn wants_variant(&self, name: &str) -> bool {
         self.variants.is_empty() || self.variants.iter().any(|v| v == name)
