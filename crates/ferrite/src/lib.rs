@@ -8,6 +8,8 @@
 //!   the check/bench harness. It knows no op.
 //! - [`ops`]: one module per op family (`matmul`, `copy`, ...), each holding its API and input
 //!   checks, CPU code, CUDA host code and `.cu` kernels, checks and benchmark side by side.
+//! - [`data`]: token shards and the streaming loader.
+//! - [`train`]: a GPT trained from shards with explicit forward and backward calls into the ops.
 //!
 //! ```no_run
 //! use ferrite::{Device, DType, Tensor};
@@ -21,6 +23,7 @@
 pub mod core;
 pub mod data;
 pub mod ops;
+pub mod train;
 
 pub use crate::core::device::{Arch, Device};
 pub use crate::core::dtype::{DType, Element};

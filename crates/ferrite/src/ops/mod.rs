@@ -209,6 +209,7 @@ pub fn build_kernels(
             functions: vec!["sim_compute".into()],
             min_arch: Arch::SM80,
         }))
+        .chain(crate::train::glue::kernel_specs())
         .filter(|spec| only.is_none_or(|o| spec.program.label().contains(o)))
         .flat_map(|spec| {
             archs

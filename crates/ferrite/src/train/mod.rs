@@ -1,0 +1,302 @@
+//! # train — a GPT trained end to end from token shards, with explicit forward and backward
+//! calls into ferrite's op families (no autograd), as llm.c's `train_gpt2` does.
+//!
+//! - [`config`]: model presets (GPT-2 124M/350M/774M, a tiny CPU model) and the run's settings
+//!   (batch, sequence, accumulation, AdamW, clipping, warm-up + cosine/WSD schedule).
+//! - [`model`]: the model — parameters, gradients and AdamW state in flat buffers, activations
+//!   for one (B, T), forward, backward, optimizer step.
+//! - [`glue`]: the small passes between families (token split, embedding forward/backward,
+//!   in-place add, accumulation, gradient norm), CPU and CUDA.
+//! - [`run`]: the loop — ferrite's loader feeding the model, clipping, the schedule, validation,
+//!   a log line per step.
+//!
+//! On the GPU every tensor is bf16 (f32 master weights and moments for AdamW); on the CPU f32.
+
+pub mod arena;
+pub mod config;
+pub mod glue;
+pub mod model;
+#[cfg(test)]
+mod tests;
+
+pub use config::{ModelConfig, Schedule, TrainConfig};
+pub use model::{Gpt2, ModelOptions};
+
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::data::{Dataset, Loader, LoaderConfig};
+use crate::ops::adamw::AdamWHyper;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Everything a run needs besides the model and training settings.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Training shards: a folder with `index.json`, or one shard file.
+    pub data: PathBuf,
+    /// Validation shards (evaluated every `TrainConfig::val_every` steps).
+    pub val_data: Option<PathBuf>,
+    pub device: Device,
+    pub dtype: DType,
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub deterministic: bool,
+    /// Dense bf16 peak in TFLOP/s that MFU is measured against.
+    pub peak_tflops: f64,
+}
+
+/// One optimizer step as the log shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepLog {
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub ms: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    /// Share of the step spent waiting for the loader.
+    pub data_wait: f64,
+    pub val_loss: Option<f64>,
+    /// Device memory in use by ferrite's pool (GPU), GiB.
+    pub mem_gib: f64,
+    /// The update was skipped (non-finite loss or gradient, with `skip_nonfinite`).
+    pub skipped: bool,
+}
+
+/// The end of a run.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Summary {
+    pub model: String,
+    pub device: String,
+    pub params: usize,
+    pub batch: usize,
+    pub seq: usize,
+    pub grad_accum: usize,
+    pub steps: usize,
+    pub first_loss: f64,
+    pub last_loss: f64,
+    pub last_val_loss: Option<f64>,
+    /// Median over the steps after the first few (warm-up: compilation, tuning).
+    pub tokens_per_s: f64,
+    pub step_ms: f64,
+    pub mfu: f64,
+    pub data_wait: f64,
+    pub peak_gib: f64,
+    pub log: Vec<StepLog>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn scalar(t: &crate::core::tensor::Tensor) -> Result<f64> {
+    Ok(t.to_f32_vec()?[0] as f64)
+}
+
+/// The loader for a run (tokens as i32 on the run's device).
+fn loader(ds: &Dataset, o: &RunOptions, shuffle: bool, epochs: Option<u64>) -> Result<Loader> {
+    let cfg = LoaderConfig {
+        batch: o.train.batch,
+        seq: o.train.seq,
+        seed: o.train.seed,
+        shuffle,
+        epochs,
+        device: o.device,
+        out_dtype: Some(DType::I32),
+        ..Default::default()
+    };
+    Loader::new(ds, cfg, None)
+}
+
+/// Mean loss over the first `batches` batches of the validation set.
+fn evaluate(model: &Gpt2, ds: &Dataset, o: &RunOptions) -> Result<f64> {
+    let mut l = loader(ds, o, false, Some(1))?;
+    let (mut sum, mut n) = (0.0, 0);
+    while n < o.train.val_batches {
+        let Some(b) = l.next_batch()? else { break };
+        model.load_tokens(&b.tokens)?;
+        drop(b);
+        model.forward(None)?;
+        sum += scalar(model.loss_tensor()?)?;
+        n += 1;
+    }
+    if n == 0 {
+        return Err(Error::bad_arg(
+            "train",
+            "val_data",
+            format!(
+                "at least one batch of {}×{} tokens",
+                o.train.batch,
+                o.train.seq + 1
+            ),
+            "a validation set too small for one batch",
+        ));
+    }
+    Ok(sum / n as f64)
+}
+
+/// Trains `o.model` on `o.data` for `o.train.steps` steps; `on_step` sees every step's log.
+pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary> {
+    let t = &o.train;
+    t.validate()?;
+    o.model.validate(Some(t.seq))?;
+    let accumulate = t.grad_accum > 1;
+    if let Device::Cuda(i) = o.device {
+        let need = Gpt2::estimate_bytes(&o.model, o.dtype, t.batch, t.seq, accumulate);
+        let dev = crate::core::cuda::device(i)?;
+        dev.bind()?;
+        let (free, _total) =
+            cudarc::driver::result::mem_get_info().map_err(|e| Error::cuda("cuMemGetInfo", e))?;
+        if need as f64 > free as f64 * 0.97 {
+            return Err(Error::bad_arg(
+                "train",
+                "batch/seq/model",
+                format!("a configuration that fits the GPU's {:.1} GiB free", free as f64 / (1u64 << 30) as f64),
+                format!(
+                    "{} at B {} T {} needing about {:.1} GiB (parameters, AdamW state, activations)",
+                    o.model.name,
+                    t.batch,
+                    t.seq,
+                    need as f64 / (1u64 << 30) as f64
+                ),
+            ));
+        }
+    }
+    let ds = Dataset::open(&o.data)?;
+    let val = o.val_data.as_ref().map(|p| Dataset::open(p)).transpose()?;
+    let mut model = Gpt2::new(
+        &o.model,
+        o.dtype,
+        o.device,
+        t.seed,
+        ModelOptions {
+            deterministic: o.deterministic,
+        },
+    )?;
+    model.prepare(t.batch, t.seq)?;
+    if accumulate {
+        model.enable_accumulation()?;
+    }
+    let mut data = loader(&ds, o, true, None)?;
+    let tokens_per_step = (t.batch * t.seq * t.grad_accum) as f64;
+    let flops_per_step = o.model.flops_per_token(t.seq) * tokens_per_step;
+    let mut log: Vec<StepLog> = Vec::with_capacity(t.steps);
+    let dloss = 1.0 / t.grad_accum as f32;
+    for step in 0..t.steps {
+        let t0 = Instant::now();
+        let wait0 = data.stats().wait_s;
+        let mut loss = 0.0;
+        for micro in 0..t.grad_accum {
+            let batch = data.next_batch()?.ok_or_else(|| {
+                Error::Other("train: the training set ended (the loader runs forever)".into())
+            })?;
+            model.load_tokens(&batch.tokens)?;
+            drop(batch);
+            model.forward(Some(dloss))?;
+            model.backward()?;
+            if accumulate {
+                model.accumulate(micro == 0)?;
+            }
+            loss += scalar(model.loss_tensor()?)? / t.grad_accum as f64;
+        }
+        model.grad_sumsq()?;
+        let norm = scalar(model.sumsq_tensor()?)?.sqrt();
+        let finite = loss.is_finite() && norm.is_finite();
+        if !finite && !t.skip_nonfinite {
+            return Err(Error::Other(format!(
+                "train: step {step}: non-finite {} (loss {loss}, gradient norm {norm}); a token id ≥ the \
+                 vocabulary ({}) gives a NaN embedding row. --skip-nonfinite skips such updates",
+                if loss.is_finite() { "gradient" } else { "loss" },
+                o.model.vocab
+            )));
+        }
+        let lr = t.lr_at(step);
+        if finite {
+            let grad_scale = if t.clip > 0.0 && norm > t.clip {
+                t.clip / norm
+            } else {
+                1.0
+            };
+            model.optimizer_step(&AdamWHyper {
+                lr,
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.eps,
+                weight_decay: t.weight_decay,
+                step: step as u64 + 1,
+                grad_scale,
+            })?;
+        }
+        // The step ends when the update is done (the next step's loss read waits for it anyway).
+        let _ = scalar(model.sumsq_tensor()?)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let wait = data.stats().wait_s - wait0;
+        let val_loss = match &val {
+            Some(v)
+                if t.val_every > 0 && ((step + 1) % t.val_every == 0 || step + 1 == t.steps) =>
+            {
+                Some(evaluate(&model, v, o)?)
+            }
+            _ => None,
+        };
+        let mem_gib = match o.device {
+            Device::Cuda(i) => {
+                crate::core::cuda::device(i)?.pool_usage()?.0 as f64 / (1u64 << 30) as f64
+            }
+            Device::Cpu => 0.0,
+        };
+        let entry = StepLog {
+            step,
+            loss,
+            lr,
+            grad_norm: norm,
+            ms: secs * 1e3,
+            tokens_per_s: tokens_per_step / secs,
+            mfu: flops_per_step / secs / (o.peak_tflops * 1e12),
+            data_wait: wait / secs,
+            val_loss,
+            mem_gib,
+            skipped: !finite,
+        };
+        on_step(&entry);
+        log.push(entry);
+    }
+    let warm = if log.len() > 4 { 3 } else { 0 };
+    let mut tps: Vec<f64> = log[warm..].iter().map(|l| l.tokens_per_s).collect();
+    let mut ms: Vec<f64> = log[warm..].iter().map(|l| l.ms).collect();
+    let mut wait: Vec<f64> = log[warm..].iter().map(|l| l.data_wait).collect();
+    let tokens_per_s = median(&mut tps);
+    let peak_gib = match o.device {
+        Device::Cuda(i) => {
+            crate::core::cuda::device(i)?.pool_usage()?.1 as f64 / (1u64 << 30) as f64
+        }
+        Device::Cpu => 0.0,
+    };
+    Ok(Summary {
+        model: o.model.name.clone(),
+        device: match o.device {
+            Device::Cuda(i) => crate::core::cuda::device(i)?.props().name.clone(),
+            Device::Cpu => "cpu".into(),
+        },
+        params: o.model.num_params(),
+        batch: t.batch,
+        seq: t.seq,
+        grad_accum: t.grad_accum,
+        steps: t.steps,
+        first_loss: log.first().map_or(f64::NAN, |l| l.loss),
+        last_loss: log.last().map_or(f64::NAN, |l| l.loss),
+        last_val_loss: log.iter().rev().find_map(|l| l.val_loss),
+        tokens_per_s,
+        step_ms: median(&mut ms),
+        mfu: flops_per_step / (tokens_per_step / tokens_per_s) / (o.peak_tflops * 1e12),
+        data_wait: median(&mut wait),
+        peak_gib,
+        log,
+    })
+}
