@@ -1,6 +1,7 @@
 //! `ferrite`: check, bench and build the op ladders from the command line.
 
 mod data_cmd;
+mod train_cmd;
 
 use clap::{Args, Parser, Subcommand};
 use ferrite::core::cuda::{self, jit};
@@ -37,6 +38,8 @@ enum Cmd {
     /// Token data: pack text into shards, inspect them, bench the streaming loader.
     #[command(subcommand)]
     Data(data_cmd::DataCmd),
+    /// Train a GPT from token shards (explicit forward/backward over ferrite's ops).
+    Train(Box<train_cmd::TrainArgs>),
 }
 
 #[derive(Args)]
@@ -452,6 +455,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench(a).map(|_| true),
         Cmd::Kernels(a) => kernels(a),
         Cmd::Data(c) => data_cmd::run(c),
+        Cmd::Train(a) => train_cmd::run(*a),
     };
     match r {
         Ok(true) => ExitCode::SUCCESS,

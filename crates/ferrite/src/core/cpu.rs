@@ -53,7 +53,37 @@ pub fn with_f32_out(t: &crate::Tensor, f: impl FnOnce(&mut [f32])) -> crate::Res
     } else {
         let mut buf = vec![0f32; t.numel()];
         f(&mut buf);
-        t.write_f32(&buf)
+        if t.is_contiguous() || t.numel() == 0 {
+            return t.write_f32(&buf);
+        }
+        // A view whose rows are contiguous but apart (a [N, V] view of a wider buffer): row by row.
+        let r = t.rank();
+        if r < 1 || t.strides()[r - 1] != 1 {
+            return Err(crate::Error::bad_arg(
+                "with_f32_out",
+                "t",
+                "a tensor whose last dim is contiguous",
+                crate::core::tensor::describe(t),
+            ));
+        }
+        let cols = t.shape()[r - 1];
+        let flat = t.reshape(&[t.numel() / cols.max(1), cols]).ok();
+        let rows = match flat {
+            Some(f) => f,
+            None if r == 2 => t.clone(),
+            None => {
+                return Err(crate::Error::bad_arg(
+                    "with_f32_out",
+                    "t",
+                    "a 2-D row-strided or contiguous tensor",
+                    crate::core::tensor::describe(t),
+                ))
+            }
+        };
+        for (i, chunk) in buf.chunks(cols.max(1)).enumerate() {
+            rows.narrow(0, i, 1)?.write_f32(chunk)?;
+        }
+        Ok(())
     }
 }
 

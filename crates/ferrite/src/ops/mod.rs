@@ -152,27 +152,34 @@ pub fn measure_ceilings(
                     (DType::F16, Precision::F16, "f16"),
                 ] {
                     progress(&format!("ceilings: cuBLAS {label} {n}³"));
-                    let dd = Device::Cuda(i);
-                    let a = Tensor::rand(&[n, n], dtype, dd, 1, -1.0, 1.0)?;
-                    let b = Tensor::rand(&[n, n], dtype, dd, 2, -1.0, 1.0)?;
-                    let o = Tensor::empty(&[n, n], dtype, dd)?;
-                    let g = matmul::validate(&a, &b, &o)?;
-                    let p = matmul::cuda::Ptrs {
-                        a: a.device_ptr()?,
-                        b: b.device_ptr()?,
-                        c: o.device_ptr()?,
-                    };
-                    let stream = dev.stream().clone();
-                    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| {
-                        matmul::cuda::cublas(&dev, &g, p, 1.0, 0.0, prec, &stream)
-                    })?;
-                    c.gpu_gemm_gflops
-                        .push((label.into(), g.flops() / (s.median_ms * 1e-3) / 1e9));
+                    let gflops = cublas_gflops(i, dtype, prec, n)?;
+                    c.gpu_gemm_gflops.push((label.into(), gflops));
                 }
             }
         }
     }
     Ok(c)
+}
+
+/// cuBLAS's rate (GFLOP/s, median of timed runs) for an n³ GEMM of `dtype` at `prec` on GPU `i`:
+/// the ceiling benches and the trainer's MFU are measured against.
+pub fn cublas_gflops(i: usize, dtype: DType, prec: Precision, n: usize) -> Result<f64> {
+    let dev = cuda::device(i)?;
+    let dd = Device::Cuda(i);
+    let a = Tensor::rand(&[n, n], dtype, dd, 1, -1.0, 1.0)?;
+    let b = Tensor::rand(&[n, n], dtype, dd, 2, -1.0, 1.0)?;
+    let o = Tensor::empty(&[n, n], dtype, dd)?;
+    let g = matmul::validate(&a, &b, &o)?;
+    let p = matmul::cuda::Ptrs {
+        a: a.device_ptr()?,
+        b: b.device_ptr()?,
+        c: o.device_ptr()?,
+    };
+    let stream = dev.stream().clone();
+    let s = time_gpu(&dev, &stream, Budget::gpu(), |_| {
+        matmul::cuda::cublas(&dev, &g, p, 1.0, 0.0, prec, &stream)
+    })?;
+    Ok(g.flops() / (s.median_ms * 1e-3) / 1e9)
 }
 
 /// One compiled kernel's resource report from ptxas.

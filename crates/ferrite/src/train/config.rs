@@ -45,6 +45,14 @@ impl ModelConfig {
         })
     }
 
+    /// The vocabulary rounded up to a multiple of 128 (GPT-2: 50257 → 50304): the rows the
+    /// embedding table and the classifier's GEMMs use, so their leading dimensions stay aligned
+    /// for the tensor-core paths. Rows past `vocab` are zero and stay zero (no token selects
+    /// them; their logits are 0 and cross-entropy sees only the first `vocab` columns).
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab.div_ceil(128) * 128
+    }
+
     pub fn head_dim(&self) -> usize {
         self.dim / self.heads.max(1)
     }

@@ -150,13 +150,15 @@ fn check_table(name: &str, w: &Tensor, like: &Tensor, channels: usize) -> Result
 }
 
 /// out [N, C] = wte[inputs] + wpe[position] with position = i mod `seq`. A token outside
-/// [0, V) gives a NaN row (the loss then says so) instead of reading out of bounds.
+/// [0, vocab) (vocab ≤ wte's rows) gives a NaN row (the loss then says so) instead of reading out
+/// of bounds.
 pub fn embed_forward(
     inputs: &Tensor,
     wte: &Tensor,
     wpe: Option<&Tensor>,
     out: &Tensor,
     seq: usize,
+    vocab: usize,
 ) -> Result<()> {
     let n = inputs.numel();
     expect(
@@ -188,7 +190,15 @@ pub fn embed_forward(
         &format!("contiguous i32 [B·{seq}]"),
         inputs,
     )?;
-    let v = wte.shape()[0];
+    if vocab > wte.shape()[0] {
+        return Err(Error::bad_arg(
+            OP,
+            "vocab",
+            format!("≤ wte's {} rows", wte.shape()[0]),
+            vocab,
+        ));
+    }
+    let v = vocab;
     match out.device() {
         Device::Cpu => {
             let ids = inputs.to_vec::<i32>()?;
@@ -235,13 +245,15 @@ pub fn embed_forward(
 
 /// dwte[inputs[i]] += dout[i] (summed per token in position order, fp32, no atomics: the same
 /// bits every run) and, when given, dwpe[t] = Σ_b dout[b, t] for t < seq (rows ≥ seq untouched).
-/// `keys`: a u64-sized scratch of ≥ min(N, SORT_N) elements as i32 pairs (`[2·SORT_N]` i32).
+/// Tokens outside [0, vocab) contribute nothing. `keys`: a u64-sized scratch of ≥ min(N, SORT_N)
+/// elements as i32 pairs (`[2·SORT_N]` i32).
 pub fn embed_backward(
     inputs: &Tensor,
     dout: &Tensor,
     dwte: &Tensor,
     dwpe: Option<&Tensor>,
     seq: usize,
+    vocab: usize,
     keys: Option<&Tensor>,
 ) -> Result<()> {
     let n = inputs.numel();
@@ -256,7 +268,15 @@ pub fn embed_backward(
     if let Some(p) = dwpe {
         check_table("dwpe", p, dout, c)?;
     }
-    let v = dwte.shape()[0];
+    if vocab > dwte.shape()[0] {
+        return Err(Error::bad_arg(
+            OP,
+            "vocab",
+            format!("≤ dwte's {} rows", dwte.shape()[0]),
+            vocab,
+        ));
+    }
+    let v = vocab;
     match dout.device() {
         Device::Cpu => {
             let ids = inputs.to_vec::<i32>()?;

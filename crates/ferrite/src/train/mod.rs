@@ -20,7 +20,7 @@ pub mod model;
 mod tests;
 
 pub use config::{ModelConfig, Schedule, TrainConfig};
-pub use model::{Gpt2, ModelOptions};
+pub use model::{Gpt2, ModelOptions, ProfileRow};
 
 use crate::core::device::Device;
 use crate::core::dtype::DType;
@@ -44,6 +44,8 @@ pub struct RunOptions {
     pub deterministic: bool,
     /// Dense bf16 peak in TFLOP/s that MFU is measured against.
     pub peak_tflops: f64,
+    /// Profile this step (0-based): per op, GPU and host time (in `Summary::profile`).
+    pub profile_step: Option<usize>,
 }
 
 /// One optimizer step as the log shows it.
@@ -84,6 +86,8 @@ pub struct Summary {
     pub mfu: f64,
     pub data_wait: f64,
     pub peak_gib: f64,
+    /// The profiled step's ops (empty unless asked for).
+    pub profile: Vec<ProfileRow>,
     pub log: Vec<StepLog>,
 }
 
@@ -188,7 +192,12 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
     let flops_per_step = o.model.flops_per_token(t.seq) * tokens_per_step;
     let mut log: Vec<StepLog> = Vec::with_capacity(t.steps);
     let dloss = 1.0 / t.grad_accum as f32;
+    let mut profile = Vec::new();
     for step in 0..t.steps {
+        let profiling = o.profile_step == Some(step);
+        if profiling {
+            model.profile_begin()?;
+        }
         let t0 = Instant::now();
         let wait0 = data.stats().wait_s;
         let mut loss = 0.0;
@@ -236,6 +245,9 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         // The step ends when the update is done (the next step's loss read waits for it anyway).
         let _ = scalar(model.sumsq_tensor()?)?;
         let secs = t0.elapsed().as_secs_f64();
+        if profiling {
+            profile = model.profile_end()?;
+        }
         let wait = data.stats().wait_s - wait0;
         let val_loss = match &val {
             Some(v)
@@ -297,6 +309,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         mfu: flops_per_step / (tokens_per_step / tokens_per_s) / (o.peak_tflops * 1e12),
         data_wait: median(&mut wait),
         peak_gib,
+        profile,
         log,
     })
 }

@@ -9,6 +9,7 @@
 use super::arena::{Arena, Layout};
 use super::config::ModelConfig;
 use super::glue;
+use crate::core::cuda::GpuTimer;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -20,7 +21,9 @@ use crate::ops::cross_entropy::{self, CrossEntropyOptions, GradOut, Reduction};
 use crate::ops::linear::{self, LinearOptions};
 use crate::ops::matmul::epilogue::Activation;
 use crate::ops::norm::{self, NormKind, NormOptions};
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::time::Instant;
 
 const EPS: f32 = 1e-5;
 
@@ -60,7 +63,7 @@ pub struct ParamLayout {
 
 impl ParamLayout {
     pub fn new(cfg: &ModelConfig) -> ParamLayout {
-        let (c, v, p) = (cfg.dim, cfg.vocab, cfg.max_seq);
+        let (c, v, p) = (cfg.dim, cfg.padded_vocab(), cfg.max_seq);
         let mut l = Layout::default();
         l.push("wte", &[v, c]);
         l.push("wpe", &[p, c]);
@@ -110,6 +113,8 @@ impl ParamLayout {
             let base = name.rsplit('.').next().unwrap_or(name);
             match base {
                 "ln1_w" | "ln2_w" | "lnf_w" => dst.fill(1.0),
+                // the padded vocabulary rows stay zero
+                "wte" => fill_normal(&mut dst[..cfg.vocab * cfg.dim], 0.02, &mut rng),
                 b if b.ends_with("_b") => {}
                 b => {
                     let std = if b == "proj_w" || b == "fcproj_w" {
@@ -238,7 +243,7 @@ struct Acts {
 
 impl Acts {
     fn new(cfg: &ModelConfig, b: usize, t: usize, dtype: DType, dev: Device) -> Result<Acts> {
-        let (c, h, d, v) = (cfg.dim, cfg.heads, cfg.head_dim(), cfg.vocab);
+        let (c, h, d, v) = (cfg.dim, cfg.heads, cfg.head_dim(), cfg.padded_vocab());
         let n = b * t;
         let e = |shape: &[usize]| Tensor::empty(shape, dtype, dev);
         let f = |shape: &[usize]| Tensor::empty(shape, DType::F32, dev);
@@ -297,6 +302,21 @@ impl Acts {
     }
 }
 
+struct Mark {
+    label: &'static str,
+    event: Option<GpuTimer>,
+    host: Instant,
+}
+
+/// One line of a step's profile.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ProfileRow {
+    pub label: String,
+    pub calls: usize,
+    pub gpu_ms: f64,
+    pub host_ms: f64,
+}
+
 /// Options of the model's op calls.
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
@@ -322,6 +342,8 @@ pub struct Gpt2 {
     acc_whole: Option<Tensor>,
     acc_plans: Vec<AdamWPlan>,
     grads_whole: Tensor,
+    /// Marks of a profiled step (see `profile_begin`).
+    prof: RefCell<Option<Vec<Mark>>>,
     // the views above borrow these arenas: declared last, dropped last
     param_arena: Arena,
     _grad_arena: Arena,
@@ -393,6 +415,7 @@ impl Gpt2 {
             acc_whole: None,
             acc_plans: vec![],
             grads_whole,
+            prof: RefCell::new(None),
             param_arena,
             _grad_arena: grad_arena,
             master_arena,
@@ -494,7 +517,10 @@ impl Gpt2 {
             // On the CPU the check is free; on the GPU a bad id shows as a NaN loss instead
             // (reading it back here would cost a synchronisation per step).
             let v = tokens.to_vec::<i32>()?;
-            if let Some(i) = v.iter().position(|&x| x < 0 || x as usize >= self.cfg.vocab) {
+            if let Some(i) = v
+                .iter()
+                .position(|&x| x < 0 || x as usize >= self.cfg.vocab)
+            {
                 let row = tokens.shape()[1];
                 return Err(Error::bad_arg(
                     "train",
@@ -504,7 +530,8 @@ impl Gpt2 {
                 ));
             }
         }
-        glue::split_tokens(tokens, &a.inputs, &a.targets)
+        glue::split_tokens(tokens, &a.inputs, &a.targets)?;
+        self.mark("tokens")
     }
 
     fn acts(&self) -> Result<&Acts> {
@@ -520,7 +547,8 @@ impl Gpt2 {
         let cfg = &self.cfg;
         let (b, t, c, h, d) = (a.batch, a.seq, cfg.dim, cfg.heads, cfg.head_dim());
         let p = &self.params;
-        glue::embed_forward(&a.inputs, &p.wte, Some(&p.wpe), &a.res[0], t)?;
+        glue::embed_forward(&a.inputs, &p.wte, Some(&p.wpe), &a.res[0], t, cfg.vocab)?;
+        self.mark("embed")?;
         let nopts = NormOptions {
             eps: EPS,
             ..Default::default()
@@ -547,11 +575,14 @@ impl Gpt2 {
                 &s.ln1_rstd,
                 &nopts,
             )?;
+            self.mark("layernorm")?;
             linear_fwd(&s.ln1, &w.qkv_w, Some(&w.qkv_b), None, &s.qkv, None, &lin)?;
+            self.mark("qkv")?;
             let base = s.qkv.layout().offset();
             let qv = |i: usize| s.qkv.as_strided(&[b, t, h, d], &qkv_strides, base + i * c);
             let o = s.att.reshape(&[b, t, h, d])?;
             attention::attention_forward_into(&qv(0)?, &qv(1)?, &qv(2)?, &o, &s.lse, None, &aopts)?;
+            self.mark("attention")?;
             linear_fwd(
                 &s.att,
                 &w.proj_w,
@@ -561,6 +592,7 @@ impl Gpt2 {
                 None,
                 &lin,
             )?;
+            self.mark("proj (+ residual)")?;
             layer_norm(
                 &s.mid,
                 &w.ln2_w,
@@ -570,6 +602,7 @@ impl Gpt2 {
                 &s.ln2_rstd,
                 &nopts,
             )?;
+            self.mark("layernorm")?;
             linear_fwd(
                 &s.ln2,
                 &w.fc_w,
@@ -579,6 +612,7 @@ impl Gpt2 {
                 Some(&s.fch_pre),
                 &gelu,
             )?;
+            self.mark("fc (+ bias, GELU)")?;
             linear_fwd(
                 &s.fch,
                 &w.fcproj_w,
@@ -588,6 +622,7 @@ impl Gpt2 {
                 None,
                 &lin,
             )?;
+            self.mark("fcproj (+ residual)")?;
         }
         let last = &a.res[cfg.layers];
         layer_norm(
@@ -599,7 +634,9 @@ impl Gpt2 {
             &a.lnf_rstd,
             &nopts,
         )?;
+        self.mark("layernorm")?;
         linear_fwd(&a.lnf, &p.wte, None, None, &a.logits, None, &lin)?;
+        self.mark("classifier")?;
         let ce = CrossEntropyOptions {
             reduction: Reduction::Mean,
             dloss: dloss.unwrap_or(1.0),
@@ -612,13 +649,14 @@ impl Gpt2 {
             GradOut::Skip
         };
         cross_entropy::cross_entropy_into(
-            &a.logits,
+            &a.logits.narrow(1, 0, cfg.vocab)?,
             &a.targets,
             &a.loss_rows,
             Some(&a.loss),
             grad,
             &ce,
-        )
+        )?;
+        self.mark("cross_entropy")
     }
 
     /// Backward after a training forward: every gradient written (overwritten) in `grads`.
@@ -645,6 +683,7 @@ impl Gpt2 {
             None,
             &lin,
         )?;
+        self.mark("classifier.bwd")?;
         layer_norm_bwd(
             &a.dln,
             &a.res[cfg.layers],
@@ -655,6 +694,7 @@ impl Gpt2 {
             &g.lnf_w,
             &g.lnf_b,
         )?;
+        self.mark("layernorm.bwd")?;
         let qkv_strides = [t * 3 * c, 3 * c, d, 1];
         for l in (0..cfg.layers).rev() {
             let (w, gw, s) = (&p.blocks[l], &g.blocks[l], &a.blocks[l]);
@@ -675,6 +715,7 @@ impl Gpt2 {
                 },
                 &lin,
             )?;
+            self.mark("fcproj.bwd (GELU' + fc bias in the epilogue)")?;
             linear_bwd(
                 &a.dfch,
                 &s.ln2,
@@ -686,6 +727,7 @@ impl Gpt2 {
                 None,
                 &lin,
             )?;
+            self.mark("fc.bwd")?;
             layer_norm_bwd(
                 &a.dln,
                 &s.mid,
@@ -696,7 +738,9 @@ impl Gpt2 {
                 &gw.ln2_w,
                 &gw.ln2_b,
             )?;
+            self.mark("layernorm.bwd")?;
             glue::add_inplace(&a.dres, &a.dtmp)?;
+            self.mark("residual add")?;
             // attention
             linear_bwd(
                 &a.dres,
@@ -709,6 +753,7 @@ impl Gpt2 {
                 None,
                 &lin,
             )?;
+            self.mark("proj.bwd")?;
             let base = s.qkv.layout().offset();
             let qv = |i: usize| s.qkv.as_strided(&[b, t, h, d], &qkv_strides, base + i * c);
             attention::attention_backward_into(
@@ -724,6 +769,7 @@ impl Gpt2 {
                 None,
                 &aopts,
             )?;
+            self.mark("attention.bwd")?;
             linear_bwd(
                 &a.dqkv,
                 &s.ln1,
@@ -735,6 +781,7 @@ impl Gpt2 {
                 None,
                 &lin,
             )?;
+            self.mark("qkv.bwd")?;
             layer_norm_bwd(
                 &a.dln,
                 &a.res[l],
@@ -745,9 +792,20 @@ impl Gpt2 {
                 &gw.ln1_w,
                 &gw.ln1_b,
             )?;
+            self.mark("layernorm.bwd")?;
             glue::add_inplace(&a.dres, &a.dtmp)?;
+            self.mark("residual add")?;
         }
-        glue::embed_backward(&a.inputs, &a.dres, &g.wte, Some(&g.wpe), t, Some(&a.keys))
+        glue::embed_backward(
+            &a.inputs,
+            &a.dres,
+            &g.wte,
+            Some(&g.wpe),
+            t,
+            cfg.vocab,
+            Some(&a.keys),
+        )?;
+        self.mark("embed.bwd")
     }
 
     /// After a micro-batch's backward with accumulation on: acc = grads (first) or acc += grads.
@@ -756,14 +814,16 @@ impl Gpt2 {
             .acc_whole
             .as_ref()
             .ok_or_else(|| Error::Other("train: accumulation not enabled".into()))?;
-        glue::accumulate(acc, &self.grads_whole, first)
+        glue::accumulate(acc, &self.grads_whole, first)?;
+        self.mark("accumulate")
     }
 
     /// Σ g² of the step's gradient (accumulated if enabled) into `sumsq_tensor()`.
     pub fn grad_sumsq(&self) -> Result<()> {
         let a = self.acts()?;
         let g = self.acc_whole.as_ref().unwrap_or(&self.grads_whole);
-        glue::sumsq(g, Some(&a.parts), &a.sumsq)
+        glue::sumsq(g, Some(&a.parts), &a.sumsq)?;
+        self.mark("grad norm")
     }
 
     /// One AdamW step over both groups (weight decay on the first only).
@@ -801,14 +861,76 @@ impl Gpt2 {
         Ok(())
     }
 
+    /// Starts profiling: from here each op records a mark (a GPU event and the host clock) until
+    /// `profile_end`. Costs an event record per op; meant for one step.
+    pub fn profile_begin(&self) -> Result<()> {
+        *self.prof.borrow_mut() = Some(Vec::new());
+        self.mark("start")
+    }
+
+    /// Ends profiling: per label, calls, GPU ms (time between the previous op's mark and this
+    /// one's on the stream) and host ms (the same on the host clock), in first-seen order.
+    pub fn profile_end(&self) -> Result<Vec<ProfileRow>> {
+        let Some(marks) = self.prof.borrow_mut().take() else {
+            return Ok(vec![]);
+        };
+        let mut rows: Vec<ProfileRow> = Vec::new();
+        for w in marks.windows(2) {
+            let gpu = match (&w[0].event, &w[1].event) {
+                (Some(a), Some(b)) => a.gap_ms(b)?,
+                _ => 0.0,
+            };
+            let host = (w[1].host - w[0].host).as_secs_f64() * 1e3;
+            match rows.iter_mut().find(|r| r.label == w[1].label) {
+                Some(r) => {
+                    r.calls += 1;
+                    r.gpu_ms += gpu;
+                    r.host_ms += host;
+                }
+                None => rows.push(ProfileRow {
+                    label: w[1].label.to_string(),
+                    calls: 1,
+                    gpu_ms: gpu,
+                    host_ms: host,
+                }),
+            }
+        }
+        Ok(rows)
+    }
+
+    fn mark(&self, label: &'static str) -> Result<()> {
+        let mut p = self.prof.borrow_mut();
+        let Some(marks) = p.as_mut() else {
+            return Ok(());
+        };
+        let event = match self.device {
+            crate::core::device::Device::Cuda(i) => {
+                let dev = crate::core::cuda::device(i)?;
+                let t = GpuTimer::new(&dev)?;
+                t.start(dev.stream())?;
+                t.stop(dev.stream())?;
+                Some(t)
+            }
+            crate::core::device::Device::Cpu => None,
+        };
+        marks.push(Mark {
+            label,
+            event,
+            host: Instant::now(),
+        });
+        Ok(())
+    }
+
     pub fn loss_tensor(&self) -> Result<&Tensor> {
         Ok(&self.acts()?.loss)
     }
     pub fn sumsq_tensor(&self) -> Result<&Tensor> {
         Ok(&self.acts()?.sumsq)
     }
-    pub fn logits(&self) -> Result<&Tensor> {
-        Ok(&self.acts()?.logits)
+    /// The logits `[B·T, vocab]` (a view of the padded buffer) after a forward without
+    /// gradient.
+    pub fn logits(&self) -> Result<Tensor> {
+        self.acts()?.logits.narrow(1, 0, self.cfg.vocab)
     }
     /// The flat parameter buffer (checkpoints, tests).
     pub fn param_buffer(&self) -> &Tensor {

@@ -124,6 +124,7 @@ fn opts(dir: &std::path::Path, model: ModelConfig, steps: usize) -> RunOptions {
         },
         deterministic: true,
         peak_tflops: 1.0,
+        profile_step: Some(1),
     }
 }
 
@@ -153,6 +154,22 @@ fn loss_falls_on_structured_data_and_runs_repeat_bitwise() {
     );
     assert!(a.last_val_loss.unwrap() < 2.5, "val {:?}", a.last_val_loss);
     assert!(a.log.iter().all(|l| l.grad_norm.is_finite() && l.lr > 0.0));
+    // the profiled step names every op family it ran, each with host time
+    let labels: Vec<&str> = a.profile.iter().map(|r| r.label.as_str()).collect();
+    for l in [
+        "embed",
+        "attention",
+        "attention.bwd",
+        "cross_entropy",
+        "embed.bwd",
+        "grad norm",
+    ] {
+        assert!(
+            labels.contains(&l),
+            "{l} missing from the profile {labels:?}"
+        );
+    }
+    assert!(a.profile.iter().all(|r| r.calls > 0 && r.host_ms >= 0.0));
     let b = run(&o, &mut |_| {}).unwrap();
     let la: Vec<u64> = a.log.iter().map(|l| l.loss.to_bits()).collect();
     let lb: Vec<u64> = b.log.iter().map(|l| l.loss.to_bits()).collect();
@@ -227,7 +244,10 @@ fn bad_configurations_are_clear_errors() {
     // tokens ≥ the vocabulary (ids up to 499 for a model of 100)
     let o = opts(&dir, small(100), 2);
     let e = run(&o, &mut |_| {}).unwrap_err().to_string();
-    assert!(e.contains("tokens") && e.contains("[0, 100)") && e.contains("row"), "{e}");
+    assert!(
+        e.contains("tokens") && e.contains("[0, 100)") && e.contains("row"),
+        "{e}"
+    );
     // missing data
     let o = opts(&dir.join("nope"), small(128), 2);
     assert!(run(&o, &mut |_| {}).is_err());
@@ -237,4 +257,77 @@ fn bad_configurations_are_clear_errors() {
     let e = run(&opts(&dir, m, 2), &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("divisor of dim 32"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The bf16 GPU model against the f32 CPU model from the same initial weights and tokens: the
+/// loss, every parameter tensor's gradient, and the losses of a few optimizer steps.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matches_cpu() {
+    let cfg = ModelConfig {
+        name: "test".into(),
+        vocab: 1003,
+        max_seq: 160,
+        layers: 2,
+        heads: 3,
+        dim: 192,
+    };
+    let (b, t) = (3, 130);
+    let mk = |dev, dt| {
+        let mut m = Gpt2::new(
+            &cfg,
+            dt,
+            dev,
+            11,
+            ModelOptions {
+                deterministic: true,
+            },
+        )
+        .unwrap();
+        m.prepare(b, t).unwrap();
+        m
+    };
+    let cpu = mk(Device::Cpu, DType::F32);
+    let gpu = mk(Device::Cuda(0), DType::BF16);
+    let hp = |step| crate::ops::adamw::AdamWHyper {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step,
+        grad_scale: 1.0,
+    };
+    for step in 0..4u64 {
+        let tok = tokens(b, t, cfg.vocab, 100 + step);
+        cpu.load_tokens(&tok).unwrap();
+        gpu.load_tokens(&tok.to_device(Device::Cuda(0)).unwrap())
+            .unwrap();
+        gpu.grad_buffer().poison(None).unwrap();
+        for m in [&cpu, &gpu] {
+            m.forward(Some(1.0)).unwrap();
+            m.backward().unwrap();
+        }
+        let lc = cpu.loss_tensor().unwrap().to_vec::<f32>().unwrap()[0];
+        let lg = gpu.loss_tensor().unwrap().to_vec::<f32>().unwrap()[0];
+        assert!(
+            (lc - lg).abs() < 0.02 * lc.abs(),
+            "step {step}: loss cpu {lc}, gpu {lg}"
+        );
+        if step == 0 {
+            let gc = cpu.grad_buffer().to_f64_vec().unwrap();
+            let gg = gpu.grad_buffer().to_f64_vec().unwrap();
+            for (name, off, shape) in &cpu.layout.layout.slots {
+                let n: usize = shape.iter().product();
+                // wpe rows ≥ T get no gradient: the GPU leaves them as they were (poisoned here)
+                let n = if name == "wpe" { t * cfg.dim } else { n };
+                let (c, g) = (&gc[*off..off + n], &gg[*off..off + n]);
+                let e = crate::core::harness::check::rel_error(g, c);
+                assert!(e < 3e-2, "{name}: relative gradient error {e:.3e}");
+            }
+        }
+        for m in [&cpu, &gpu] {
+            m.optimizer_step(&hp(step + 1)).unwrap();
+        }
+    }
 }

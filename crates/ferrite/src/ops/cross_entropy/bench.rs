@@ -125,6 +125,7 @@ fn bench_gpu(
             let p = Problem {
                 rows: n,
                 vocab: v,
+                ld: v,
                 dtype,
                 target_dtype: DType::I64,
                 device: d,

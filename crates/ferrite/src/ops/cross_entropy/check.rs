@@ -36,6 +36,9 @@ pub struct Case {
     /// Some logits −inf (masked classes, never the target): a contiguous prefix of the even rows
     /// (whole 16-byte vectors and whole threads' first vectors) and ~40 % scattered elsewhere.
     pub masked: bool,
+    /// Columns past V in each row of the logits (and dlogits) buffer: the op sees a [N, V] view
+    /// with row stride V + pad (a vocabulary padded for the GEMMs); the pad must stay untouched.
+    pub pad: usize,
 }
 
 pub fn cases(quick: bool) -> Vec<Case> {
@@ -51,6 +54,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
         ignore_index,
         range,
         masked: false,
+        pad: 0,
     };
     let mut v = vec![
         c(1, 1, Mean, 0.0, Into, DType::I64, -100, 1.0),
@@ -62,6 +66,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
         Case {
             masked: true,
             ..c(37, 3001, Mean, 0.0, Into, DType::I64, -100, 8.0)
+        },
+        Case {
+            pad: 47,
+            ..c(65, 50257, Mean, 0.0, InPlace, DType::I32, -100, 8.0)
+        },
+        Case {
+            pad: 13,
+            ..c(9, 1001, Sum, 0.1, Into, DType::I64, -100, 8.0)
         },
     ];
     if !quick {
@@ -177,14 +189,38 @@ fn check_one(
         }
         logits.write_f32(&x)?;
     }
-    let logits = logits.to_device(dev)?;
+    let ld = v + c.pad;
+    // The buffers are [n, ld]; the op sees their [n, v] views. Pad columns hold a sentinel.
+    const SENTINEL: f64 = 1024.0; // exact in every float dtype
+    let padded = |t: &Tensor| -> Result<Tensor> {
+        let x = t.to_f32_vec()?;
+        let mut buf = vec![SENTINEL as f32; n * ld];
+        for r in 0..n {
+            buf[r * ld..r * ld + v].copy_from_slice(&x[r * v..(r + 1) * v]);
+        }
+        let b = Tensor::from_vec(buf, &[n, ld])?.to_device(Device::Cpu)?;
+        let b = if dtype == DType::F32 {
+            b
+        } else {
+            let o = Tensor::empty(&[n, ld], dtype, Device::Cpu)?;
+            o.write_f32(&b.to_f32_vec()?)?;
+            o
+        };
+        b.to_device(dev)
+    };
+    let logits_buf = padded(&logits)?;
+    let logits = logits_buf.narrow(1, 0, v)?;
     let targets = target_tensor(&t, c.targets, dev)?;
     let x = logits.to_f64_vec()?;
     let loss_rows = Tensor::empty(&[n], DType::F32, dev)?;
     let loss = Tensor::empty(&[1], DType::F32, dev)?;
-    let g = Tensor::empty(&[n, v], dtype, dev)?;
-    for o in [&loss_rows, &loss, &g] {
+    let g_buf = padded(&Tensor::full(&[n, v], DType::F32, Device::Cpu, f64::NAN)?)?;
+    let g = g_buf.narrow(1, 0, v)?;
+    for o in [&loss_rows, &loss] {
         o.poison(None)?;
+    }
+    if c.pad == 0 {
+        g.poison(None)?;
     }
     let dloss = 0.5 + (seed % 1000) as f32 / 1000.0;
     let opts = CrossEntropyOptions {
@@ -219,6 +255,17 @@ fn check_one(
         Grad::Skip => {}
         Grad::Into => errs.push(("dlogits", rel_error(&g.to_f64_vec()?, &rg))),
         Grad::InPlace => errs.push(("dlogits (in place)", rel_error(&logits.to_f64_vec()?, &rg))),
+    }
+    if c.pad > 0 {
+        for (nm, b) in [("logits padding", &logits_buf), ("dlogits padding", &g_buf)] {
+            let vals = b.to_f64_vec()?;
+            let touched = (0..n).any(|r| {
+                vals[r * ld + v..(r + 1) * ld]
+                    .iter()
+                    .any(|&x| x != SENTINEL)
+            });
+            errs.push((nm, if touched { f64::INFINITY } else { 0.0 }));
+        }
     }
     let (name, e) = errs.iter().fold(("", 0.0f64), |w, &(nm, e)| {
         if e > w.1 || e.is_nan() {

@@ -296,7 +296,7 @@ pub fn launch(
     opts: &CrossEntropyOptions,
 ) -> Result<()> {
     let prog = program(p.dtype, p.target_dtype);
-    let (n, v) = (p.rows as i64, p.vocab as i64);
+    let (n, v, ld) = (p.rows as i64, p.vocab as i64, p.ld as i64);
     let mean = (opts.reduction == Reduction::Mean) as i32;
     let status = scratch.status.ptr();
     let grid = (rows::grid(p.rows), 1, 1);
@@ -320,6 +320,7 @@ pub fn launch(
             .push(status)
             .push(n)
             .push(v)
+            .push(ld)
             .push(opts.ignore_index)
             .push(opts.label_smoothing)
             .push(opts.dloss)
@@ -336,7 +337,7 @@ pub fn launch(
             let threads = rows::threads_scalar(p.vocab);
             let k = dev.kernel(&prog, "ce_naive_logsoftmax")?;
             let mut a = KernelArgs::new();
-            a.push(logp).push(ptrs.logits).push(n).push(v);
+            a.push(logp).push(ptrs.logits).push(n).push(v).push(ld);
             k.launch(stream, grid, (threads, 1, 1), 0, &mut a)?;
 
             let k = dev.kernel(&prog, "ce_naive_loss")?;
@@ -359,6 +360,7 @@ pub fn launch(
                     .push(status)
                     .push(n)
                     .push(v)
+                    .push(ld)
                     .push(opts.ignore_index)
                     .push(opts.label_smoothing)
                     .push(opts.dloss)

@@ -167,6 +167,8 @@ impl Default for CrossEntropyOptions {
 pub struct Problem {
     pub rows: usize,
     pub vocab: usize,
+    /// Elements from one row of the logits to the next (≥ vocab).
+    pub ld: usize,
     pub dtype: DType,
     pub target_dtype: DType,
     pub device: Device,
@@ -181,18 +183,20 @@ fn validate(
     opts: &CrossEntropyOptions,
 ) -> Result<Problem> {
     if logits.rank() != 2
-        || !logits.is_contiguous()
+        || logits.strides()[1] != 1
+        || logits.strides()[0] < logits.shape()[1]
         || !FLOATS.contains(&logits.dtype())
         || logits.numel() == 0
     {
         return Err(Error::bad_arg(
             OP,
             "logits",
-            "a contiguous f32/f16/bf16 tensor [N, V] with N, V ≥ 1",
+            "an f32/f16/bf16 tensor [N, V] with N, V ≥ 1, rows contiguous (row stride ≥ V)",
             describe(logits),
         ));
     }
     let (n, v) = (logits.shape()[0], logits.shape()[1]);
+    let ld = logits.strides()[0];
     let dev = logits.device();
     if targets.shape() != [n]
         || !targets.is_contiguous()
@@ -263,13 +267,16 @@ fn validate(
     if let GradOut::Into(g) = grad {
         if g.shape() != logits.shape()
             || g.dtype() != logits.dtype()
-            || !g.is_contiguous()
+            || g.strides() != logits.strides()
             || g.device() != dev
         {
             return Err(Error::bad_arg(
                 OP,
                 "dlogits",
-                format!("a contiguous tensor like `logits` ({})", describe(logits)),
+                format!(
+                    "a tensor like `logits`, with its strides ({})",
+                    describe(logits)
+                ),
                 describe(g),
             ));
         }
@@ -289,6 +296,7 @@ fn validate(
     Ok(Problem {
         rows: n,
         vocab: v,
+        ld,
         dtype: logits.dtype(),
         target_dtype: targets.dtype(),
         device: dev,

@@ -6,6 +6,9 @@
 //   dx_ij  = scale · (softmax(x_i)_j − (1−ε)·[j = t_i] − ε/V)     (0 for an ignored row)
 //   scale  = dloss / (number of non-ignored rows) for `mean`, dloss for `sum` / `none`
 //
+// Rows of x and dx are `ld` elements apart (ld ≥ V, the last dim contiguous): the logits may be a
+// [N, V] view of a wider buffer, e.g. a vocabulary padded for the classifier's GEMMs.
+//
 // Specialisation: -DFE_ELEM=<logits/grad storage type>, -DFE_TGT=<target type: long long | int>.
 // Arithmetic in fp32; exp through exp2f with log2(e) folded in.
 //
@@ -128,10 +131,10 @@ __device__ __forceinline__ float grad_scale(const Status* status, float dloss, i
 // ---------------------------------------------------------------- unfused (CUDA `naive`)
 
 extern "C" __global__ void ce_naive_logsoftmax(float* __restrict__ logp, const T* __restrict__ x,
-                                               i64 n, i64 v) {
+                                               i64 n, i64 v, i64 ld) {
   __shared__ float red[64];
   for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
-    const T* xr = x + row * v;
+    const T* xr = x + row * ld;
     float m = f_ninf();
     for (i64 c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, to_float(xr[c]));
     m = block_max(m, red);
@@ -167,7 +170,7 @@ extern "C" __global__ void ce_naive_loss(float* __restrict__ loss_rows,
 
 extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __restrict__ logp,
                                          const TG* __restrict__ tgt, const Status* status, i64 n,
-                                         i64 v, i64 ignore, float smoothing, float dloss,
+                                         i64 v, i64 ld, i64 ignore, float smoothing, float dloss,
                                          int mean) {
   const float scale = grad_scale(status, dloss, mean);
   const float off = smoothing / (float)v;
@@ -180,7 +183,7 @@ extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __rest
       if (!ok) g = f_nan();
       else if (ignored) g = 0.f;
       else g = scale * (expf(logp[row * v + c]) - off - (c == t ? 1.f - smoothing : 0.f));
-      dx[row * v + c] = from_float<T>(g);
+      dx[row * ld + c] = from_float<T>(g);
     }
   }
 }
@@ -191,17 +194,17 @@ extern "C" __global__ void ce_naive_grad(T* __restrict__ dx, const float* __rest
 // A row the loss skips (ignored target: loss and gradient 0) or cannot take (target out of range:
 // NaN, the documented unchecked behaviour): every thread of the block calls it.
 // `ce_cluster` writes its block's share [c0, c1) of the row, the loss from one block only.
-__device__ __forceinline__ void write_skipped_range(T* dx, float* loss_rows, i64 row, i64 v, bool ok,
+__device__ __forceinline__ void write_skipped_range(T* dx, float* loss_rows, i64 row, i64 ld, bool ok,
                                                     i64 c0, i64 c1, bool writes_loss) {
   const float g = ok ? 0.f : f_nan();
   if (writes_loss && threadIdx.x == 0) loss_rows[row] = g;
   if (dx) {
-    T* gr = dx + row * v;
+    T* gr = dx + row * ld;
     for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) gr[c] = from_float<T>(g);
   }
 }
-__device__ __forceinline__ void write_skipped_row(T* dx, float* loss_rows, i64 row, i64 v, bool ok) {
-  write_skipped_range(dx, loss_rows, row, v, ok, 0, v, true);
+__device__ __forceinline__ void write_skipped_row(T* dx, float* loss_rows, i64 row, i64 v, i64 ld, bool ok) {
+  write_skipped_range(dx, loss_rows, row, ld, ok, 0, v, true);
 }
 
 // Elements before a row's first 16-byte boundary (the scalar head; at most v).
@@ -223,19 +226,19 @@ __device__ __forceinline__ void online_add(float& m, float& s, const float* y, i
 // `dx` may equal `x` (in place): no __restrict__ on either. `dx` is null when no gradient is
 // wanted. Requires dx ≡ x (mod 16 bytes) so both rows split into the same head/vectors/tail.
 extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const T* x,
-                                    const TG* __restrict__ tgt, const Status* status, i64 n, i64 v,
+                                    const TG* __restrict__ tgt, const Status* status, i64 n, i64 v, i64 ld,
                                     i64 ignore, float smoothing, float dloss, int mean) {
   __shared__ float red[64];
   const float scale = dx ? grad_scale(status, dloss, mean) : 0.f;
   const float off = smoothing / (float)v;
   for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
-    const T* xr = x + row * v;
+    const T* xr = x + row * ld;
     const i64 t = (i64)tgt[row];
     bool ignored;
     const bool ok = target_ok(t, v, ignore, ignored);
     // Every thread of the block takes the same branch (t is per row).
     if (!ok || ignored) {
-      write_skipped_row(dx, loss_rows, row, v, ok);
+      write_skipped_row(dx, loss_rows, row, v, ld, ok);
       continue;
     }
     // Target logit, read before the barriers below (in place, pass 2 overwrites it).
@@ -282,7 +285,7 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
     if (!dx) continue;
 
     // Pass 2: p_j = 2^(y_j − M) / S, dx = scale·(p − ε/V − (1−ε)[j = t]).
-    T* gr = dx + row * v;
+    T* gr = dx + row * ld;
     Vec* gv = reinterpret_cast<Vec*>(gr + head);
     const float hit = 1.f - smoothing;
     for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
@@ -355,7 +358,7 @@ __device__ __forceinline__ Vec resident_grad_vec(const Vec a, float M, float pa,
 // block at ≤ 32 registers so two share an SM.
 extern "C" __global__ void __launch_bounds__(1024, 2)
     ce_resident(T* dx, float* __restrict__ loss_rows, const T* x, const TG* __restrict__ tgt,
-                const Status* status, i64 n, i64 v, i64 ignore, float smoothing, float dloss,
+                const Status* status, i64 n, i64 v, i64 ld, i64 ignore, float smoothing, float dloss,
                 int mean, i64 cap) {
   __shared__ float red[64];
   extern __shared__ __align__(16) unsigned char ce_smem[];
@@ -363,12 +366,12 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
   const float scale = dx ? grad_scale(status, dloss, mean) : 0.f;
   const float off = smoothing / (float)v;
   for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
-    const T* xr = x + row * v;
+    const T* xr = x + row * ld;
     const i64 t = (i64)tgt[row];
     bool ignored;
     const bool ok = target_ok(t, v, ignore, ignored);
     if (!ok || ignored) {
-      write_skipped_row(dx, loss_rows, row, v, ok);
+      write_skipped_row(dx, loss_rows, row, v, ld, ok);
       continue;
     }
     const float xt = threadIdx.x == 0 ? to_float(xr[t]) : 0.f;
@@ -419,7 +422,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     if (!dx) continue;
 
     // Pass 2: dx_j = 2^(x_j·log2e − M)·(scale/S) − scale·(ε/V + (1−ε)[j = t]).
-    T* gr = dx + row * v;
+    T* gr = dx + row * ld;
     Vec* gv = reinterpret_cast<Vec*>(gr + head);
     const float hit = 1.f - smoothing;
     for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
@@ -492,7 +495,7 @@ __device__ __forceinline__ float4 ce_ld_cluster(const float4* local, unsigned ra
 
 extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(640, 2)
     ce_cluster(T* dx, float* __restrict__ loss_rows, const T* x, const TG* __restrict__ tgt,
-               const Status* status, i64 n, i64 v, i64 ignore, float smoothing, float dloss, int mean,
+               const Status* status, i64 n, i64 v, i64 ld, i64 ignore, float smoothing, float dloss, int mean,
                i64 per) {
   constexpr unsigned C = FE_CLUSTER;
   __shared__ float red[64];
@@ -504,7 +507,7 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
   const float off = smoothing / (float)v;
   int parity = 0;
   for (i64 row = blockIdx.x / C; row < n; row += gridDim.x / C) {
-    const T* xr = x + row * v;
+    const T* xr = x + row * ld;
     const i64 t = (i64)tgt[row];
     const i64 head = row_head(xr, v), nvec = (v - head) / VEC, tail = head + nvec * VEC;
     // This block's vectors [v0, v1) and elements [c0, c1) of the row.
@@ -513,7 +516,7 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
     bool ignored;
     const bool ok = target_ok(t, v, ignore, ignored);
     if (!ok || ignored) {  // the same branch in every block of the cluster: no barrier skipped
-      write_skipped_range(dx, loss_rows, row, v, ok, c0, c1, rank == 0);
+      write_skipped_range(dx, loss_rows, row, ld, ok, c0, c1, rank == 0);
       continue;
     }
     const float xt = (rank == 0 && threadIdx.x == 0) ? to_float(xr[t]) : 0.f;
@@ -562,7 +565,7 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
     }
     if (!dx) continue;
 
-    T* gr = dx + row * v;
+    T* gr = dx + row * ld;
     Vec* gv = reinterpret_cast<Vec*>(gr + head);
     const float hit = 1.f - smoothing;
     auto grad_scalar = [&](i64 c) {

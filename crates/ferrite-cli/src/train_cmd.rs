@@ -1,0 +1,310 @@
+//! `ferrite train`: a GPT from token shards, a progress line per step, a JSON log and a loss curve.
+
+use clap::Args;
+use ferrite::core::cuda;
+use ferrite::core::harness::Precision;
+use ferrite::train::{self, ModelConfig, Schedule, StepLog, TrainConfig};
+use ferrite::{DType, Device, Error, Result};
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Training shards: a folder with index.json (from `ferrite data pack`) or one shard file.
+    #[arg(long)]
+    data: PathBuf,
+    /// Validation shards.
+    #[arg(long)]
+    val_data: Option<PathBuf>,
+    /// gpt2-124m, gpt2-350m, gpt2-774m or gpt2-tiny.
+    #[arg(long, default_value = "gpt2-124m")]
+    model: String,
+    /// cpu, cuda or cuda:N (default: cuda:0 when a GPU is usable, else cpu).
+    #[arg(long)]
+    device: Option<String>,
+    /// Sequences per micro-batch.
+    #[arg(long, short = 'b', default_value_t = 16)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, short = 't', default_value_t = 1024)]
+    seq: usize,
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f64,
+    /// The final learning rate as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_frac: f64,
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// cosine, wsd or constant.
+    #[arg(long, default_value = "cosine")]
+    schedule: String,
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f64,
+    /// Global gradient-norm clip (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Evaluate on --val-data every N steps (0: never).
+    #[arg(long, default_value_t = 0)]
+    val_every: usize,
+    #[arg(long, default_value_t = 8)]
+    val_batches: usize,
+    /// Attention backward without atomics: the same bits every run.
+    #[arg(long)]
+    deterministic: bool,
+    /// Skip (and log) updates whose loss or gradient is not finite instead of stopping.
+    #[arg(long)]
+    skip_nonfinite: bool,
+    /// Dense bf16 peak (TFLOP/s) for MFU (default: the device's measured cuBLAS bf16 rate, or 1
+    /// on the CPU).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// Write the run (settings, every step, summary) as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the loss curve as SVG.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Profile this step (1-based): GPU and host time per op, printed after the run.
+    #[arg(long)]
+    profile_step: Option<usize>,
+    /// Print one line every N steps (the first and last always).
+    #[arg(long, default_value_t = 1)]
+    print_every: usize,
+}
+
+fn device_of(spec: Option<&str>) -> Result<Device> {
+    match spec {
+        Some(s) => {
+            let d = Device::parse(s)?;
+            if let Device::Cuda(i) = d {
+                cuda::device(i)?;
+            }
+            Ok(d)
+        }
+        None => Ok(match cuda::availability() {
+            Ok(n) if n > 0 => Device::Cuda(0),
+            Ok(_) => Device::Cpu,
+            Err(e) => {
+                eprintln!("note: training on the CPU: {e}");
+                Device::Cpu
+            }
+        }),
+    }
+}
+
+/// The bf16 GEMM rate measured on this GPU (cuBLAS, 4096³), for MFU.
+fn measured_peak(device: Device) -> Result<f64> {
+    match device {
+        Device::Cpu => Ok(1.0),
+        Device::Cuda(i) => {
+            eprintln!("measuring the bf16 GEMM peak (cuBLAS 4096³) for MFU …");
+            Ok(ferrite::ops::cublas_gflops(i, DType::BF16, Precision::Bf16, 4096)? / 1e3)
+        }
+    }
+}
+
+fn line(l: &StepLog, steps: usize) -> String {
+    let mut s = format!(
+        "step {:>5}/{steps} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tok/s | MFU {:.1}% | data wait {:.2}%",
+        l.step + 1,
+        l.loss,
+        l.lr,
+        l.grad_norm,
+        l.ms,
+        l.tokens_per_s,
+        l.mfu * 100.0,
+        l.data_wait * 100.0
+    );
+    if l.mem_gib > 0.0 {
+        s.push_str(&format!(" | {:.2} GiB", l.mem_gib));
+    }
+    if let Some(v) = l.val_loss {
+        s.push_str(&format!(" | val {v:.4}"));
+    }
+    if l.skipped {
+        s.push_str(" | update skipped (non-finite)");
+    }
+    s
+}
+
+/// A loss-curve SVG (train loss per step, validation points).
+fn loss_svg(log: &[StepLog], title: &str) -> String {
+    let (w, h, pad) = (720.0, 360.0, 48.0);
+    let finite: Vec<f64> = log
+        .iter()
+        .map(|l| l.loss)
+        .filter(|x| x.is_finite())
+        .collect();
+    let lo = finite.iter().cloned().fold(f64::INFINITY, f64::min).min(
+        log.iter()
+            .filter_map(|l| l.val_loss)
+            .fold(f64::INFINITY, f64::min),
+    );
+    let hi = finite.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo, hi)
+    } else {
+        (0.0, 1.0)
+    };
+    let n = log.len().max(2) as f64 - 1.0;
+    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / n;
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * (v - lo) / (hi - lo);
+    let pts: Vec<String> = log
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.loss.is_finite())
+        .map(|(i, l)| format!("{:.1},{:.1}", x(i), y(l.loss)))
+        .collect();
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\
+         <text x=\"{pad}\" y=\"24\" font-size=\"14\">{title}</text>\
+         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"#444\"/>\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"#444\"/>\
+         <text x=\"4\" y=\"{yt:.1}\">{hi:.2}</text><text x=\"4\" y=\"{yb:.1}\">{lo:.2}</text>\
+         <text x=\"{r}\" y=\"{xl}\" text-anchor=\"end\">step {steps}</text>\
+         <polyline fill=\"none\" stroke=\"#c0392b\" stroke-width=\"1.5\" points=\"{p}\"/>",
+        b = h - pad,
+        r = w - pad,
+        yt = pad + 4.0,
+        yb = h - pad,
+        xl = h - pad + 18.0,
+        steps = log.len(),
+        p = pts.join(" ")
+    );
+    for (i, l) in log.iter().enumerate() {
+        if let Some(v) = l.val_loss {
+            s.push_str(&format!(
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"#2c3e50\"/>",
+                x(i),
+                y(v)
+            ));
+        }
+    }
+    s.push_str("<text x=\"560\" y=\"44\" fill=\"#c0392b\">train loss</text><text x=\"560\" y=\"60\" fill=\"#2c3e50\">● validation</text></svg>\n");
+    s
+}
+
+pub fn run(a: TrainArgs) -> Result<bool> {
+    let device = device_of(a.device.as_deref())?;
+    let model = ModelConfig::preset(&a.model)?;
+    let dtype = if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let cfg = TrainConfig {
+        batch: a.batch,
+        seq: a.seq,
+        grad_accum: a.grad_accum,
+        steps: a.steps,
+        lr: a.lr,
+        min_lr_frac: a.min_lr_frac,
+        warmup: a.warmup,
+        schedule: Schedule::parse(&a.schedule)?,
+        weight_decay: a.weight_decay,
+        clip: a.clip,
+        seed: a.seed,
+        val_every: a.val_every,
+        val_batches: a.val_batches,
+        skip_nonfinite: a.skip_nonfinite,
+        ..Default::default()
+    };
+    if a.print_every == 0 {
+        return Err(Error::bad_arg("train", "--print-every", "≥ 1", 0));
+    }
+    let peak = match a.peak_tflops {
+        Some(p) if p.is_finite() && p > 0.0 => p,
+        Some(p) => return Err(Error::bad_arg("train", "--peak-tflops", "a number > 0", p)),
+        None => measured_peak(device)?,
+    };
+    let o = train::RunOptions {
+        data: a.data.clone(),
+        val_data: a.val_data.clone(),
+        device,
+        dtype,
+        model: model.clone(),
+        train: cfg.clone(),
+        deterministic: a.deterministic,
+        peak_tflops: peak,
+        profile_step: a.profile_step.map(|s| s.saturating_sub(1)),
+    };
+    eprintln!(
+        "training {} ({:.1} M parameters) on {device} in {dtype}: B {} × T {} × accumulation {} = {} tokens per step, {} steps",
+        model.name,
+        model.num_params() as f64 / 1e6,
+        cfg.batch,
+        cfg.seq,
+        cfg.grad_accum,
+        cfg.batch * cfg.seq * cfg.grad_accum,
+        cfg.steps
+    );
+    let steps = cfg.steps;
+    let every = a.print_every;
+    let s = train::run(&o, &mut |l| {
+        if l.step % every == 0 || l.step + 1 == steps || l.val_loss.is_some() || l.skipped {
+            println!("{}", line(l, steps));
+        }
+    })?;
+    println!(
+        "done: {} steps, loss {:.4} → {:.4}{} | median {:.0} tok/s ({:.1} ms/step), MFU {:.1}% of {peak:.0} TFLOP/s, data wait {:.2}%{}",
+        s.steps,
+        s.first_loss,
+        s.last_loss,
+        s.last_val_loss.map_or(String::new(), |v| format!(" (val {v:.4})")),
+        s.tokens_per_s,
+        s.step_ms,
+        s.mfu * 100.0,
+        s.data_wait * 100.0,
+        if s.peak_gib > 0.0 { format!(", peak {:.2} GiB", s.peak_gib) } else { String::new() }
+    );
+    if !s.profile.is_empty() {
+        let gpu: f64 = s.profile.iter().map(|r| r.gpu_ms).sum();
+        let host: f64 = s.profile.iter().map(|r| r.host_ms).sum();
+        println!(
+            "profile of step {} (GPU: stream time between op marks; host: time to queue them):",
+            a.profile_step.unwrap_or(0)
+        );
+        println!(
+            "  {:<46} {:>6} {:>9} {:>7} {:>9}",
+            "op", "calls", "GPU ms", "GPU %", "host ms"
+        );
+        let mut rows = s.profile.clone();
+        if gpu > 0.0 {
+            rows.sort_by(|x, y| y.gpu_ms.total_cmp(&x.gpu_ms));
+        } else {
+            rows.sort_by(|x, y| y.host_ms.total_cmp(&x.host_ms));
+        }
+        for r in &rows {
+            println!(
+                "  {:<46} {:>6} {:>9.3} {:>6.1}% {:>9.3}",
+                r.label,
+                r.calls,
+                r.gpu_ms,
+                100.0 * r.gpu_ms / gpu.max(1e-9),
+                r.host_ms
+            );
+        }
+        println!(
+            "  {:<46} {:>6} {:>9.3} {:>7} {:>9.3}",
+            "total", "", gpu, "", host
+        );
+    }
+    if let Some(p) = &a.json {
+        let v =
+            serde_json::json!({ "model": model, "train": cfg, "peak_tflops": peak, "summary": s });
+        std::fs::write(p, serde_json::to_string_pretty(&v).unwrap())
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    if let Some(p) = &a.svg {
+        let title = format!("{} on {} — B {} T {}", s.model, s.device, s.batch, s.seq);
+        std::fs::write(p, loss_svg(&s.log, &title))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    Ok(true)
+}

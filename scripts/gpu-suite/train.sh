@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the bundle (scripts/gpu-suite/bundle.sh, with token shards copied to
+# .gpu-bundle/data): the trainer's GPU test, then `ferrite train` against PyTorch eager and
+# torch.compile on the same shards and model, in one call. Results under $OUT.
+#   usage: OUT=results bash .gpu-bundle/train.sh [MODEL] [B] [T] [STEPS]
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-results}"
+mkdir -p "$out"
+model="${1:-gpt2-124m}"; b="${2:-16}"; t="${3:-1024}"; steps="${4:-40}"
+data="$here/data/shakespeare"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
+echo "== trainer GPU test (bf16 GPU against f32 CPU)"
+"$here/tests/ferrite-ferrite" --include-ignored train:: 2>&1 | tail -12 | tee "$out/train-tests.txt"
+echo "== ferrite train $model B $b T $t"
+"$here/bin/ferrite" train --data "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" \
+  --json "$out/ferrite.json" --svg "$out/loss.svg" --print-every 5 --profile-step 10 2>&1 | tee "$out/ferrite.txt"
+for mode in eager compile; do
+  echo "== torch $mode"
+  python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --mode "$mode" \
+    --json "$out/torch_$mode.json" 2>&1 | grep -v Warning | tail -6
+done
+python3 "$here/train_table.py" "$out" | tee "$out/table.txt"

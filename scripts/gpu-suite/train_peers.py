@@ -1,0 +1,166 @@
+"""GPT-2 trained in plain PyTorch, eager and torch.compile, on the same token shards as
+`ferrite train`: the peers of ferrite's trainer, measured in the same call.
+
+The model is ferrite's GPT-2 (pre-norm blocks, LayerNorm, learned positions, GELU-tanh MLP of 4·dim,
+tied embeddings, biases, GPT-2's initialisation), trained as nanoGPT does on a GPU: fp32 weights under
+bf16 autocast, SDPA (flash) attention, fused AdamW (β 0.9/0.95, weight decay 0.1 on matrices and
+embeddings), global-norm clipping at 1.0, linear warm-up then cosine. Batches are B random windows of
+T+1 tokens from the shards (the order differs from ferrite's loader; the data are the same).
+
+usage: python3 train_peers.py SHARDS --model gpt2-124m -b 16 -t 1024 --steps 30 --mode eager|compile --json out.json
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "gpt2-774m": (36, 20, 1280), "gpt2-tiny": (2, 4, 64)}
+
+
+def load_tokens(path):
+    """Every .ftok (4096-byte header) or llm.c .bin (1024-byte header) shard, concatenated."""
+    files = sorted(glob.glob(os.path.join(path, "*.ftok")) + glob.glob(os.path.join(path, "*.bin")))
+    if not files:
+        raise SystemExit(f"no .ftok or .bin shards under {path}")
+    parts = []
+    for f in files:
+        raw = open(f, "rb").read()
+        if f.endswith(".ftok"):
+            width = int.from_bytes(raw[12:16], "little")
+            parts.append(np.frombuffer(raw[4096:], dtype=np.uint16 if width == 2 else np.uint32))
+        else:
+            header = np.frombuffer(raw[:1024], dtype=np.int32)
+            parts.append(np.frombuffer(raw[1024:], dtype=np.uint16 if header[1] == 1 else np.uint32))
+    return np.concatenate(parts).astype(np.int64)
+
+
+class Block(nn.Module):
+    def __init__(self, c, h):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.fc, self.fcproj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, max_seq, layers, heads, dim):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.lnf = nn.LayerNorm(dim)
+        proj_std = 0.02 / math.sqrt(2 * layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = proj_std if name.endswith(("proj.weight",)) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(self.lnf(x), self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shards")
+    ap.add_argument("--model", default="gpt2-124m")
+    ap.add_argument("-b", "--batch", type=int, default=16)
+    ap.add_argument("-t", "--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+
+    torch.manual_seed(a.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dev = "cuda"
+    layers, heads, dim = PRESETS[a.model]
+    tokens = torch.from_numpy(load_tokens(a.shards))
+    model = GPT(50257, 1024, layers, heads, dim).to(dev)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True,
+    )
+
+    def step_fn(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss, norm
+
+    fn = torch.compile(step_fn) if a.mode == "compile" else step_fn
+    gen = torch.Generator().manual_seed(a.seed)
+    n = tokens.numel() - a.seq - 1
+
+    def batch():
+        starts = torch.randint(0, n, (a.batch,), generator=gen)
+        rows = torch.stack([tokens[s : s + a.seq + 1] for s in starts.tolist()])
+        rows = rows.pin_memory().to(dev, non_blocking=True)
+        return rows[:, :-1], rows[:, 1:]
+
+    torch.cuda.reset_peak_memory_stats()
+    log = []
+    for step in range(a.steps):
+        lr = a.lr * (step + 1) / a.warmup if step < a.warmup else 0.1 * a.lr + 0.45 * a.lr * (
+            1 + math.cos(math.pi * (step - a.warmup) / max(1, a.steps - a.warmup)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x, y = batch()
+        loss, norm = fn(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = loss.item()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        log.append({"step": step, "loss": loss_v, "grad_norm": float(norm), "ms": dt * 1e3,
+                    "tokens_per_s": a.batch * a.seq / dt})
+        if step % 10 == 0 or step + 1 == a.steps:
+            print(f"[torch {a.mode}] step {step + 1}/{a.steps} loss {loss_v:.4f} {dt * 1e3:.1f} ms "
+                  f"{a.batch * a.seq / dt:.0f} tok/s", flush=True)
+    warm = 3 if len(log) > 4 else 0
+    out = {
+        "mode": a.mode, "model": a.model, "device": torch.cuda.get_device_name(), "batch": a.batch,
+        "seq": a.seq, "steps": a.steps,
+        "tokens_per_s": statistics.median(l["tokens_per_s"] for l in log[warm:]),
+        "step_ms": statistics.median(l["ms"] for l in log[warm:]),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"], "log": log,
+    }
+    print(f"[torch {a.mode}] median {out['tokens_per_s']:.0f} tok/s, {out['step_ms']:.1f} ms/step, "
+          f"peak {out['peak_gib']:.2f} GiB, loss {out['first_loss']:.4f} -> {out['last_loss']:.4f}")
+    if a.json:
+        json.dump(out, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
