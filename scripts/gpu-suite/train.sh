@@ -16,9 +16,10 @@ echo "== trainer GPU test (bf16 GPU against f32 CPU)"
 echo "== ferrite train $model B $b T $t"
 "$here/bin/ferrite" train --data "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" \
   --json "$out/ferrite.json" --svg "$out/loss.svg" --print-every 5 --profile-step 10 2>&1 | tee "$out/ferrite.txt"
-for mode in eager compile; do
-  echo "== torch $mode"
-  python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --mode "$mode" \
-    --json "$out/torch_$mode.json" 2>&1 | grep -v Warning | tail -6
+for run in "eager fp32 torch_eager" "compile fp32 torch_compile" "compile bf16 torch_compile_bf16"; do
+  set -- $run
+  echo "== torch $1, $2 weights"
+  python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --mode "$1" \
+    --params "$2" --json "$out/$3.json" 2>&1 | grep -v Warning | tail -3
 done
 python3 "$here/train_table.py" "$out" | tee "$out/table.txt"

@@ -60,9 +60,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, max_seq, layers, heads, dim):
+    def __init__(self, vocab, max_seq, layers, heads, dim, padded_vocab):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_seq, dim)
+        self.vocab = vocab
+        self.wte, self.wpe = nn.Embedding(padded_vocab, dim), nn.Embedding(max_seq, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.lnf = nn.LayerNorm(dim)
         proj_std = 0.02 / math.sqrt(2 * layers)
@@ -72,14 +73,16 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        with torch.no_grad():
+            self.wte.weight[vocab:].zero_()  # padded rows: never a token, logits sliced off
 
     def forward(self, idx, targets):
         t = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.blocks:
             x = blk(x)
-        logits = F.linear(self.lnf(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        logits = F.linear(self.lnf(x), self.wte.weight)[..., : self.vocab]
+        return F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1))
 
 
 def main():
@@ -93,6 +96,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--params", choices=["fp32", "bf16"], default="fp32",
+                    help="fp32: fp32 weights under bf16 autocast (master weights, as ferrite); bf16: bf16 weights, no autocast")
+    ap.add_argument("--pad-vocab", type=int, default=50304,
+                    help="rows of the embedding/classifier (50257 = unpadded); logits are sliced to 50257")
     ap.add_argument("--json")
     a = ap.parse_args()
 
@@ -101,7 +108,9 @@ def main():
     dev = "cuda"
     layers, heads, dim = PRESETS[a.model]
     tokens = torch.from_numpy(load_tokens(a.shards))
-    model = GPT(50257, 1024, layers, heads, dim).to(dev)
+    model = GPT(50257, 1024, layers, heads, dim, max(a.pad_vocab, 50257)).to(dev)
+    if a.params == "bf16":
+        model = model.to(torch.bfloat16)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -110,7 +119,7 @@ def main():
     )
 
     def step_fn(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.params == "fp32"):
             loss = model(x, y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -145,18 +154,18 @@ def main():
         log.append({"step": step, "loss": loss_v, "grad_norm": float(norm), "ms": dt * 1e3,
                     "tokens_per_s": a.batch * a.seq / dt})
         if step % 10 == 0 or step + 1 == a.steps:
-            print(f"[torch {a.mode}] step {step + 1}/{a.steps} loss {loss_v:.4f} {dt * 1e3:.1f} ms "
+            print(f"[torch {a.mode} {a.params}] step {step + 1}/{a.steps} loss {loss_v:.4f} {dt * 1e3:.1f} ms "
                   f"{a.batch * a.seq / dt:.0f} tok/s", flush=True)
     warm = 3 if len(log) > 4 else 0
     out = {
-        "mode": a.mode, "model": a.model, "device": torch.cuda.get_device_name(), "batch": a.batch,
+        "mode": a.mode, "params": a.params, "pad_vocab": a.pad_vocab, "model": a.model, "device": torch.cuda.get_device_name(), "batch": a.batch,
         "seq": a.seq, "steps": a.steps,
         "tokens_per_s": statistics.median(l["tokens_per_s"] for l in log[warm:]),
         "step_ms": statistics.median(l["ms"] for l in log[warm:]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"], "log": log,
     }
-    print(f"[torch {a.mode}] median {out['tokens_per_s']:.0f} tok/s, {out['step_ms']:.1f} ms/step, "
+    print(f"[torch {a.mode} {a.params}] median {out['tokens_per_s']:.0f} tok/s, {out['step_ms']:.1f} ms/step, "
           f"peak {out['peak_gib']:.2f} GiB, loss {out['first_loss']:.4f} -> {out['last_loss']:.4f}")
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)

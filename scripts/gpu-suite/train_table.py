@@ -10,7 +10,9 @@ import sys
 
 d = sys.argv[1]
 runs = {}
-for key, name in [("ferrite", "ferrite.json"), ("torch_eager", "torch_eager.json"), ("torch_compile", "torch_compile.json")]:
+KEYS = ["ferrite", "torch_eager", "torch_compile", "torch_compile_bf16"]
+for key in KEYS:
+    name = key + ".json"
     p = os.path.join(d, name)
     if os.path.exists(p):
         runs[key] = json.load(open(p))
@@ -26,7 +28,7 @@ rec = {
     "mfu_ferrite": f["mfu"],
     "data_wait_ferrite": f["data_wait"],
 }
-for k in ("torch_eager", "torch_compile"):
+for k in KEYS[1:]:
     if k in runs:
         r = runs[k]
         rec["tokens_per_s"][k] = r["tokens_per_s"]
@@ -36,9 +38,11 @@ for k in ("torch_eager", "torch_compile"):
 json.dump([rec], open(os.path.join(d, "train-compare.json"), "w"), indent=1)
 base = rec["tokens_per_s"].get("torch_compile")
 print(f"\n{rec['model']} on {rec['device']}, B {rec['batch']} T {rec['seq']}, {rec['steps']} steps")
-print(f"{'':14} {'tokens/s':>10} {'ms/step':>8} {'peak GiB':>9} {'loss after':>10} {'x compile':>9}")
-for k in ("ferrite", "torch_eager", "torch_compile"):
+print(f"{'':19} {'tokens/s':>10} {'ms/step':>8} {'peak GiB':>9} {'loss after':>10} {'x compile':>9}")
+print("(torch_compile: fp32 weights under bf16 autocast, as ferrite keeps f32 master weights; "
+      "torch_compile_bf16: bf16 weights, no master copy)")
+for k in KEYS:
     if k in rec["tokens_per_s"]:
         t = rec["tokens_per_s"][k]
         ratio = f"{t / base:.3f}" if base else "-"
-        print(f"{k:14} {t:>10.0f} {rec['step_ms'][k]:>8.1f} {rec['peak_gib'][k]:>9.2f} {rec['loss_after'][k]:>10.4f} {ratio:>9}")
+        print(f"{k:19} {t:>10.0f} {rec['step_ms'][k]:>8.1f} {rec['peak_gib'][k]:>9.2f} {rec['loss_after'][k]:>10.4f} {ratio:>9}")

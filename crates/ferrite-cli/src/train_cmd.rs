@@ -69,6 +69,9 @@ pub struct TrainArgs {
     /// Write the loss curve as SVG.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Run every op from the host each step (no CUDA-graph replay): for debugging.
+    #[arg(long)]
+    no_graph: bool,
     /// Profile this step (1-based): GPU and host time per op, printed after the run.
     #[arg(long)]
     profile_step: Option<usize>,
@@ -110,12 +113,13 @@ fn measured_peak(device: Device) -> Result<f64> {
 
 fn line(l: &StepLog, steps: usize) -> String {
     let mut s = format!(
-        "step {:>5}/{steps} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tok/s | MFU {:.1}% | data wait {:.2}%",
+        "step {:>5}/{steps} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms (host {:.1}) | {:.0} tok/s | MFU {:.1}% | data wait {:.2}%",
         l.step + 1,
         l.loss,
         l.lr,
         l.grad_norm,
         l.ms,
+        l.host_ms,
         l.tokens_per_s,
         l.mfu * 100.0,
         l.data_wait * 100.0
@@ -233,6 +237,7 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         deterministic: a.deterministic,
         peak_tflops: peak,
         profile_step: a.profile_step.map(|s| s.saturating_sub(1)),
+        graph: !a.no_graph,
     };
     eprintln!(
         "training {} ({:.1} M parameters) on {device} in {dtype}: B {} × T {} × accumulation {} = {} tokens per step, {} steps",
@@ -252,17 +257,22 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         }
     })?;
     println!(
-        "done: {} steps, loss {:.4} → {:.4}{} | median {:.0} tok/s ({:.1} ms/step), MFU {:.1}% of {peak:.0} TFLOP/s, data wait {:.2}%{}",
+        "done: {} steps, loss {:.4} → {:.4}{} | median {:.0} tok/s ({:.1} ms/step, host {:.2} ms{}), MFU {:.1}% of {peak:.0} TFLOP/s, data wait {:.2}%{}",
         s.steps,
         s.first_loss,
         s.last_loss,
         s.last_val_loss.map_or(String::new(), |v| format!(" (val {v:.4})")),
         s.tokens_per_s,
         s.step_ms,
+        s.host_ms,
+        if s.graph { ", CUDA graph" } else { "" },
         s.mfu * 100.0,
         s.data_wait * 100.0,
         if s.peak_gib > 0.0 { format!(", peak {:.2} GiB", s.peak_gib) } else { String::new() }
     );
+    if let Some(e) = &s.graph_error {
+        println!("note: the step ran op by op, not as a CUDA graph: {e}");
+    }
     if !s.profile.is_empty() {
         let gpu: f64 = s.profile.iter().map(|r| r.gpu_ms).sum();
         let host: f64 = s.profile.iter().map(|r| r.host_ms).sum();

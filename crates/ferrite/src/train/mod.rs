@@ -46,6 +46,8 @@ pub struct RunOptions {
     pub peak_tflops: f64,
     /// Profile this step (0-based): per op, GPU and host time (in `Summary::profile`).
     pub profile_step: Option<usize>,
+    /// Replay the forward + backward as a CUDA graph from the third step on (GPU).
+    pub graph: bool,
 }
 
 /// One optimizer step as the log shows it.
@@ -63,6 +65,8 @@ pub struct StepLog {
     pub val_loss: Option<f64>,
     /// Device memory in use by ferrite's pool (GPU), GiB.
     pub mem_gib: f64,
+    /// Host time spent queuing the step's work (before waiting for its results), ms.
+    pub host_ms: f64,
     /// The update was skipped (non-finite loss or gradient, with `skip_nonfinite`).
     pub skipped: bool,
 }
@@ -83,6 +87,12 @@ pub struct Summary {
     /// Median over the steps after the first few (warm-up: compilation, tuning).
     pub tokens_per_s: f64,
     pub step_ms: f64,
+    /// Median host time per step queuing work (see `StepLog::host_ms`).
+    pub host_ms: f64,
+    /// Whether the steps after the first two replayed a CUDA graph.
+    pub graph: bool,
+    /// Why the step could not be captured (it then ran op by op).
+    pub graph_error: Option<String>,
     pub mfu: f64,
     pub data_wait: f64,
     pub peak_gib: f64,
@@ -201,20 +211,26 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         let t0 = Instant::now();
         let wait0 = data.stats().wait_s;
         let mut loss = 0.0;
+        let mut host = 0.0;
+        // Kernels compile and tuners pick at first use: the graph is captured from step 2 on.
+        let graph = o.graph && step >= 2;
         for micro in 0..t.grad_accum {
             let batch = data.next_batch()?.ok_or_else(|| {
                 Error::Other("train: the training set ended (the loader runs forever)".into())
             })?;
+            let h0 = Instant::now();
             model.load_tokens(&batch.tokens)?;
             drop(batch);
-            model.forward(Some(dloss))?;
-            model.backward()?;
+            model.train_step(dloss, graph)?;
             if accumulate {
                 model.accumulate(micro == 0)?;
             }
+            if micro + 1 == t.grad_accum {
+                model.grad_sumsq()?;
+            }
+            host += h0.elapsed().as_secs_f64();
             loss += scalar(model.loss_tensor()?)? / t.grad_accum as f64;
         }
-        model.grad_sumsq()?;
         let norm = scalar(model.sumsq_tensor()?)?.sqrt();
         let finite = loss.is_finite() && norm.is_finite();
         if !finite && !t.skip_nonfinite {
@@ -274,6 +290,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
             data_wait: wait / secs,
             val_loss,
             mem_gib,
+            host_ms: host * 1e3,
             skipped: !finite,
         };
         on_step(&entry);
@@ -283,6 +300,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
     let mut tps: Vec<f64> = log[warm..].iter().map(|l| l.tokens_per_s).collect();
     let mut ms: Vec<f64> = log[warm..].iter().map(|l| l.ms).collect();
     let mut wait: Vec<f64> = log[warm..].iter().map(|l| l.data_wait).collect();
+    let mut host: Vec<f64> = log[warm..].iter().map(|l| l.host_ms).collect();
     let tokens_per_s = median(&mut tps);
     let peak_gib = match o.device {
         Device::Cuda(i) => {
@@ -306,6 +324,9 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         last_val_loss: log.iter().rev().find_map(|l| l.val_loss),
         tokens_per_s,
         step_ms: median(&mut ms),
+        host_ms: median(&mut host),
+        graph: o.graph && o.device.is_cuda() && model.graph_error().is_none(),
+        graph_error: model.graph_error().map(str::to_string),
         mfu: flops_per_step / (tokens_per_step / tokens_per_s) / (o.peak_tflops * 1e12),
         data_wait: median(&mut wait),
         peak_gib,

@@ -326,6 +326,9 @@ pub struct ModelOptions {
 
 /// The model: parameters, gradients, AdamW state and activations for one (B, T).
 pub struct Gpt2 {
+    /// The captured forward + backward (CUDA), replayed by `train_step`; dropped first.
+    graph: Option<(cudarc::driver::CudaGraph, f32)>,
+    graph_error: Option<String>,
     pub cfg: ModelConfig,
     pub dtype: DType,
     pub device: Device,
@@ -401,6 +404,8 @@ impl Gpt2 {
             .collect::<Result<Vec<_>>>()?;
         let grads_whole = grad_arena.whole()?;
         let mut model = Gpt2 {
+            graph: None,
+            graph_error: None,
             cfg: cfg.clone(),
             dtype,
             device,
@@ -478,6 +483,7 @@ impl Gpt2 {
                 return Ok(());
             }
         }
+        self.graph = None;
         self.acts = None;
         self.acts = Some(Acts::new(&self.cfg, batch, seq, self.dtype, self.device)?);
         Ok(())
@@ -808,6 +814,68 @@ impl Gpt2 {
         self.mark("embed.bwd")
     }
 
+    /// Forward and backward of the loaded tokens (as `forward(Some(dloss))` then `backward()`),
+    /// through a CUDA graph when `graph` is set and the device is a GPU: the first call captures
+    /// every launch of the two passes (nothing runs on the host per op afterwards), later calls
+    /// replay it. The graph reads the model's own token buffers, so `load_tokens` before each call
+    /// is all a step changes. Not for the first steps of a run: kernels compile and tuners time
+    /// their candidates at first use, which a capture cannot do.
+    pub fn train_step(&mut self, dloss: f32, graph: bool) -> Result<()> {
+        if !graph || !self.device.is_cuda() || self.prof.borrow().is_some() {
+            self.forward(Some(dloss))?;
+            return self.backward();
+        }
+        if self.graph.as_ref().is_some_and(|(_, d)| *d != dloss) {
+            self.graph = None;
+        }
+        if self.graph.is_none() {
+            if self.graph_error.is_some() {
+                self.forward(Some(dloss))?;
+                return self.backward();
+            }
+            match self.capture(dloss) {
+                Ok(g) => self.graph = Some((g, dloss)),
+                Err(e) => {
+                    // Run this step (and the rest) op by op; a real error shows again there.
+                    self.graph_error = Some(e.to_string());
+                    self.forward(Some(dloss))?;
+                    return self.backward();
+                }
+            }
+        }
+        let (g, _) = self.graph.as_ref().unwrap();
+        g.launch()
+            .map_err(|e| Error::cuda("launching the training step's CUDA graph", e))
+    }
+
+    fn capture(&self, dloss: f32) -> Result<cudarc::driver::CudaGraph> {
+        let crate::core::device::Device::Cuda(i) = self.device else {
+            unreachable!("capture on a CPU model")
+        };
+        let dev = crate::core::cuda::device(i)?;
+        let stream = dev.stream().clone();
+        let cap = |e: cudarc::driver::DriverError| {
+            Error::cuda("CUDA graph capture of the training step", e)
+        };
+        stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(cap)?;
+        let passes = self.forward(Some(dloss)).and_then(|_| self.backward());
+        // The capture ends whatever happened, so the stream is usable again.
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        passes?;
+        graph
+            .map_err(cap)?
+            .ok_or_else(|| Error::Other("train: the captured training step is empty".into()))
+    }
+
+    /// Why the training step could not be captured as a CUDA graph (it then runs op by op).
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
     /// After a micro-batch's backward with accumulation on: acc = grads (first) or acc += grads.
     pub fn accumulate(&self, first: bool) -> Result<()> {
         let acc = self
@@ -841,7 +909,7 @@ impl Gpt2 {
                     None,
                 )?;
             }
-            return Ok(());
+            return self.mark("adamw");
         }
         for (i, g) in self.groups.iter().enumerate() {
             let grad = if acc {
@@ -858,7 +926,7 @@ impl Gpt2 {
                 &AdamWOptions::default(),
             )?;
         }
-        Ok(())
+        self.mark("adamw")
     }
 
     /// Starts profiling: from here each op records a mark (a GPU event and the host clock) until

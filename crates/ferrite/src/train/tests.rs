@@ -125,6 +125,7 @@ fn opts(dir: &std::path::Path, model: ModelConfig, steps: usize) -> RunOptions {
         deterministic: true,
         peak_tflops: 1.0,
         profile_step: Some(1),
+        graph: false,
     }
 }
 

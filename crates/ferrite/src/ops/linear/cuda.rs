@@ -17,7 +17,8 @@ use crate::ops::matmul::{self, Gemm, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("linear", "kernels/linear.cu");
-const FUNCS: [&str; 6] = [
+const FUNCS: [&str; 7] = [
+    "linear_splitk_sum",
     "linear_bias",
     "linear_act",
     "linear_add",
@@ -256,6 +257,82 @@ fn col_sum(
         0,
         &mut a,
     )
+}
+
+/// Slices of the token rows that dW's GEMM is split into (1: none). dW [n, k] of a layer is small
+/// next to its reduction over m tokens: 768×768 is 18 tiles of 128×256 for 132 SMs. Split-K runs
+/// `s` slices as one batched GEMM (s·tiles tiles) into bf16 partials, then a fixed-order sum.
+/// The model: a wave of the persistent grid costs the same whatever s (each tile does 1/s of the
+/// K loop), so time ∝ ⌈s·tiles / SMs⌉ / s, plus ~2% per slice for the partials' traffic and the
+/// sum. Slices stay multiples of 64 rows and at least 1024 rows.
+pub fn dw_split(n: usize, k: usize, m: usize, sms: usize) -> usize {
+    let tiles = n.div_ceil(128) * k.div_ceil(256);
+    let cost = |s: usize| (tiles * s).div_ceil(sms.max(1)) as f64 / s as f64 + 0.02 * s as f64;
+    [1, 2, 4, 8]
+        .into_iter()
+        .filter(|&s| s == 1 || (m.is_multiple_of(64 * s) && m / s >= 1024))
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+        .unwrap_or(1)
+}
+
+/// dW by split-K: slice j of the m token rows gives partial j of a `[split, n, k]` scratch (one
+/// batched GEMM), then `linear_splitk_sum` adds the partials in order into dW (fp32 sums, the same
+/// bits every run).
+fn dw_split_k(
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    g: &Gemm,
+    p: Ptrs,
+    split: usize,
+    dtype: DType,
+    mm_opts: &matmul::MatmulOptions,
+) -> Result<()> {
+    let (n, k, rows) = (g.m, g.n, g.k / split);
+    let es = dtype.size_in_bytes();
+    let part = dev.alloc(split * n * k * es, stream)?;
+    let sg = Gemm {
+        batch: split,
+        k: rows,
+        a: Operand {
+            batch_stride: rows * g.a.ld,
+            ..g.a
+        },
+        b: Operand {
+            batch_stride: rows * g.b.ld,
+            ..g.b
+        },
+        c: Operand {
+            ld: k,
+            trans: false,
+            batch_stride: n * k,
+        },
+        ..*g
+    };
+    mmc::gemm_ptrs(
+        &sg,
+        Ptrs {
+            a: p.a,
+            b: p.b,
+            c: part.ptr(),
+        },
+        mm_opts,
+    )?;
+    let kern = dev.kernel(&program(dtype, Activation::None), "linear_splitk_sum")?;
+    let count = n * k;
+    let mut a = KernelArgs::new();
+    a.push(part.ptr())
+        .push(split as i64)
+        .push(count as i64)
+        .push(p.c);
+    kern.launch(
+        stream,
+        (blocks_for(count), 1, 1),
+        (THREADS, 1, 1),
+        0,
+        &mut a,
+    )?;
+    drop(part);
+    Ok(())
 }
 
 /// Where `linear_bwd_dz` reads and writes: dY (`g`, rows `ldg` apart), Z (0 when the program's
@@ -505,7 +582,12 @@ pub fn backward(
             b: x2.device_ptr()?,
             c: dw.device_ptr()?,
         };
-        mmc::gemm_ptrs(&g, ptrs, &mm_opts)?;
+        let split = dw_split(n, k, m, dev.props().sm_count as usize);
+        if split > 1 && variant != "naive" {
+            dw_split_k(&dev, &stream, &g, ptrs, split, p.dtype, &mm_opts)?;
+        } else {
+            mmc::gemm_ptrs(&g, ptrs, &mm_opts)?;
+        }
     }
     // The scratch buffers drop here: their frees are queued on `stream` after the GEMMs.
     drop((dz_buf, partial));

@@ -403,3 +403,19 @@ fn k_zero_gives_act_of_bias() {
         assert_eq!(y.to_f32_vec().unwrap(), want, "{variant}");
     }
 }
+
+#[test]
+fn dw_split_k_fills_the_sms_where_the_output_is_small() {
+    use super::cuda::dw_split;
+    // GPT-2 124M, 16384 tokens, 132 SMs: proj 768×768 (18 tiles) → 4 slices; fc 3072×768 and
+    // fcproj 768×3072 (72 tiles) → 8; qkv 2304×768 (54) → 2; the classifier's 50304×768 → none.
+    assert_eq!(dw_split(768, 768, 16384, 132), 4);
+    assert_eq!(dw_split(3072, 768, 16384, 132), 8);
+    assert_eq!(dw_split(768, 3072, 16384, 132), 8);
+    assert_eq!(dw_split(2304, 768, 16384, 132), 2);
+    assert_eq!(dw_split(50304, 768, 16384, 132), 1);
+    // Slices keep ≥ 1024 rows and a multiple of 64: few or odd rows never split.
+    assert_eq!(dw_split(768, 768, 2048, 132), 2);
+    assert_eq!(dw_split(768, 768, 1000, 132), 1);
+    assert_eq!(dw_split(768, 768, 16383, 132), 1);
+}

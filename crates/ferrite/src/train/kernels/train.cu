@@ -11,7 +11,8 @@
 //                       summed in position order in fp32, added once to dwte[token]. No atomics:
 //                       the same bits every run, and one rounding per (token, chunk).
 //   pos_backward        dwpe[t] = Σ_b dout[b, t] in batch order (deterministic, overwrites).
-//   add_inplace         y += x (the residual stream's gradient meeting a norm's input gradient).
+//   add_inplace         y += x (the residual stream's gradient meeting a norm's input gradient),
+//                       16-byte vectors.
 //   accumulate          acc (fp32) = g or acc += g (gradient accumulation over micro-batches).
 //   sumsq_partial/final Σ g² over a flat gradient in a fixed order (global-norm clipping).
 //
@@ -151,9 +152,23 @@ extern "C" __global__ void pos_backward(const T* __restrict__ dout, T* __restric
   }
 }
 
+// 16-byte accesses where both pointers allow (the residual stream's buffers always do), the
+// remainder (or everything, unaligned) one element at a time.
 extern "C" __global__ void add_inplace(T* __restrict__ y, const T* __restrict__ x, i64 n) {
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-    y[i] = from_float<T>(to_float(y[i]) + to_float(x[i]));
+  constexpr int V = 16 / sizeof(T);
+  const i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  const bool vec = ((((u64)y) | ((u64)x)) & 15u) == 0;
+  const i64 nv = vec ? n / V : 0;
+  for (i64 i = tid; i < nv; i += stride) {
+    uint4 a = reinterpret_cast<uint4*>(y)[i];
+    const uint4 b = reinterpret_cast<const uint4*>(x)[i];
+    T* pa = reinterpret_cast<T*>(&a);
+    const T* pb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+    for (int e = 0; e < V; ++e) pa[e] = from_float<T>(to_float(pa[e]) + to_float(pb[e]));
+    reinterpret_cast<uint4*>(y)[i] = a;
+  }
+  for (i64 i = nv * V + tid; i < n; i += stride) y[i] = from_float<T>(to_float(y[i]) + to_float(x[i]));
 }
 
 extern "C" __global__ void accumulate(float* __restrict__ acc, const T* __restrict__ g, i64 n, int first) {
@@ -161,11 +176,24 @@ extern "C" __global__ void accumulate(float* __restrict__ acc, const T* __restri
     acc[i] = first ? to_float(g[i]) : acc[i] + to_float(g[i]);
 }
 
-// Each block writes its partial Σ g² (grid-stride, so the partition depends on the grid only).
+// Each block writes its partial Σ g² (grid-stride with 16-byte loads, so the partition depends on
+// the grid and the buffer's alignment only: the same bits every run).
 extern "C" __global__ void sumsq_partial(const G* __restrict__ g, i64 n, float* __restrict__ part) {
   __shared__ float red[64];
+  constexpr int V = 16 / sizeof(G);
+  const i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  const i64 nv = (((u64)g) & 15u) == 0 ? n / V : 0;
   float s = 0.f;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+  for (i64 i = tid; i < nv; i += stride) {
+    const uint4 a = reinterpret_cast<const uint4*>(g)[i];
+    const G* pa = reinterpret_cast<const G*>(&a);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float v = to_float(pa[e]);
+      s += v * v;
+    }
+  }
+  for (i64 i = nv * V + tid; i < n; i += stride) {
     const float v = to_float(g[i]);
     s += v * v;
   }

@@ -134,3 +134,13 @@ extern "C" __global__ void linear_db(const float* __restrict__ partial, i64 chun
                                      T* __restrict__ db) {
   col_sum_fixed_order(db, partial, chunks, n);
 }
+
+// dW = Σ_j part[j] over the split-K partials [split, count] (fp32 sums in slice order).
+extern "C" __global__ void linear_splitk_sum(const T* __restrict__ part, i64 split, i64 count,
+                                             T* __restrict__ out) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (i64)gridDim.x * blockDim.x) {
+    float s = 0.f;
+    for (i64 j = 0; j < split; ++j) s += to_float(part[j * count + i]);
+    out[i] = from_float<T>(s);
+  }
+}
