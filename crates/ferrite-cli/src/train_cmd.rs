@@ -69,6 +69,18 @@ pub struct TrainArgs {
     /// Write the loss curve as SVG.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Save checkpoints (safetensors: Hugging Face GPT-2 weights + the exact training state) under
+    /// DIR/step-NNNNNN, every --save-every steps and after the last.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    save_every: usize,
+    /// Continue from a checkpoint folder (DIR/step-NNNNNN): weights, AdamW state, step, data position.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Start from Hugging Face GPT-2 weights (a folder with model.safetensors, or the file).
+    #[arg(long)]
+    init_hf: Option<PathBuf>,
     /// Run every op from the host each step (no CUDA-graph replay): for debugging.
     #[arg(long)]
     no_graph: bool,
@@ -238,6 +250,10 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         peak_tflops: peak,
         profile_step: a.profile_step.map(|s| s.saturating_sub(1)),
         graph: !a.no_graph,
+        save: a.save.clone(),
+        save_every: a.save_every,
+        resume: a.resume.clone(),
+        init_hf: a.init_hf.clone(),
     };
     eprintln!(
         "training {} ({:.1} M parameters) on {device} in {dtype}: B {} × T {} × accumulation {} = {} tokens per step, {} steps",

@@ -518,3 +518,31 @@ pub fn upload(dst: &Tensor, v: &[f32]) -> Result<()> {
         }
     }
 }
+
+/// Raw bytes (the tensor's own dtype, little-endian) into a contiguous tensor (checkpoints).
+pub fn upload_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
+    expect(
+        bytes.len() == dst.nbytes() && dst.is_contiguous(),
+        "dst",
+        &format!("a contiguous tensor of {} bytes", bytes.len()),
+        dst,
+    )?;
+    let n = dst.numel();
+    match dst.device() {
+        Device::Cpu => match dst.dtype() {
+            DType::F32 => dst.with_cpu_mut::<f32, _>(|d| {
+                bytemuck::cast_slice_mut::<f32, u8>(&mut d[..n]).copy_from_slice(bytes)
+            }),
+            DType::BF16 => dst.with_cpu_mut::<bf16, _>(|d| {
+                bytemuck::cast_slice_mut::<bf16, u8>(&mut d[..n]).copy_from_slice(bytes)
+            }),
+            other => Err(Error::bad_arg(OP, "dst", "f32 or bf16", other)),
+        },
+        Device::Cuda(_) => {
+            let dev = dev_of(dst)?;
+            // SAFETY: dst is contiguous with exactly bytes.len() bytes; synchronised below.
+            unsafe { dev.htod(dst.device_ptr()?, bytes, dev.stream())? };
+            dev.synchronize(dev.stream(), "train upload")
+        }
+    }
+}

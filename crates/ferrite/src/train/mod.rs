@@ -13,6 +13,7 @@
 //! On the GPU every tensor is bf16 (f32 master weights and moments for AdamW); on the CPU f32.
 
 pub mod arena;
+pub mod checkpoint;
 pub mod config;
 pub mod glue;
 pub mod model;
@@ -48,6 +49,45 @@ pub struct RunOptions {
     pub profile_step: Option<usize>,
     /// Replay the forward + backward as a CUDA graph from the third step on (GPU).
     pub graph: bool,
+    /// Save a checkpoint to `save/step-NNNNNN` every `save_every` steps and after the last.
+    pub save: Option<PathBuf>,
+    pub save_every: usize,
+    /// Continue the run saved in this checkpoint folder (exactly: weights, AdamW state, step,
+    /// loader position).
+    pub resume: Option<PathBuf>,
+    /// Start from Hugging Face GPT-2 weights (a folder with model.safetensors, or the file).
+    pub init_hf: Option<PathBuf>,
+}
+
+impl RunOptions {
+    /// A run of `model` on `data` with the defaults for everything else.
+    pub fn new(
+        data: PathBuf,
+        device: Device,
+        model: ModelConfig,
+        train: TrainConfig,
+    ) -> RunOptions {
+        RunOptions {
+            data,
+            val_data: None,
+            device,
+            dtype: if device.is_cuda() {
+                DType::BF16
+            } else {
+                DType::F32
+            },
+            model,
+            train,
+            deterministic: false,
+            peak_tflops: 1.0,
+            profile_step: None,
+            graph: true,
+            save: None,
+            save_every: 0,
+            resume: None,
+            init_hf: None,
+        }
+    }
 }
 
 /// One optimizer step as the log shows it.
@@ -114,7 +154,13 @@ fn scalar(t: &crate::core::tensor::Tensor) -> Result<f64> {
 }
 
 /// The loader for a run (tokens as i32 on the run's device).
-fn loader(ds: &Dataset, o: &RunOptions, shuffle: bool, epochs: Option<u64>) -> Result<Loader> {
+fn loader(
+    ds: &Dataset,
+    o: &RunOptions,
+    shuffle: bool,
+    epochs: Option<u64>,
+    resume: Option<crate::data::LoaderState>,
+) -> Result<Loader> {
     let cfg = LoaderConfig {
         batch: o.train.batch,
         seq: o.train.seq,
@@ -125,12 +171,12 @@ fn loader(ds: &Dataset, o: &RunOptions, shuffle: bool, epochs: Option<u64>) -> R
         out_dtype: Some(DType::I32),
         ..Default::default()
     };
-    Loader::new(ds, cfg, None)
+    Loader::new(ds, cfg, resume)
 }
 
 /// Mean loss over the first `batches` batches of the validation set.
 fn evaluate(model: &Gpt2, ds: &Dataset, o: &RunOptions) -> Result<f64> {
-    let mut l = loader(ds, o, false, Some(1))?;
+    let mut l = loader(ds, o, false, Some(1), None)?;
     let (mut sum, mut n) = (0.0, 0);
     while n < o.train.val_batches {
         let Some(b) = l.next_batch()? else { break };
@@ -197,13 +243,23 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
     if accumulate {
         model.enable_accumulation()?;
     }
-    let mut data = loader(&ds, o, true, None)?;
+    if let Some(p) = &o.init_hf {
+        checkpoint::import_hf(&model, p)?;
+    }
+    let (start, resume_at) = match &o.resume {
+        Some(p) => {
+            let meta = checkpoint::load_state(&model, p)?;
+            (meta.step, meta.loader)
+        }
+        None => (0, None),
+    };
+    let mut data = loader(&ds, o, true, None, resume_at)?;
     let tokens_per_step = (t.batch * t.seq * t.grad_accum) as f64;
     let flops_per_step = o.model.flops_per_token(t.seq) * tokens_per_step;
     let mut log: Vec<StepLog> = Vec::with_capacity(t.steps);
     let dloss = 1.0 / t.grad_accum as f32;
     let mut profile = Vec::new();
-    for step in 0..t.steps {
+    for step in start..t.steps {
         let profiling = o.profile_step == Some(step);
         if profiling {
             model.profile_begin()?;
@@ -213,7 +269,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         let mut loss = 0.0;
         let mut host = 0.0;
         // Kernels compile and tuners pick at first use: the graph is captured from step 2 on.
-        let graph = o.graph && step >= 2;
+        let graph = o.graph && step >= start + 2;
         for micro in 0..t.grad_accum {
             let batch = data.next_batch()?.ok_or_else(|| {
                 Error::Other("train: the training set ended (the loader runs forever)".into())
@@ -295,6 +351,19 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         };
         on_step(&entry);
         log.push(entry);
+        if let Some(dir) = &o.save {
+            let last = step + 1 == t.steps;
+            if last || (o.save_every > 0 && (step + 1) % o.save_every == 0) {
+                let meta = checkpoint::Meta {
+                    model: o.model.clone(),
+                    train: t.clone(),
+                    step: step + 1,
+                    loader: Some(data.state()),
+                    dtype: o.dtype.name().to_string(),
+                };
+                checkpoint::save(&model, &dir.join(format!("step-{:06}", step + 1)), &meta)?;
+            }
+        }
     }
     let warm = if log.len() > 4 { 3 } else { 0 };
     let mut tps: Vec<f64> = log[warm..].iter().map(|l| l.tokens_per_s).collect();

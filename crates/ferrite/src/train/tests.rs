@@ -108,13 +108,11 @@ fn structured_shards(dir: &std::path::Path, vocab: usize, tokens: usize) {
 }
 
 fn opts(dir: &std::path::Path, model: ModelConfig, steps: usize) -> RunOptions {
-    RunOptions {
-        data: dir.to_path_buf(),
-        val_data: None,
-        device: Device::Cpu,
-        dtype: DType::F32,
+    let mut o = RunOptions::new(
+        dir.to_path_buf(),
+        Device::Cpu,
         model,
-        train: TrainConfig {
+        TrainConfig {
             batch: 4,
             seq: 32,
             steps,
@@ -122,11 +120,10 @@ fn opts(dir: &std::path::Path, model: ModelConfig, steps: usize) -> RunOptions {
             warmup: 5,
             ..Default::default()
         },
-        deterministic: true,
-        peak_tflops: 1.0,
-        profile_step: Some(1),
-        graph: false,
-    }
+    );
+    o.deterministic = true;
+    o.profile_step = Some(1);
+    o
 }
 
 #[test]
@@ -331,4 +328,106 @@ fn gpu_matches_cpu() {
             m.optimizer_step(&hp(step + 1)).unwrap();
         }
     }
+}
+
+/// N steps straight = N/2 steps, a checkpoint, and a resumed run of the other N/2: the same
+/// losses bit for bit (weights, AdamW moments, step and loader position all restored).
+#[test]
+fn resume_from_a_checkpoint_is_exact() {
+    let dir = std::env::temp_dir().join(format!("ferrite-train-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    structured_shards(&dir, 128, 20_000);
+    let mut o = opts(&dir, small(128), 6);
+    o.profile_step = None;
+    let straight = run(&o, &mut |_| {}).unwrap();
+    let ck = dir.join("ckpt");
+    let mut first = o.clone();
+    first.save = Some(ck.clone());
+    first.save_every = 3;
+    let a = run(&first, &mut |_| {}).unwrap();
+    assert_eq!(a.log.len(), 6);
+    assert!(
+        ck.join("step-000003/state.safetensors").exists()
+            && ck.join("step-000006/model.safetensors").exists()
+    );
+    let meta = checkpoint::read_meta(&ck.join("step-000003")).unwrap();
+    assert_eq!(meta.step, 3);
+    let mut second = o.clone();
+    second.resume = Some(ck.join("step-000003"));
+    let b = run(&second, &mut |_| {}).unwrap();
+    assert_eq!(b.log.first().unwrap().step, 3);
+    let want: Vec<u64> = straight.log[3..].iter().map(|l| l.loss.to_bits()).collect();
+    let got: Vec<u64> = b.log.iter().map(|l| l.loss.to_bits()).collect();
+    assert_eq!(got, want, "resumed losses differ from the straight run");
+    // A checkpoint of another configuration is refused with both configurations named.
+    let mut other = o.clone();
+    other.model.layers = 3;
+    other.resume = Some(ck.join("step-000003"));
+    let e = run(&other, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("layers: 3") && e.contains("layers: 2"), "{e}");
+    // A corrupt state file is an error naming the file.
+    let bad = ck.join("step-000006/state.safetensors");
+    std::fs::write(&bad, b"not a safetensors file").unwrap();
+    let mut o3 = o.clone();
+    o3.resume = Some(ck.join("step-000006"));
+    let e = run(&o3, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("state.safetensors"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Export to Hugging Face's GPT-2 layout and back gives the same weights; the exported tensors
+/// have GPT-2's names and Conv1D ([in, out]) shapes, the vocabulary unpadded.
+#[test]
+fn hugging_face_export_round_trips() {
+    let cfg = small(100);
+    let a = Gpt2::new(&cfg, DType::F32, Device::Cpu, 1, ModelOptions::default()).unwrap();
+    let dir = std::env::temp_dir().join(format!("ferrite-train-hf-{}", std::process::id()));
+    let meta = checkpoint::Meta {
+        model: cfg.clone(),
+        train: TrainConfig::default(),
+        step: 0,
+        loader: None,
+        dtype: "f32".into(),
+    };
+    checkpoint::save(&a, &dir, &meta).unwrap();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor("wte.weight").unwrap().shape(), &[100, 32]);
+    assert_eq!(
+        st.tensor("h.1.attn.c_attn.weight").unwrap().shape(),
+        &[32, 96]
+    );
+    assert_eq!(
+        st.tensor("h.0.mlp.c_proj.weight").unwrap().shape(),
+        &[128, 32]
+    );
+    let conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(conf["n_layer"], 2);
+    assert_eq!(conf["vocab_size"], 100);
+    let b = Gpt2::new(&cfg, DType::F32, Device::Cpu, 2, ModelOptions::default()).unwrap();
+    assert_ne!(
+        a.param_buffer().to_vec::<f32>().unwrap(),
+        b.param_buffer().to_vec::<f32>().unwrap()
+    );
+    checkpoint::import_hf(&b, &dir).unwrap();
+    assert_eq!(
+        a.param_buffer().to_vec::<f32>().unwrap(),
+        b.param_buffer().to_vec::<f32>().unwrap()
+    );
+    // Another model size is refused, naming the tensor and both shapes.
+    let big = Gpt2::new(
+        &small(101),
+        DType::F32,
+        Device::Cpu,
+        2,
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let e = checkpoint::import_hf(&big, &dir).unwrap_err().to_string();
+    assert!(
+        e.contains("wte.weight") && e.contains("[100, 32]") && e.contains("[101, 32]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
