@@ -23,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "gpt2-774m": (36, 20, 1280), "gpt2-tiny": (2, 4, 64)}
+# Llama presets as ferrite's: (layers, heads, kv_heads, dim, ffn, max_seq)
+LLAMA = {"llama-1b": (16, 32, 8, 2048, 5632, 2048), "llama-tiny": (2, 4, 2, 64, 176, 256)}
 
 
 def load_tokens(path):
@@ -85,6 +87,65 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1))
 
 
+def rope_tables(t, d, theta, device):
+    inv = theta ** (-torch.arange(0, d // 2, dtype=torch.float32, device=device) * 2 / d)
+    ang = torch.arange(t, dtype=torch.float32, device=device)[:, None] * inv[None, :]
+    return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+
+
+def rope(x, cos, sin):
+    d = x.shape[-1] // 2
+    a, b = x[..., :d], x[..., d:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, c, h, hk, f):
+        super().__init__()
+        self.h, self.hk, self.d, self.f = h, hk, c // h, f
+        self.ln1, self.ln2 = nn.RMSNorm(c, eps=1e-5), nn.RMSNorm(c, eps=1e-5)
+        self.qkv = nn.Linear(c, (h + 2 * hk) * self.d, bias=False)
+        self.proj = nn.Linear(h * self.d, c, bias=False)
+        self.fc = nn.Linear(c, 2 * f, bias=False)
+        self.fcproj = nn.Linear(f, c, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=2)
+        q = rope(q.view(b, t, self.h, self.d), cos, sin).transpose(1, 2)
+        k = rope(k.view(b, t, self.hk, self.d), cos, sin).transpose(1, 2)
+        v = v.view(b, t, self.hk, self.d).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        gate, up = self.fc(self.ln2(x)).split(self.f, dim=2)
+        return x + self.fcproj(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, max_seq, layers, heads, kv_heads, dim, ffn, padded_vocab):
+        super().__init__()
+        self.vocab, self.d = vocab, dim // heads
+        self.wte = nn.Embedding(padded_vocab, dim)
+        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.lnf = nn.RMSNorm(dim, eps=1e-5)
+        self.head = nn.Linear(dim, padded_vocab, bias=False)
+        proj_std = 0.02 / math.sqrt(2 * layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, proj_std if name.endswith("proj.weight") else 0.02)
+        with torch.no_grad():
+            self.wte.weight[vocab:].zero_()
+            self.head.weight[vocab:].zero_()
+
+    def forward(self, idx, targets):
+        cos, sin = rope_tables(idx.shape[1], self.d, 10000.0, idx.device)
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        logits = self.head(self.lnf(x))[..., : self.vocab]
+        return F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shards")
@@ -106,9 +167,13 @@ def main():
     torch.manual_seed(a.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = "cuda"
-    layers, heads, dim = PRESETS[a.model]
     tokens = torch.from_numpy(load_tokens(a.shards))
-    model = GPT(50257, 1024, layers, heads, dim, max(a.pad_vocab, 50257)).to(dev)
+    if a.model in LLAMA:
+        layers, heads, kv, dim, ffn, max_seq = LLAMA[a.model]
+        model = Llama(50257, max_seq, layers, heads, kv, dim, ffn, max(a.pad_vocab, 50257)).to(dev)
+    else:
+        layers, heads, dim = PRESETS[a.model]
+        model = GPT(50257, 1024, layers, heads, dim, max(a.pad_vocab, 50257)).to(dev)
     if a.params == "bf16":
         model = model.to(torch.bfloat16)
     decay = [p for p in model.parameters() if p.dim() >= 2]

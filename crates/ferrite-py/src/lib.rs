@@ -28,6 +28,7 @@
 
 mod attn;
 mod fused;
+mod train;
 
 use ferrite::core::cuda::{self as fcuda, CudaDevice, Stream};
 use ferrite::core::harness::Precision;
@@ -228,9 +229,18 @@ fn run<F>(py: Python<'_>, op: &str, f: F) -> PyResult<()>
 where
     F: FnOnce() -> ferrite::Result<()> + Send,
 {
+    run_value(py, op, f)
+}
+
+/// `run` for a call that returns a value.
+fn run_value<T, F>(py: Python<'_>, op: &str, f: F) -> PyResult<T>
+where
+    T: Send,
+    F: FnOnce() -> ferrite::Result<T> + Send,
+{
     let r = py.detach(move || catch_unwind(AssertUnwindSafe(f)));
     match r {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py(e)),
         Err(p) => {
             let msg = p
@@ -484,6 +494,7 @@ fn variants(op: &str) -> PyResult<Vec<(String, String, Vec<String>, String)>> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(train::gpt2_train_steps, m)?)?;
     m.add_function(wrap_pyfunction!(norm_forward, m)?)?;
     m.add_function(wrap_pyfunction!(norm_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::linear_forward, m)?)?;

@@ -2,7 +2,8 @@
 //!
 //! - `model.safetensors` + `config.json`: the weights under Hugging Face's GPT-2 names and layout
 //!   (`h.0.attn.c_attn.weight` as `[in, out]`, the vocabulary unpadded), f32 — a folder
-//!   `transformers.GPT2LMHeadModel.from_pretrained` loads, and that `import_hf` reads back;
+//!   `transformers.GPT2LMHeadModel.from_pretrained` loads, and that `import_hf` reads back (GPT-2
+//!   models; a Llama checkpoint holds the training state only);
 //! - `state.safetensors`: the flat buffers as the trainer holds them (parameters in the model's
 //!   dtype, f32 master weights, AdamW moments) and, in its metadata, the configuration, the step
 //!   and the loader's position: what an exact resume needs.
@@ -11,7 +12,7 @@
 //! leaves a partial checkpoint under the target's name.
 
 use super::config::{ModelConfig, TrainConfig};
-use super::model::Gpt2;
+use super::model::Model;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::tensor::Tensor;
@@ -94,7 +95,7 @@ fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// The model's weights as f32 (the master copy for bf16 models), flat in its layout.
-fn weights_f32(m: &Gpt2) -> Result<Vec<f32>> {
+fn weights_f32(m: &Model) -> Result<Vec<f32>> {
     match m.state_buffers().0 {
         Some(master) => master.to_f32_vec(),
         None => m.param_buffer().to_f32_vec(),
@@ -126,7 +127,7 @@ fn hf_config(cfg: &ModelConfig) -> serde_json::Value {
     })
 }
 
-fn write_hf(m: &Gpt2, dir: &Path) -> Result<()> {
+fn write_hf(m: &Model, dir: &Path) -> Result<()> {
     let w = weights_f32(m)?;
     let cfg = &m.cfg;
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -165,7 +166,7 @@ fn write_hf(m: &Gpt2, dir: &Path) -> Result<()> {
     .map_err(io(format!("writing {}", cfg_path.display())))
 }
 
-fn write_state(m: &Gpt2, dir: &Path, meta: &Meta) -> Result<()> {
+fn write_state(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
     let (master, mom1, mom2) = m.state_buffers();
     let mut bufs: Vec<(&str, &Tensor)> = vec![
         ("params", m.param_buffer()),
@@ -197,7 +198,7 @@ fn write_state(m: &Gpt2, dir: &Path, meta: &Meta) -> Result<()> {
 }
 
 /// Saves `m` (and the run's `meta`) to the folder `dir`, replacing it as a whole.
-pub fn save(m: &Gpt2, dir: &Path, meta: &Meta) -> Result<()> {
+pub fn save(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
     let name = dir
         .file_name()
         .ok_or_else(|| Error::bad_arg(OP, "dir", "a folder path with a name", dir.display()))?;
@@ -213,7 +214,13 @@ pub fn save(m: &Gpt2, dir: &Path, meta: &Meta) -> Result<()> {
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
-    let written = write_hf(m, &tmp).and_then(|_| write_state(m, &tmp, meta));
+    // Hugging Face's layout is written for GPT-2; a Llama checkpoint holds the training state.
+    let hf = if m.cfg.family == super::config::Family::Gpt2 {
+        write_hf(m, &tmp)
+    } else {
+        Ok(())
+    };
+    let written = hf.and_then(|_| write_state(m, &tmp, meta));
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
@@ -283,7 +290,7 @@ fn expect_buffer(st: &SafeTensors, path: &Path, name: &str, like: &Tensor) -> Re
 
 /// Restores the exact training state saved by `save` into `m` (same model configuration and
 /// dtype) and returns its metadata.
-pub fn load_state(m: &Gpt2, dir: &Path) -> Result<Meta> {
+pub fn load_state(m: &Model, dir: &Path) -> Result<Meta> {
     let meta = read_meta(dir)?;
     if meta.model != m.cfg {
         return Err(Error::bad_arg(
@@ -323,7 +330,15 @@ pub fn load_state(m: &Gpt2, dir: &Path) -> Result<Meta> {
 /// Loads Hugging Face GPT-2 weights (`model.safetensors` of GPT2Model/GPT2LMHeadModel: f32, bf16
 /// or f16, with or without the `transformer.` prefix) into `m`'s parameters (and master weights);
 /// the optimizer state is left as it is.
-pub fn import_hf(m: &Gpt2, dir: &Path) -> Result<()> {
+pub fn import_hf(m: &Model, dir: &Path) -> Result<()> {
+    if m.cfg.family != super::config::Family::Gpt2 {
+        return Err(Error::bad_arg(
+            OP,
+            "init_hf",
+            "a GPT-2 model (Hugging Face import is written for GPT-2's layout)",
+            format!("{:?}", m.cfg.family),
+        ));
+    }
     let path = if dir.is_dir() {
         dir.join("model.safetensors")
     } else {

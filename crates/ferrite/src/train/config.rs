@@ -4,44 +4,107 @@ use crate::core::error::{Error, Result};
 
 const OP: &str = "train";
 
-/// A GPT-2 style decoder: LayerNorm, learned positions, GELU (tanh) MLP of 4·dim, tied
-/// embeddings, biases everywhere.
+/// The two decoder families the trainer builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Family {
+    /// GPT-2: LayerNorm, learned positions, GELU (tanh) MLP, tied embeddings, biases everywhere.
+    Gpt2,
+    /// Llama: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, untied classifier,
+    /// no biases.
+    Llama,
+}
+
+/// A decoder-only transformer's shape.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelConfig {
     pub name: String,
+    pub family: Family,
     pub vocab: usize,
-    /// Rows of the position table: the longest sequence the model takes.
+    /// The longest sequence the model takes (GPT-2: rows of the position table).
     pub max_seq: usize,
     pub layers: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (= heads for GPT-2; a divisor of heads for Llama's grouped-query attention).
+    pub kv_heads: usize,
     pub dim: usize,
+    /// The MLP's hidden width (GPT-2: 4·dim; Llama: SwiGLU's, e.g. 5632 at dim 2048).
+    pub ffn: usize,
+    /// Rotary base θ (Llama).
+    pub rope_theta: usize,
 }
 
 impl ModelConfig {
+    /// A GPT-2 of the given shape (kv_heads = heads, ffn = 4·dim).
+    pub fn gpt2(
+        name: &str,
+        vocab: usize,
+        max_seq: usize,
+        layers: usize,
+        heads: usize,
+        dim: usize,
+    ) -> ModelConfig {
+        ModelConfig {
+            name: name.into(),
+            family: Family::Gpt2,
+            vocab,
+            max_seq,
+            layers,
+            heads,
+            kv_heads: heads,
+            dim,
+            ffn: 4 * dim,
+            rope_theta: 10000,
+        }
+    }
+
+    /// A Llama of the given shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn llama(
+        name: &str,
+        vocab: usize,
+        max_seq: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        dim: usize,
+        ffn: usize,
+    ) -> ModelConfig {
+        ModelConfig {
+            name: name.into(),
+            family: Family::Llama,
+            vocab,
+            max_seq,
+            layers,
+            heads,
+            kv_heads,
+            dim,
+            ffn,
+            rope_theta: 10000,
+        }
+    }
+
     /// Presets: `gpt2-124m`, `gpt2-350m`, `gpt2-774m` (GPT-2's sizes, vocab 50257, 1024
-    /// positions) and `gpt2-tiny` (2 layers, dim 64: the CPU test model).
+    /// positions), `gpt2-tiny` (2 layers, dim 64: the CPU test model), `llama-1b` (16 layers, dim
+    /// 2048, 32 query / 8 key-value heads, SwiGLU 5632, 2048 positions) and `llama-tiny`; the Llama
+    /// presets take GPT-2's tokenizer (vocab 50257), as ferrite's shards are packed with it.
     pub fn preset(name: &str) -> Result<ModelConfig> {
-        let (layers, heads, dim, max_seq) = match name {
-            "gpt2-124m" => (12, 12, 768, 1024),
-            "gpt2-350m" => (24, 16, 1024, 1024),
-            "gpt2-774m" => (36, 20, 1280, 1024),
-            "gpt2-tiny" => (2, 4, 64, 256),
+        let v = 50257;
+        Ok(match name {
+            "gpt2-124m" => Self::gpt2(name, v, 1024, 12, 12, 768),
+            "gpt2-350m" => Self::gpt2(name, v, 1024, 24, 16, 1024),
+            "gpt2-774m" => Self::gpt2(name, v, 1024, 36, 20, 1280),
+            "gpt2-tiny" => Self::gpt2(name, v, 256, 2, 4, 64),
+            "llama-1b" => Self::llama(name, v, 2048, 16, 32, 8, 2048, 5632),
+            "llama-tiny" => Self::llama(name, v, 256, 2, 4, 2, 64, 176),
             _ => {
                 return Err(Error::bad_arg(
                     OP,
                     "model",
-                    "one of gpt2-124m, gpt2-350m, gpt2-774m, gpt2-tiny",
+                    "one of gpt2-124m, gpt2-350m, gpt2-774m, gpt2-tiny, llama-1b, llama-tiny",
                     name,
                 ))
             }
-        };
-        Ok(ModelConfig {
-            name: name.into(),
-            vocab: 50257,
-            max_seq,
-            layers,
-            heads,
-            dim,
         })
     }
 
@@ -55,6 +118,19 @@ impl ModelConfig {
 
     pub fn head_dim(&self) -> usize {
         self.dim / self.heads.max(1)
+    }
+
+    /// Width of the fused QKV projection's output: (heads + 2·kv_heads)·head_dim.
+    pub fn qkv_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim()
+    }
+
+    /// Width of the MLP's first GEMM output (GPT-2: ffn; Llama: gate and up, 2·ffn).
+    pub fn up_width(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => self.ffn,
+            Family::Llama => 2 * self.ffn,
+        }
     }
 
     /// Checks the shape fits together (and, with `seq`, that a run's T fits the position table).
@@ -79,6 +155,33 @@ impl ModelConfig {
                 self.heads.to_string(),
             );
         }
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(
+                "kv_heads",
+                format!("a divisor of heads {}", self.heads),
+                self.kv_heads.to_string(),
+            );
+        }
+        if self.ffn == 0 {
+            return bad("ffn", "≥ 1".into(), "0".into());
+        }
+        match self.family {
+            Family::Gpt2 if self.kv_heads != self.heads => {
+                return bad(
+                    "kv_heads",
+                    format!("= heads ({}) for GPT-2", self.heads),
+                    self.kv_heads.to_string(),
+                )
+            }
+            Family::Llama if !self.head_dim().is_multiple_of(2) || self.rope_theta < 2 => {
+                return bad(
+                    "head_dim/rope_theta",
+                    "an even head dim and θ ≥ 2 (rotary embeddings)".into(),
+                    format!("{}/{}", self.head_dim(), self.rope_theta),
+                )
+            }
+            _ => {}
+        }
         if self.vocab > i32::MAX as usize {
             return bad("vocab", "< 2³¹".into(), self.vocab.to_string());
         }
@@ -94,19 +197,35 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Parameters, counted as the model holds them (embeddings tied: counted once).
+    /// Parameters, counted as the model holds them (GPT-2's tied embedding counted once; the
+    /// vocabulary's padding rows not counted).
     pub fn num_params(&self) -> usize {
-        let (c, l) = (self.dim, self.layers);
-        let per_layer = 12 * c * c + 13 * c;
-        self.vocab * c + self.max_seq * c + l * per_layer + 2 * c
+        let (c, l, f) = (self.dim, self.layers, self.ffn);
+        let attn = c * self.qkv_width() + c * c;
+        match self.family {
+            Family::Gpt2 => {
+                let per_layer = attn + self.qkv_width() + c + 2 * c * f + f + c + 4 * c;
+                self.vocab * c + self.max_seq * c + l * per_layer + 2 * c
+            }
+            Family::Llama => {
+                let per_layer = attn + 3 * c * f + 2 * c;
+                2 * self.vocab * c + l * per_layer + c
+            }
+        }
     }
 
     /// Training FLOPs per token at sequence length `seq` (forward + backward = 3 × forward):
-    /// 6 per weight of every matmul (the tied classifier included, position table excluded)
-    /// and the attention scores and values (causal: half of 4·T·dim per layer forward).
+    /// 6 per weight of every matmul (the classifier included, embeddings excluded) and the
+    /// attention scores and values (causal: half of 4·T·heads·head_dim per layer forward).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let (c, l) = (self.dim as f64, self.layers as f64);
-        let matmul_weights = l * 12.0 * c * c + self.vocab as f64 * c;
+        let per_layer = c * self.qkv_width() as f64 + c * c + 3.0 * c * self.ffn as f64
+            - if self.family == Family::Gpt2 {
+                c * self.ffn as f64
+            } else {
+                0.0
+            };
+        let matmul_weights = l * per_layer + self.vocab as f64 * c;
         let attn_fwd = l * 2.0 * seq as f64 * c; // causal: half of 4·T·C
         6.0 * matmul_weights + 3.0 * attn_fwd
     }

@@ -40,6 +40,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
         "accumulate",
         "sumsq_partial",
         "sumsq_final",
+        "rope",
     ];
     [
         (DType::F32, DType::F32),
@@ -185,7 +186,7 @@ pub fn embed_forward(
             && inputs.dtype() == DType::I32
             && inputs.is_contiguous()
             && seq > 0
-            && n % seq == 0,
+            && n.is_multiple_of(seq),
         "inputs",
         &format!("contiguous i32 [B·{seq}]"),
         inputs,
@@ -543,6 +544,92 @@ pub fn upload_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
             // SAFETY: dst is contiguous with exactly bytes.len() bytes; synchronised below.
             unsafe { dev.htod(dst.device_ptr()?, bytes, dev.stream())? };
             dev.synchronize(dev.stream(), "train upload")
+        }
+    }
+}
+
+/// Rotary embeddings in place on the first `heads` heads of `head_dim` elements of each row of
+/// `buf` `[N, width]` (q heads then k heads), position = row mod `seq`, Llama's convention (element
+/// i pairs with i + head_dim/2, angle pos·θ^(−2i/head_dim)); `inverse` rotates back (the gradient).
+pub fn rope(
+    buf: &Tensor,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    theta: f32,
+    inverse: bool,
+) -> Result<()> {
+    expect(
+        buf.rank() == 2
+            && buf.strides()[1] == 1
+            && buf.shape()[1] >= heads * head_dim
+            && buf.dtype().is_float(),
+        "buf",
+        &format!(
+            "a float [N, ≥ {}] tensor with contiguous rows",
+            heads * head_dim
+        ),
+        buf,
+    )?;
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || seq == 0 || theta.is_nan() || theta <= 1.0 {
+        return Err(Error::bad_arg(
+            OP,
+            "head_dim/seq/theta",
+            "an even head_dim, seq ≥ 1, θ > 1",
+            format!("{head_dim}/{seq}/{theta}"),
+        ));
+    }
+    let (n, ld, half) = (buf.shape()[0], buf.strides()[0], head_dim / 2);
+    match buf.device() {
+        Device::Cpu => {
+            let mut v = buf.to_f32_vec()?;
+            let w = buf.shape()[1];
+            for r in 0..n {
+                let pos = (r % seq) as f32;
+                for h in 0..heads {
+                    for i in 0..half {
+                        let inv = (-(2.0 * i as f32 / head_dim as f32) * theta.log2()).exp2();
+                        let (mut sn, cs) = (pos * inv).sin_cos();
+                        if inverse {
+                            sn = -sn;
+                        }
+                        let base = r * w + h * head_dim;
+                        let (a, b) = (v[base + i], v[base + i + half]);
+                        v[base + i] = a * cs - b * sn;
+                        v[base + i + half] = b * cs + a * sn;
+                    }
+                }
+            }
+            crate::core::cpu::with_f32_out(buf, |o| o.copy_from_slice(&v))
+        }
+        Device::Cuda(_) => {
+            let dev = dev_of(buf)?;
+            let k = dev.kernel(&program(buf.dtype(), buf.dtype()), "rope")?;
+            let mut a = KernelArgs::new();
+            a.push(buf.device_ptr()?)
+                .push(ld as i64)
+                .push(seq as i32)
+                .push(heads as i32)
+                .push(head_dim as i32)
+                .push(theta.log2())
+                .push(inverse as i32);
+            let threads = (heads * half)
+                .next_power_of_two()
+                .clamp(32, THREADS as usize) as u32;
+            k.launch(dev.stream(), (n as u32, 1, 1), (threads, 1, 1), 0, &mut a)
+        }
+    }
+}
+
+/// Every element of a contiguous tensor set to 0.
+pub fn zero(t: &Tensor) -> Result<()> {
+    expect(t.is_contiguous(), "t", "a contiguous tensor", t)?;
+    match t.device() {
+        Device::Cpu => t.write_f32(&vec![0f32; t.numel()]),
+        Device::Cuda(_) => {
+            let dev = dev_of(t)?;
+            // SAFETY: the view is contiguous, so its nbytes from device_ptr lie in its storage.
+            unsafe { dev.memset(t.device_ptr()?, 0, t.nbytes(), dev.stream()) }
         }
     }
 }

@@ -17,11 +17,12 @@ pub mod checkpoint;
 pub mod config;
 pub mod glue;
 pub mod model;
+pub mod passes;
 #[cfg(test)]
 mod tests;
 
-pub use config::{ModelConfig, Schedule, TrainConfig};
-pub use model::{Gpt2, ModelOptions, ProfileRow};
+pub use config::{Family, ModelConfig, Schedule, TrainConfig};
+pub use model::{Model, ModelOptions, ProfileRow};
 
 use crate::core::device::Device;
 use crate::core::dtype::DType;
@@ -175,7 +176,7 @@ fn loader(
 }
 
 /// Mean loss over the first `batches` batches of the validation set.
-fn evaluate(model: &Gpt2, ds: &Dataset, o: &RunOptions) -> Result<f64> {
+fn evaluate(model: &Model, ds: &Dataset, o: &RunOptions) -> Result<f64> {
     let mut l = loader(ds, o, false, Some(1), None)?;
     let (mut sum, mut n) = (0.0, 0);
     while n < o.train.val_batches {
@@ -208,7 +209,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
     o.model.validate(Some(t.seq))?;
     let accumulate = t.grad_accum > 1;
     if let Device::Cuda(i) = o.device {
-        let need = Gpt2::estimate_bytes(&o.model, o.dtype, t.batch, t.seq, accumulate);
+        let need = Model::estimate_bytes(&o.model, o.dtype, t.batch, t.seq, accumulate);
         let dev = crate::core::cuda::device(i)?;
         dev.bind()?;
         let (free, _total) =
@@ -230,7 +231,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
     }
     let ds = Dataset::open(&o.data)?;
     let val = o.val_data.as_ref().map(|p| Dataset::open(p)).transpose()?;
-    let mut model = Gpt2::new(
+    let mut model = Model::new(
         &o.model,
         o.dtype,
         o.device,

@@ -1,306 +1,21 @@
-//! GPT-2 with explicit forward and backward calls into ferrite's op families — no autograd.
-//!
-//! Per block (pre-norm): h = x + proj(attn(ln1(x))), y = h + fc2(gelu(fc1(ln2(h)))). The residual
-//! adds ride in the projections' GEMM epilogues; fc1's bias and GELU in its epilogue (keeping the
-//! pre-activation for the backward); the backward's GELU' and fc1's bias gradient in fc2's dX GEMM
-//! (the linear family's chain form); the classifier is the tied embedding, and cross-entropy
-//! overwrites the logits with their gradient, already scaled, in one pass.
+//! The model the trainer runs: parameters, gradients, master weights and AdamW moments in flat
+//! buffers, activations for one (B, T), the optimizer step, gradient accumulation and norm, the
+//! CUDA-graph replay of a step and a per-op profile. The two families' forward and backward
+//! passes are in `passes`.
 
-use super::arena::{Arena, Layout};
+use super::arena::Arena;
 use super::config::ModelConfig;
 use super::glue;
+use super::passes::Acts;
+pub use super::passes::{Block, ParamLayout, Params};
 use crate::core::cuda::GpuTimer;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
-use crate::core::rng::Rng;
 use crate::core::tensor::Tensor;
 use crate::ops::adamw::{self, cuda::AdamWPlan, AdamWHyper, AdamWOptions, AdamWTensor};
-use crate::ops::attention::{self, AttentionOptions};
-use crate::ops::cross_entropy::{self, CrossEntropyOptions, GradOut, Reduction};
-use crate::ops::linear::{self, LinearOptions};
-use crate::ops::matmul::epilogue::Activation;
-use crate::ops::norm::{self, NormKind, NormOptions};
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::time::Instant;
-
-const EPS: f32 = 1e-5;
-
-/// One block's parameters (or gradients): views into an arena.
-pub struct Block {
-    pub ln1_w: Tensor,
-    pub ln1_b: Tensor,
-    pub qkv_w: Tensor,
-    pub qkv_b: Tensor,
-    pub proj_w: Tensor,
-    pub proj_b: Tensor,
-    pub ln2_w: Tensor,
-    pub ln2_b: Tensor,
-    pub fc_w: Tensor,
-    pub fc_b: Tensor,
-    pub fcproj_w: Tensor,
-    pub fcproj_b: Tensor,
-}
-
-/// Every parameter (or gradient) tensor of the model, as views into one arena.
-pub struct Params {
-    pub wte: Tensor,
-    pub wpe: Tensor,
-    pub lnf_w: Tensor,
-    pub lnf_b: Tensor,
-    pub blocks: Vec<Block>,
-}
-
-/// Where each parameter lives in the flat buffers: the weight-decayed group (matrices and
-/// embeddings) first, then the rest (biases, norm gains).
-#[derive(Clone, Debug)]
-pub struct ParamLayout {
-    pub layout: Layout,
-    /// Elements [0, decay_len) are decayed, [decay_len, len) are not.
-    pub decay_len: usize,
-}
-
-impl ParamLayout {
-    pub fn new(cfg: &ModelConfig) -> ParamLayout {
-        let (c, v, p) = (cfg.dim, cfg.padded_vocab(), cfg.max_seq);
-        let mut l = Layout::default();
-        l.push("wte", &[v, c]);
-        l.push("wpe", &[p, c]);
-        for i in 0..cfg.layers {
-            l.push(format!("h{i}.qkv_w"), &[3 * c, c]);
-            l.push(format!("h{i}.proj_w"), &[c, c]);
-            l.push(format!("h{i}.fc_w"), &[4 * c, c]);
-            l.push(format!("h{i}.fcproj_w"), &[c, 4 * c]);
-        }
-        l.align();
-        let decay_len = l.len;
-        l.push("lnf_w", &[c]);
-        l.push("lnf_b", &[c]);
-        for i in 0..cfg.layers {
-            l.push(format!("h{i}.ln1_w"), &[c]);
-            l.push(format!("h{i}.ln1_b"), &[c]);
-            l.push(format!("h{i}.qkv_b"), &[3 * c]);
-            l.push(format!("h{i}.proj_b"), &[c]);
-            l.push(format!("h{i}.ln2_w"), &[c]);
-            l.push(format!("h{i}.ln2_b"), &[c]);
-            l.push(format!("h{i}.fc_b"), &[4 * c]);
-            l.push(format!("h{i}.fcproj_b"), &[c]);
-        }
-        l.align();
-        ParamLayout {
-            layout: l,
-            decay_len,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.layout.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.layout.len == 0
-    }
-
-    /// GPT-2's initialisation (as llm.c and Hugging Face): weights N(0, 0.02), the two residual
-    /// projections N(0, 0.02/√(2L)), biases 0, norm gains 1. Padding stays 0.
-    pub fn init(&self, cfg: &ModelConfig, seed: u64) -> Vec<f32> {
-        let mut out = vec![0f32; self.len()];
-        let mut rng = Rng::new(seed);
-        let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
-        for (name, off, shape) in &self.layout.slots {
-            let n: usize = shape.iter().product();
-            let dst = &mut out[*off..off + n];
-            let base = name.rsplit('.').next().unwrap_or(name);
-            match base {
-                "ln1_w" | "ln2_w" | "lnf_w" => dst.fill(1.0),
-                // the padded vocabulary rows stay zero
-                "wte" => fill_normal(&mut dst[..cfg.vocab * cfg.dim], 0.02, &mut rng),
-                b if b.ends_with("_b") => {}
-                b => {
-                    let std = if b == "proj_w" || b == "fcproj_w" {
-                        proj_std
-                    } else {
-                        0.02
-                    };
-                    fill_normal(dst, std, &mut rng);
-                }
-            }
-        }
-        out
-    }
-
-    fn cut(&self, arena: &Arena) -> Result<Params> {
-        let map: HashMap<&str, (usize, &[usize])> = self
-            .layout
-            .slots
-            .iter()
-            .map(|(n, o, s)| (n.as_str(), (*o, s.as_slice())))
-            .collect();
-        let get = |name: &str| -> Result<Tensor> {
-            let (o, s) = map[name];
-            arena.view(o, s)
-        };
-        let layers = self
-            .layout
-            .slots
-            .iter()
-            .filter(|s| s.0.ends_with(".qkv_w"))
-            .count();
-        let mut blocks = Vec::with_capacity(layers);
-        for i in 0..layers {
-            let g = |s: &str| get(&format!("h{i}.{s}"));
-            blocks.push(Block {
-                ln1_w: g("ln1_w")?,
-                ln1_b: g("ln1_b")?,
-                qkv_w: g("qkv_w")?,
-                qkv_b: g("qkv_b")?,
-                proj_w: g("proj_w")?,
-                proj_b: g("proj_b")?,
-                ln2_w: g("ln2_w")?,
-                ln2_b: g("ln2_b")?,
-                fc_w: g("fc_w")?,
-                fc_b: g("fc_b")?,
-                fcproj_w: g("fcproj_w")?,
-                fcproj_b: g("fcproj_b")?,
-            });
-        }
-        Ok(Params {
-            wte: get("wte")?,
-            wpe: get("wpe")?,
-            lnf_w: get("lnf_w")?,
-            lnf_b: get("lnf_b")?,
-            blocks,
-        })
-    }
-}
-
-/// Box–Muller normals, two per pair of uniforms.
-fn fill_normal(dst: &mut [f32], std: f64, rng: &mut Rng) {
-    let mut i = 0;
-    while i < dst.len() {
-        let u1 = rng.next_f64().max(1e-300);
-        let u2 = rng.next_f64();
-        let r = (-2.0 * u1.ln()).sqrt() * std;
-        let t = 2.0 * std::f64::consts::PI * u2;
-        dst[i] = (r * t.cos()) as f32;
-        if i + 1 < dst.len() {
-            dst[i + 1] = (r * t.sin()) as f32;
-        }
-        i += 2;
-    }
-}
-
-/// Saved forward state of one block (what its backward reads).
-struct BlockActs {
-    ln1: Tensor,
-    ln1_mean: Tensor,
-    ln1_rstd: Tensor,
-    qkv: Tensor,
-    att: Tensor,
-    lse: Tensor,
-    mid: Tensor,
-    ln2: Tensor,
-    ln2_mean: Tensor,
-    ln2_rstd: Tensor,
-    fch_pre: Tensor,
-    fch: Tensor,
-}
-
-/// Activations and scratch for one (B, T).
-struct Acts {
-    batch: usize,
-    seq: usize,
-    tokens: Tensor,
-    inputs: Tensor,
-    targets: Tensor,
-    /// res[l]: the residual stream entering block l; res[L] leaves the last block.
-    res: Vec<Tensor>,
-    blocks: Vec<BlockActs>,
-    lnf: Tensor,
-    lnf_mean: Tensor,
-    lnf_rstd: Tensor,
-    logits: Tensor,
-    loss_rows: Tensor,
-    // backward scratch
-    dres: Tensor,
-    dtmp: Tensor,
-    dln: Tensor,
-    datt: Tensor,
-    dfch: Tensor,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    dqkv: Tensor,
-    keys: Tensor,
-    parts: Tensor,
-    /// scalars: [0] the micro-batch loss, [16] the gradient's Σ g².
-    loss: Tensor,
-    sumsq: Tensor,
-    // views above borrow these: declared last, dropped last
-    _dqkv_arena: Arena,
-    _scalars: Arena,
-}
-
-impl Acts {
-    fn new(cfg: &ModelConfig, b: usize, t: usize, dtype: DType, dev: Device) -> Result<Acts> {
-        let (c, h, d, v) = (cfg.dim, cfg.heads, cfg.head_dim(), cfg.padded_vocab());
-        let n = b * t;
-        let e = |shape: &[usize]| Tensor::empty(shape, dtype, dev);
-        let f = |shape: &[usize]| Tensor::empty(shape, DType::F32, dev);
-        let mut blocks = Vec::with_capacity(cfg.layers);
-        for _ in 0..cfg.layers {
-            blocks.push(BlockActs {
-                ln1: e(&[n, c])?,
-                ln1_mean: f(&[n])?,
-                ln1_rstd: f(&[n])?,
-                qkv: e(&[n, 3 * c])?,
-                att: e(&[n, c])?,
-                lse: f(&[b, h, t])?,
-                mid: e(&[n, c])?,
-                ln2: e(&[n, c])?,
-                ln2_mean: f(&[n])?,
-                ln2_rstd: f(&[n])?,
-                fch_pre: e(&[n, 4 * c])?,
-                fch: e(&[n, 4 * c])?,
-            });
-        }
-        let dqkv_arena = Arena::new(n * 3 * c, dtype, dev)?;
-        let qkv_strides = [t * 3 * c, 3 * c, d, 1];
-        let dview = |i: usize| dqkv_arena.view_strided(i * c, &[b, t, h, d], &qkv_strides);
-        let scalars = Arena::new(32, DType::F32, dev)?;
-        Ok(Acts {
-            batch: b,
-            seq: t,
-            tokens: Tensor::empty(&[b, t + 1], DType::I32, dev)?,
-            inputs: Tensor::empty(&[n], DType::I32, dev)?,
-            targets: Tensor::empty(&[n], DType::I32, dev)?,
-            res: (0..=cfg.layers)
-                .map(|_| e(&[n, c]))
-                .collect::<Result<_>>()?,
-            blocks,
-            lnf: e(&[n, c])?,
-            lnf_mean: f(&[n])?,
-            lnf_rstd: f(&[n])?,
-            logits: e(&[n, v])?,
-            loss_rows: f(&[n])?,
-            dres: e(&[n, c])?,
-            dtmp: e(&[n, c])?,
-            dln: e(&[n, c])?,
-            datt: e(&[n, c])?,
-            dfch: e(&[n, 4 * c])?,
-            dq: dview(0)?,
-            dk: dview(1)?,
-            dv: dview(2)?,
-            dqkv: dqkv_arena.view(0, &[n, 3 * c])?,
-            keys: Tensor::empty(&[2 * glue::SORT_N], DType::I32, dev)?,
-            parts: f(&[glue::SUMSQ_PARTS])?,
-            loss: scalars.view(0, &[1])?,
-            sumsq: scalars.view(16, &[1])?,
-            _dqkv_arena: dqkv_arena,
-            _scalars: scalars,
-        })
-    }
-}
 
 struct Mark {
     label: &'static str,
@@ -325,7 +40,7 @@ pub struct ModelOptions {
 }
 
 /// The model: parameters, gradients, AdamW state and activations for one (B, T).
-pub struct Gpt2 {
+pub struct Model {
     /// The captured forward + backward (CUDA), replayed by `train_step`; dropped first.
     graph: Option<(cudarc::driver::CudaGraph, f32)>,
     graph_error: Option<String>,
@@ -333,7 +48,7 @@ pub struct Gpt2 {
     pub dtype: DType,
     pub device: Device,
     pub layout: ParamLayout,
-    opts: ModelOptions,
+    pub(crate) opts: ModelOptions,
     pub params: Params,
     pub grads: Params,
     acts: Option<Acts>,
@@ -356,7 +71,7 @@ pub struct Gpt2 {
     acc_arena: Option<Arena>,
 }
 
-impl Gpt2 {
+impl Model {
     /// A freshly initialised model (`seed`) in `dtype` (f32 or bf16; bf16 keeps f32 master
     /// weights for AdamW) on `device`.
     pub fn new(
@@ -365,7 +80,7 @@ impl Gpt2 {
         device: Device,
         seed: u64,
         opts: ModelOptions,
-    ) -> Result<Gpt2> {
+    ) -> Result<Model> {
         cfg.validate(None)?;
         if !matches!(dtype, DType::F32 | DType::BF16) {
             return Err(Error::bad_arg("train", "dtype", "f32 or bf16", dtype));
@@ -403,7 +118,7 @@ impl Gpt2 {
             })
             .collect::<Result<Vec<_>>>()?;
         let grads_whole = grad_arena.whole()?;
-        let mut model = Gpt2 {
+        let mut model = Model {
             graph: None,
             graph_error: None,
             cfg: cfg.clone(),
@@ -540,278 +255,10 @@ impl Gpt2 {
         self.mark("tokens")
     }
 
-    fn acts(&self) -> Result<&Acts> {
+    pub(crate) fn acts(&self) -> Result<&Acts> {
         self.acts
             .as_ref()
             .ok_or_else(|| Error::Other("train: model.prepare(batch, seq) was not called".into()))
-    }
-
-    /// Forward over the loaded tokens; with `dloss` the logits are overwritten by the loss's
-    /// gradient scaled by dloss (training), else kept. The mean loss lands in `loss_tensor()`.
-    pub fn forward(&self, dloss: Option<f32>) -> Result<()> {
-        let a = self.acts()?;
-        let cfg = &self.cfg;
-        let (b, t, c, h, d) = (a.batch, a.seq, cfg.dim, cfg.heads, cfg.head_dim());
-        let p = &self.params;
-        glue::embed_forward(&a.inputs, &p.wte, Some(&p.wpe), &a.res[0], t, cfg.vocab)?;
-        self.mark("embed")?;
-        let nopts = NormOptions {
-            eps: EPS,
-            ..Default::default()
-        };
-        let lin = LinearOptions::default();
-        let gelu = LinearOptions {
-            activation: Activation::GeluTanh,
-            ..Default::default()
-        };
-        let aopts = AttentionOptions {
-            causal: true,
-            deterministic: self.opts.deterministic,
-            ..Default::default()
-        };
-        let qkv_strides = [t * 3 * c, 3 * c, d, 1];
-        for (l, (w, s)) in p.blocks.iter().zip(&a.blocks).enumerate() {
-            let x = &a.res[l];
-            layer_norm(
-                x,
-                &w.ln1_w,
-                &w.ln1_b,
-                &s.ln1,
-                &s.ln1_mean,
-                &s.ln1_rstd,
-                &nopts,
-            )?;
-            self.mark("layernorm")?;
-            linear_fwd(&s.ln1, &w.qkv_w, Some(&w.qkv_b), None, &s.qkv, None, &lin)?;
-            self.mark("qkv")?;
-            let base = s.qkv.layout().offset();
-            let qv = |i: usize| s.qkv.as_strided(&[b, t, h, d], &qkv_strides, base + i * c);
-            let o = s.att.reshape(&[b, t, h, d])?;
-            attention::attention_forward_into(&qv(0)?, &qv(1)?, &qv(2)?, &o, &s.lse, None, &aopts)?;
-            self.mark("attention")?;
-            linear_fwd(
-                &s.att,
-                &w.proj_w,
-                Some(&w.proj_b),
-                Some(x),
-                &s.mid,
-                None,
-                &lin,
-            )?;
-            self.mark("proj (+ residual)")?;
-            layer_norm(
-                &s.mid,
-                &w.ln2_w,
-                &w.ln2_b,
-                &s.ln2,
-                &s.ln2_mean,
-                &s.ln2_rstd,
-                &nopts,
-            )?;
-            self.mark("layernorm")?;
-            linear_fwd(
-                &s.ln2,
-                &w.fc_w,
-                Some(&w.fc_b),
-                None,
-                &s.fch,
-                Some(&s.fch_pre),
-                &gelu,
-            )?;
-            self.mark("fc (+ bias, GELU)")?;
-            linear_fwd(
-                &s.fch,
-                &w.fcproj_w,
-                Some(&w.fcproj_b),
-                Some(&s.mid),
-                &a.res[l + 1],
-                None,
-                &lin,
-            )?;
-            self.mark("fcproj (+ residual)")?;
-        }
-        let last = &a.res[cfg.layers];
-        layer_norm(
-            last,
-            &p.lnf_w,
-            &p.lnf_b,
-            &a.lnf,
-            &a.lnf_mean,
-            &a.lnf_rstd,
-            &nopts,
-        )?;
-        self.mark("layernorm")?;
-        linear_fwd(&a.lnf, &p.wte, None, None, &a.logits, None, &lin)?;
-        self.mark("classifier")?;
-        let ce = CrossEntropyOptions {
-            reduction: Reduction::Mean,
-            dloss: dloss.unwrap_or(1.0),
-            check_targets: false,
-            ..Default::default()
-        };
-        let grad = if dloss.is_some() {
-            GradOut::InPlace
-        } else {
-            GradOut::Skip
-        };
-        cross_entropy::cross_entropy_into(
-            &a.logits.narrow(1, 0, cfg.vocab)?,
-            &a.targets,
-            &a.loss_rows,
-            Some(&a.loss),
-            grad,
-            &ce,
-        )?;
-        self.mark("cross_entropy")
-    }
-
-    /// Backward after a training forward: every gradient written (overwritten) in `grads`.
-    pub fn backward(&self) -> Result<()> {
-        let a = self.acts()?;
-        let cfg = &self.cfg;
-        let (b, t, c, h, d) = (a.batch, a.seq, cfg.dim, cfg.heads, cfg.head_dim());
-        let (p, g) = (&self.params, &self.grads);
-        let lin = LinearOptions::default();
-        let aopts = AttentionOptions {
-            causal: true,
-            deterministic: self.opts.deterministic,
-            ..Default::default()
-        };
-        // classifier (tied): dlnf = dlogits·wte, dwte = dlogitsᵀ·lnf (overwrites dwte)
-        linear_bwd(
-            &a.logits,
-            &a.lnf,
-            &p.wte,
-            None,
-            Some(&a.dln),
-            Some(&g.wte),
-            None,
-            None,
-            &lin,
-        )?;
-        self.mark("classifier.bwd")?;
-        layer_norm_bwd(
-            &a.dln,
-            &a.res[cfg.layers],
-            &p.lnf_w,
-            &a.lnf_mean,
-            &a.lnf_rstd,
-            &a.dres,
-            &g.lnf_w,
-            &g.lnf_b,
-        )?;
-        self.mark("layernorm.bwd")?;
-        let qkv_strides = [t * 3 * c, 3 * c, d, 1];
-        for l in (0..cfg.layers).rev() {
-            let (w, gw, s) = (&p.blocks[l], &g.blocks[l], &a.blocks[l]);
-            // MLP: fc2's dX GEMM applies GELU' and sums fc1's bias gradient (chain form)
-            linear::backward_into(
-                &linear::Bwd {
-                    dy: &a.dres,
-                    x: &s.fch,
-                    w: &w.fcproj_w,
-                    z: None,
-                    x_pre: Some((&s.fch_pre, Activation::GeluTanh)),
-                },
-                &linear::BwdOut {
-                    dx: Some(&a.dfch),
-                    dw: Some(&gw.fcproj_w),
-                    db: Some(&gw.fcproj_b),
-                    db_pre: Some(&gw.fc_b),
-                },
-                &lin,
-            )?;
-            self.mark("fcproj.bwd (GELU' + fc bias in the epilogue)")?;
-            linear_bwd(
-                &a.dfch,
-                &s.ln2,
-                &w.fc_w,
-                None,
-                Some(&a.dln),
-                Some(&gw.fc_w),
-                None,
-                None,
-                &lin,
-            )?;
-            self.mark("fc.bwd")?;
-            layer_norm_bwd(
-                &a.dln,
-                &s.mid,
-                &w.ln2_w,
-                &s.ln2_mean,
-                &s.ln2_rstd,
-                &a.dtmp,
-                &gw.ln2_w,
-                &gw.ln2_b,
-            )?;
-            self.mark("layernorm.bwd")?;
-            glue::add_inplace(&a.dres, &a.dtmp)?;
-            self.mark("residual add")?;
-            // attention
-            linear_bwd(
-                &a.dres,
-                &s.att,
-                &w.proj_w,
-                None,
-                Some(&a.datt),
-                Some(&gw.proj_w),
-                Some(&gw.proj_b),
-                None,
-                &lin,
-            )?;
-            self.mark("proj.bwd")?;
-            let base = s.qkv.layout().offset();
-            let qv = |i: usize| s.qkv.as_strided(&[b, t, h, d], &qkv_strides, base + i * c);
-            attention::attention_backward_into(
-                &a.datt.reshape(&[b, t, h, d])?,
-                &qv(0)?,
-                &qv(1)?,
-                &qv(2)?,
-                &s.att.reshape(&[b, t, h, d])?,
-                &s.lse,
-                &a.dq,
-                &a.dk,
-                &a.dv,
-                None,
-                &aopts,
-            )?;
-            self.mark("attention.bwd")?;
-            linear_bwd(
-                &a.dqkv,
-                &s.ln1,
-                &w.qkv_w,
-                None,
-                Some(&a.dln),
-                Some(&gw.qkv_w),
-                Some(&gw.qkv_b),
-                None,
-                &lin,
-            )?;
-            self.mark("qkv.bwd")?;
-            layer_norm_bwd(
-                &a.dln,
-                &a.res[l],
-                &w.ln1_w,
-                &s.ln1_mean,
-                &s.ln1_rstd,
-                &a.dtmp,
-                &gw.ln1_w,
-                &gw.ln1_b,
-            )?;
-            self.mark("layernorm.bwd")?;
-            glue::add_inplace(&a.dres, &a.dtmp)?;
-            self.mark("residual add")?;
-        }
-        glue::embed_backward(
-            &a.inputs,
-            &a.dres,
-            &g.wte,
-            Some(&g.wpe),
-            t,
-            cfg.vocab,
-            Some(&a.keys),
-        )?;
-        self.mark("embed.bwd")
     }
 
     /// Forward and backward of the loaded tokens (as `forward(Some(dloss))` then `backward()`),
@@ -966,7 +413,7 @@ impl Gpt2 {
         Ok(rows)
     }
 
-    fn mark(&self, label: &'static str) -> Result<()> {
+    pub(crate) fn mark(&self, label: &'static str) -> Result<()> {
         let mut p = self.prof.borrow_mut();
         let Some(marks) = p.as_mut() else {
             return Ok(());
@@ -1016,110 +463,4 @@ impl Gpt2 {
     pub fn grad_buffer(&self) -> &Tensor {
         &self.grads_whole
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn layer_norm(
-    x: &Tensor,
-    w: &Tensor,
-    bias: &Tensor,
-    y: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
-    o: &NormOptions,
-) -> Result<()> {
-    norm::forward_into(
-        NormKind::Layer,
-        &norm::Fwd {
-            x,
-            residual: None,
-            weight: Some(w),
-            bias: Some(bias),
-        },
-        &norm::FwdOut {
-            y,
-            h: None,
-            mean: Some(mean),
-            rstd: Some(rstd),
-        },
-        o,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn layer_norm_bwd(
-    dy: &Tensor,
-    x: &Tensor,
-    w: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
-    dx: &Tensor,
-    dw: &Tensor,
-    db: &Tensor,
-) -> Result<()> {
-    norm::backward_into(
-        NormKind::Layer,
-        &norm::Bwd {
-            dy,
-            x,
-            weight: Some(w),
-            mean: Some(mean),
-            rstd,
-        },
-        &norm::BwdOut {
-            dx,
-            dweight: Some(dw),
-            dbias: Some(db),
-        },
-        &NormOptions {
-            eps: EPS,
-            ..Default::default()
-        },
-    )
-}
-
-fn linear_fwd(
-    x: &Tensor,
-    w: &Tensor,
-    bias: Option<&Tensor>,
-    residual: Option<&Tensor>,
-    y: &Tensor,
-    z: Option<&Tensor>,
-    o: &LinearOptions,
-) -> Result<()> {
-    linear::forward_into(
-        &linear::Fwd {
-            x,
-            w,
-            bias,
-            residual,
-        },
-        &linear::FwdOut { y, z },
-        o,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn linear_bwd(
-    dy: &Tensor,
-    x: &Tensor,
-    w: &Tensor,
-    z: Option<&Tensor>,
-    dx: Option<&Tensor>,
-    dw: Option<&Tensor>,
-    db: Option<&Tensor>,
-    db_pre: Option<&Tensor>,
-    o: &LinearOptions,
-) -> Result<()> {
-    linear::backward_into(
-        &linear::Bwd {
-            dy,
-            x,
-            w,
-            z,
-            x_pre: None,
-        },
-        &linear::BwdOut { dx, dw, db, db_pre },
-        o,
-    )
 }

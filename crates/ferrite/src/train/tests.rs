@@ -8,14 +8,12 @@ use crate::data::pack::write_shards;
 use crate::data::{pack_files, PackConfig};
 
 fn small(vocab: usize) -> ModelConfig {
-    ModelConfig {
-        name: "test".into(),
-        vocab,
-        max_seq: 32,
-        layers: 2,
-        heads: 4,
-        dim: 32,
-    }
+    ModelConfig::gpt2("test", vocab, 32, 2, 4, 32)
+}
+
+/// A small Llama: 4 query heads over 2 key/value heads, SwiGLU of 48.
+fn small_llama(vocab: usize) -> ModelConfig {
+    ModelConfig::llama("test-llama", vocab, 32, 2, 4, 2, 32, 48)
 }
 
 fn tokens(b: usize, t: usize, vocab: usize, seed: u64) -> Tensor {
@@ -26,18 +24,16 @@ fn tokens(b: usize, t: usize, vocab: usize, seed: u64) -> Tensor {
     Tensor::from_vec(v, &[b, t + 1]).unwrap()
 }
 
-fn loss_of(m: &Gpt2) -> f64 {
+fn loss_of(m: &Model) -> f64 {
     m.forward(None).unwrap();
     m.loss_tensor().unwrap().to_vec::<f32>().unwrap()[0] as f64
 }
 
 /// Every parameter tensor's largest gradients against central differences of the loss. f32
 /// forward passes: the step is chosen so the loss change stands well above its rounding.
-#[test]
-fn gradients_match_finite_differences() {
-    let cfg = small(61);
+fn check_gradients(cfg: &ModelConfig) {
     let (b, t) = (2, 7);
-    let mut m = Gpt2::new(&cfg, DType::F32, Device::Cpu, 5, ModelOptions::default()).unwrap();
+    let mut m = Model::new(cfg, DType::F32, Device::Cpu, 5, ModelOptions::default()).unwrap();
     m.prepare(b, t).unwrap();
     m.load_tokens(&tokens(b, t, cfg.vocab, 9)).unwrap();
     m.forward(Some(1.0)).unwrap();
@@ -71,13 +67,29 @@ fn gradients_match_finite_differences() {
             }
         }
     }
-    assert!(checked > 40, "only {checked} gradients checked");
+    let tensors = m.layout.layout.slots.len();
+    assert!(
+        checked >= tensors,
+        "only {checked} gradients checked over {tensors} tensors"
+    );
     assert!(
         worst.0 < 3e-2,
         "worst relative gradient error {:.3e} at {}",
         worst.0,
         worst.1
     );
+}
+
+#[test]
+fn gpt2_gradients_match_finite_differences() {
+    check_gradients(&small(61));
+}
+
+/// Llama: RMSNorm, rotary q/k (and its inverse on dq/dk), grouped-query attention, SwiGLU, the
+/// untied classifier and the embedding's own gradient.
+#[test]
+fn llama_gradients_match_finite_differences() {
+    check_gradients(&small_llama(61));
 }
 
 /// Shards of a "language" a small model can learn: each token follows from the one before it
@@ -180,6 +192,17 @@ fn loss_falls_on_structured_data_and_runs_repeat_bitwise() {
     o2.val_data = None;
     let c = run(&o2, &mut |_| {}).unwrap();
     assert!(c.last_loss < 2.5, "accumulated run: {}", c.last_loss);
+    // The Llama family learns the same data.
+    let mut o3 = o.clone();
+    o3.model = small_llama(128);
+    o3.val_data = None;
+    let d = run(&o3, &mut |_| {}).unwrap();
+    assert!(
+        d.last_loss < 2.5,
+        "llama: loss after 40 steps {} (first {})",
+        d.last_loss,
+        d.first_loss
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -262,17 +285,10 @@ fn bad_configurations_are_clear_errors() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matches_cpu() {
-    let cfg = ModelConfig {
-        name: "test".into(),
-        vocab: 1003,
-        max_seq: 160,
-        layers: 2,
-        heads: 3,
-        dim: 192,
-    };
+    let cfg = ModelConfig::gpt2("test", 1003, 160, 2, 3, 192);
     let (b, t) = (3, 130);
     let mk = |dev, dt| {
-        let mut m = Gpt2::new(
+        let mut m = Model::new(
             &cfg,
             dt,
             dev,
@@ -380,7 +396,7 @@ fn resume_from_a_checkpoint_is_exact() {
 #[test]
 fn hugging_face_export_round_trips() {
     let cfg = small(100);
-    let a = Gpt2::new(&cfg, DType::F32, Device::Cpu, 1, ModelOptions::default()).unwrap();
+    let a = Model::new(&cfg, DType::F32, Device::Cpu, 1, ModelOptions::default()).unwrap();
     let dir = std::env::temp_dir().join(format!("ferrite-train-hf-{}", std::process::id()));
     let meta = checkpoint::Meta {
         model: cfg.clone(),
@@ -405,7 +421,7 @@ fn hugging_face_export_round_trips() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(conf["n_layer"], 2);
     assert_eq!(conf["vocab_size"], 100);
-    let b = Gpt2::new(&cfg, DType::F32, Device::Cpu, 2, ModelOptions::default()).unwrap();
+    let b = Model::new(&cfg, DType::F32, Device::Cpu, 2, ModelOptions::default()).unwrap();
     assert_ne!(
         a.param_buffer().to_vec::<f32>().unwrap(),
         b.param_buffer().to_vec::<f32>().unwrap()
@@ -416,7 +432,7 @@ fn hugging_face_export_round_trips() {
         b.param_buffer().to_vec::<f32>().unwrap()
     );
     // Another model size is refused, naming the tensor and both shapes.
-    let big = Gpt2::new(
+    let big = Model::new(
         &small(101),
         DType::F32,
         Device::Cpu,

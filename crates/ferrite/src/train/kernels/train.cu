@@ -14,6 +14,9 @@
 //   add_inplace         y += x (the residual stream's gradient meeting a norm's input gradient),
 //                       16-byte vectors.
 //   accumulate          acc (fp32) = g or acc += g (gradient accumulation over micro-batches).
+//   rope                rotary embeddings in place on the q and k heads of a [N, width] QKV buffer
+//                       (Llama's halves convention: element i pairs with i + D/2), or the inverse
+//                       rotation on their gradient.
 //   sumsq_partial/final Σ g² over a flat gradient in a fixed order (global-norm clipping).
 //
 // Specialisation: -DFE_T=<float | __nv_bfloat16 | __half> (activations, params, grads),
@@ -207,4 +210,26 @@ extern "C" __global__ void sumsq_final(const float* __restrict__ part, int npart
   for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += part[i];
   s = block_sum(s, red);
   if (threadIdx.x == 0) out[0] = s;
+}
+
+// One block per token row; threads over (head, pair). Row n holds `heads` heads of D elements
+// from its start (q heads, then k heads); position n mod seq; angle pos·θ^(−2i/D) in fp32 with
+// accurate sincosf (positions up to ~10⁵ radians keep ~1e-6 relative error).
+extern "C" __global__ void rope(T* __restrict__ x, i64 ld, int seq, int heads, int dim, float log2_theta,
+                                int inverse) {
+  const i64 n = blockIdx.x;
+  const int half = dim / 2;
+  const float pos = (float)(n % seq);
+  T* row = x + n * ld;
+  for (int e = threadIdx.x; e < heads * half; e += blockDim.x) {
+    const int h = e / half, i = e - h * half;
+    const float inv_freq = exp2f(-(2.f * (float)i / (float)dim) * log2_theta);
+    float sn, cs;
+    sincosf(pos * inv_freq, &sn, &cs);
+    if (inverse) sn = -sn;
+    T* p = row + (i64)h * dim;
+    const float a = to_float(p[i]), b = to_float(p[i + half]);
+    p[i] = from_float<T>(a * cs - b * sn);
+    p[i + half] = from_float<T>(b * cs + a * sn);
+  }
 }
