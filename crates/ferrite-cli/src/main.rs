@@ -40,6 +40,8 @@ enum Cmd {
     Data(data_cmd::DataCmd),
     /// Train a GPT from token shards (explicit forward/backward over ferrite's ops).
     Train(Box<train_cmd::TrainArgs>),
+    /// Generate text from a `ferrite train` checkpoint (paged KV cache, top-k/top-p sampling).
+    Sample(train_cmd::SampleArgs),
 }
 
 #[derive(Args)]
@@ -456,6 +458,7 @@ fn main() -> ExitCode {
         Cmd::Kernels(a) => kernels(a),
         Cmd::Data(c) => data_cmd::run(c),
         Cmd::Train(a) => train_cmd::run(*a),
+        Cmd::Sample(a) => train_cmd::sample(a),
     };
     match r {
         Ok(true) => ExitCode::SUCCESS,

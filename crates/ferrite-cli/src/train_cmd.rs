@@ -334,3 +334,74 @@ pub fn run(a: TrainArgs) -> Result<bool> {
     }
     Ok(true)
 }
+
+#[derive(Args)]
+pub struct SampleArgs {
+    /// A checkpoint folder written by `ferrite train --save` (DIR/step-NNNNNN).
+    #[arg(long)]
+    ckpt: PathBuf,
+    /// Text to continue (GPT-2 BPE).
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// New tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    tokens: usize,
+    /// 0: greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 50)]
+    top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// cpu, cuda or cuda:N (default: cuda:0 when a GPU is usable, else cpu).
+    #[arg(long)]
+    device: Option<String>,
+}
+
+pub fn sample(a: SampleArgs) -> Result<bool> {
+    use ferrite::train::sample;
+    if !(a.temperature >= 0.0 && a.temperature.is_finite() && a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(Error::bad_arg(
+            "sample",
+            "--temperature/--top-p",
+            "temperature ≥ 0 and top-p in (0, 1]",
+            format!("{}/{}", a.temperature, a.top_p),
+        ));
+    }
+    let device = device_of(a.device.as_deref())?;
+    let model = sample::load(&a.ckpt, device)?;
+    let bpe = ferrite::data::pack::gpt2()?;
+    let prompt: Vec<u32> = bpe.encode_with_special_tokens(&a.prompt);
+    let t0 = std::time::Instant::now();
+    let out = sample::generate(
+        &model,
+        &prompt,
+        a.tokens,
+        &sample::SampleOptions {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+    )?;
+    let secs = t0.elapsed().as_secs_f64();
+    let text = bpe
+        .decode(&prompt.iter().chain(&out).copied().collect::<Vec<u32>>())
+        .unwrap_or_else(|_| String::from("(not valid UTF-8 as decoded)"));
+    println!("{text}");
+    eprintln!(
+        "{} ({:.1} M parameters) on {device}: {} prompt + {} new tokens in {:.2} s ({:.0} tokens/s, KV cache in {}-token pages)",
+        model.cfg.name,
+        model.cfg.num_params() as f64 / 1e6,
+        prompt.len(),
+        out.len(),
+        secs,
+        (prompt.len() + out.len()) as f64 / secs,
+        sample::PAGE
+    );
+    Ok(true)
+}

@@ -537,7 +537,10 @@ pub fn upload_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
             DType::BF16 => dst.with_cpu_mut::<bf16, _>(|d| {
                 bytemuck::cast_slice_mut::<bf16, u8>(&mut d[..n]).copy_from_slice(bytes)
             }),
-            other => Err(Error::bad_arg(OP, "dst", "f32 or bf16", other)),
+            DType::I32 => dst.with_cpu_mut::<i32, _>(|d| {
+                bytemuck::cast_slice_mut::<i32, u8>(&mut d[..n]).copy_from_slice(bytes)
+            }),
+            other => Err(Error::bad_arg(OP, "dst", "f32, bf16 or i32", other)),
         },
         Device::Cuda(_) => {
             let dev = dev_of(dst)?;
@@ -549,11 +552,14 @@ pub fn upload_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
 }
 
 /// Rotary embeddings in place on the first `heads` heads of `head_dim` elements of each row of
-/// `buf` `[N, width]` (q heads then k heads), position = row mod `seq`, Llama's convention (element
-/// i pairs with i + head_dim/2, angle pos·θ^(−2i/head_dim)); `inverse` rotates back (the gradient).
+/// `buf` `[N, width]` (q heads then k heads), position = `pos0` + row mod `seq`, Llama's
+/// convention (element i pairs with i + head_dim/2, angle pos·θ^(−2i/head_dim)); `inverse` rotates
+/// back (the gradient).
+#[allow(clippy::too_many_arguments)]
 pub fn rope(
     buf: &Tensor,
     seq: usize,
+    pos0: usize,
     heads: usize,
     head_dim: usize,
     theta: f32,
@@ -585,7 +591,7 @@ pub fn rope(
             let mut v = buf.to_f32_vec()?;
             let w = buf.shape()[1];
             for r in 0..n {
-                let pos = (r % seq) as f32;
+                let pos = (pos0 + r % seq) as f32;
                 for h in 0..heads {
                     for i in 0..half {
                         let inv = (-(2.0 * i as f32 / head_dim as f32) * theta.log2()).exp2();
@@ -609,6 +615,7 @@ pub fn rope(
             a.push(buf.device_ptr()?)
                 .push(ld as i64)
                 .push(seq as i32)
+                .push(pos0 as i64)
                 .push(heads as i32)
                 .push(head_dim as i32)
                 .push(theta.log2())

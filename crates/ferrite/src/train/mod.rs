@@ -18,6 +18,7 @@ pub mod config;
 pub mod glue;
 pub mod model;
 pub mod passes;
+pub mod sample;
 #[cfg(test)]
 mod tests;
 

@@ -364,14 +364,20 @@ impl Acts {
 }
 
 /// A norm of the model's family: LayerNorm with bias (mean kept) or RMSNorm.
-struct Norm<'a> {
+pub(crate) struct Norm<'a> {
     kind: NormKind,
     w: &'a Tensor,
     b: Option<&'a Tensor>,
 }
 
 impl Norm<'_> {
-    fn forward(&self, x: &Tensor, y: &Tensor, mean: &Tensor, rstd: &Tensor) -> Result<()> {
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()> {
         let layer = self.kind == NormKind::Layer;
         norm::forward_into(
             self.kind,
@@ -429,7 +435,7 @@ impl Norm<'_> {
 }
 
 impl Model {
-    fn norm<'a>(&self, w: &'a Tensor, b: Option<&'a Tensor>) -> Norm<'a> {
+    pub(crate) fn norm<'a>(&self, w: &'a Tensor, b: Option<&'a Tensor>) -> Norm<'a> {
         let kind = match self.cfg.family {
             Family::Gpt2 => NormKind::Layer,
             Family::Llama => NormKind::Rms,
@@ -447,11 +453,12 @@ impl Model {
 
     /// Rotary embeddings on q and k of a `[N, qkv_width]` buffer (in place; `inverse` for the
     /// gradient).
-    fn rope(&self, buf: &Tensor, seq: usize, inverse: bool) -> Result<()> {
+    pub(crate) fn rope(&self, buf: &Tensor, seq: usize, pos0: usize, inverse: bool) -> Result<()> {
         let cfg = &self.cfg;
         glue::rope(
             buf,
             seq,
+            pos0,
             cfg.heads + cfg.kv_heads,
             cfg.head_dim(),
             cfg.rope_theta as f32,
@@ -483,7 +490,7 @@ impl Model {
             linear_fwd(&s.ln1, &w.qkv_w, w.qkv_b.as_ref(), None, &s.qkv, None, &lin)?;
             self.mark("qkv")?;
             if llama {
-                self.rope(&s.qkv, t, false)?;
+                self.rope(&s.qkv, t, 0, false)?;
                 self.mark("rope")?;
             }
             let base = s.qkv.layout().offset();
@@ -699,7 +706,7 @@ impl Model {
             )?;
             self.mark("attention.bwd")?;
             if llama {
-                self.rope(&a.dqkv, t, true)?;
+                self.rope(&a.dqkv, t, 0, true)?;
                 self.mark("rope.bwd")?;
             }
             linear_bwd(
@@ -743,14 +750,14 @@ impl Model {
     }
 }
 
-fn swiglu() -> GluOptions {
+pub(crate) fn swiglu() -> GluOptions {
     GluOptions {
         act: activation::Activation::Silu,
         ..Default::default()
     }
 }
 
-fn linear_fwd(
+pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,

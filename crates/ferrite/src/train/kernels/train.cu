@@ -213,13 +213,13 @@ extern "C" __global__ void sumsq_final(const float* __restrict__ part, int npart
 }
 
 // One block per token row; threads over (head, pair). Row n holds `heads` heads of D elements
-// from its start (q heads, then k heads); position n mod seq; angle pos·θ^(−2i/D) in fp32 with
+// from its start (q heads, then k heads); position pos0 + n mod seq; angle pos·θ^(−2i/D) in fp32 with
 // accurate sincosf (positions up to ~10⁵ radians keep ~1e-6 relative error).
-extern "C" __global__ void rope(T* __restrict__ x, i64 ld, int seq, int heads, int dim, float log2_theta,
-                                int inverse) {
+extern "C" __global__ void rope(T* __restrict__ x, i64 ld, int seq, i64 pos0, int heads, int dim,
+                                float log2_theta, int inverse) {
   const i64 n = blockIdx.x;
   const int half = dim / 2;
-  const float pos = (float)(n % seq);
+  const float pos = (float)(pos0 + n % seq);
   T* row = x + n * ld;
   for (int e = threadIdx.x; e < heads * half; e += blockDim.x) {
     const int h = e / half, i = e - h * half;
