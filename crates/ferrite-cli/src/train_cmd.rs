@@ -81,6 +81,10 @@ pub struct TrainArgs {
     /// Start from Hugging Face GPT-2 weights (a folder with model.safetensors, or the file).
     #[arg(long)]
     init_hf: Option<PathBuf>,
+    /// Recompute the norms' outputs and the MLP activation in the backward instead of keeping
+    /// them per layer (less memory, a little more time).
+    #[arg(long)]
+    recompute: bool,
     /// Run every op from the host each step (no CUDA-graph replay): for debugging.
     #[arg(long)]
     no_graph: bool,
@@ -254,6 +258,7 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         save_every: a.save_every,
         resume: a.resume.clone(),
         init_hf: a.init_hf.clone(),
+        recompute: a.recompute,
     };
     eprintln!(
         "training {} ({:.1} M parameters) on {device} in {dtype}: B {} × T {} × accumulation {} = {} tokens per step, {} steps",

@@ -59,6 +59,8 @@ pub struct RunOptions {
     pub resume: Option<PathBuf>,
     /// Start from Hugging Face GPT-2 weights (a folder with model.safetensors, or the file).
     pub init_hf: Option<PathBuf>,
+    /// Recompute the norms' outputs and the MLP activation in the backward (less memory).
+    pub recompute: bool,
 }
 
 impl RunOptions {
@@ -88,6 +90,7 @@ impl RunOptions {
             save_every: 0,
             resume: None,
             init_hf: None,
+            recompute: false,
         }
     }
 }
@@ -210,7 +213,8 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
     o.model.validate(Some(t.seq))?;
     let accumulate = t.grad_accum > 1;
     if let Device::Cuda(i) = o.device {
-        let need = Model::estimate_bytes(&o.model, o.dtype, t.batch, t.seq, accumulate);
+        let need =
+            Model::estimate_bytes(&o.model, o.dtype, t.batch, t.seq, accumulate, o.recompute);
         let dev = crate::core::cuda::device(i)?;
         dev.bind()?;
         let (free, _total) =
@@ -239,6 +243,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         t.seed,
         ModelOptions {
             deterministic: o.deterministic,
+            recompute: o.recompute,
         },
     )?;
     model.prepare(t.batch, t.seq)?;
@@ -292,9 +297,12 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         let norm = scalar(model.sumsq_tensor()?)?.sqrt();
         let finite = loss.is_finite() && norm.is_finite();
         if !finite && !t.skip_nonfinite {
+            let first = model.first_nonfinite()?.map_or(String::new(), |n| {
+                format!("; the first non-finite tensor: {n}")
+            });
             return Err(Error::Other(format!(
-                "train: step {step}: non-finite {} (loss {loss}, gradient norm {norm}); a token id ≥ the \
-                 vocabulary ({}) gives a NaN embedding row. --skip-nonfinite skips such updates",
+                "train: step {step}: non-finite {} (loss {loss}, gradient norm {norm}){first}; a token id ≥ \
+                 the vocabulary ({}) gives a NaN embedding row. --skip-nonfinite skips such updates",
                 if loss.is_finite() { "gradient" } else { "loss" },
                 o.model.vocab
             )));

@@ -301,26 +301,38 @@ impl Acts {
         t: usize,
         dtype: DType,
         dev: Device,
+        recompute: bool,
     ) -> Result<Acts> {
         let (c, v, f, w) = (cfg.dim, cfg.padded_vocab(), cfg.ffn, cfg.qkv_width());
         let n = b * t;
         let e = |shape: &[usize]| Tensor::empty(shape, dtype, dev);
         let fl = |shape: &[usize]| Tensor::empty(shape, DType::F32, dev);
+        // With recompute, every layer's norm outputs and MLP hidden share one buffer each (clones
+        // of one tensor); the backward recomputes them layer by layer.
+        let shared = recompute
+            .then(|| -> Result<_> { Ok((e(&[n, c])?, e(&[n, c])?, e(&[n, f])?)) })
+            .transpose()?;
+        let own = |i: usize, shape: &[usize]| -> Result<Tensor> {
+            match &shared {
+                Some(sh) => Ok([&sh.0, &sh.1, &sh.2][i].clone()),
+                None => e(shape),
+            }
+        };
         let mut blocks = Vec::with_capacity(cfg.layers);
         for _ in 0..cfg.layers {
             blocks.push(BlockActs {
-                ln1: e(&[n, c])?,
+                ln1: own(0, &[n, c])?,
                 ln1_mean: fl(&[n])?,
                 ln1_rstd: fl(&[n])?,
                 qkv: e(&[n, w])?,
                 att: e(&[n, c])?,
                 lse: fl(&[b, cfg.heads, t])?,
                 mid: e(&[n, c])?,
-                ln2: e(&[n, c])?,
+                ln2: own(1, &[n, c])?,
                 ln2_mean: fl(&[n])?,
                 ln2_rstd: fl(&[n])?,
                 fch_pre: e(&[n, cfg.up_width()])?,
-                fch: e(&[n, f])?,
+                fch: own(2, &[n, f])?,
             });
         }
         let dqkv_arena = Arena::new(n * w, dtype, dev)?;
@@ -574,6 +586,89 @@ impl Model {
         self.mark("cross_entropy")
     }
 
+    /// The first tensor holding a NaN or infinity, in the order the step computes them: the
+    /// parameters, then the forward's activations layer by layer, then the gradients. For the
+    /// error a non-finite loss raises (reads every buffer back: slow, and only then).
+    pub fn first_nonfinite(&self) -> Result<Option<String>> {
+        let bad =
+            |t: &Tensor| -> Result<bool> { Ok(t.to_f32_vec()?.iter().any(|x| !x.is_finite())) };
+        let flat = |buf: &Tensor| -> Result<Option<String>> {
+            let v = buf.to_f32_vec()?;
+            Ok(self
+                .layout
+                .layout
+                .slots
+                .iter()
+                .find(|(_, off, shape)| {
+                    v[*off..off + shape.iter().product::<usize>()]
+                        .iter()
+                        .any(|x| !x.is_finite())
+                })
+                .map(|(name, _, _)| name.clone()))
+        };
+        if let Some(n) = flat(self.param_buffer())? {
+            return Ok(Some(format!("parameter {n}")));
+        }
+        let a = self.acts()?;
+        if bad(&a.res[0])? {
+            return Ok(Some("activation embed (token + position)".into()));
+        }
+        for (l, s) in a.blocks.iter().enumerate() {
+            let named = [
+                ("norm1", &s.ln1),
+                ("qkv", &s.qkv),
+                ("attention", &s.att),
+                ("attention + residual", &s.mid),
+                ("norm2", &s.ln2),
+                ("mlp up", &s.fch_pre),
+                ("mlp hidden", &s.fch),
+                ("block output", &a.res[l + 1]),
+            ];
+            for (name, t) in named {
+                if bad(t)? {
+                    return Ok(Some(format!("activation h{l}.{name}")));
+                }
+            }
+        }
+        if bad(&a.lnf)? {
+            return Ok(Some("activation final norm".into()));
+        }
+        if bad(&a.logits.narrow(1, 0, self.cfg.vocab)?)? {
+            return Ok(Some("logits (or their gradient)".into()));
+        }
+        Ok(flat(self.grad_buffer())?.map(|n| format!("gradient {n}")))
+    }
+
+    /// Refills block `l`'s norm outputs and MLP hidden activation (shared buffers under
+    /// `recompute`) from what the forward kept: the residual stream, the norms' statistics and
+    /// the MLP's pre-activation. GPT-2's GELU is recomputed from the bf16 pre-activation (the
+    /// forward's epilogue took it from the fp32 accumulator): the same function, rounded once more.
+    fn recompute_block(&self, l: usize) -> Result<()> {
+        let a = self.acts()?;
+        let (w, s) = (&self.params.blocks[l], &a.blocks[l]);
+        self.norm(&w.ln1_w, w.ln1_b.as_ref()).forward(
+            &a.res[l],
+            &s.ln1,
+            &s.ln1_mean,
+            &s.ln1_rstd,
+        )?;
+        self.norm(&w.ln2_w, w.ln2_b.as_ref())
+            .forward(&s.mid, &s.ln2, &s.ln2_mean, &s.ln2_rstd)?;
+        match self.cfg.family {
+            Family::Llama => activation::glu_into(&s.fch_pre, &s.fch, &swiglu())?,
+            Family::Gpt2 => activation::bias_act_dropout_into(
+                &s.fch_pre,
+                None,
+                &s.fch,
+                &activation::ActOptions {
+                    act: activation::Activation::GeluTanh,
+                    ..Default::default()
+                },
+            )?,
+        }
+        self.mark("recompute")
+    }
+
     /// Backward after a training forward: every gradient written (overwritten) in `grads`.
     pub fn backward(&self) -> Result<()> {
         let a = self.acts()?;
@@ -609,6 +704,9 @@ impl Model {
         self.mark("norm.bwd")?;
         for l in (0..cfg.layers).rev() {
             let (w, gw, s) = (&p.blocks[l], &g.blocks[l], &a.blocks[l]);
+            if self.opts.recompute {
+                self.recompute_block(l)?;
+            }
             if llama {
                 linear_bwd(
                     &a.dres,

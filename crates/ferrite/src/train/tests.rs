@@ -296,6 +296,7 @@ fn gpu_matches_cpu() {
             11,
             ModelOptions {
                 deterministic: true,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -525,4 +526,85 @@ fn sampling_a_trained_model_follows_its_data() {
         .to_string()
         .contains("vocabulary"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With recompute the gradients are those of the model that keeps every activation (CPU, f32: the
+/// norms recompute the same bits; GPT-2's GELU comes from the activation family's code instead
+/// of the GEMM epilogue's, so within f32 rounding), in both families, and three shared buffers
+/// replace 3·L per-layer ones.
+#[test]
+fn recompute_gives_the_same_gradients() {
+    for cfg in [small(61), small_llama(61)] {
+        let grads = |recompute: bool| {
+            let mut m = Model::new(
+                &cfg,
+                DType::F32,
+                Device::Cpu,
+                5,
+                ModelOptions {
+                    recompute,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            m.prepare(2, 9).unwrap();
+            m.load_tokens(&tokens(2, 9, cfg.vocab, 3)).unwrap();
+            m.forward(Some(1.0)).unwrap();
+            m.backward().unwrap();
+            m.grad_buffer().to_f64_vec().unwrap()
+        };
+        let e = crate::core::harness::check::rel_error(&grads(true), &grads(false));
+        assert!(
+            e < 1e-6,
+            "{:?}: relative gradient difference {e:.2e}",
+            cfg.family
+        );
+    }
+    let c = ModelConfig::preset("gpt2-124m").unwrap();
+    let (keep, re) = (
+        Model::estimate_bytes(&c, DType::BF16, 16, 1024, false, false),
+        Model::estimate_bytes(&c, DType::BF16, 16, 1024, false, true),
+    );
+    assert!(
+        keep - re > (1u64 << 30),
+        "recompute saves {} bytes",
+        keep - re
+    );
+}
+
+/// A NaN planted in one weight is found and named: the parameter itself, and after the forward
+/// the first activation it poisons.
+#[test]
+fn the_first_non_finite_tensor_is_named() {
+    let cfg = small(61);
+    let mut m = Model::new(&cfg, DType::F32, Device::Cpu, 5, ModelOptions::default()).unwrap();
+    m.prepare(2, 7).unwrap();
+    m.load_tokens(&tokens(2, 7, cfg.vocab, 9)).unwrap();
+    m.forward(Some(1.0)).unwrap();
+    assert_eq!(m.first_nonfinite().unwrap(), None);
+    let (_, off, _) = m
+        .layout
+        .layout
+        .slots
+        .iter()
+        .find(|s| s.0 == "h1.fc_w")
+        .unwrap()
+        .clone();
+    m.param_buffer()
+        .with_cpu_mut::<f32, _>(|p| p[off + 5] = f32::NAN)
+        .unwrap();
+    assert_eq!(
+        m.first_nonfinite().unwrap().as_deref(),
+        Some("parameter h1.fc_w")
+    );
+    m.forward(Some(1.0)).unwrap();
+    assert!(!m.loss_tensor().unwrap().to_vec::<f32>().unwrap()[0].is_finite());
+    m.param_buffer()
+        .with_cpu_mut::<f32, _>(|p| p[off + 5] = 0.0)
+        .unwrap();
+    // the weights are finite again, the activations of that forward are not
+    assert_eq!(
+        m.first_nonfinite().unwrap().as_deref(),
+        Some("activation h1.mlp up")
+    );
 }
