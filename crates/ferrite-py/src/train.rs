@@ -73,6 +73,7 @@ pub fn gpt2_train_steps(
             seed,
             ModelOptions {
                 deterministic: true,
+                ..Default::default()
             },
         )?;
         m.prepare(batch, seq)?;
