@@ -1,9 +1,8 @@
 //! Checkpoints in safetensors: a folder with
 //!
-//! - `model.safetensors` + `config.json`: the weights under Hugging Face's GPT-2 names and layout
-//!   (`h.0.attn.c_attn.weight` as `[in, out]`, the vocabulary unpadded), f32 — a folder
-//!   `transformers.GPT2LMHeadModel.from_pretrained` loads, and that `import_hf` reads back (GPT-2
-//!   models; a Llama checkpoint holds the training state only);
+//! - `model.safetensors` + `config.json`: the weights under Hugging Face's names and layout for
+//!   the family (see `hf`), f32 — a folder `transformers`' `from_pretrained` loads (GPT2LMHeadModel,
+//!   LlamaForCausalLM), and that `import_hf` reads back;
 //! - `state.safetensors`: the flat buffers as the trainer holds them (parameters in the model's
 //!   dtype, f32 master weights, AdamW moments) and, in its metadata, the configuration, the step
 //!   and the loader's position: what an exact resume needs.
@@ -53,117 +52,12 @@ fn st_dtype(d: DType) -> Result<StDtype> {
     })
 }
 
-/// Hugging Face's name and layout for one of the model's slots: (name, transpose [out, in] → [in, out]).
-fn hf_name(slot: &str) -> Option<(String, bool)> {
-    let fixed = match slot {
-        "wte" => Some("wte.weight"),
-        "wpe" => Some("wpe.weight"),
-        "lnf_w" => Some("ln_f.weight"),
-        "lnf_b" => Some("ln_f.bias"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some((f.to_string(), false));
-    }
-    let (layer, part) = slot.strip_prefix('h')?.split_once('.')?;
-    let (name, t) = match part {
-        "ln1_w" => ("ln_1.weight", false),
-        "ln1_b" => ("ln_1.bias", false),
-        "qkv_w" => ("attn.c_attn.weight", true),
-        "qkv_b" => ("attn.c_attn.bias", false),
-        "proj_w" => ("attn.c_proj.weight", true),
-        "proj_b" => ("attn.c_proj.bias", false),
-        "ln2_w" => ("ln_2.weight", false),
-        "ln2_b" => ("ln_2.bias", false),
-        "fc_w" => ("mlp.c_fc.weight", true),
-        "fc_b" => ("mlp.c_fc.bias", false),
-        "fcproj_w" => ("mlp.c_proj.weight", true),
-        "fcproj_b" => ("mlp.c_proj.bias", false),
-        _ => return None,
-    };
-    Some((format!("h.{layer}.{name}"), t))
-}
-
-fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut o = vec![0f32; v.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            o[c * rows + r] = v[r * cols + c];
-        }
-    }
-    o
-}
-
 /// The model's weights as f32 (the master copy for bf16 models), flat in its layout.
 fn weights_f32(m: &Model) -> Result<Vec<f32>> {
     match m.state_buffers().0 {
         Some(master) => master.to_f32_vec(),
         None => m.param_buffer().to_f32_vec(),
     }
-}
-
-/// GPT2Config as transformers writes it (the fields GPT2LMHeadModel reads).
-fn hf_config(cfg: &ModelConfig) -> serde_json::Value {
-    serde_json::json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab,
-        "n_positions": cfg.max_seq,
-        "n_ctx": cfg.max_seq,
-        "n_embd": cfg.dim,
-        "n_layer": cfg.layers,
-        "n_head": cfg.heads,
-        "n_inner": null,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": true,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
-        "torch_dtype": "float32"
-    })
-}
-
-fn write_hf(m: &Model, dir: &Path) -> Result<()> {
-    let w = weights_f32(m)?;
-    let cfg = &m.cfg;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (slot, off, shape) in &m.layout.layout.slots {
-        let (name, t) = hf_name(slot)
-            .ok_or_else(|| Error::Other(format!("{OP}: no Hugging Face name for `{slot}`")))?;
-        let mut shape = shape.clone();
-        if slot == "wte" {
-            shape[0] = cfg.vocab; // the padded rows are not part of the model
-        }
-        let n: usize = shape.iter().product();
-        let mut v = w[*off..off + n].to_vec();
-        if t {
-            v = transpose(&v, shape[0], shape[1]);
-            shape.swap(0, 1);
-        }
-        tensors.push((name, shape, bytemuck::cast_slice(&v).to_vec()));
-    }
-    let views = tensors
-        .iter()
-        .map(|(n, s, b)| {
-            Ok((
-                n.clone(),
-                TensorView::new(StDtype::F32, s.clone(), b).map_err(st_err(dir))?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let meta = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
-    let path = dir.join("model.safetensors");
-    safetensors::serialize_to_file(views, &meta, &path).map_err(st_err(&path))?;
-    let cfg_path = dir.join("config.json");
-    std::fs::write(
-        &cfg_path,
-        serde_json::to_string_pretty(&hf_config(cfg)).unwrap(),
-    )
-    .map_err(io(format!("writing {}", cfg_path.display())))
 }
 
 fn write_state(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
@@ -214,13 +108,9 @@ pub fn save(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
-    // Hugging Face's layout is written for GPT-2; a Llama checkpoint holds the training state.
-    let hf = if m.cfg.family == super::config::Family::Gpt2 {
-        write_hf(m, &tmp)
-    } else {
-        Ok(())
-    };
-    let written = hf.and_then(|_| write_state(m, &tmp, meta));
+    let written = weights_f32(m)
+        .and_then(|w| super::hf::write(m, &w, &tmp))
+        .and_then(|_| write_state(m, &tmp, meta));
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
@@ -327,87 +217,17 @@ pub fn load_state(m: &Model, dir: &Path) -> Result<Meta> {
     Ok(meta)
 }
 
-/// Loads Hugging Face GPT-2 weights (`model.safetensors` of GPT2Model/GPT2LMHeadModel: f32, bf16
-/// or f16, with or without the `transformer.` prefix) into `m`'s parameters (and master weights);
-/// the optimizer state is left as it is.
+/// Loads Hugging Face weights of the model's family (`model.safetensors` of GPT2LMHeadModel or
+/// LlamaForCausalLM: f32, bf16 or f16) into `m`'s parameters (and master weights); the optimizer
+/// state is left as it is.
 pub fn import_hf(m: &Model, dir: &Path) -> Result<()> {
-    if m.cfg.family != super::config::Family::Gpt2 {
-        return Err(Error::bad_arg(
-            OP,
-            "init_hf",
-            "a GPT-2 model (Hugging Face import is written for GPT-2's layout)",
-            format!("{:?}", m.cfg.family),
-        ));
-    }
     let path = if dir.is_dir() {
         dir.join("model.safetensors")
     } else {
         dir.to_path_buf()
     };
-    let bytes = read(&path)?;
-    let st = SafeTensors::deserialize(&bytes).map_err(st_err(&path))?;
-    let names: HashMap<String, String> = st
-        .names()
-        .into_iter()
-        .map(|n| {
-            (
-                n.strip_prefix("transformer.").unwrap_or(n).to_string(),
-                n.clone(),
-            )
-        })
-        .collect();
     let mut flat = weights_f32(m)?;
-    for (slot, off, shape) in &m.layout.layout.slots {
-        let (name, t) = hf_name(slot).unwrap();
-        let full = names.get(&name).ok_or_else(|| {
-            Error::Other(format!(
-                "{OP}: {}: no tensor `{name}` (for `{slot}`)",
-                path.display()
-            ))
-        })?;
-        let view = st.tensor(full).map_err(st_err(&path))?;
-        let mut want = shape.clone();
-        if slot == "wte" {
-            want[0] = m.cfg.vocab;
-        }
-        if t {
-            want.swap(0, 1);
-        }
-        if view.shape() != want.as_slice() {
-            return Err(Error::Other(format!(
-                "{OP}: {}: `{name}` is {:?}, this model needs {want:?}",
-                path.display(),
-                view.shape()
-            )));
-        }
-        let data = view.data();
-        let v: Vec<f32> = match view.dtype() {
-            StDtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
-            StDtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            StDtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(Error::Other(format!(
-                    "{OP}: {}: `{name}` has dtype {other:?}",
-                    path.display()
-                )))
-            }
-        };
-        let v = if t {
-            transpose(&v, want[0], want[1])
-        } else {
-            v
-        };
-        flat[*off..off + v.len()].copy_from_slice(&v);
-    }
+    super::hf::import(m, &path, &mut flat)?;
     super::glue::upload(m.param_buffer(), &flat)?;
     if let Some(ms) = m.state_buffers().0 {
         super::glue::upload(ms, &flat)?;

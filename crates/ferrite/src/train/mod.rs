@@ -16,6 +16,7 @@ pub mod arena;
 pub mod checkpoint;
 pub mod config;
 pub mod glue;
+pub mod hf;
 pub mod model;
 pub mod passes;
 pub mod sample;

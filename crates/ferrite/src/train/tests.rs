@@ -434,6 +434,41 @@ fn hugging_face_export_round_trips() {
         b.param_buffer().to_vec::<f32>().unwrap()
     );
     // Another model size is refused, naming the tensor and both shapes.
+    // Llama: q/k/v and gate/up split into Hugging Face's separate projections, and back.
+    let lc = small_llama(100);
+    let la = Model::new(&lc, DType::F32, Device::Cpu, 1, ModelOptions::default()).unwrap();
+    let ldir = dir.with_extension("llama");
+    checkpoint::save(
+        &la,
+        &ldir,
+        &checkpoint::Meta {
+            model: lc.clone(),
+            ..meta.clone()
+        },
+    )
+    .unwrap();
+    let bytes = std::fs::read(ldir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(
+        st.tensor("model.layers.1.self_attn.k_proj.weight")
+            .unwrap()
+            .shape(),
+        &[16, 32]
+    );
+    assert_eq!(
+        st.tensor("model.layers.0.mlp.up_proj.weight")
+            .unwrap()
+            .shape(),
+        &[48, 32]
+    );
+    assert_eq!(st.tensor("lm_head.weight").unwrap().shape(), &[100, 32]);
+    let lb = Model::new(&lc, DType::F32, Device::Cpu, 2, ModelOptions::default()).unwrap();
+    checkpoint::import_hf(&lb, &ldir).unwrap();
+    assert_eq!(
+        la.param_buffer().to_vec::<f32>().unwrap(),
+        lb.param_buffer().to_vec::<f32>().unwrap()
+    );
+    std::fs::remove_dir_all(&ldir).unwrap();
     let big = Model::new(
         &small(101),
         DType::F32,
