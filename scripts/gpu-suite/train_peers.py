@@ -27,6 +27,15 @@ PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "gpt2-774m":
 LLAMA = {"llama-1b": (16, 32, 8, 2048, 5632, 2048), "llama-tiny": (2, 4, 2, 64, 176, 256)}
 
 
+def load_tokens_file(f):
+    raw = open(f, "rb").read()
+    if f.endswith(".ftok"):
+        width = int.from_bytes(raw[12:16], "little")
+        return np.frombuffer(raw[4096:], dtype=np.uint16 if width == 2 else np.uint32).astype(np.int64)
+    header = np.frombuffer(raw[:1024], dtype=np.int32)
+    return np.frombuffer(raw[1024:], dtype=np.uint16 if header[1] == 1 else np.uint32).astype(np.int64)
+
+
 def load_tokens(path):
     """Every .ftok (4096-byte header) or llm.c .bin (1024-byte header) shard, concatenated."""
     files = sorted(glob.glob(os.path.join(path, "*.ftok")) + glob.glob(os.path.join(path, "*.bin")))
@@ -162,6 +171,9 @@ def main():
     ap.add_argument("--pad-vocab", type=int, default=50304,
                     help="rows of the embedding/classifier (50257 = unpadded); logits are sliced to 50257")
     ap.add_argument("--json")
+    ap.add_argument("--val", help="a shard file: after training, the mean loss over its first --val-batches "
+                    "batches of consecutive (T+1)-token rows, as `ferrite train --val-data`")
+    ap.add_argument("--val-batches", type=int, default=8)
     a = ap.parse_args()
 
     torch.manual_seed(a.seed)
@@ -221,6 +233,19 @@ def main():
         if step % 10 == 0 or step + 1 == a.steps:
             print(f"[torch {a.mode} {a.params}] step {step + 1}/{a.steps} loss {loss_v:.4f} {dt * 1e3:.1f} ms "
                   f"{a.batch * a.seq / dt:.0f} tok/s", flush=True)
+    val_loss = None
+    if a.val:
+        v = torch.from_numpy(load_tokens_file(a.val))
+        rows = v[: (v.numel() // (a.seq + 1)) * (a.seq + 1)].view(-1, a.seq + 1)
+        losses = []
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.params == "fp32"):
+            for i in range(a.val_batches):
+                r = rows[i * a.batch:(i + 1) * a.batch].to(dev)
+                if r.shape[0] < a.batch:
+                    break
+                losses.append(float(model(r[:, :-1], r[:, 1:])))
+        val_loss = sum(losses) / len(losses)
+        print(f"[torch {a.mode} {a.params}] validation loss {val_loss:.4f} over {len(losses)} batches")
     warm = 3 if len(log) > 4 else 0
     out = {
         "mode": a.mode, "params": a.params, "pad_vocab": a.pad_vocab, "model": a.model, "device": torch.cuda.get_device_name(), "batch": a.batch,
@@ -228,7 +253,7 @@ def main():
         "tokens_per_s": statistics.median(l["tokens_per_s"] for l in log[warm:]),
         "step_ms": statistics.median(l["ms"] for l in log[warm:]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"], "log": log,
+        "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"], "val_loss": val_loss, "log": log,
     }
     print(f"[torch {a.mode} {a.params}] median {out['tokens_per_s']:.0f} tok/s, {out['step_ms']:.1f} ms/step, "
           f"peak {out['peak_gib']:.2f} GiB, loss {out['first_loss']:.4f} -> {out['last_loss']:.4f}")
