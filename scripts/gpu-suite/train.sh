@@ -9,17 +9,20 @@ out="${OUT:-results}"
 mkdir -p "$out"
 model="${1:-gpt2-124m}"; b="${2:-16}"; t="${3:-1024}"; steps="${4:-40}"
 data="$here/data/shakespeare"
+val="$data/shard_000011.ftok"    # held-out rows for both sides' validation loss
+batches="${TMPDIR:-/tmp}/ferrite-batches.i32"   # ferrite's batches, replayed by the PyTorch runs
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
 echo "== trainer GPU test (bf16 GPU against f32 CPU)"
 "$here/tests/ferrite-ferrite" --include-ignored train:: 2>&1 | tail -12 | tee "$out/train-tests.txt"
 echo "== ferrite train $model B $b T $t"
 "$here/bin/ferrite" train --data "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" \
+  --val-data "$val" --val-every "$steps" --dump-batches "$batches" \
   --json "$out/ferrite.json" --svg "$out/loss.svg" --print-every 5 --profile-step 10 2>&1 | tee "$out/ferrite.txt"
 for run in "eager fp32 torch_eager" "compile fp32 torch_compile" "compile bf16 torch_compile_bf16"; do
   set -- $run
   echo "== torch $1, $2 weights"
   python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --mode "$1" \
-    --params "$2" --json "$out/$3.json" 2>&1 | grep -v Warning | tail -3
+    --params "$2" --batches "$batches" --val "$val" --json "$out/$3.json" 2>&1 | grep -v Warning | tail -3
 done
 python3 "$here/train_table.py" "$out" | tee "$out/table.txt"

@@ -174,6 +174,8 @@ def main():
     ap.add_argument("--val", help="a shard file: after training, the mean loss over its first --val-batches "
                     "batches of consecutive (T+1)-token rows, as `ferrite train --val-data`")
     ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--batches", help="train on these batches (i32 [steps, B, T+1], from `ferrite train "
+                    "--dump-batches`) instead of random windows: the same data in the same order")
     a = ap.parse_args()
 
     torch.manual_seed(a.seed)
@@ -206,7 +208,18 @@ def main():
     gen = torch.Generator().manual_seed(a.seed)
     n = tokens.numel() - a.seq - 1
 
+    fixed = None
+    if a.batches:
+        fixed = torch.from_numpy(np.fromfile(a.batches, dtype=np.int32).astype(np.int64)).view(-1, a.batch, a.seq + 1)
+        if fixed.shape[0] < a.steps:
+            raise SystemExit(f"{a.batches} holds {fixed.shape[0]} batches, fewer than --steps {a.steps}")
+    step_no = [0]
+
     def batch():
+        if fixed is not None:
+            rows = fixed[step_no[0]].pin_memory().to(dev, non_blocking=True)
+            step_no[0] += 1
+            return rows[:, :-1], rows[:, 1:]
         starts = torch.randint(0, n, (a.batch,), generator=gen)
         rows = torch.stack([tokens[s : s + a.seq + 1] for s in starts.tolist()])
         rows = rows.pin_memory().to(dev, non_blocking=True)

@@ -85,6 +85,9 @@ pub struct TrainArgs {
     /// them per layer (less memory, a little more time).
     #[arg(long)]
     recompute: bool,
+    /// Append every batch's token rows (i32 [B, T+1]) to FILE: a peer can train on the same batches.
+    #[arg(long)]
+    dump_batches: Option<PathBuf>,
     /// Run every op from the host each step (no CUDA-graph replay): for debugging.
     #[arg(long)]
     no_graph: bool,
@@ -259,6 +262,7 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         resume: a.resume.clone(),
         init_hf: a.init_hf.clone(),
         recompute: a.recompute,
+        dump_batches: a.dump_batches.clone(),
     };
     eprintln!(
         "training {} ({:.1} M parameters) on {device} in {dtype}: B {} × T {} × accumulation {} = {} tokens per step, {} steps",

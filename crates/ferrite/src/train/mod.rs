@@ -62,6 +62,9 @@ pub struct RunOptions {
     pub init_hf: Option<PathBuf>,
     /// Recompute the norms' outputs and the MLP activation in the backward (less memory).
     pub recompute: bool,
+    /// Append every batch's `[B, T+1]` token rows (i32, little-endian) to this file, so a peer can
+    /// train on exactly the same batches (`scripts/gpu-suite/train_peers.py --batches`).
+    pub dump_batches: Option<PathBuf>,
 }
 
 impl RunOptions {
@@ -92,6 +95,7 @@ impl RunOptions {
             resume: None,
             init_hf: None,
             recompute: false,
+            dump_batches: None,
         }
     }
 }
@@ -262,6 +266,13 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         None => (0, None),
     };
     let mut data = loader(&ds, o, true, None, resume_at)?;
+    let mut dump = match &o.dump_batches {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p)
+                .map_err(|e| Error::io(format!("creating {}", p.display()), e))?,
+        )),
+        None => None,
+    };
     let tokens_per_step = (t.batch * t.seq * t.grad_accum) as f64;
     let flops_per_step = o.model.flops_per_token(t.seq) * tokens_per_step;
     let mut log: Vec<StepLog> = Vec::with_capacity(t.steps);
@@ -282,6 +293,12 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
             let batch = data.next_batch()?.ok_or_else(|| {
                 Error::Other("train: the training set ended (the loader runs forever)".into())
             })?;
+            if let Some(w) = dump.as_mut() {
+                use std::io::Write;
+                let v = batch.tokens.to_vec::<i32>()?;
+                w.write_all(bytemuck::cast_slice(&v))
+                    .map_err(|e| Error::io("writing the batch dump".to_string(), e))?;
+            }
             let h0 = Instant::now();
             model.load_tokens(&batch.tokens)?;
             drop(batch);

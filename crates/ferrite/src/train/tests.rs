@@ -181,7 +181,14 @@ fn loss_falls_on_structured_data_and_runs_repeat_bitwise() {
         );
     }
     assert!(a.profile.iter().all(|r| r.calls > 0 && r.host_ms >= 0.0));
-    let b = run(&o, &mut |_| {}).unwrap();
+    let mut od = o.clone();
+    od.dump_batches = Some(dir.join("batches.i32"));
+    let b = run(&od, &mut |_| {}).unwrap();
+    // 40 steps × 4 rows × 33 tokens, i32
+    assert_eq!(
+        std::fs::metadata(dir.join("batches.i32")).unwrap().len(),
+        40 * 4 * 33 * 4
+    );
     let la: Vec<u64> = a.log.iter().map(|l| l.loss.to_bits()).collect();
     let lb: Vec<u64> = b.log.iter().map(|l| l.loss.to_bits()).collect();
     assert_eq!(la, lb, "two runs from one seed differ");
