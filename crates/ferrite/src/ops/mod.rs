@@ -226,9 +226,19 @@ pub fn build_kernels(
                 .collect::<Vec<_>>()
         })
         .collect();
+    // Progress on stderr (CI runs this for minutes): every tenth of the jobs.
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let total = jobs.len();
     let per_job: Vec<Result<Vec<KernelBuild>>> = jobs
         .par_iter()
-        .map(|(spec, arch)| build_one(spec, *arch, ptxas, out_dir))
+        .map(|(spec, arch)| {
+            let r = build_one(spec, *arch, ptxas, out_dir);
+            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if n.is_multiple_of(total.div_ceil(10).max(1)) || n == total {
+                eprintln!("kernels: {n}/{total} modules built");
+            }
+            r
+        })
         .collect();
     let mut builds = Vec::new();
     for r in per_job {
@@ -307,6 +317,26 @@ fn ptxas_report(
         c.arch.target(),
         &c.key[..8]
     );
+    // ptxas's report is a function of the PTX (c.key hashes its source, options and NVRTC) and
+    // of the ptxas binary: kept beside the PTX cache, a rebuild of unchanged modules skips ptxas.
+    let tool_id = std::fs::metadata(ptxas)
+        .map(|m| {
+            let t = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            format!("{}-{}", m.len(), t.map_or(0, |t| t.as_secs()))
+        })
+        .unwrap_or_default();
+    let cached =
+        jit::cache_dir()
+            .join("ptxas")
+            .join(format!("{}-{}-{tool_id}.log", c.key, c.arch.target()));
+    if out_dir.is_none() {
+        if let Ok(log) = std::fs::read_to_string(&cached) {
+            return Ok(parse_ptxas(&log));
+        }
+    }
     let ptx = dir.join(format!("{stem}.ptx"));
     std::fs::write(&ptx, &c.ptx).map_err(|e| Error::io(format!("writing {}", ptx.display()), e))?;
     let cubin = dir.join(format!("{stem}.cubin"));
@@ -319,6 +349,11 @@ fn ptxas_report(
         .output()
         .map_err(|e| Error::io(format!("running {}", ptxas.display()), e))?;
     let log = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+    if out_dir.is_none() {
+        // Scratch files only (the caller asked for no output folder): hundreds of MB otherwise.
+        let _ = std::fs::remove_file(&ptx);
+        let _ = std::fs::remove_file(&cubin);
+    }
     if !o.status.success() {
         return Err(Error::Compile {
             module: c.label.clone(),
@@ -327,6 +362,14 @@ fn ptxas_report(
             log,
         });
     }
+    if std::fs::create_dir_all(cached.parent().unwrap()).is_ok() {
+        let _ = std::fs::write(&cached, &log);
+    }
+    Ok(parse_ptxas(&log))
+}
+
+/// (function, resources) pairs from ptxas -v's log.
+fn parse_ptxas(log: &str) -> Vec<(String, PtxasFunc)> {
     let mut funcs: Vec<(String, PtxasFunc)> = Vec::new();
     for line in log.lines() {
         if let Some(i) = line.find("Compiling entry function '") {
@@ -345,5 +388,5 @@ fn ptxas_report(
             }
         }
     }
-    Ok(funcs)
+    funcs
 }
