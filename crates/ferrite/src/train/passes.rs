@@ -669,6 +669,23 @@ impl Model {
         self.mark("recompute")
     }
 
+    /// A block norm's backward from `a.dln`, its input gradient added to the residual stream's
+    /// (`dres += norm'(dln)`). `w`: (gain, bias); `stats`: (mean, rstd); `dw`: their gradients.
+    fn norm_bwd_into_residual(
+        &self,
+        a: &Acts,
+        w: (&Tensor, Option<&Tensor>),
+        x: &Tensor,
+        stats: (&Tensor, &Tensor),
+        dw: (&Tensor, Option<&Tensor>),
+    ) -> Result<()> {
+        self.norm(w.0, w.1)
+            .backward(&a.dln, x, stats.0, stats.1, &a.dtmp, dw.0, dw.1)?;
+        self.mark("norm.bwd")?;
+        glue::add_inplace(&a.dres, &a.dtmp)?;
+        self.mark("residual add")
+    }
+
     /// Backward after a training forward: every gradient written (overwritten) in `grads`.
     pub fn backward(&self) -> Result<()> {
         let a = self.acts()?;
@@ -764,18 +781,13 @@ impl Model {
                 )?;
                 self.mark("fc.bwd")?;
             }
-            self.norm(&w.ln2_w, w.ln2_b.as_ref()).backward(
-                &a.dln,
+            self.norm_bwd_into_residual(
+                a,
+                (&w.ln2_w, w.ln2_b.as_ref()),
                 &s.mid,
-                &s.ln2_mean,
-                &s.ln2_rstd,
-                &a.dtmp,
-                &gw.ln2_w,
-                gw.ln2_b.as_ref(),
+                (&s.ln2_mean, &s.ln2_rstd),
+                (&gw.ln2_w, gw.ln2_b.as_ref()),
             )?;
-            self.mark("norm.bwd")?;
-            glue::add_inplace(&a.dres, &a.dtmp)?;
-            self.mark("residual add")?;
             linear_bwd(
                 &a.dres,
                 &s.att,
@@ -818,18 +830,13 @@ impl Model {
                 &lin,
             )?;
             self.mark("qkv.bwd")?;
-            self.norm(&w.ln1_w, w.ln1_b.as_ref()).backward(
-                &a.dln,
+            self.norm_bwd_into_residual(
+                a,
+                (&w.ln1_w, w.ln1_b.as_ref()),
                 &a.res[l],
-                &s.ln1_mean,
-                &s.ln1_rstd,
-                &a.dtmp,
-                &gw.ln1_w,
-                gw.ln1_b.as_ref(),
+                (&s.ln1_mean, &s.ln1_rstd),
+                (&gw.ln1_w, gw.ln1_b.as_ref()),
             )?;
-            self.mark("norm.bwd")?;
-            glue::add_inplace(&a.dres, &a.dtmp)?;
-            self.mark("residual add")?;
         }
         if llama {
             // the untied embedding's gradient comes from the scatter alone
