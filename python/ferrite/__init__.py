@@ -20,7 +20,7 @@ from ._attention import (
     scaled_dot_product_attention,
 )
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
-from ._ops import cuda_status, layer_norm, linear, matmul, mlp, rms_norm
+from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, matmul, mlp, rms_norm
 from . import nn, optim
 from .nn import optimize
 
@@ -33,6 +33,8 @@ __all__ = [
     "mlp",
     "rms_norm",
     "layer_norm",
+    "add_rms_norm",
+    "add_layer_norm",
     "softmax",
     "bias_act_dropout",
     "dropout",

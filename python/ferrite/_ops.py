@@ -866,6 +866,93 @@ _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
 
 
 # ----------------------------------------------------------------------------------------------
+# residual add + norm, fused: h = x + residual, y = norm(h) in one kernel (one read of each input,
+# one write of y and h)
+
+
+def _add_norm_check(op, x, residual):
+    if not isinstance(residual, Tensor) or residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        _fail(op, "residual", f"a tensor like `input` ({_describe(x)})", _describe(residual))
+
+
+@torch.library.custom_op("ferrite::add_norm", mutates_args=())
+def _add_norm(
+    kind: str,
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: List[int],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    op = f"ferrite.add_{kind}"
+    _add_norm_check(op, x, residual)
+    lead, cols = _norm_check(op, x, normalized_shape, weight, bias)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(lead, dtype=torch.float32, device=x.device) if kind == "layer_norm" else None
+    rstd = torch.empty(lead, dtype=torch.float32, device=x.device)
+    if x.numel() > 0:
+        shape2 = lead + [cols]
+        dev, stream = _where(x)
+        _native_call(
+            _native.norm_forward,
+            kind,
+            x.contiguous().view(shape2),
+            y.view(shape2),
+            residual=residual.contiguous().view(shape2),
+            weight=None if weight is None else weight.contiguous().view(cols),
+            bias=None if bias is None else bias.contiguous().view(cols),
+            h=h.view(shape2),
+            mean=mean,
+            rstd=rstd,
+            eps=float(eps),
+            device=dev,
+            stream=stream,
+        )
+    return y, h, (mean if mean is not None else _empty(x)), rstd
+
+
+@_add_norm.register_fake
+def _(kind, x, residual, normalized_shape, weight, bias, eps):
+    _add_norm_check(f"ferrite.add_{kind}", x, residual)
+    y, mean, rstd = _norm_fake(kind, x, normalized_shape, weight, bias)
+    return y, x.new_empty(x.shape), (mean if mean is not None else _empty(x)), rstd
+
+
+def _add_norm_setup(ctx, inputs, output):
+    kind, x, residual, ns, weight, bias, eps = inputs
+    ctx.kind, ctx.ns, ctx.has_bias = kind, ns, bias is not None
+    ctx.save_for_backward(output[1], weight, output[2], output[3])
+
+
+def _add_norm_bwd(ctx, grad_y, grad_h, _grad_mean, _grad_rstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[4]
+    need_b = ctx.has_bias and ctx.needs_input_grad[5]
+    if ctx.kind == "rms_norm":
+        dh, dw = eager.rms_norm_backward(grad_y, h, ctx.ns, weight, rstd, need_w)
+        db = None
+    else:
+        dh, dw, db = eager.layer_norm_backward(grad_y, h, ctx.ns, weight, mean, rstd, need_w, need_b)
+    # h = x + residual feeds both the norm and the caller (the new residual stream)
+    if grad_h is not None:
+        dh = dh + grad_h
+    return (
+        None,
+        dh if ctx.needs_input_grad[1] else None,
+        dh if ctx.needs_input_grad[2] else None,
+        None,
+        dw if need_w else None,
+        db if need_b else None,
+        None,
+    )
+
+
+_add_norm.register_autograd(_add_norm_bwd, setup_context=_add_norm_setup)
+
+
+# ----------------------------------------------------------------------------------------------
 # the public functions (torch / torch.nn.functional signatures)
 
 
@@ -930,6 +1017,34 @@ def layer_norm(
 ) -> Tensor:
     """``torch.nn.functional.layer_norm``."""
     return eager.layer_norm(input, _norm_shape(normalized_shape), weight, bias, float(eps))[0]
+
+
+def add_rms_norm(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[Tensor] = None,
+    eps: Optional[float] = None,
+) -> Tuple[Tensor, Tensor]:
+    """The pre-norm block's residual step fused: ``h = input + residual``, returns
+    ``(rms_norm(h), h)`` — the normed output and the new residual stream — from one kernel."""
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps if input.is_floating_point() else 1e-6
+    y, h, _, _ = eager.add_norm("rms_norm", input, residual, _norm_shape(normalized_shape), weight, None, float(eps))
+    return y, h
+
+
+def add_layer_norm(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+) -> Tuple[Tensor, Tensor]:
+    """``h = input + residual``, returns ``(layer_norm(h), h)`` from one kernel."""
+    y, h, _, _ = eager.add_norm("layer_norm", input, residual, _norm_shape(normalized_shape), weight, bias, float(eps))
+    return y, h
 
 
 def cuda_status() -> Tuple[int, Optional[str]]:

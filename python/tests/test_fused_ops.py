@@ -316,3 +316,40 @@ def test_adamw_bad_input():
         ferrite.optim.AdamW([p]).step()
     with pytest.raises(ValueError, match="argument `eps`"):
         ferrite.optim.AdamW([torch.nn.Parameter(torch.randn(3))], eps=0.0)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_matches_torch(kind, dtype):
+    """Fused residual add + norm: (norm(x + r), x + r) and the gradients of x, r, weight (and bias)
+    against float64 torch, with both outputs used downstream."""
+    x = torch.randn(5, 3, 67).to(dtype).requires_grad_()
+    r = torch.randn(5, 3, 67).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(67)).to(dtype).requires_grad_()
+    b = (0.1 * torch.randn(67)).to(dtype).requires_grad_()
+    if kind == "rms":
+        y, h = ferrite.add_rms_norm(x, r, 67, w, eps=1e-5)
+        ref = lambda x, r, w, b: (F.rms_norm(x + r, (67,), w, 1e-5), x + r)  # noqa: E731
+    else:
+        y, h = ferrite.add_layer_norm(x, r, [67], w, b, eps=1e-5)
+        ref = lambda x, r, w, b: (F.layer_norm(x + r, (67,), w, b, 1e-5), x + r)  # noqa: E731
+    xd, rd, wd, bd = (t.detach().double().requires_grad_() for t in (x, r, w, b))
+    yr, hr = ref(xd, rd, wd, bd)
+    close(y, yr.to(dtype))
+    close(h, hr.to(dtype))
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    (y * gy).sum().add((h * gh).sum()).backward()
+    (yr * gy.double()).sum().add((hr * gh.double()).sum()).backward()
+    for name, a, ref_t in [("x", x, xd), ("residual", r, rd), ("weight", w, wd)] + ([("bias", b, bd)] if kind == "layer" else []):
+        assert a.grad is not None, name
+        close(a.grad, ref_t.grad.to(dtype), dtype=dtype, scale=4.0)
+    if kind == "rms":
+        assert b.grad is None
+
+
+def test_add_norm_opcheck_and_bad_input():
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    torch.library.opcheck(torch.ops.ferrite.add_norm.default, ("rms_norm", x, r, [32], w, None, 1e-5))
+    torch.library.opcheck(torch.ops.ferrite.add_norm.default, ("layer_norm", x, r, [32], w, torch.randn(32), 1e-5))
+    with pytest.raises(ValueError, match=r"add_rms_norm: argument `residual`: expected a tensor like `input`"):
+        ferrite.add_rms_norm(x, torch.randn(4, 31), 32)
