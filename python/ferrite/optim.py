@@ -73,8 +73,8 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
-                state["step"] += 1
-                key = (p.device, p.dtype, p.grad.dtype, state["step"])
+                # the step count advances only once the update has been made (below)
+                key = (p.device, p.dtype, p.grad.dtype, state["step"] + 1)
                 buckets.setdefault(key, []).append(p)
             for (_, _, _, step), ps in buckets.items():
                 keep = []  # the tensors behind the descriptors, alive for the call
@@ -101,4 +101,6 @@ class AdamW(torch.optim.Optimizer):
                     stream=stream,
                 )
                 del keep
+                for p in ps:
+                    self.state[p]["step"] = step
         return loss

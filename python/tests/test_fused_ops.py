@@ -353,3 +353,24 @@ def test_add_norm_opcheck_and_bad_input():
     torch.library.opcheck(torch.ops.ferrite.add_norm.default, ("layer_norm", x, r, [32], w, torch.randn(32), 1e-5))
     with pytest.raises(ValueError, match=r"add_rms_norm: argument `residual`: expected a tensor like `input`"):
         ferrite.add_rms_norm(x, torch.randn(4, 31), 32)
+
+
+def test_adamw_lr_zero_and_a_failed_step_keeps_the_count():
+    """lr = 0 is a step, as torch's (moments move, weights stay); a step that fails leaves the
+    step count where it was."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(37))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = ferrite.optim.AdamW([p], lr=0.0, weight_decay=0.1)
+    ref = torch.optim.AdamW([q], lr=0.0, weight_decay=0.1)
+    for _ in range(2):
+        g = torch.randn(37)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    close(p.detach(), q.detach())
+    close(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+    assert opt.state[p]["step"] == 2
+    with pytest.raises(ValueError, match="grad_scale"):
+        opt.step(grad_scale=-1.0)
+    assert opt.state[p]["step"] == 2

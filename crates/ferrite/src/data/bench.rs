@@ -606,7 +606,70 @@ fn summarise(runs: &[LoaderRun], device: &str, sweep_max: f64) -> Option<LoaderS
 }
 
 /// All phases.
+impl BenchConfig {
+    /// Every numeric setting in range, checked before any read or allocation (a zero request
+    /// size would never advance; a huge read-ahead would abort the process allocating it).
+    pub fn validate(&self) -> Result<()> {
+        let bad =
+            |arg: &str, exp: &str, got: String| Err(Error::bad_arg("data bench", arg, exp, got));
+        let req_ok = |r: usize| r > 0 && r.is_multiple_of(4096) && r <= 1 << 30;
+        if !req_ok(self.io.request_bytes) {
+            return bad(
+                "--request-kib",
+                "a multiple of 4 KiB in 4..=1048576 KiB",
+                (self.io.request_bytes / 1024).to_string(),
+            );
+        }
+        if let Some(r) = self.ceiling_requests.iter().find(|&&r| !req_ok(r)) {
+            return bad(
+                "--ceiling-kib",
+                "multiples of 4 KiB in 4..=1048576 KiB",
+                (r / 1024).to_string(),
+            );
+        }
+        if self.io.queue_depth == 0 || self.io.queue_depth > 4096 {
+            return bad("--queue-depth", "1..=4096", self.io.queue_depth.to_string());
+        }
+        if let Some(q) = self.ceiling_depths.iter().find(|&&q| q == 0 || q > 4096) {
+            return bad("--ceiling-qd", "values in 1..=4096", q.to_string());
+        }
+        if !(self.compute_factor.is_finite() && (0.0..=1000.0).contains(&self.compute_factor)) {
+            return bad(
+                "--compute-factor",
+                "a finite number in [0, 1000]",
+                self.compute_factor.to_string(),
+            );
+        }
+        if !(self.sim_seconds.is_finite() && (0.0..=86400.0).contains(&self.sim_seconds)) {
+            return bad(
+                "--sim-seconds",
+                "a finite number of seconds in [0, 86400]",
+                self.sim_seconds.to_string(),
+            );
+        }
+        if self.read_ahead == 0 || self.read_ahead > 1024 {
+            return bad(
+                "--read-ahead",
+                "1..=1024 windows",
+                self.read_ahead.to_string(),
+            );
+        }
+        if self.prefetch == 0 || self.prefetch > 1024 {
+            return bad("--prefetch", "1..=1024 batches", self.prefetch.to_string());
+        }
+        if self.rounds == 0 || self.sweep_repeats == 0 {
+            return bad(
+                "--rounds/--sweep-repeats",
+                "both ≥ 1",
+                format!("{}/{}", self.rounds, self.sweep_repeats),
+            );
+        }
+        Ok(())
+    }
+}
+
 pub fn run(ds: &Dataset, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport> {
+    cfg.validate()?;
     let total = ds.total_bytes();
     let warmup = if cfg.warmup {
         progress("warm-up pass over the data (not counted)");

@@ -441,6 +441,27 @@ impl Loader {
                 format!("{}/{}", cfg.batch, cfg.seq),
             ));
         }
+        // A batch's buffer (and each ring slot) is B·(T+1) tokens: bounded before anything is
+        // allocated, as are the queues (a huge request aborts the process, it cannot be caught).
+        if cfg
+            .batch
+            .checked_mul(cfg.seq + 1)
+            .is_none_or(|n| n > 1 << 31)
+        {
+            return Err(bad(
+                "batch/seq",
+                "B·(T+1) ≤ 2³¹ tokens",
+                format!("{}·({} + 1)", cfg.batch, cfg.seq),
+            ));
+        }
+        if cfg.read_ahead == 0 || cfg.read_ahead > 1024 || cfg.prefetch == 0 || cfg.prefetch > 1024
+        {
+            return Err(bad(
+                "read_ahead/prefetch",
+                "both in 1..=1024",
+                format!("{}/{}", cfg.read_ahead, cfg.prefetch),
+            ));
+        }
         if cfg.world == 0 || cfg.rank >= cfg.world {
             return Err(bad(
                 "rank",

@@ -805,3 +805,107 @@ fn gpu_batches_match_host_batches() {
         assert_eq!(host, gpu);
     }
 }
+
+/// Sizes that would never advance or abort the process allocating are refused up front: the
+/// bench's request size, compute factor and read-ahead, the loader's batch and queues.
+#[test]
+fn bench_and_loader_refuse_sizes_that_cannot_run() {
+    let dir = std::env::temp_dir().join(format!("ferrite-data-bounds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    crate::data::pack::write_shards(
+        &dir,
+        ShardFormat::Ferrite,
+        DType::U16,
+        1 << 16,
+        &[(0..5000u32).collect()],
+        50257,
+    )
+    .unwrap();
+    let ds = Dataset::open(&dir).unwrap();
+    let base = crate::data::bench::BenchConfig {
+        batch: 2,
+        seq: 16,
+        io: IoConfig::default(),
+        fixed_request: true,
+        fixed_depth: true,
+        ceiling_requests: vec![],
+        ceiling_depths: vec![],
+        sweep_bytes: 0,
+        sweep_repeats: 1,
+        rounds: 1,
+        max_bytes: 0,
+        compute_factor: 1.0,
+        gpu: None,
+        sim_steps: 1,
+        sim_seconds: 0.0,
+        sim_sleep: true,
+        read_ahead: 2,
+        prefetch: 2,
+        verify: true,
+        warmup: false,
+        shuffle: true,
+    };
+    assert!(base.validate().is_ok());
+    let cases: Vec<(crate::data::bench::BenchConfig, &str)> = vec![
+        (
+            crate::data::bench::BenchConfig {
+                io: IoConfig {
+                    request_bytes: 0,
+                    ..IoConfig::default()
+                },
+                ..base.clone()
+            },
+            "--request-kib",
+        ),
+        (
+            crate::data::bench::BenchConfig {
+                compute_factor: -1.0,
+                ..base.clone()
+            },
+            "--compute-factor",
+        ),
+        (
+            crate::data::bench::BenchConfig {
+                compute_factor: f64::NAN,
+                ..base.clone()
+            },
+            "--compute-factor",
+        ),
+        (
+            crate::data::bench::BenchConfig {
+                compute_factor: 1e300,
+                ..base.clone()
+            },
+            "--compute-factor",
+        ),
+        (
+            crate::data::bench::BenchConfig {
+                read_ahead: 100_000_000,
+                ..base.clone()
+            },
+            "--read-ahead",
+        ),
+    ];
+    for (cfg, arg) in cases {
+        let e = crate::data::bench::run(&ds, &cfg, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(arg), "{arg}: {e}");
+    }
+    let huge = LoaderConfig {
+        batch: 99_999_999_999,
+        seq: 2,
+        ..LoaderConfig::default()
+    };
+    let e = Loader::new(&ds, huge, None).err().unwrap().to_string();
+    assert!(e.contains("B·(T+1)"), "{e}");
+    let deep = LoaderConfig {
+        batch: 2,
+        seq: 16,
+        read_ahead: 100_000_000,
+        ..LoaderConfig::default()
+    };
+    let e = Loader::new(&ds, deep, None).err().unwrap().to_string();
+    assert!(e.contains("read_ahead"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

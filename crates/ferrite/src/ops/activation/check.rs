@@ -23,8 +23,8 @@ pub fn act_ref(act: Activation, h: f64) -> (f64, f64) {
     match act {
         Activation::None => (h, 1.0),
         Activation::Relu => {
-            if h > 0.0 {
-                (h, 1.0)
+            if h > 0.0 || h.is_nan() {
+                (h, if h > 0.0 { 1.0 } else { 0.0 })
             } else {
                 (0.0, 0.0)
             }

@@ -55,6 +55,8 @@ pub fn act_fg(act: Activation, h: f32) -> (f32, f32) {
         Activation::Relu => {
             if h > 0.0 {
                 (h, 1.0)
+            } else if h.is_nan() {
+                (h, 0.0) // NaN stays NaN, as torch's relu (whose gradient there is 0)
             } else {
                 (0.0, 0.0)
             }

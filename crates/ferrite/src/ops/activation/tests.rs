@@ -336,3 +336,23 @@ fn gpu_backward_is_deterministic_and_matches_the_cpu_mask() {
     let cpu = zeros(bias_act_dropout(&xc, Some(&bc), &opts).unwrap());
     assert!(gpu == cpu, "GPU and CPU dropout masks differ");
 }
+
+/// ReLU keeps a NaN (as torch): a diverging run must not look healthy.
+#[test]
+fn relu_propagates_nan() {
+    let x = Tensor::from_vec(vec![1.0f32, f32::NAN, -2.0, 0.5], &[1, 4]).unwrap();
+    let y = bias_act_dropout(
+        &x,
+        None,
+        &ActOptions {
+            act: Activation::Relu,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .to_vec::<f32>()
+    .unwrap();
+    assert_eq!(y[0], 1.0);
+    assert!(y[1].is_nan(), "{y:?}");
+    assert_eq!((y[2], y[3]), (0.0, 0.5));
+}

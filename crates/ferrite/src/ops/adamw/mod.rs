@@ -122,7 +122,10 @@ impl AdamWHyper {
                 Err(Error::bad_arg(OP, name, "a finite number > 0", v))
             }
         };
-        pos("lr", self.lr)?;
+        // lr = 0 is a step (the moments still move), as torch allows: warm-up schedules start there.
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return Err(Error::bad_arg(OP, "lr", "a finite number ≥ 0", self.lr));
+        }
         pos("eps", self.eps)?;
         pos("grad_scale", self.grad_scale)?;
         for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {

@@ -68,7 +68,7 @@ fn bad_input_is_refused() {
     };
     let d = AdamWHyper::default();
     for (hp, arg) in [
-        (AdamWHyper { lr: 0.0, ..d }, "`lr`"),
+        (AdamWHyper { lr: -1e-3, ..d }, "`lr`"),
         (AdamWHyper { lr: f64::NAN, ..d }, "`lr`"),
         (AdamWHyper { eps: -1e-8, ..d }, "`eps`"),
         (AdamWHyper { beta1: 1.0, ..d }, "`beta1`"),

@@ -419,3 +419,25 @@ fn dw_split_k_fills_the_sms_where_the_output_is_small() {
     assert_eq!(dw_split(768, 768, 1000, 132), 1);
     assert_eq!(dw_split(768, 768, 16383, 132), 1);
 }
+
+/// The ReLU epilogue keeps a NaN (as torch's F.relu(F.linear(...))).
+#[test]
+fn relu_epilogue_propagates_nan() {
+    let x = Tensor::from_vec(vec![f32::NAN, 1.0, 1.0, -1.0], &[2, 2]).unwrap();
+    let w = Tensor::from_vec(vec![1.0f32, 0.0, 0.0, 1.0], &[2, 2]).unwrap();
+    let y = linear_with(
+        &x,
+        &w,
+        None,
+        &LinearOptions {
+            activation: crate::ops::matmul::epilogue::Activation::Relu,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .to_vec::<f32>()
+    .unwrap();
+    // row 0 = [NaN, 1]·I: both outputs NaN (NaN·0 is NaN); row 1 = relu([1, -1])
+    assert!(y[0].is_nan() && y[1].is_nan(), "{y:?}");
+    assert_eq!(&y[2..], &[1.0, 0.0]);
+}

@@ -73,8 +73,9 @@ impl Activation {
     pub fn apply(self, v: f32) -> f32 {
         match self {
             Activation::None => v,
+            // NaN stays NaN, as torch's relu
             Activation::Relu => {
-                if v > 0.0 {
+                if v > 0.0 || v.is_nan() {
                     v
                 } else {
                     0.0
@@ -101,8 +102,9 @@ impl Activation {
     pub fn apply_f64(self, v: f64) -> f64 {
         match self {
             Activation::None => v,
+            // NaN stays NaN, as torch's relu
             Activation::Relu => {
-                if v > 0.0 {
+                if v > 0.0 || v.is_nan() {
                     v
                 } else {
                     0.0

@@ -75,7 +75,7 @@ __device__ __forceinline__ void act_fg(float h, float& a, float& d) {
   a = h;
   d = 1.f;
 #elif FE_ACT == 1
-  a = h > 0.f ? h : 0.f;
+  a = (h > 0.f || isnan(h)) ? h : 0.f;  // NaN stays NaN, as torch's relu
   d = h > 0.f ? 1.f : 0.f;
 #elif FE_ACT == 2
   // 0.5·(1 + tanh(u)) = σ(2u): one exponential instead of tanhf, and no cancellation where

@@ -25,7 +25,7 @@ typedef FE_ELEM T;
 
 __device__ __forceinline__ float act(float v) {
 #if FE_ACT == 1
-  return v > 0.f ? v : 0.f;
+  return (v > 0.f || isnan(v)) ? v : 0.f;  // NaN stays NaN, as torch's relu
 #elif FE_ACT == 2
   const float u = 0.7978845608028654f * fmaf(0.044715f * v, v * v, v);
   return 0.5f * v * (1.f + tanhf(u));

@@ -217,7 +217,7 @@ constexpr bool FE_FAST_ACT = FE_EPI_PAIRS && sizeof(T) == 2;
 
 __device__ __forceinline__ float fe_act(float v) {
 #if FE_EPI == 2
-  return v > 0.f ? v : 0.f;
+  return (v > 0.f || isnan(v)) ? v : 0.f;  // NaN stays NaN, as torch's relu
 #elif FE_EPI == 3
   if (FE_FAST_ACT) {
     // ½v(1 + tanh u) as h + h·tanh u: one FFMA after the tanh.
