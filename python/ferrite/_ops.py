@@ -704,10 +704,15 @@ _mlp.register_autograd(_mlp_bwd, setup_context=_mlp_setup)
 
 
 def _norm_forward(kind, x, ns, weight, bias, eps):
-    op = f"ferrite.{kind}"
+    return _norm_run(f"ferrite.{kind}", kind, x, ns, weight, bias, eps)[:3]
+
+
+def _norm_run(op, kind, x, ns, weight, bias, eps, residual=None):
+    """(y, mean, rstd, h): the norm of x, or with `residual` of h = x + residual (written too)."""
     lead, cols = _norm_check(op, x, ns, weight, bias)
     xc = x.contiguous()  # the norm kernels need contiguous rows: copy if not
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(lead, dtype=torch.float32, device=x.device) if kind == "layer_norm" else None
     rstd = torch.empty(lead, dtype=torch.float32, device=x.device)
     if x.numel() > 0:
@@ -718,15 +723,17 @@ def _norm_forward(kind, x, ns, weight, bias, eps):
             kind,
             xc.view(shape2),
             y.view(shape2),
+            residual=None if residual is None else residual.contiguous().view(shape2),
             weight=None if weight is None else weight.contiguous().view(cols),
             bias=None if bias is None else bias.contiguous().view(cols),
+            h=None if h is None else h.view(shape2),
             mean=mean,
             rstd=rstd,
             eps=float(eps),
             device=dev,
             stream=stream,
         )
-    return y, mean, rstd
+    return y, mean, rstd, h
 
 
 def _norm_backward(kind, grad, x, ns, weight, mean, rstd, need_w, need_b):
@@ -887,29 +894,7 @@ def _add_norm(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     op = f"ferrite.add_{kind}"
     _add_norm_check(op, x, residual)
-    lead, cols = _norm_check(op, x, normalized_shape, weight, bias)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(lead, dtype=torch.float32, device=x.device) if kind == "layer_norm" else None
-    rstd = torch.empty(lead, dtype=torch.float32, device=x.device)
-    if x.numel() > 0:
-        shape2 = lead + [cols]
-        dev, stream = _where(x)
-        _native_call(
-            _native.norm_forward,
-            kind,
-            x.contiguous().view(shape2),
-            y.view(shape2),
-            residual=residual.contiguous().view(shape2),
-            weight=None if weight is None else weight.contiguous().view(cols),
-            bias=None if bias is None else bias.contiguous().view(cols),
-            h=h.view(shape2),
-            mean=mean,
-            rstd=rstd,
-            eps=float(eps),
-            device=dev,
-            stream=stream,
-        )
+    y, mean, rstd, h = _norm_run(op, kind, x, normalized_shape, weight, bias, eps, residual)
     return y, h, (mean if mean is not None else _empty(x)), rstd
 
 
