@@ -9,6 +9,7 @@ pub mod cross_entropy;
 pub mod decode;
 pub mod linear;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod softmax;
 
@@ -33,6 +34,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &adamw::AdamW,
         &attention::Attention,
         &decode::Decode,
+        &moe::Moe,
     ]
 }
 

@@ -734,6 +734,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
         });
     }
     v.extend(epilogue_specs());
+    v.extend(grouped_specs());
     v
 }
 
@@ -1187,7 +1188,7 @@ fn epilogue_note(epi: Option<Epi>) -> String {
 
 /// Queues the planned kernel on `stream` for operands at `p`.
 pub fn launch(l: &Launch, g: &Gemm, p: Ptrs, alpha: f32, beta: f32, stream: &Stream) -> Result<()> {
-    launch_inner(l, g, p, alpha, beta, EpiPtrs::default(), stream)
+    launch_inner(l, g, p, alpha, beta, EpiPtrs::default(), None, stream)
 }
 
 /// Queues a kernel planned by `plan_epilogue`; `e` holds the bias / Z / residual addresses (0 =
@@ -1219,9 +1220,10 @@ pub fn launch_with_epilogue(
             l.kernel.name
         )));
     }
-    launch_inner(l, g, p, alpha, beta, e, stream)
+    launch_inner(l, g, p, alpha, beta, e, None, stream)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch_inner(
     l: &Launch,
     g: &Gemm,
@@ -1229,6 +1231,7 @@ fn launch_inner(
     alpha: f32,
     beta: f32,
     e: EpiPtrs,
+    grouped: Option<Groups>,
     stream: &Stream,
 ) -> Result<()> {
     // tf32 wgmma: operands it cannot read as they are go through the pack pre-pass first; the
@@ -1244,16 +1247,24 @@ fn launch_inner(
         Some(Persistent { ctas, cluster, .. }) => {
             // Whole clusters, each taking `cluster` vertically adjacent tiles at a time.
             let c = cluster as u64;
-            let tiles = (g.m as u64).div_ceil(l.tile.0 as u64).div_ceil(c)
-                * (g.n as u64).div_ceil(l.tile.1 as u64)
-                * g.batch as u64;
+            let row_tiles = (g.m as u64).div_ceil(l.tile.0 as u64).div_ceil(c);
+            let tiles = match grouped {
+                // At most one partial tile per group beyond the rows' own.
+                Some(Groups { mode: Grouping::M, groups, .. }) => row_tiles + groups as u64,
+                _ => row_tiles * g.batch as u64,
+            } * (g.n as u64).div_ceil(l.tile.1 as u64);
             ((tiles.clamp(1, ctas as u64 / c) * c) as u32, 1, 1)
         }
-        None => (
-            (g.n as u32).div_ceil(l.tile.1),
-            (g.m as u32).div_ceil(l.tile.0).clamp(1, 65535),
-            (g.batch as u32).clamp(1, 65535),
-        ),
+        None => {
+            let row_tiles = (g.m as u32).div_ceil(l.tile.0);
+            let (y, z) = match grouped {
+                Some(Groups { mode: Grouping::M, groups, .. }) => {
+                    (row_tiles.saturating_add(groups as u32), 1)
+                }
+                _ => (row_tiles, g.batch as u32),
+            };
+            ((g.n as u32).div_ceil(l.tile.1), y.clamp(1, 65535), z.clamp(1, 65535))
+        }
     };
     let mut args = KernelArgs::new();
     args.push(p.c)
@@ -1320,7 +1331,190 @@ fn launch_inner(
             msg: "column sums come only from the activation-backward epilogue".into(),
         });
     }
+    if let Some(gr) = grouped {
+        args.push(gr.ends).push(gr.groups as i32);
+    }
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
+}
+
+/// Which dimension a grouped GEMM splits into groups (the kernels' `-DFE_GROUPED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grouping {
+    /// Rows of A and C: C[rows of g] = A[rows of g]·B_g, B batched by group (the expert GEMMs of
+    /// a mixture of experts; `torch._grouped_mm` with 2-D A and 3-D B). `Gemm::batch` is the
+    /// group count (B's batch), A and C have batch stride 0.
+    M,
+    /// k: C_g = op(A)[k of g]·op(B)[k of g] (a per-expert weight gradient, Xᵀ·dY), A stored
+    /// `[k, m]` (transposed) and B `[k, n]` (not transposed), C batched by group.
+    K,
+}
+
+impl Grouping {
+    fn code(self) -> u32 {
+        match self {
+            Grouping::M => 1,
+            Grouping::K => 2,
+        }
+    }
+}
+
+/// The group boundaries of one grouped launch: a device array of `groups` int32 cumulative row
+/// ends (group g owns rows / k `[ends[g-1], ends[g])`, ends[-1] = 0), nondecreasing and ending at
+/// most at the operand's extent — the caller guarantees it (moe validates on the host or builds
+/// them on the device from a histogram).
+#[derive(Clone, Copy, Debug)]
+pub struct Groups {
+    pub mode: Grouping,
+    pub ends: u64,
+    pub groups: usize,
+}
+
+/// Most groups a grouped launch takes (the kernels' MAX_GROUPS: prefix sums in shared memory).
+pub const MAX_GROUPS: usize = 1024;
+
+/// The layouts (A transposed, B transposed) grouped kernels are compiled for: M-grouped A
+/// row-major with B either way (the forward's `[E, K, N]` weights and the backward's transposed
+/// ones), K-grouped A and B both stored k-major (`Xᵀ·dY`).
+pub fn grouped_layouts(mode: Grouping) -> &'static [(bool, bool)] {
+    match mode {
+        Grouping::M => &[(false, false), (false, true)],
+        Grouping::K => &[(true, false)],
+    }
+}
+
+fn grouped_program(variant: &str, dtype: DType, mode: Grouping, at: bool, bt: bool) -> Program {
+    let p = if variant == "wgmma" {
+        wgmma_program(dtype, at, bt, 1, None)
+    } else {
+        mma_program(dtype, MMA_STAGES, None, Some((at, bt)))
+    };
+    p.define("FE_GROUPED", mode.code())
+}
+
+/// The grouped GEMM modules (for `ferrite kernels`): `mma_pipelined` for every float dtype and
+/// `wgmma` for the 16-bit ones, in each mode's layouts.
+pub fn grouped_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for mode in [Grouping::M, Grouping::K] {
+        for &(at, bt) in grouped_layouts(mode) {
+            for d in [DType::F32, DType::F16, DType::BF16] {
+                v.push(KernelSpec {
+                    program: grouped_program("mma_pipelined", d, mode, at, bt),
+                    functions: vec!["matmul_mma".into()],
+                    min_arch: Arch::SM80,
+                });
+                if d != DType::F32 {
+                    v.push(KernelSpec {
+                        program: grouped_program("wgmma", d, mode, at, bt),
+                        functions: vec!["matmul_wgmma".into()],
+                        min_arch: Arch::SM90,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Plans a grouped GEMM on `variant` (`mma_pipelined`, or `wgmma` on sm_90 for f16/bf16): the
+/// kernel of the problem's layout compiled with `-DFE_GROUPED`. `g` describes the whole launch
+/// (see `Grouping`); K-grouped `wgmma` further needs every group boundary a multiple of 64 rows
+/// (whole TMA k slices) — the caller's padded layout.
+pub fn plan_grouped(
+    variant: &str,
+    g: &Gemm,
+    mode: Grouping,
+    dev: &Arc<CudaDevice>,
+) -> Result<Launch> {
+    let refuse = |why: String| Error::NoVariant {
+        op: OP.into(),
+        msg: format!("grouped CUDA variant `{variant}` {why}"),
+    };
+    let layout = (g.a.trans, g.b.trans);
+    if !grouped_layouts(mode).contains(&layout) {
+        return Err(refuse(format!(
+            "is compiled for layouts (A trans, B trans) {:?} in {mode:?} mode, not {layout:?}",
+            grouped_layouts(mode)
+        )));
+    }
+    match variant {
+        "mma_pipelined" => {
+            let kernel = dev.kernel(
+                &grouped_program(variant, g.dtype, mode, layout.0, layout.1),
+                "matmul_mma",
+            )?;
+            let smem = MMA_STAGES * MMA_STAGE_BYTES;
+            kernel.allow_dynamic_smem(smem)?;
+            Ok(Launch {
+                kernel,
+                block: (256, 1, 1),
+                smem,
+                tile: (128, 128),
+                config: format!("tile 128×128, mma.sync, {MMA_STAGES} cp.async stages, {mode:?}-grouped"),
+                persistent: None,
+                epilogue: None,
+                pack: None,
+            })
+        }
+        "wgmma" => {
+            if g.dtype == DType::F32 {
+                return Err(refuse("takes f16/bf16 (tf32 runs on mma_pipelined)".into()));
+            }
+            if dev.arch().major != 9 {
+                return Err(refuse(WGMMA_ARCH.into()));
+            }
+            if let Some(why) = wgmma_declines(g) {
+                return Err(refuse(why));
+            }
+            let program = grouped_program(variant, g.dtype, mode, layout.0, layout.1);
+            let kernel = dev.kernel(&program, "matmul_wgmma")?;
+            let smem = wg_smem(g.dtype, None);
+            kernel.set_max_dynamic_smem(smem)?;
+            let sms = dev.props().sm_count.max(1);
+            Ok(Launch {
+                kernel,
+                block: (WG_THREADS, 1, 1),
+                smem,
+                tile: WG_TILE,
+                config: format!(
+                    "tile {}×{}, TMA + wgmma, persistent grid ≤ {sms} over every group's tiles, {mode:?}-grouped",
+                    WG_TILE.0, WG_TILE.1
+                ),
+                persistent: Some(Persistent {
+                    ctas: sms,
+                    group_m: WG_GROUP_M,
+                    cluster: 1,
+                    tma_store: true,
+                }),
+                epilogue: None,
+                pack: None,
+            })
+        }
+        _ => Err(refuse("does not exist (mma_pipelined, wgmma)".into())),
+    }
+}
+
+/// Queues a grouped GEMM planned by `plan_grouped`. The caller guarantees that the operands
+/// cover `g` (A and C `g.m` rows in M mode, A and B `g.k` rows in K mode, B / C `g.batch`
+/// groups), that `groups.ends` addresses `groups.groups` (≤ MAX_GROUPS, = g.batch) int32 values
+/// as `Groups` describes, and — K-grouped `wgmma` — that every boundary is a multiple of 64.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_grouped(
+    l: &Launch,
+    g: &Gemm,
+    p: Ptrs,
+    groups: Groups,
+    alpha: f32,
+    beta: f32,
+    stream: &Stream,
+) -> Result<()> {
+    if groups.groups == 0 || groups.groups > MAX_GROUPS || groups.groups != g.batch {
+        return Err(Error::Other(format!(
+            "grouped matmul: {} groups for a problem of batch {} (1..={MAX_GROUPS})",
+            groups.groups, g.batch
+        )));
+    }
+    launch_inner(l, g, p, alpha, beta, EpiPtrs::default(), Some(groups), stream)
 }
 
 /// Runs the tf32 pack pre-pass on every operand `tf32_direct` rejects and returns the problem and

@@ -283,8 +283,26 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[MT][NTL][4],
 }
 #endif
 
+// -DFE_GROUPED (moe's grouped GEMM on sm_80+; the wgmma.cu header says what the modes mean):
+// 1 = M-grouped (row tiles of each group, B batched by group, C without batch), 2 = K-grouped
+// (C_g = op(A)_g·op(B)_g over group g's k range, any start or length: the copies predicate k
+// against the group's own length). Two more parameters: `gend` (int32 cumulative ends) and
+// `groups`.
+#ifndef FE_GROUPED
+#define FE_GROUPED 0
+#endif
+#if FE_GROUPED
+#define FE_GROUPED_PARAMS , const int* __restrict__ gend, int groups
+#define FE_GROUPED_ARGS , gend, groups
+constexpr int MAX_GROUPS = 1024;
+__device__ __forceinline__ int gstart(const int* gend, int g) { return g > 0 ? gend[g - 1] : 0; }
+#else
+#define FE_GROUPED_PARAMS
+#define FE_GROUPED_ARGS
+#endif
+
 template <bool AT, bool BT>
-__device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_PARAMS) {
+__device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_PARAMS FE_GROUPED_PARAMS) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp / (BN / WN), wn = warp % (BN / WN);
   const int g = lane / 4, tq = lane % 4;
@@ -292,9 +310,46 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
   // Pairs of C elements need 2-element alignment of every row (j is always even).
   const bool pair_ok = ((u64)C % (2 * ES) == 0) && (ldc % 2 == 0) && (stride_c % 2 == 0);
   const i64 n0 = (i64)blockIdx.x * BN;
-  const i64 nk = ceil_div(k, BK);
+#if FE_GROUPED == 1
+  // Inclusive prefix sums of each group's row-tile count (warp 0, 32 groups per step).
+  __shared__ int cum[MAX_GROUPS];
+  if (threadIdx.x < 32) {
+    int carry = 0;
+    for (int g0 = 0; g0 < groups; g0 += 32) {
+      const int g = g0 + threadIdx.x;
+      int v = g < groups ? (int)ceil_div((i64)(gend[g] - gstart(gend, g)), BM) : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const int u = __shfl_up_sync(0xffffffffu, v, o);
+        if ((int)threadIdx.x >= o) v += u;
+      }
+      if (g < groups) cum[g] = carry + v;
+      carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+  __syncthreads();
+  for (i64 rt = blockIdx.y; rt < cum[groups - 1]; rt += gridDim.y) {
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (cum[mid] > rt) hi = mid; else lo = mid + 1;
+    }
+    const i64 z = 0;
+    const i64 m0 = gstart(gend, lo) + (rt - (lo > 0 ? cum[lo - 1] : 0)) * BM;
+    // Rows past the group's end read as zeros and are not stored.
+    const Ctx x{A, B + lo * stride_b, lda, ldb, (i64)gend[lo], n, k, m0, n0, fa, fb};
+#elif FE_GROUPED == 2
+  for (i64 z = blockIdx.z; z < groups; z += gridDim.z)
+  for (i64 m0 = (i64)blockIdx.y * BM; m0 < m; m0 += (i64)gridDim.y * BM) {
+    const i64 gs = gstart(gend, (int)z), kz = gend[z] - gs;
+    const T* Az = A + gs * (AT ? lda : 1);
+    const T* Bz = B + gs * (BT ? 1 : ldb);
+    const Ctx x{Az, Bz, lda, ldb, m, n, kz, m0, n0, fe_aligned16(Az, lda, 0), fe_aligned16(Bz, ldb, 0)};
+#else
   FE_FOR_EACH_TILE(BM) {
     const Ctx x{A + z * stride_a, B + z * stride_b, lda, ldb, m, n, k, m0, n0, fa, fb};
+#endif
+    const i64 nk = ceil_div(x.k, BK);
 #if FE_EPI && FE_EPI_PAIRS
     // This warp's 64×32 block lies inside C: mma_epilogue runs it. Its 4 bias pairs are loaded
     // now and used after the mainloop, so their latency is hidden (4–8 registers; the
@@ -367,7 +422,7 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const i64 i = m0 + wm * WM + mt * 16 + g + h * 8;
-        if (i >= m) continue;
+        if (i >= x.m) continue;
         T* crow = Cz + i * ldc;
 #if FE_EPI
         const FeEpiRow er = fe_epi_row(epi, z, i);
@@ -416,14 +471,14 @@ __device__ __forceinline__ void mma_body(char* smem, const FeEpi epi, FE_MATMUL_
 // bodies the 4-stage kernel sits at 238–242 registers; the epilogue's few extra live values then
 // spilled 8–1200 bytes (which is why the `fused` epilogue kernels run at 2 stages). One body:
 // 155–175 registers at 4 stages, no spills. The host compiles the module of the problem's layout.
-extern "C" __global__ void __launch_bounds__(NT) matmul_mma(FE_MATMUL_PARAMS FE_EPI_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NT) matmul_mma(FE_MATMUL_PARAMS FE_EPI_PARAMS FE_GROUPED_PARAMS) {
   // The tile code assumes exactly NT threads: a host/kernel mismatch must fail loudly.
   if (blockDim.x * blockDim.y * blockDim.z != NT) __trap();
   extern __shared__ __align__(128) char smem[];
   const FeEpi epi = FE_EPI_MAKE;
 #if defined(FE_A_TRANS) && defined(FE_B_TRANS)
   if ((a_trans != 0) != (FE_A_TRANS != 0) || (b_trans != 0) != (FE_B_TRANS != 0)) __trap();
-  mma_body<FE_A_TRANS != 0, FE_B_TRANS != 0>(smem, epi, FE_MATMUL_ARGS);
+  mma_body<FE_A_TRANS != 0, FE_B_TRANS != 0>(smem, epi, FE_MATMUL_ARGS FE_GROUPED_ARGS);
 #else
   FE_LAYOUT_DISPATCH(mma_body, smem, epi, );
 #endif

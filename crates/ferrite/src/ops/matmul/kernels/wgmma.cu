@@ -118,6 +118,31 @@ constexpr int BOX64 = 64 * 128;  // one 64-wide MN box of 64 k rows (16-bit): 8 
 #ifndef FE_TMA_STORE
 #define FE_TMA_STORE 0
 #endif
+// -DFE_GROUPED (moe's grouped GEMM; see the end of this comment block): 1 = M-grouped, 2 =
+// K-grouped. The kernel takes two more parameters, `gend` (int32, `groups` cumulative row ends:
+// group g owns rows [gend[g-1], gend[g]) of A (M-grouped) or of A and B (K-grouped), gend[-1] = 0)
+// and `groups`.
+// - M-grouped (C = A·B_g per group of rows; torch._grouped_mm with 2-D A and 3-D B): group g's row
+//   tiles start at its first row (any row: TMA loads from any coordinate), B's batch coordinate is
+//   g, C has no batch. The walk is over the tiles of every group (prefix sums of their row-tile
+//   counts in shared memory, computed by each block at start from gend: no host synchronisation,
+//   so the launch can be captured in a CUDA graph); a tile's rows past its group's end are
+//   computed from the next group's rows and not stored (a warp whose 16 rows all lie in the group
+//   takes the TMA store, the others the predicated register stores).
+// - K-grouped (C_g = A_gᵀ·B_g: a weight gradient, batch g): k runs over group g's rows only, in
+//   whole BK slices: every group's start must be a multiple of BK and every end too unless it is
+//   the last row of the operands (TMA zero-fills there); the caller pads (moe's padded layout).
+//   An empty group writes alpha·0 (+ beta·C).
+#ifndef FE_GROUPED
+#define FE_GROUPED 0
+#endif
+#if FE_GROUPED
+#define FE_GROUPED_PARAMS , const int* __restrict__ gend, int groups
+// Most groups one launch takes (the prefix sums live in shared memory; the host checks).
+constexpr int MAX_GROUPS = 1024;
+#else
+#define FE_GROUPED_PARAMS
+#endif
 // The C staging area: per consumer warp, SBUF buffers of one 16-row × 64-column box (2 KiB,
 // 128-byte swizzled, the layout the TMA store reads), after the ring.
 // - Plain C and the activation backward (FE_EPI_DACT): SBUF = 4, the warp's whole 16 × 256 slice
@@ -360,6 +385,42 @@ __device__ __forceinline__ void tile_of(i64 t, i64 tiles_m, i64 tiles_n, i64 gro
   tn = q / gm;
 }
 
+// Where tile t of the walk lies: batch (or group) z, tile coordinates, its first row m0, the end
+// of its valid rows mend, its first k k0 and number of k slices.
+struct Loc {
+  i64 z, tm, tn;
+  int m0, mend, k0, ktiles;
+};
+
+#if FE_GROUPED
+// Group g's first row.
+__device__ __forceinline__ int gstart(const int* gend, int g) { return g > 0 ? gend[g - 1] : 0; }
+#endif
+
+#if FE_GROUPED == 1
+// M-grouped: the group holding walk tile t (cum: inclusive prefix sums of each group's tile count),
+// then the tile inside it.
+__device__ __forceinline__ Loc locate_m(i64 t, const i64* cum, int groups, const int* gend,
+                                        i64 tiles_n, i64 group_m) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {  // first group whose inclusive sum exceeds t
+    const int mid = (lo + hi) / 2;
+    if (cum[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  const int g = lo;
+  const i64 before = g > 0 ? cum[g - 1] : 0;
+  const int s = gstart(gend, g), e = gend[g];
+  Loc l;
+  l.z = g;
+  tile_of(t - before, ceil_div((i64)(e - s), BM), tiles_n, group_m, l.z, l.tm, l.tn);
+  l.z = g;
+  l.m0 = s + (int)(l.tm * BM);
+  l.mend = e;
+  l.k0 = 0;
+  return l;
+}
+#endif
+
 #if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE
 // The pair epilogue through the TMA store: Z = alpha·acc + bias (when asked), then
 // Y = act(Z) (+ residual), each as store_warp_tma's boxes. The 4 residual pairs of one
@@ -584,7 +645,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #endif
     FE_WGMMA_FN(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
                  const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
-                 const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS) {
+                 const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS
+                 FE_GROUPED_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -604,10 +666,57 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   // The walk is over cluster tiles (CL·BM rows × BN): block `rank` of a cluster takes row tile
   // CL·tm + rank (past the last row tile it computes zeros and writes nothing).
   const i64 tiles_m = ceil_div(ceil_div(m, BM), CL), tiles_n = ceil_div(n, BN);
+#if FE_GROUPED == 1
+  static_assert(CL == 1 && !FE_EPI, "grouped: no cluster, plain epilogue");
+  // Inclusive prefix sums of each group's tile count (warp 0, 32 groups per step).
+  __shared__ i64 cum[MAX_GROUPS];
+  if (threadIdx.x < 32) {
+    i64 carry = 0;
+    for (int g0 = 0; g0 < groups; g0 += 32) {
+      const int g = g0 + threadIdx.x;
+      i64 v = g < groups ? ceil_div((i64)(gend[g] - gstart(gend, g)), BM) * tiles_n : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const i64 u = __shfl_up_sync(0xffffffffu, v, o);
+        if ((int)threadIdx.x >= o) v += u;
+      }
+      if (g < groups) cum[g] = carry + v;
+      carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+  __syncthreads();
+  const i64 total = cum[groups - 1];
+#elif FE_GROUPED == 2
+  static_assert(CL == 1 && !FE_EPI, "grouped: no cluster, plain epilogue");
+  const i64 total = tiles_m * tiles_n * groups;
+#else
   const i64 total = tiles_m * tiles_n * batch;
+#endif
   const unsigned rank = CL > 1 ? cluster_rank() : 0;
   const i64 first_tile = blockIdx.x / CL, tile_step = gridDim.x / CL;
   const int ktiles = (int)ceil_div(k, BK);
+  // Tile t of the walk (for the plain kernel: tile_of, rows up to m, all of k).
+  auto locate = [&](i64 t) {
+    Loc l;
+#if FE_GROUPED == 1
+    l = locate_m(t, cum, groups, gend, tiles_n, group_m);
+    l.ktiles = ktiles;
+#else
+    tile_of(t, tiles_m, tiles_n, group_m, l.z, l.tm, l.tn);
+    l.tm = l.tm * CL + rank;
+    l.m0 = (int)(l.tm * BM);
+    l.mend = (int)m;  // m < 2^31 - 256 (host-checked)
+#if FE_GROUPED == 2
+    const int s = gstart(gend, (int)l.z);
+    l.k0 = s;
+    l.ktiles = (int)ceil_div((i64)(gend[l.z] - s), BK);
+#else
+    l.k0 = 0;
+    l.ktiles = ktiles;
+#endif
+#endif
+    return l;
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -660,17 +769,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       int s = 0;
       unsigned ph = 0;
       for (i64 t = first_tile; t < total; t += tile_step) {
-        i64 z, tm, tn;
-        tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
-        tm = tm * CL + rank;
-        const int m0 = (int)(tm * BM), n0 = (int)(tn * BN);
-        const int za = stride_a ? (int)z : 0, zb = stride_b ? (int)z : 0;
-        for (int kt = 0; kt < ktiles; ++kt) {
+        const Loc l = locate(t);
+        const int m0 = l.m0, n0 = (int)(l.tn * BN);
+        const int za = stride_a ? (int)l.z : 0, zb = stride_b ? (int)l.z : 0;
+        for (int kt = 0; kt < l.ktiles; ++kt) {
           mbar_wait(empty0 + 8 * s, ph ^ 1);
           const unsigned bar = full0 + 8 * s;
           mbar_expect_tx(bar, STAGE_BYTES);
           const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
-          const int k0 = kt * BK;
+          const int k0 = l.k0 + kt * BK;
           if (A_MN) {
             tma_load(sa, &tma_a, bar, m0, k0, za);
             tma_load(sa + BOX64, &tma_a, bar, m0 + 64, k0, za);
@@ -789,9 +896,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     unsigned eph = 0;  // stg_empty's parity
 #endif
     for (i64 t = first_tile; t < total; t += tile_step) {
-      i64 z, tm, tn;
-      tile_of(t, tiles_m, tiles_n, group_m, z, tm, tn);
-      tm = tm * CL + rank;
+      const Loc l = locate(t);
+      const i64 z = l.z, tm = l.tm, tn = l.tn;
 #if FE_EPI && FE_EPI_PAIRS && !FE_EPI_DACT
       // (store_tma is tested at the store, not here: folded in here, ptxas spilled 24 bytes in
       // the f16 GELU-erf kernel.)
@@ -815,7 +921,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #if FE_EPI && FE_EPI_PAIRS && FE_TMA_STORE && !FE_EPI_DACT
       const int pf_kt = ktiles > R_PREFETCH_AHEAD ? ktiles - R_PREFETCH_AHEAD : 0;
 #endif
-      for (int kt = 0; kt < ktiles; ++kt) {
+      for (int kt = 0; kt < l.ktiles; ++kt) {
         mbar_wait(full0 + 8 * s, ph);
         const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
         wgmma_fence();
@@ -848,14 +954,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       if (prev >= 0 && lane == 0) release(empty0 + 8 * prev);
 
       // Epilogue: thread holds rows r, r+8 and column pairs 8j + 2(lane%4) of its warp's 16 rows.
-      const i64 row0 = tm * BM + c * 64 + warp * 16 + lane / 4;
+      const i64 row0 = l.m0 + c * 64 + warp * 16 + lane / 4;
       const i64 col0 = tn * BN + 2 * (lane % 4);
       T* Cz = C + z * stride_c;
+      const i64 mend = l.mend;
 #if FE_TMA_STORE
       // store_tma: beta == 0 and C's (and Z's) base, rows and batches 16-byte aligned
       // (host-checked); the pair epilogue takes it on interior tiles.
       const unsigned stg = staging + (c * 4 + warp) * SBUF * SBOX;
-      const int srow = (int)(tm * BM + c * 64 + warp * 16), scol = (int)(tn * BN);
+      const int srow = l.m0 + c * 64 + warp * 16, scol = (int)(tn * BN);
 #if FE_EPI && FE_EPI_DACT
       {
         // Every warp, every tile: the helpers have drained the previous tile's staging (which
@@ -914,7 +1021,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         continue;
       }
 #else
-      if (store_tma) {
+      // Grouped: a warp whose rows run past its group's end stores from registers (the TMA
+      // store would write the next group's rows); M-grouped C has no batch coordinate.
+      if (store_tma && (!FE_GROUPED || srow + 16 <= mend)) {
         store_warp_tma(
             [&](int j, unsigned(&v)[4]) {
 #pragma unroll
@@ -923,7 +1032,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                 v[e] = pack_u32(alpha * d[4 * jj + 2 * i], alpha * d[4 * jj + 2 * i + 1]);
               }
             },
-            stg, &tma_c, srow, scol, (int)z, lane);
+            stg, &tma_c, srow, scol, FE_GROUPED == 1 ? 0 : (int)z, lane);
         continue;
       }
 #endif
@@ -934,7 +1043,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const i64 row = row0 + 8 * i;
-          if (row < m && col < n) {
+          if (row < mend && col < n) {
             T* p = Cz + row * ldc + col;
             const float a0 = d[4 * j + 2 * i], a1 = d[4 * j + 2 * i + 1];
             if (pair_ok && col + 1 < n) {

@@ -1,0 +1,533 @@
+//! CPU variants of the moe family: the CUDA pipeline's steps in the same order and layout (router,
+//! plan, permutation into the padded layout, the experts' GEMMs, GLU, combine; and back), fp32
+//! arithmetic, values rounded to the layer's dtype where the GPU stores them. `naive` runs on one
+//! thread; `parallel` spreads the tokens and each expert's rows across cores.
+
+use super::{MoeConfig, MoeForward, MoeGrads, MoeWeights, Problem, Score, ALIGN};
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use crate::core::tensor::Tensor;
+use crate::ops::activation::cpu::act_fg;
+use rayon::prelude::*;
+
+/// v as the dtype stores it.
+pub fn round(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        DType::F16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+fn tensor(v: &[f32], shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let t = Tensor::empty(shape, dtype, Device::Cpu)?;
+    t.write_f32(v)?;
+    Ok(t)
+}
+
+fn tensor_i32(v: Vec<i32>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::from_vec(v, shape)
+}
+
+/// Runs `f(row, out_row)` over the rows of `out` (`cols` wide), on all cores when `par`.
+fn rows_mut(par: bool, out: &mut [f32], cols: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if cols == 0 {
+        return;
+    }
+    if par {
+        out.par_chunks_mut(cols).enumerate().for_each(|(r, o)| f(r, o));
+    } else {
+        out.chunks_mut(cols).enumerate().for_each(|(r, o)| f(r, o));
+    }
+}
+
+/// One token's routing (the semantics of kernels/moe.cu's moe_router): (chosen experts, their
+/// weights, all scores, logsumexp).
+pub fn route(logits: &[f32], cfg: &MoeConfig) -> (Vec<usize>, Vec<f32>, Vec<f32>, f32) {
+    let e = logits.len();
+    let nan = logits.iter().any(|x| x.is_nan());
+    let mx = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let sum: f32 = logits.iter().map(|&x| (x - mx).exp()).sum();
+    let lse = mx + sum.ln();
+    let sc: Vec<f32> = logits
+        .iter()
+        .map(|&x| match cfg.score {
+            Score::Softmax => (x - lse).exp(),
+            Score::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        })
+        .collect();
+    let mut eligible = vec![true; e];
+    if cfg.topk_groups < cfg.groups {
+        let gs = e / cfg.groups;
+        let gscore: Vec<f32> = (0..cfg.groups)
+            .map(|g| {
+                let mut v: Vec<f32> = sc[g * gs..(g + 1) * gs]
+                    .iter()
+                    .map(|&s| if s.is_nan() { f32::NEG_INFINITY } else { s })
+                    .collect();
+                v.sort_by(|a, b| b.total_cmp(a));
+                if gs > 1 {
+                    v[0] + v[1]
+                } else {
+                    v[0]
+                }
+            })
+            .collect();
+        let kept = top_indices(&gscore, cfg.topk_groups, &vec![true; cfg.groups]);
+        for (x, el) in eligible.iter_mut().enumerate() {
+            *el = kept.contains(&(x / gs));
+        }
+    }
+    let idx = top_indices(logits, cfg.top_k, &eligible);
+    let ssum: f32 = idx.iter().map(|&i| sc[i]).sum();
+    let w = idx
+        .iter()
+        .map(|&i| {
+            let mut v = sc[i];
+            if cfg.renormalize {
+                v /= ssum;
+            }
+            v *= cfg.routed_scale;
+            if nan {
+                f32::NAN
+            } else {
+                v
+            }
+        })
+        .collect();
+    (idx, w, sc, lse)
+}
+
+/// The k eligible indices of largest key, largest first; NaN below every number, ties to the
+/// lower index.
+fn top_indices(keys: &[f32], k: usize, eligible: &[bool]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..keys.len()).filter(|&i| eligible[i]).collect();
+    order.sort_by(|&a, &b| {
+        let (x, y) = (keys[a], keys[b]);
+        match (x.is_nan(), y.is_nan()) {
+            (true, true) => a.cmp(&b),
+            (true, false) => std::cmp::Ordering::Greater,
+            (false, true) => std::cmp::Ordering::Less,
+            _ => y.partial_cmp(&x).unwrap().then(a.cmp(&b)),
+        }
+    });
+    order.truncate(k);
+    order
+}
+
+/// The padded layout of a routing: (pos per pair, src per row, ends, counts, dropped).
+pub fn plan(
+    idx: &[usize],
+    experts: usize,
+    cap: Option<usize>,
+    rows_cap: usize,
+) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>, usize) {
+    let mut counts = vec![0usize; experts];
+    let mut rank = vec![0usize; idx.len()];
+    for (p, &e) in idx.iter().enumerate() {
+        rank[p] = counts[e];
+        counts[e] += 1;
+    }
+    let mut ends = vec![0i32; experts];
+    let (mut run, mut dropped) = (0usize, 0usize);
+    for e in 0..experts {
+        let kept = cap.map_or(counts[e], |c| counts[e].min(c));
+        dropped += counts[e] - kept;
+        run += kept.div_ceil(ALIGN) * ALIGN;
+        ends[e] = run as i32;
+    }
+    let mut pos = vec![-1i32; idx.len()];
+    let mut src = vec![-1i32; rows_cap];
+    for (p, &e) in idx.iter().enumerate() {
+        if cap.is_none_or(|c| rank[p] < c) {
+            let row = if e > 0 { ends[e - 1] as usize } else { 0 } + rank[p];
+            pos[p] = row as i32;
+            src[row] = p as i32;
+        }
+    }
+    let counts = counts.iter().map(|&c| c as i32).collect();
+    (pos, src, ends, counts, dropped)
+}
+
+/// c[r] = a[r]·op(b) for rows r of `a` (`k` wide): b `[k, n]` row-major, or with `bt` stored
+/// `[n, k]` (read transposed). fp32 accumulate, rounded to `dtype`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_rows(
+    par: bool,
+    a: &[f32],
+    k: usize,
+    b: &[f32],
+    n: usize,
+    bt: bool,
+    dtype: DType,
+    c: &mut [f32],
+) {
+    rows_mut(par, c, n, |r, o| {
+        let ar = &a[r * k..(r + 1) * k];
+        for (j, oj) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (q, &av) in ar.iter().enumerate() {
+                let bv = if bt { b[j * k + q] } else { b[q * n + j] };
+                acc += av * bv;
+            }
+            *oj = round(dtype, acc);
+        }
+    });
+}
+
+/// c = aᵀ·b for a `[rows, m]`, b `[rows, n]` → c `[m, n]`, rounded to `dtype`.
+fn gemm_tn(par: bool, a: &[f32], m: usize, b: &[f32], n: usize, dtype: DType, c: &mut [f32]) {
+    let rows = if m == 0 { 0 } else { a.len() / m };
+    rows_mut(par, c, n, |i, o| {
+        for (j, oj) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for r in 0..rows {
+                acc += a[r * m + i] * b[r * n + j];
+            }
+            *oj = round(dtype, acc);
+        }
+    });
+}
+
+fn seg(ends: &[i32], e: usize) -> (usize, usize) {
+    (
+        if e > 0 { ends[e - 1] as usize } else { 0 },
+        ends[e] as usize,
+    )
+}
+
+pub fn forward(
+    variant: &str,
+    p: &Problem,
+    x: &Tensor,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+) -> Result<MoeForward> {
+    let par = variant == "parallel";
+    let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
+    let xs = x.to_f32_vec()?;
+    let router = w.router.to_f32_vec()?;
+    let wu = w.w_up.to_f32_vec()?;
+    let wd = w.w_down.to_f32_vec()?;
+    let mut logits = vec![0f32; t * e];
+    gemm_rows(par, &xs, h, &router, e, true, dt, &mut logits);
+    let routes: Vec<_> = if par {
+        logits.par_chunks(e).map(|l| route(l, cfg)).collect()
+    } else {
+        logits.chunks(e).map(|l| route(l, cfg)).collect()
+    };
+    let idx: Vec<usize> = routes.iter().flat_map(|r| r.0.iter().copied()).collect();
+    let weights: Vec<f32> = routes.iter().flat_map(|r| r.1.iter().copied()).collect();
+    let probs: Vec<f32> = routes.iter().flat_map(|r| r.2.iter().copied()).collect();
+    let lse: Vec<f32> = routes.iter().map(|r| r.3).collect();
+    let rows_cap = p.rows_cap();
+    let (pos, src, ends, counts, dropped) = plan(&idx, e, cfg.capacity(t), rows_cap);
+    let used = ends[e - 1] as usize;
+    let mut xp = vec![0f32; rows_cap * h];
+    rows_mut(par, &mut xp[..used * h], h, |r, o| {
+        if src[r] >= 0 {
+            let tok = src[r] as usize / k;
+            o.copy_from_slice(&xs[tok * h..(tok + 1) * h]);
+        }
+    });
+    let mut hpre = vec![0f32; rows_cap * 2 * i];
+    let mut hh = vec![0f32; rows_cap * i];
+    let mut y = vec![0f32; rows_cap * h];
+    for ex in 0..e {
+        let (s, en) = seg(&ends, ex);
+        gemm_rows(
+            par,
+            &xp[s * h..en * h],
+            h,
+            &wu[ex * h * 2 * i..(ex + 1) * h * 2 * i],
+            2 * i,
+            false,
+            dt,
+            &mut hpre[s * 2 * i..en * 2 * i],
+        );
+        let hp = &hpre[s * 2 * i..en * 2 * i];
+        rows_mut(par, &mut hh[s * i..en * i], i, |r, o| {
+            for (c, oc) in o.iter_mut().enumerate() {
+                let (g, u) = (hp[r * 2 * i + c], hp[r * 2 * i + i + c]);
+                *oc = round(dt, act_fg(cfg.act, g).0 * u);
+            }
+        });
+        gemm_rows(
+            par,
+            &hh[s * i..en * i],
+            i,
+            &wd[ex * i * h..(ex + 1) * i * h],
+            h,
+            false,
+            dt,
+            &mut y[s * h..en * h],
+        );
+    }
+    let mut out = vec![0f32; t * h];
+    rows_mut(par, &mut out, h, |tok, o| {
+        for (c, oc) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for j in 0..k {
+                let r = pos[tok * k + j];
+                if r >= 0 {
+                    acc += weights[tok * k + j] * y[r as usize * h + c];
+                }
+            }
+            *oc = round(dt, acc);
+        }
+    });
+    // Losses: mean score per expert, aux and z.
+    let mut losses = vec![0f32; 2 + e];
+    let mut aux = 0f32;
+    for ex in 0..e {
+        let pm = (0..t).map(|tok| probs[tok * e + ex]).sum::<f32>() / t as f32;
+        losses[2 + ex] = pm;
+        aux += counts[ex] as f32 / (t * k) as f32 * pm;
+    }
+    losses[0] = cfg.aux_loss_coef * e as f32 * aux;
+    losses[1] = cfg.z_loss_coef * lse.iter().map(|l| l * l).sum::<f32>() / t as f32;
+    Ok(MoeForward {
+        problem: *p,
+        out: tensor(&out, &[t, h], dt)?,
+        logits: tensor(&logits, &[t, e], dt)?,
+        probs: tensor(&probs, &[t, e], DType::F32)?,
+        lse: tensor(&lse, &[t], DType::F32)?,
+        idx: tensor_i32(idx.iter().map(|&v| v as i32).collect(), &[t, k])?,
+        weights: tensor(&weights, &[t, k], DType::F32)?,
+        pos: tensor_i32(pos, &[t * k])?,
+        src: tensor_i32(src, &[rows_cap])?,
+        ends: tensor_i32(ends, &[e])?,
+        counts: tensor_i32(counts, &[e])?,
+        stats: tensor_i32(vec![dropped as i32, used as i32], &[2])?,
+        losses: tensor(&losses, &[2 + e], DType::F32)?,
+        xp: tensor(&xp, &[rows_cap, h], dt)?,
+        hpre: tensor(&hpre, &[rows_cap, 2 * i], dt)?,
+        h: tensor(&hh, &[rows_cap, i], dt)?,
+        y: tensor(&y, &[rows_cap, h], dt)?,
+    })
+}
+
+/// dlogits of one token (kernels/moe.cu's moe_router_bwd).
+#[allow(clippy::too_many_arguments)]
+pub fn router_grad(
+    dw: &[f32],
+    idx: &[i32],
+    probs: &[f32],
+    lse: f32,
+    logits: &[f32],
+    counts: &[i32],
+    tokens: usize,
+    cfg: &MoeConfig,
+) -> Vec<f32> {
+    let e = probs.len();
+    let k = idx.len();
+    let aux = cfg.aux_loss_coef * e as f32 / (tokens as f32 * tokens as f32 * k as f32);
+    let mut ds: Vec<f32> = counts.iter().map(|&c| aux * c as f32).collect();
+    let s: f32 = idx.iter().map(|&i| probs[i as usize]).sum();
+    let gs: f32 = idx
+        .iter()
+        .zip(dw)
+        .map(|(&i, &g)| g * probs[i as usize])
+        .sum();
+    for (&i, &g) in idx.iter().zip(dw) {
+        ds[i as usize] += if cfg.renormalize {
+            cfg.routed_scale * (g / s - gs / (s * s))
+        } else {
+            cfg.routed_scale * g
+        };
+    }
+    let dot: f32 = probs.iter().zip(&ds).map(|(p, d)| p * d).sum();
+    let zc = 2.0 * cfg.z_loss_coef * lse / tokens as f32;
+    (0..e)
+        .map(|x| {
+            let pe = probs[x];
+            let mut d = match cfg.score {
+                Score::Softmax => pe * (ds[x] - dot),
+                Score::Sigmoid => ds[x] * pe * (1.0 - pe),
+            };
+            if cfg.z_loss_coef != 0.0 {
+                d += zc * (logits[x] - lse).exp();
+            }
+            d
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    variant: &str,
+    p: &Problem,
+    dout: &Tensor,
+    x: &Tensor,
+    w: &MoeWeights,
+    f: &MoeForward,
+    cfg: &MoeConfig,
+) -> Result<MoeGrads> {
+    let par = variant == "parallel";
+    let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
+    let rows_cap = p.rows_cap();
+    let g = dout.to_f32_vec()?;
+    let xs = x.to_f32_vec()?;
+    let router = w.router.to_f32_vec()?;
+    let wu = w.w_up.to_f32_vec()?;
+    let wd = w.w_down.to_f32_vec()?;
+    let (src, pos, ends) = (f.src.to_vec::<i32>()?, f.pos.to_vec::<i32>()?, f.ends.to_vec::<i32>()?);
+    let (weights, y, hh, hpre, xp) = (
+        f.weights.to_f32_vec()?,
+        f.y.to_f32_vec()?,
+        f.h.to_f32_vec()?,
+        f.hpre.to_f32_vec()?,
+        f.xp.to_f32_vec()?,
+    );
+    let used = ends[e - 1] as usize;
+    // Combine backward: dy rows and the gates' gradients.
+    let mut dy = vec![0f32; rows_cap * h];
+    let mut dw = vec![0f32; t * k];
+    rows_mut(par, &mut dy[..used * h], h, |r, o| {
+        if src[r] >= 0 {
+            let pr = src[r] as usize;
+            let tok = pr / k;
+            for (c, oc) in o.iter_mut().enumerate() {
+                *oc = round(dt, weights[pr] * g[tok * h + c]);
+            }
+        }
+    });
+    for r in 0..used {
+        if src[r] >= 0 {
+            let pr = src[r] as usize;
+            let tok = pr / k;
+            dw[pr] = (0..h).map(|c| g[tok * h + c] * y[r * h + c]).sum();
+        }
+    }
+    let mut dh = vec![0f32; rows_cap * i];
+    let mut dhpre = vec![0f32; rows_cap * 2 * i];
+    let mut dxp = vec![0f32; rows_cap * h];
+    let mut dw_up = vec![0f32; e * h * 2 * i];
+    let mut dw_down = vec![0f32; e * i * h];
+    for ex in 0..e {
+        let (s, en) = seg(&ends, ex);
+        let wd_e = &wd[ex * i * h..(ex + 1) * i * h];
+        // dh = dy·W_downᵀ (W_down [I, H] read as [n = I, k = H] transposed).
+        gemm_rows(par, &dy[s * h..en * h], h, wd_e, i, true, dt, &mut dh[s * i..en * i]);
+        gemm_tn(
+            par,
+            &hh[s * i..en * i],
+            i,
+            &dy[s * h..en * h],
+            h,
+            dt,
+            &mut dw_down[ex * i * h..(ex + 1) * i * h],
+        );
+        let (hp, dhs) = (&hpre[s * 2 * i..en * 2 * i], &dh[s * i..en * i]);
+        rows_mut(par, &mut dhpre[s * 2 * i..en * 2 * i], 2 * i, |r, o| {
+            for c in 0..i {
+                let (gt, u) = (hp[r * 2 * i + c], hp[r * 2 * i + i + c]);
+                let (a, da) = act_fg(cfg.act, gt);
+                let d = dhs[r * i + c];
+                o[c] = round(dt, d * u * da);
+                o[i + c] = round(dt, d * a);
+            }
+        });
+        let wu_e = &wu[ex * h * 2 * i..(ex + 1) * h * 2 * i];
+        gemm_rows(
+            par,
+            &dhpre[s * 2 * i..en * 2 * i],
+            2 * i,
+            wu_e,
+            h,
+            true,
+            dt,
+            &mut dxp[s * h..en * h],
+        );
+        gemm_tn(
+            par,
+            &xp[s * h..en * h],
+            h,
+            &dhpre[s * 2 * i..en * 2 * i],
+            2 * i,
+            dt,
+            &mut dw_up[ex * h * 2 * i..(ex + 1) * h * 2 * i],
+        );
+    }
+    // Router: dlogits per token, then dx += dlogits·router, d_router = dlogitsᵀ·x.
+    let (idx, probs, lse, logits, counts) = (
+        f.idx.to_vec::<i32>()?,
+        f.probs.to_f32_vec()?,
+        f.lse.to_f32_vec()?,
+        f.logits.to_f32_vec()?,
+        f.counts.to_vec::<i32>()?,
+    );
+    let mut dlogits = vec![0f32; t * e];
+    rows_mut(par, &mut dlogits, e, |tok, o| {
+        let d = router_grad(
+            &dw[tok * k..(tok + 1) * k],
+            &idx[tok * k..(tok + 1) * k],
+            &probs[tok * e..(tok + 1) * e],
+            lse[tok],
+            &logits[tok * e..(tok + 1) * e],
+            &counts,
+            t,
+            cfg,
+        );
+        for (oc, v) in o.iter_mut().zip(d) {
+            *oc = round(dt, v);
+        }
+    });
+    let mut dx = vec![0f32; t * h];
+    rows_mut(par, &mut dx, h, |tok, o| {
+        for (c, oc) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for j in 0..k {
+                let r = pos[tok * k + j];
+                if r >= 0 {
+                    acc += dxp[r as usize * h + c];
+                }
+            }
+            let acc = round(dt, acc);
+            let mut rd = 0f32;
+            for ex in 0..e {
+                rd += dlogits[tok * e + ex] * router[ex * h + c];
+            }
+            *oc = round(dt, acc + rd);
+        }
+    });
+    let mut d_router = vec![0f32; e * h];
+    gemm_tn(par, &dlogits, e, &xs, h, dt, &mut d_router);
+    Ok(MoeGrads {
+        dx: tensor(&dx, &[t, h], dt)?,
+        d_router: tensor(&d_router, &[e, h], dt)?,
+        dw_up: tensor(&dw_up, &[e, h, 2 * i], dt)?,
+        dw_down: tensor(&dw_down, &[e, i, h], dt)?,
+    })
+}
+
+/// grouped_mm on the CPU: each group's rows times its matrix, fp32 accumulate.
+pub fn grouped_mm(
+    a: &Tensor,
+    b: &Tensor,
+    offs: &Tensor,
+    out: &Tensor,
+    (m, k, n, g, _): (usize, usize, usize, usize, bool),
+) -> Result<()> {
+    let dt = a.dtype();
+    let av = a.to_f32_vec()?;
+    // b's elements in its logical [G, K, N] order (a transposed view is gathered).
+    let bv = b.to_f32_vec()?;
+    let ends = offs.to_vec::<i32>()?;
+    let mut c = vec![0f32; m * n];
+    for ex in 0..g {
+        let (s, en) = seg(&ends, ex);
+        gemm_rows(
+            true,
+            &av[s * k..en * k],
+            k,
+            &bv[ex * k * n..(ex + 1) * k * n],
+            n,
+            false,
+            dt,
+            &mut c[s * n..en * n],
+        );
+    }
+    out.write_f32(&c)
+}

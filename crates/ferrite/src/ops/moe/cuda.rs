@@ -1,0 +1,642 @@
+//! CUDA host code of the moe family: the routing / layout / combine kernels of kernels/moe.cu and
+//! the expert GEMMs, as a loop of matmul calls (`naive`) or matmul's grouped kernels (`grouped`:
+//! mma.sync, `wgmma`: Hopper's persistent TMA kernel).
+
+use super::{MoeConfig, MoeForward, MoeGrads, MoeOptions, MoeWeights, Problem, OP};
+use crate::core::cuda::jit::{KernelSource, Program};
+use crate::core::cuda::{device, CudaDevice, KernelArgs, Stream};
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::{KernelSpec, Precision};
+use crate::core::tensor::Tensor;
+use crate::kernel_source;
+use crate::ops::activation::{self, GluOptions};
+use crate::ops::matmul::cuda::{self as mm, Grouping, Groups, Ptrs};
+use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
+use std::sync::Arc;
+
+const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
+const FUNCS: [&str; 13] = [
+    "moe_router",
+    "moe_fill_i32",
+    "moe_zero_bytes",
+    "moe_chunk_hist",
+    "moe_plan",
+    "moe_scatter",
+    "moe_permute_rows",
+    "moe_combine",
+    "moe_combine_bwd",
+    "moe_unpermute_grad",
+    "moe_router_bwd",
+    "moe_stats_partial",
+    "moe_stats_final",
+];
+/// kernels/moe.cu's CHUNK and SCATTER_THREADS.
+const CHUNK: usize = 2048;
+const SCATTER_WARPS: usize = 8;
+/// Tokens per block of moe_stats_partial.
+const STATS_ROWS: usize = 256;
+
+pub fn program(dtype: DType) -> Program {
+    Program::new(SRC).define("FE_ELEM", dtype.cuda_name())
+}
+
+pub fn kernel_specs() -> Vec<KernelSpec> {
+    [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .map(|d| KernelSpec {
+            program: program(d),
+            functions: FUNCS.iter().map(|s| s.to_string()).collect(),
+            min_arch: Arch::SM80,
+        })
+        .collect()
+}
+
+/// Why `wgmma` cannot run `p`, if it cannot: TMA needs 16-byte aligned rows.
+pub fn wgmma_unfit(p: &Problem) -> Option<String> {
+    let es = p.dtype.size_in_bytes();
+    ((p.hidden * es) % 16 != 0 || (p.inter * es) % 16 != 0).then(|| {
+        format!(
+            "needs hidden and inter multiples of {} (16-byte rows for TMA), got {} and {}",
+            16 / es,
+            p.hidden,
+            p.inter
+        )
+    })
+}
+
+/// The device, stream and kernel module of one call.
+struct Ctx {
+    dev: Arc<CudaDevice>,
+    stream: Stream,
+    program: Program,
+}
+
+impl Ctx {
+    fn new(p: &Problem, opts: &MoeOptions) -> Result<Ctx> {
+        let Device::Cuda(i) = p.device else {
+            return Err(Error::Other("moe::cuda on a CPU problem".into()));
+        };
+        let dev = device(i)?;
+        let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+        Ok(Ctx {
+            dev,
+            stream,
+            program: program(p.dtype),
+        })
+    }
+
+    fn launch(
+        &self,
+        f: &str,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        args: &mut KernelArgs,
+    ) -> Result<()> {
+        let k = self.dev.kernel(&self.program, f)?;
+        if smem > 48 * 1024 {
+            k.allow_dynamic_smem(smem)?;
+        }
+        k.launch(&self.stream, (grid.max(1), 1, 1), (block, 1, 1), smem, args)
+    }
+
+    /// A grid-stride kernel's block count for `work` items of `per_block`.
+    fn grid(&self, work: usize, per_block: usize) -> u32 {
+        let most = self.dev.props().sm_count as usize * 16;
+        work.div_ceil(per_block.max(1)).clamp(1, most) as u32
+    }
+
+    fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::empty(shape, dtype, Device::Cuda(self.dev.ordinal()))
+    }
+
+    fn fill_i32(&self, t: &Tensor, v: i32) -> Result<()> {
+        let n = t.numel();
+        let mut a = KernelArgs::new();
+        a.push(t.device_ptr()?).push(n as i64).push(v);
+        self.launch("moe_fill_i32", self.grid(n, 256), 256, 0, &mut a)
+    }
+
+    fn zero(&self, t: &Tensor) -> Result<()> {
+        let n = t.nbytes();
+        let mut a = KernelArgs::new();
+        a.push(t.device_ptr()?).push(n as i64);
+        self.launch("moe_zero_bytes", self.grid(n, 1024), 256, 0, &mut a)
+    }
+
+    fn matmul_opts(&self) -> MatmulOptions {
+        MatmulOptions {
+            stream: Some(self.stream.clone()),
+            precision: Precision::Tf32,
+            ..Default::default()
+        }
+    }
+}
+
+/// The grouped kernel a variant runs (None: `naive`'s loop of matmul calls).
+fn grouped_kernel(variant: &str) -> Option<&'static str> {
+    match variant {
+        "grouped" => Some("mma_pipelined"),
+        "wgmma" => Some("wgmma"),
+        _ => None,
+    }
+}
+
+/// One expert GEMM of the layer over every expert: M-grouped `c[rows] = a[rows]·op(b[e])`
+/// (b `[E, k, n]`, or `[E, n, k]` read transposed when `bt`), or K-grouped `c[e] =
+/// a[rows of e]ᵀ·b[rows of e]` (a `[rows, m]`, b `[rows, n]`, c `[E, m, n]`).
+#[allow(clippy::too_many_arguments)]
+fn expert_gemm(
+    x: &Ctx,
+    variant: &str,
+    mode: Grouping,
+    p: &Problem,
+    (m, n, k): (usize, usize, usize),
+    a: &Tensor,
+    b: &Tensor,
+    bt: bool,
+    c: &Tensor,
+    ends: &Tensor,
+    host_ends: Option<&[i32]>,
+) -> Result<()> {
+    let e = p.experts;
+    if let Some(kind) = grouped_kernel(variant) {
+        let g = match mode {
+            Grouping::M => Gemm {
+                batch: e,
+                m,
+                n,
+                k,
+                a: Operand { ld: k, trans: false, batch_stride: 0 },
+                b: Operand { ld: if bt { k } else { n }, trans: bt, batch_stride: k * n },
+                c: Operand { ld: n, trans: false, batch_stride: 0 },
+                dtype: p.dtype,
+                device: p.device,
+            },
+            Grouping::K => Gemm {
+                batch: e,
+                m,
+                n,
+                k,
+                a: Operand { ld: m, trans: true, batch_stride: 0 },
+                b: Operand { ld: n, trans: false, batch_stride: 0 },
+                c: Operand { ld: n, trans: false, batch_stride: m * n },
+                dtype: p.dtype,
+                device: p.device,
+            },
+        };
+        let l = mm::plan_grouped(kind, &g, mode, &x.dev)?;
+        let ptrs = Ptrs {
+            a: a.device_ptr()?,
+            b: b.device_ptr()?,
+            c: c.device_ptr()?,
+        };
+        let groups = Groups {
+            mode,
+            ends: ends.device_ptr()?,
+            groups: e,
+        };
+        return mm::launch_grouped(&l, &g, ptrs, groups, 1.0, 0.0, &x.stream);
+    }
+    // naive: one matmul call per expert, sized from the host's copy of the ends.
+    let ends = host_ends.ok_or_else(|| Error::Other("moe naive: ends not on the host".into()))?;
+    let opts = x.matmul_opts();
+    for ex in 0..e {
+        let s = if ex > 0 { ends[ex - 1] as usize } else { 0 };
+        let len = ends[ex] as usize - s;
+        match mode {
+            Grouping::M => {
+                if len == 0 {
+                    continue;
+                }
+                let ae = a.narrow(0, s, len)?;
+                let be = b.narrow(0, ex, 1)?;
+                let be = if bt {
+                    be.reshape(&[n, k])?.t()?
+                } else {
+                    be.reshape(&[k, n])?
+                };
+                matmul::matmul_into(&ae, &be, &c.narrow(0, s, len)?, &opts)?;
+            }
+            Grouping::K => {
+                let ce = c.narrow(0, ex, 1)?.reshape(&[m, n])?;
+                if len == 0 {
+                    x.zero(&ce)?;
+                    continue;
+                }
+                let ae = a.narrow(0, s, len)?.t()?;
+                let be = b.narrow(0, s, len)?;
+                matmul::matmul_into(&ae, &be, &ce, &opts)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The routing and layout steps shared by every variant: logits, router, plan, scatter, gather.
+struct Routed {
+    logits: Tensor,
+    probs: Tensor,
+    lse: Tensor,
+    idx: Tensor,
+    weights: Tensor,
+    pos: Tensor,
+    src: Tensor,
+    ends: Tensor,
+    counts: Tensor,
+    stats: Tensor,
+    xp: Tensor,
+}
+
+fn route(x: &Ctx, p: &Problem, xt: &Tensor, w: &MoeWeights, cfg: &MoeConfig) -> Result<Routed> {
+    let (t, h, e, k) = (p.tokens, p.hidden, p.experts, p.top_k);
+    let rows_cap = p.rows_cap();
+    let logits = x.empty(&[t, e], p.dtype)?;
+    matmul::matmul_into(xt, &w.router.t()?, &logits, &x.matmul_opts())?;
+    let probs = x.empty(&[t, e], DType::F32)?;
+    let lse = x.empty(&[t], DType::F32)?;
+    let idx = x.empty(&[t, k], DType::I32)?;
+    let weights = x.empty(&[t, k], DType::F32)?;
+    let mut a = KernelArgs::new();
+    a.push(logits.device_ptr()?)
+        .push(e as i64)
+        .push(t as i32)
+        .push(e as i32)
+        .push(k as i32)
+        .push(cfg.score.code())
+        .push(cfg.renormalize as i32)
+        .push(cfg.groups as i32)
+        .push(cfg.topk_groups as i32)
+        .push(cfg.routed_scale)
+        .push(idx.device_ptr()?)
+        .push(weights.device_ptr()?)
+        .push(probs.device_ptr()?)
+        .push(lse.device_ptr()?);
+    x.launch("moe_router", x.grid(t, 4), 128, (4 * 2 * e * 4) as u32, &mut a)?;
+
+    let pairs = t * k;
+    let chunks = pairs.div_ceil(CHUNK);
+    let hist = x.empty(&[chunks, e], DType::I32)?;
+    let base = x.empty(&[chunks, e], DType::I32)?;
+    let counts = x.empty(&[e], DType::I32)?;
+    let ends = x.empty(&[e], DType::I32)?;
+    let stats = x.empty(&[2], DType::I32)?;
+    let pos = x.empty(&[pairs], DType::I32)?;
+    let src = x.empty(&[rows_cap], DType::I32)?;
+    x.fill_i32(&src, -1)?;
+    let mut a = KernelArgs::new();
+    a.push(idx.device_ptr()?)
+        .push(pairs as i64)
+        .push(e as i32)
+        .push(hist.device_ptr()?);
+    x.dev
+        .kernel(&x.program, "moe_chunk_hist")?
+        .launch(&x.stream, (chunks as u32, 1, 1), (256, 1, 1), (e * 4) as u32, &mut a)?;
+    let cap = cfg.capacity(t).map_or(-1, |c| c.min(i32::MAX as usize) as i32);
+    let mut a = KernelArgs::new();
+    a.push(hist.device_ptr()?)
+        .push(chunks as i32)
+        .push(e as i32)
+        .push(cap)
+        .push(base.device_ptr()?)
+        .push(counts.device_ptr()?)
+        .push(ends.device_ptr()?)
+        .push(stats.device_ptr()?);
+    x.launch("moe_plan", 1, 1024, 0, &mut a)?;
+    let mut a = KernelArgs::new();
+    a.push(idx.device_ptr()?)
+        .push(pairs as i64)
+        .push(e as i32)
+        .push(base.device_ptr()?)
+        .push(ends.device_ptr()?)
+        .push(cap)
+        .push(pos.device_ptr()?)
+        .push(src.device_ptr()?);
+    let smem = (e * (SCATTER_WARPS + 1) * 4) as u32;
+    let k_sc = x.dev.kernel(&x.program, "moe_scatter")?;
+    if smem > 48 * 1024 {
+        k_sc.allow_dynamic_smem(smem)?;
+    }
+    k_sc.launch(&x.stream, (chunks as u32, 1, 1), (256, 1, 1), smem, &mut a)?;
+
+    let xp = x.empty(&[rows_cap, h], p.dtype)?;
+    permute_rows(x, p, xt, &src, &ends, &xp)?;
+    Ok(Routed {
+        logits,
+        probs,
+        lse,
+        idx,
+        weights,
+        pos,
+        src,
+        ends,
+        counts,
+        stats,
+        xp,
+    })
+}
+
+fn permute_rows(
+    x: &Ctx,
+    p: &Problem,
+    xt: &Tensor,
+    src: &Tensor,
+    ends: &Tensor,
+    xp: &Tensor,
+) -> Result<()> {
+    let h = p.hidden;
+    let (px, pp) = (xt.device_ptr()?, xp.device_ptr()?);
+    let vec = (h * p.dtype.size_in_bytes()).is_multiple_of(16)
+        && px.is_multiple_of(16)
+        && pp.is_multiple_of(16);
+    let rows_cap = p.rows_cap();
+    let mut a = KernelArgs::new();
+    a.push(px)
+        .push(h as i64)
+        .push(src.device_ptr()?)
+        .push(p.top_k as i32)
+        .push(ends.device_ptr()?)
+        .push(p.experts as i32)
+        .push(rows_cap as i64)
+        .push(vec as i32)
+        .push(pp);
+    x.launch("moe_permute_rows", x.grid(rows_cap, 8), 256, 0, &mut a)
+}
+
+/// The host's copy of the ends (`naive` only: waits for the device).
+fn host_ends(variant: &str, ends: &Tensor) -> Result<Option<Vec<i32>>> {
+    if grouped_kernel(variant).is_some() {
+        Ok(None)
+    } else {
+        ends.to_vec::<i32>().map(Some)
+    }
+}
+
+pub fn forward(
+    variant: &str,
+    p: &Problem,
+    xt: &Tensor,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+    opts: &MoeOptions,
+) -> Result<MoeForward> {
+    let x = Ctx::new(p, opts)?;
+    let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
+    let rows_cap = p.rows_cap();
+    let r = route(&x, p, xt, w, cfg)?;
+    let he = host_ends(variant, &r.ends)?;
+    let hpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
+    let hh = x.empty(&[rows_cap, i], p.dtype)?;
+    let y = x.empty(&[rows_cap, h], p.dtype)?;
+    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, 2 * i, h), &r.xp, w.w_up, false, &hpre, &r.ends, he.as_deref())?;
+    // The GLU over the used rows when the host knows them, else over the whole buffer (rows past
+    // the used ones are never read).
+    let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
+    if used > 0 {
+        activation::glu_into(
+            &hpre.narrow(0, 0, used)?,
+            &hh.narrow(0, 0, used)?,
+            &GluOptions {
+                act: cfg.act,
+                stream: Some(x.stream.clone()),
+                variant: None,
+            },
+        )?;
+    }
+    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, h, i), &hh, w.w_down, false, &y, &r.ends, he.as_deref())?;
+    let out = x.empty(&[t, h], p.dtype)?;
+    let mut a = KernelArgs::new();
+    a.push(y.device_ptr()?)
+        .push(h as i64)
+        .push(r.pos.device_ptr()?)
+        .push(r.weights.device_ptr()?)
+        .push(k as i32)
+        .push(t as i32)
+        .push(out.device_ptr()?);
+    x.launch("moe_combine", x.grid(t, 1), 256, 0, &mut a)?;
+    let losses = stats(&x, p, cfg, &r)?;
+    Ok(MoeForward {
+        problem: *p,
+        out,
+        logits: r.logits,
+        probs: r.probs,
+        lse: r.lse,
+        idx: r.idx,
+        weights: r.weights,
+        pos: r.pos,
+        src: r.src,
+        ends: r.ends,
+        counts: r.counts,
+        stats: r.stats,
+        losses,
+        xp: r.xp,
+        hpre,
+        h: hh,
+        y,
+    })
+}
+
+/// The auxiliary and z-losses and each expert's mean score (`[2 + E]` f32), deterministic.
+fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &Routed) -> Result<Tensor> {
+    let (t, e) = (p.tokens, p.experts);
+    let blocks = t.div_ceil(STATS_ROWS);
+    let part = x.empty(&[blocks, e + 1], DType::F32)?;
+    let mut a = KernelArgs::new();
+    a.push(r.probs.device_ptr()?)
+        .push(r.lse.device_ptr()?)
+        .push(t as i32)
+        .push(e as i32)
+        .push(STATS_ROWS as i32)
+        .push(part.device_ptr()?);
+    x.dev
+        .kernel(&x.program, "moe_stats_partial")?
+        .launch(&x.stream, (blocks as u32, 1, 1), (256, 1, 1), 0, &mut a)?;
+    let out = x.empty(&[2 + e], DType::F32)?;
+    let mut a = KernelArgs::new();
+    a.push(part.device_ptr()?)
+        .push(blocks as i32)
+        .push(e as i32)
+        .push(r.counts.device_ptr()?)
+        .push(t as i32)
+        .push(p.top_k as i32)
+        .push(cfg.aux_loss_coef)
+        .push(cfg.z_loss_coef)
+        .push(out.device_ptr()?);
+    x.launch("moe_stats_final", 1, 256, 0, &mut a)?;
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    variant: &str,
+    p: &Problem,
+    dout: &Tensor,
+    xt: &Tensor,
+    w: &MoeWeights,
+    f: &MoeForward,
+    cfg: &MoeConfig,
+    opts: &MoeOptions,
+) -> Result<MoeGrads> {
+    let x = Ctx::new(p, opts)?;
+    let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
+    let rows_cap = p.rows_cap();
+    let he = host_ends(variant, &f.ends)?;
+    // Combine backward: dy rows (zeros on padding) and the gates' gradients.
+    let dy = x.empty(&[rows_cap, h], p.dtype)?;
+    let dw = x.empty(&[t * k], DType::F32)?;
+    x.zero(&dw)?;
+    let mut a = KernelArgs::new();
+    a.push(dout.device_ptr()?)
+        .push(f.y.device_ptr()?)
+        .push(h as i64)
+        .push(f.src.device_ptr()?)
+        .push(f.weights.device_ptr()?)
+        .push(k as i32)
+        .push(f.ends.device_ptr()?)
+        .push(e as i32)
+        .push(dy.device_ptr()?)
+        .push(dw.device_ptr()?);
+    x.launch("moe_combine_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
+    // Down projection: dh = dy·W_downᵀ, dW_down[e] = h_eᵀ·dy_e.
+    let dh = x.empty(&[rows_cap, i], p.dtype)?;
+    let dw_down = x.empty(&[e, i, h], p.dtype)?;
+    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, i, h), &dy, w.w_down, true, &dh, &f.ends, he.as_deref())?;
+    expert_gemm(&x, variant, Grouping::K, p, (i, h, rows_cap), &f.h, &dy, false, &dw_down, &f.ends, he.as_deref())?;
+    // GLU backward over the used rows (the whole buffer when the host does not know them).
+    let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
+    let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
+    if used > 0 {
+        activation::glu_backward_into(
+            &dh.narrow(0, 0, used)?,
+            &f.hpre.narrow(0, 0, used)?,
+            &dhpre.narrow(0, 0, used)?,
+            &GluOptions {
+                act: cfg.act,
+                stream: Some(x.stream.clone()),
+                variant: None,
+            },
+        )?;
+    }
+    // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
+    let dxp = x.empty(&[rows_cap, h], p.dtype)?;
+    let dw_up = x.empty(&[e, h, 2 * i], p.dtype)?;
+    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, h, 2 * i), &dhpre, w.w_up, true, &dxp, &f.ends, he.as_deref())?;
+    expert_gemm(&x, variant, Grouping::K, p, (h, 2 * i, rows_cap), &f.xp, &dhpre, false, &dw_up, &f.ends, he.as_deref())?;
+    // dx = Σ_j dxp[pos] + dlogits·router; d_router = dlogitsᵀ·x.
+    let dx = x.empty(&[t, h], p.dtype)?;
+    let mut a = KernelArgs::new();
+    a.push(dxp.device_ptr()?)
+        .push(h as i64)
+        .push(f.pos.device_ptr()?)
+        .push(k as i32)
+        .push(t as i32)
+        .push(dx.device_ptr()?);
+    x.launch("moe_unpermute_grad", x.grid(t, 1), 256, 0, &mut a)?;
+    let dlogits = x.empty(&[t, e], p.dtype)?;
+    let mut a = KernelArgs::new();
+    a.push(dw.device_ptr()?)
+        .push(f.idx.device_ptr()?)
+        .push(f.probs.device_ptr()?)
+        .push(f.lse.device_ptr()?)
+        .push(f.logits.device_ptr()?)
+        .push(e as i64)
+        .push(f.counts.device_ptr()?)
+        .push(t as i32)
+        .push(e as i32)
+        .push(k as i32)
+        .push(cfg.score.code())
+        .push(cfg.renormalize as i32)
+        .push(cfg.routed_scale)
+        .push(cfg.aux_loss_coef)
+        .push(cfg.z_loss_coef)
+        .push(dlogits.device_ptr()?)
+        .push(e as i64);
+    x.launch("moe_router_bwd", x.grid(t, 4), 128, (4 * e * 4) as u32, &mut a)?;
+    let mo = x.matmul_opts();
+    matmul::matmul_into(&dlogits, w.router, &dx, &MatmulOptions { beta: 1.0, ..mo.clone() })?;
+    let d_router = x.empty(&[e, h], p.dtype)?;
+    matmul::matmul_into(&dlogits.t()?, xt, &d_router, &mo)?;
+    Ok(MoeGrads {
+        dx,
+        d_router,
+        dw_up,
+        dw_down,
+    })
+}
+
+/// grouped_mm on the GPU: the M-grouped kernel of the best variant that fits.
+pub fn grouped_mm(
+    a: &Tensor,
+    b: &Tensor,
+    offs: &Tensor,
+    out: &Tensor,
+    (m, k, n, g, bt): (usize, usize, usize, usize, bool),
+    opts: &MoeOptions,
+) -> Result<()> {
+    let Device::Cuda(di) = a.device() else {
+        return Err(Error::Other("moe::cuda::grouped_mm on the CPU".into()));
+    };
+    let dev = device(di)?;
+    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let gm = Gemm {
+        batch: g,
+        m,
+        n,
+        k,
+        a: Operand { ld: k, trans: false, batch_stride: 0 },
+        b: Operand { ld: if bt { k } else { n }, trans: bt, batch_stride: k * n },
+        c: Operand { ld: n, trans: false, batch_stride: 0 },
+        dtype: a.dtype(),
+        device: a.device(),
+    };
+    let ptrs = Ptrs {
+        a: a.device_ptr()?,
+        b: b.device_ptr()?,
+        c: out.device_ptr()?,
+    };
+    let wants = opts.variant.as_deref();
+    let kind = match wants {
+        Some("grouped") => "mma_pipelined",
+        Some("wgmma") => "wgmma",
+        Some(other) => {
+            return Err(Error::bad_arg(
+                "grouped_mm",
+                "variant",
+                "grouped or wgmma (CUDA)",
+                other,
+            ))
+        }
+        None => {
+            let aligned = [ptrs.a, ptrs.b, ptrs.c].iter().all(|p| p.is_multiple_of(16));
+            if dev.arch().major == 9 && a.dtype() != DType::F32 && aligned && mm::wgmma_declines(&gm).is_none() {
+                "wgmma"
+            } else {
+                "mma_pipelined"
+            }
+        }
+    };
+    if k == 0 {
+        // Every row's sum is empty: zeros.
+        let x = Ctx {
+            dev: dev.clone(),
+            stream: stream.clone(),
+            program: program(a.dtype()),
+        };
+        return x.zero(out);
+    }
+    let l = mm::plan_grouped(kind, &gm, Grouping::M, &dev)?;
+    let groups = Groups {
+        mode: Grouping::M,
+        ends: offs.device_ptr()?,
+        groups: g,
+    };
+    mm::launch_grouped(&l, &gm, ptrs, groups, 1.0, 0.0, &stream).map_err(|e| match e {
+        Error::NoVariant { msg, .. } => Error::NoVariant { op: OP.into(), msg },
+        e => e,
+    })
+}

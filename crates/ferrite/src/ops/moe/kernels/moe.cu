@@ -1,0 +1,471 @@
+// moe — the routing and data-movement kernels of a mixture-of-experts layer; the expert GEMMs
+// are matmul's grouped kernels (wgmma.cu / mma.cu with -DFE_GROUPED), the SwiGLU activation's
+// the activation family's glu.
+//
+// Specialisation: -DFE_ELEM=<activation storage type>. Routing arithmetic is fp32.
+//
+// The padded expert-contiguous layout every kernel here shares: expert e owns rows
+// [ends[e-1], ends[e]) of the permuted buffers, its kept tokens first (in token order, slot order
+// within a token: deterministic), then zero rows up to a multiple of ALIGN = 128. So every
+// 128-row tile of the grouped GEMMs belongs to one expert (full TMA stores) and the weight
+// gradient's k slices never straddle two experts; the padding costs at most ALIGN − 1 rows per
+// expert. Rows past ends[E-1] are never read. Everything is sized for the worst case on the host
+// (T·k + E·(ALIGN − 1) rows) and sized exactly on the device, so a step never waits for the host.
+//
+// Pipeline (forward): moe_router (one warp per token: scores, group-limited top-k, weights,
+// probabilities for the auxiliary loss, logsumexp for the z-loss) → moe_chunk_hist (per-chunk
+// expert histograms) → moe_plan (one block: per-chunk bases, counts, capacity, padded ends) →
+// moe_scatter (each (token, slot) pair's row: stable rank inside its expert, dropped beyond the
+// capacity) → moe_permute_rows (gather x into the layout, zero the padding) → grouped GEMMs →
+// moe_combine (out[t] = Σ_j w[t,j]·y[pos[t,j]], fixed order, no atomics).
+// Backward: moe_combine_bwd (dy rows and the gates' gradients), grouped GEMMs,
+// moe_unpermute_grad (dx[t] = Σ_j dxp[pos[t,j]]), moe_router_bwd (dlogits through the
+// renormalisation, the scoring function, the auxiliary and z-losses), moe_stats_* (the losses).
+
+#include "ferrite.cuh"
+
+using namespace ferrite;
+
+#ifndef FE_ELEM
+#define FE_ELEM float
+#endif
+typedef FE_ELEM T;
+
+constexpr int ALIGN = 128;
+#define NEG_INF __int_as_float(0xff800000)
+// Pairs per block of the histogram / scatter kernels.
+constexpr int CHUNK = 2048;
+constexpr int SCATTER_THREADS = 256;
+constexpr int SCATTER_WARPS = SCATTER_THREADS / 32;
+
+// Selection key: NaN ranks below every number (a NaN logit is never preferred), ties to the
+// lower index.
+__device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
+  const bool an = a != a, bn = b != b;
+  if (an || bn) return !an && bn ? true : (an && bn ? ia < ib : false);
+  return a > b || (a == b && ia < ib);
+}
+
+// Warp argmax of (key, index) pairs.
+__device__ __forceinline__ void warp_best(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(v2, i2, v, i)) {
+      v = v2;
+      i = i2;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// One warp per token. score: 0 softmax over all experts, 1 sigmoid. Experts are split into
+// n_group groups of E/n_group; with topk_group < n_group only the topk_group groups of largest
+// group score (the sum of its two best scores, one when groups have one expert) are eligible
+// (DeepSeek-V3's group-limited routing). The k eligible experts of largest score are chosen
+// (largest first; selection compares logits, which order softmax and sigmoid scores alike and
+// are exact), their weights are the scores, renormalised to sum 1 when renorm, times scale. A
+// token with a NaN logit gets NaN weights (its output is then NaN: never silently routed).
+// Outputs: idx / w [T][k], probs [T][E] (the scores), lse [T] (logsumexp of the logits).
+// Shared memory: 2·E floats per warp (logits, then keys).
+extern "C" __global__ void __launch_bounds__(128)
+    moe_router(const T* __restrict__ logits, i64 ld, int ntok, int E, int k, int score, int renorm,
+               int n_group, int topk_group, float scale, int* __restrict__ idx,
+               float* __restrict__ w, float* __restrict__ probs, float* __restrict__ lse) {
+  extern __shared__ float smem_f[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* sc = smem_f + warp * 2 * E;  // scores
+  float* key = sc + E;                // selection keys (logits; -inf when ineligible)
+  for (i64 t = (i64)blockIdx.x * 4 + warp; t < ntok; t += (i64)gridDim.x * 4) {
+    const T* row = logits + t * ld;
+    float mx = NEG_INF;
+    bool nan = false;
+    for (int e = lane; e < E; e += 32) {
+      const float x = to_float(row[e]);
+      key[e] = x;
+      nan |= x != x;
+      mx = fmaxf(mx, x);
+    }
+    mx = warp_max(mx);
+    nan = __any_sync(0xffffffffu, nan);
+    float sum = 0.f;
+    for (int e = lane; e < E; e += 32) sum += __expf(key[e] - mx);
+    sum = warp_sum(sum);
+    const float l = mx + __logf(sum);
+    for (int e = lane; e < E; e += 32) {
+      const float x = key[e];
+      sc[e] = score == 0 ? __expf(x - l) : 1.f / (1.f + __expf(-x));
+    }
+    __syncwarp();
+    // Bit b of `blocked`: expert lane + 32·b is ineligible (group-limited) or already chosen.
+    unsigned blocked = 0;
+    if (topk_group < n_group) {
+      // Group scores (lane g: group g; n_group ≤ 32), then the topk_group best groups.
+      const int gs = E / n_group;
+      float gscore = NEG_INF;
+      if (lane < n_group) {
+        float b1 = NEG_INF, b2 = NEG_INF;
+        for (int e = lane * gs; e < (lane + 1) * gs; ++e) {
+          const float s = sc[e] != sc[e] ? NEG_INF : sc[e];
+          if (s > b1) {
+            b2 = b1;
+            b1 = s;
+          } else if (s > b2) {
+            b2 = s;
+          }
+        }
+        gscore = gs > 1 ? b1 + b2 : b1;
+      }
+      bool keep = false;
+      for (int r = 0; r < topk_group; ++r) {
+        float v = lane < n_group && !keep ? gscore : __int_as_float(0x7fc00000);
+        int i = lane < n_group && !keep ? lane : 0x7fffffff;
+        warp_best(v, i);
+        if (lane == i) keep = true;
+      }
+      const unsigned kept = __ballot_sync(0xffffffffu, keep);
+      for (int e = lane, b = 0; e < E; e += 32, ++b)
+        if (!((kept >> (e / gs)) & 1u)) blocked |= 1u << b;
+    }
+    // Top-k: k rounds of a warp argmax over the eligible experts not chosen yet (the host checks
+    // k ≤ the eligible count, so every round finds one). "None" is (NaN, INT_MAX): it loses to
+    // everything.
+    int mine = -1;  // lane j < k keeps choice j
+    float ssum = 0.f;
+    for (int j = 0; j < k; ++j) {
+      float v = __int_as_float(0x7fc00000);
+      int i = 0x7fffffff;
+      for (int e = lane, b = 0; e < E; e += 32, ++b)
+        if (!((blocked >> b) & 1u) && better(key[e], e, v, i)) {
+          v = key[e];
+          i = e;
+        }
+      warp_best(v, i);
+      if (lane == i % 32) blocked |= 1u << (i / 32);
+      if (lane == j) mine = i;
+      ssum += sc[i];
+    }
+    if (lane < k) {
+      float wt = sc[mine];
+      if (renorm) wt = wt / ssum;
+      wt *= scale;
+      if (nan) wt = __int_as_float(0x7fc00000);
+      idx[t * k + lane] = mine;
+      w[t * k + lane] = wt;
+    }
+    for (int e = lane; e < E; e += 32) probs[t * E + e] = sc[e];
+    if (lane == 0) lse[t] = l;
+    __syncwarp();
+  }
+}
+
+extern "C" __global__ void moe_fill_i32(int* __restrict__ p, i64 n, int v) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    p[i] = v;
+}
+
+extern "C" __global__ void moe_zero_bytes(unsigned char* __restrict__ p, i64 n) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    p[i] = 0;
+}
+
+// hist[c][e]: pairs of chunk c (CHUNK consecutive (token, slot) pairs) routed to expert e.
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS)
+    moe_chunk_hist(const int* __restrict__ idx, i64 pairs, int E, int* __restrict__ hist) {
+  extern __shared__ int smem_i[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) smem_i[e] = 0;
+  __syncthreads();
+  const i64 c0 = (i64)blockIdx.x * CHUNK;
+  for (int i = threadIdx.x; i < CHUNK && c0 + i < pairs; i += blockDim.x)
+    atomicAdd(&smem_i[idx[c0 + i]], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(i64)blockIdx.x * E + e] = smem_i[e];
+}
+
+// One block of 1024 threads. base[c][e] = pairs of expert e in chunks before c; counts[e]; kept
+// = min(count, cap) (cap < 0: dropless); ends[e] = Σ_{e' ≤ e} roundup(kept[e'], ALIGN);
+// stats[0] = pairs dropped, stats[1] = rows used (ends[E-1]).
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_plan(const int* __restrict__ hist, int chunks, int E, int cap, int* __restrict__ base,
+             int* __restrict__ counts, int* __restrict__ ends, int* __restrict__ stats) {
+  __shared__ int padded[1024];
+  __shared__ int warp_tot[32];
+  __shared__ int dropped;
+  if (threadIdx.x == 0) dropped = 0;
+  __syncthreads();
+  const int e = threadIdx.x;
+  int pad = 0;
+  if (e < E) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      base[(i64)c * E + e] = run;
+      run += hist[(i64)c * E + e];
+    }
+    counts[e] = run;
+    const int kept = cap < 0 ? run : min(run, cap);
+    pad = (kept + ALIGN - 1) / ALIGN * ALIGN;
+    if (run > kept) atomicAdd(&dropped, run - kept);
+  }
+  // Inclusive scan of the padded lengths: within warps, then over the warp totals.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int v = pad;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  if (lane == 31) warp_tot[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int s = warp_tot[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int u = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += u;
+    }
+    warp_tot[lane] = s;
+  }
+  __syncthreads();
+  const int incl = v + (warp > 0 ? warp_tot[warp - 1] : 0);
+  padded[threadIdx.x] = incl;
+  if (e < E) ends[e] = incl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    stats[0] = dropped;
+    stats[1] = padded[E - 1];
+  }
+}
+
+// pos[p]: the row of pair p in the layout (-1: dropped); src[row] = p for kept pairs (the caller
+// fills src with -1 first: padding rows keep it). Within a chunk, pairs are ranked in order,
+// SCATTER_THREADS at a time: a warp's pairs of one expert by __match_any_sync, earlier warps'
+// through per-warp counts in shared memory, earlier rounds through a running count.
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS)
+    moe_scatter(const int* __restrict__ idx, i64 pairs, int E, const int* __restrict__ base,
+                const int* __restrict__ ends, int cap, int* __restrict__ pos, int* __restrict__ src) {
+  extern __shared__ int smem_i[];
+  int* running = smem_i;        // [E]
+  int* wcnt = smem_i + E;       // [SCATTER_WARPS][E]
+  for (int i = threadIdx.x; i < E * (SCATTER_WARPS + 1); i += blockDim.x) smem_i[i] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const unsigned lt = (1u << lane) - 1;
+  const i64 c0 = (i64)blockIdx.x * CHUNK;
+  for (int r0 = 0; r0 < CHUNK; r0 += SCATTER_THREADS) {
+    const i64 p = c0 + r0 + threadIdx.x;
+    const int e = p < pairs ? idx[p] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int leader = __ffs(peers) - 1;
+    if (e >= 0 && lane == leader) wcnt[warp * E + e] = __popc(peers);
+    __syncthreads();
+    if (e >= 0) {
+      int local = running[e] + __popc(peers & lt);
+      for (int w2 = 0; w2 < warp; ++w2) local += wcnt[w2 * E + e];
+      const int rank = base[blockIdx.x * (i64)E + e] + local;
+      const bool kept = cap < 0 || rank < cap;
+      const int row = (e > 0 ? ends[e - 1] : 0) + rank;
+      pos[p] = kept ? row : -1;
+      if (kept) src[row] = (int)p;
+    }
+    __syncthreads();
+    if (e >= 0 && lane == leader) {
+      atomicAdd(&running[e], __popc(peers));
+      wcnt[warp * E + e] = 0;
+    }
+    __syncthreads();
+  }
+}
+
+// xp[row] = x[src[row] / k] for the used rows (zeros where src = -1: padding). One warp per row,
+// 16-byte vectors when `vec` (H·sizeof(T) a multiple of 16 and both bases aligned).
+extern "C" __global__ void __launch_bounds__(256)
+    moe_permute_rows(const T* __restrict__ x, i64 H, const int* __restrict__ src, int k,
+                     const int* __restrict__ ends, int E, i64 rows_cap, int vec, T* __restrict__ xp) {
+  const i64 used = ends[E - 1];
+  const int lane = threadIdx.x % 32;
+  for (i64 r = (i64)blockIdx.x * 8 + threadIdx.x / 32; r < used && r < rows_cap;
+       r += (i64)gridDim.x * 8) {
+    const int p = src[r];
+    T* dst = xp + r * H;
+    if (vec) {
+      const i64 nv = H * (i64)sizeof(T) / 16;
+      uint4* d4 = reinterpret_cast<uint4*>(dst);
+      if (p < 0) {
+        for (i64 i = lane; i < nv; i += 32) d4[i] = make_uint4(0, 0, 0, 0);
+      } else {
+        const uint4* s4 = reinterpret_cast<const uint4*>(x + (i64)(p / k) * H);
+        for (i64 i = lane; i < nv; i += 32) d4[i] = s4[i];
+      }
+    } else {
+      const T* s = p < 0 ? nullptr : x + (i64)(p / k) * H;
+      for (i64 i = lane; i < H; i += 32) dst[i] = s ? s[i] : from_float<T>(0.f);
+    }
+  }
+}
+
+// out[t] = Σ_j w[t,j]·y[pos[t,j]] (dropped slots add nothing), fp32 in slot order.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_combine(const T* __restrict__ y, i64 H, const int* __restrict__ pos,
+                const float* __restrict__ w, int k, int ntok, T* __restrict__ out) {
+  for (i64 t = blockIdx.x; t < ntok; t += gridDim.x) {
+    for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
+      float acc = 0.f;
+      for (int j = 0; j < k; ++j) {
+        const int r = pos[t * k + j];
+        if (r >= 0) acc = fmaf(w[t * k + j], to_float(y[(i64)r * H + c]), acc);
+      }
+      out[t * H + c] = from_float<T>(acc);
+    }
+  }
+}
+
+// Backward of moe_combine, one block per used row r: dy[r] = w[p]·dout[t] (zeros on padding
+// rows) and dw[p] = <dout[t], y[r]> (p = src[r], t = p / k). Dropped pairs' dw is set to 0 by
+// the caller's fill.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_combine_bwd(const T* __restrict__ dout, const T* __restrict__ y, i64 H,
+                    const int* __restrict__ src, const float* __restrict__ w, int k,
+                    const int* __restrict__ ends, int E, T* __restrict__ dy,
+                    float* __restrict__ dw) {
+  __shared__ float red[32];
+  const i64 used = ends[E - 1];
+  for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
+    const int p = src[r];
+    T* d = dy + r * H;
+    if (p < 0) {
+      for (i64 c = threadIdx.x; c < H; c += blockDim.x) d[c] = from_float<T>(0.f);
+      continue;
+    }
+    const T* g = dout + (i64)(p / k) * H;
+    const T* yr = y + r * H;
+    const float wp = w[p];
+    float dot = 0.f;
+    for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
+      const float gc = to_float(g[c]);
+      d[c] = from_float<T>(wp * gc);
+      dot = fmaf(gc, to_float(yr[c]), dot);
+    }
+    dot = block_sum(dot, red);
+    if (threadIdx.x == 0) dw[p] = dot;
+    __syncthreads();
+  }
+}
+
+// dx[t] = Σ_j dxp[pos[t,j]] (fp32, slot order; dropped slots add nothing).
+extern "C" __global__ void __launch_bounds__(256)
+    moe_unpermute_grad(const T* __restrict__ dxp, i64 H, const int* __restrict__ pos, int k,
+                       int ntok, T* __restrict__ dx) {
+  for (i64 t = blockIdx.x; t < ntok; t += gridDim.x) {
+    for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
+      float acc = 0.f;
+      for (int j = 0; j < k; ++j) {
+        const int r = pos[t * k + j];
+        if (r >= 0) acc += to_float(dxp[(i64)r * H + c]);
+      }
+      dx[t * H + c] = from_float<T>(acc);
+    }
+  }
+}
+
+// dlogits for one token per warp: the gates' gradient dw through the weights (renormalised:
+// w_j = scale·s_j/S, S = Σ_sel s) onto the selected scores, the auxiliary loss
+// aux_coef·E·Σ_i f_i·P_i (f_i = counts_i/(T·k) held constant, P_i = mean_t s_{t,i}) onto every
+// score, then through the scoring function (softmax: p_i·(ds_i − Σ p·ds); sigmoid: s(1−s)·ds),
+// plus the z-loss z_coef·mean_t lse_t² (2·z_coef·lse/T · softmax). Shared memory: E floats per
+// warp.
+extern "C" __global__ void __launch_bounds__(128)
+    moe_router_bwd(const float* __restrict__ dw, const int* __restrict__ idx,
+                   const float* __restrict__ probs, const float* __restrict__ lse,
+                   const T* __restrict__ logits, i64 ld, const int* __restrict__ counts, int ntok,
+                   int E, int k, int score, int renorm, float scale, float aux_coef, float z_coef,
+                   T* __restrict__ dlogits, i64 ldd) {
+  extern __shared__ float smem_f[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* ds = smem_f + warp * E;
+  const float aux = aux_coef * (float)E / ((float)ntok * (float)ntok * (float)k);
+  for (i64 t = (i64)blockIdx.x * 4 + warp; t < ntok; t += (i64)gridDim.x * 4) {
+    const float* p = probs + t * E;
+    for (int e = lane; e < E; e += 32) ds[e] = aux * (float)counts[e];
+    __syncwarp();
+    // Selected slots (lane j < k): S and Σ dw·s.
+    float s = 0.f, g = 0.f;
+    int ej = 0;
+    if (lane < k) {
+      ej = idx[t * k + lane];
+      s = p[ej];
+      g = dw[t * k + lane];
+    }
+    const float S = warp_sum(lane < k ? s : 0.f);
+    const float GS = warp_sum(lane < k ? g * s : 0.f);
+    // Lanes add in turn (an expert is selected at most once, but keep the order fixed anyway).
+    for (int j = 0; j < k; ++j) {
+      if (lane == j) ds[ej] += renorm ? scale * (g / S - GS / (S * S)) : scale * g;
+      __syncwarp();
+    }
+    float dot = 0.f;
+    if (score == 0) {
+      for (int e = lane; e < E; e += 32) dot = fmaf(p[e], ds[e], dot);
+      dot = warp_sum(dot);
+    }
+    const float l = lse[t];
+    const float zc = 2.f * z_coef * l / (float)ntok;
+    const T* row = logits + t * ld;
+    for (int e = lane; e < E; e += 32) {
+      const float pe = p[e];
+      float d = score == 0 ? pe * (ds[e] - dot) : ds[e] * pe * (1.f - pe);
+      if (z_coef != 0.f) d = fmaf(zc, __expf(to_float(row[e]) - l), d);
+      dlogits[t * ldd + e] = from_float<T>(d);
+    }
+    __syncwarp();
+  }
+}
+
+// Per block of `rows` tokens: part[b][e] = Σ_t probs[t][e] (e < E), part[b][E] = Σ_t lse_t².
+// Threads stride over columns, rows in order: deterministic.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_stats_partial(const float* __restrict__ probs, const float* __restrict__ lse, int ntok,
+                      int E, int rows, float* __restrict__ part) {
+  const i64 t0 = (i64)blockIdx.x * rows;
+  const i64 t1 = min((i64)ntok, t0 + rows);
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+    float acc = 0.f;
+    if (e < E) {
+      for (i64 t = t0; t < t1; ++t) acc += probs[t * E + e];
+    } else {
+      for (i64 t = t0; t < t1; ++t) acc = fmaf(lse[t], lse[t], acc);
+    }
+    part[(i64)blockIdx.x * (E + 1) + e] = acc;
+  }
+}
+
+// One block: out[0] = aux loss, out[1] = z-loss, out[2 + e] = P_e (mean score of expert e).
+extern "C" __global__ void __launch_bounds__(256)
+    moe_stats_final(const float* __restrict__ part, int blocks, int E, const int* __restrict__ counts,
+                    int ntok, int k, float aux_coef, float z_coef, float* __restrict__ out) {
+  __shared__ float red[32];
+  float aux = 0.f;
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+    float acc = 0.f;
+    for (int b = 0; b < blocks; ++b) acc += part[(i64)b * (E + 1) + e];
+    if (e < E) {
+      const float P = acc / (float)ntok;
+      out[2 + e] = P;
+      aux += (float)counts[e] / ((float)ntok * (float)k) * P;
+    } else {
+      out[1] = z_coef * acc / (float)ntok;
+    }
+  }
+  aux = block_sum(aux, red);
+  if (threadIdx.x == 0) out[0] = aux_coef * (float)E * aux;
+}

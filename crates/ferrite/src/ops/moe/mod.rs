@@ -1,0 +1,578 @@
+//! # moe — a mixture-of-experts layer: router, permutation, grouped expert GEMMs, combine, and
+//! the backward of all of it
+//!
+//! **Layer** (`moe_forward`): for x `[T, H]`, router weight `[E, H]` (an `nn.Linear(H, E)`'s),
+//! expert weights `w_up [E, H, 2I]` (gate = the first I columns, up = the last I: the GLU
+//! convention of the activation family) and `w_down [E, I, H]`:
+//! 1. logits = x·routerᵀ `[T, E]`; scores s = softmax(logits) or sigmoid(logits);
+//! 2. with `groups > 1` and `topk_groups < groups`, only the experts of the `topk_groups` groups of
+//!    largest group score (sum of its two best scores) are eligible (DeepSeek-V3); the `top_k`
+//!    eligible experts of largest score are chosen, ties to the lower index; weights = their
+//!    scores, renormalised to sum 1 when `renormalize`, times `routed_scale`;
+//! 3. with a capacity factor, expert e keeps its first `capacity = ceil(T·k/E · factor)` pairs in
+//!    token order and drops the rest (a dropped pair adds nothing to its token's output);
+//! 4. out[t] = Σ_j w[t,j] · (act(x[t]·W_up,gate) ⊙ x[t]·W_up,up)·W_down for e = idx[t,j].
+//!
+//! Losses (reported in `MoeMetrics`, and their gradients added by `moe_backward`): the Switch
+//! auxiliary loss `aux_loss_coef·E·Σ_e f_e·P_e` (f_e = pairs routed to e / (T·k), P_e = mean
+//! score of e) and the router z-loss `z_loss_coef·mean_t logsumexp(logits_t)²`.
+//!
+//! The routed tokens live in a padded expert-contiguous layout (kernels/moe.cu): expert e's rows
+//! are `[ends[e-1], ends[e])`, its kept pairs in token order, then zero rows to a multiple of
+//! `ALIGN` = 128; it has at most `T·k + E·127` rows, allocated once, filled on the device.
+//!
+//! **grouped_mm** (`torch._grouped_mm`'s semantics for 2-D A and 3-D B): `out[rows of g] =
+//! a[rows of g]·b[g]` for cumulative row ends `offs` (int32 `[G]`, nondecreasing, the last = the
+//! rows of a).
+//!
+//! Variants — CPU: `naive` (one thread, expert by expert), `parallel` (experts' GEMMs across
+//! cores). CUDA: `naive` (a loop over experts calling matmul with the host reading the counts:
+//! what a PyTorch user writes), `grouped` (the device plans the layout, one grouped `mma.sync`
+//! launch per GEMM, no host synchronisation: graph-capturable), `wgmma` (the same with Hopper's
+//! persistent TMA + wgmma grouped kernels). Routing, permutation and combine kernels are shared
+//! by the CUDA variants (kernels/moe.cu).
+
+pub mod bench;
+pub mod check;
+pub mod cpu;
+pub mod cuda;
+
+use crate::core::cuda::Stream;
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::{
+    BenchConfig, BenchRecord, Ceilings, CheckConfig, CheckRecord, KernelSpec, OpFamily,
+};
+use crate::core::tensor::{describe, Tensor};
+use crate::core::variant::{self, Backend, VariantInfo};
+pub use crate::ops::activation::Activation;
+
+pub const OP: &str = "moe";
+/// Rows each expert's segment of the permuted layout is padded to.
+pub const ALIGN: usize = 128;
+/// Most experts a layer takes (the grouped kernels keep per-expert prefix sums in shared memory).
+pub const MAX_EXPERTS: usize = 1024;
+/// Most experts a token is routed to (one warp's lanes hold the choices).
+pub const MAX_TOP_K: usize = 32;
+const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+const HALFS: &[DType] = &[DType::F16, DType::BF16];
+
+pub fn variants() -> Vec<VariantInfo> {
+    vec![
+        VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread: router, layout, then each expert's GEMMs in turn", rank: 1 },
+        VariantInfo { name: "parallel", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "the experts' GEMMs and the per-token loops across cores", rank: 2 },
+        VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "a loop over experts calling matmul (cuBLAS-class per-expert GEMMs); the host waits for the routing to size each call", rank: 1 },
+        VariantInfo { name: "grouped", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "layout planned on the device, one grouped mma.sync launch per GEMM over every expert; no host synchronisation (CUDA-graph safe)", rank: 2 },
+        VariantInfo { name: "wgmma", backend: Backend::Cuda, dtypes: HALFS, min_arch: Some(Arch::SM90), constraints: "16-byte aligned rows (H, I multiples of 8)", summary: "the grouped launches on Hopper's persistent TMA + wgmma kernel (walks every expert's tiles)", rank: 3 },
+    ]
+}
+
+/// How the router scores experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Score {
+    #[default]
+    Softmax,
+    Sigmoid,
+}
+
+impl Score {
+    pub fn code(self) -> i32 {
+        match self {
+            Score::Softmax => 0,
+            Score::Sigmoid => 1,
+        }
+    }
+    pub fn parse(s: &str) -> Result<Score> {
+        match s {
+            "softmax" => Ok(Score::Softmax),
+            "sigmoid" => Ok(Score::Sigmoid),
+            _ => Err(Error::bad_arg(OP, "score", "softmax or sigmoid", s)),
+        }
+    }
+}
+
+/// A layer's routing and expert configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    pub score: Score,
+    pub renormalize: bool,
+    /// Expert groups for group-limited routing (1: none).
+    pub groups: usize,
+    /// Groups a token may use (= groups: no limit).
+    pub topk_groups: usize,
+    pub routed_scale: f32,
+    /// None: dropless; Some(f): each expert keeps at most ceil(T·k/E·f) pairs.
+    pub capacity_factor: Option<f32>,
+    pub aux_loss_coef: f32,
+    pub z_loss_coef: f32,
+    /// The experts' GLU activation: silu (SwiGLU) or gelu_tanh / gelu_erf (GEGLU).
+    pub act: Activation,
+}
+
+impl MoeConfig {
+    /// Softmax top-k, renormalised (Mixtral, Qwen3-MoE), dropless, SwiGLU, no losses.
+    pub fn new(experts: usize, top_k: usize) -> MoeConfig {
+        MoeConfig {
+            experts,
+            top_k,
+            score: Score::Softmax,
+            renormalize: true,
+            groups: 1,
+            topk_groups: 1,
+            routed_scale: 1.0,
+            capacity_factor: None,
+            aux_loss_coef: 0.0,
+            z_loss_coef: 0.0,
+            act: Activation::Silu,
+        }
+    }
+
+    /// Pairs each expert keeps (None: dropless).
+    pub fn capacity(&self, tokens: usize) -> Option<usize> {
+        self.capacity_factor.map(|f| {
+            ((tokens as f64 * self.top_k as f64 / self.experts as f64) * f as f64).ceil() as usize
+        })
+    }
+
+    /// Checks the configuration for `tokens` tokens.
+    pub fn validate(&self, tokens: usize) -> Result<()> {
+        let e = self.experts;
+        if e == 0 || e > MAX_EXPERTS {
+            return Err(Error::bad_arg(OP, "experts", format!("1..={MAX_EXPERTS}"), e));
+        }
+        if self.top_k == 0 || self.top_k > e || self.top_k > MAX_TOP_K {
+            return Err(Error::bad_arg(
+                OP,
+                "top_k",
+                format!("1..=min(experts = {e}, {MAX_TOP_K})"),
+                self.top_k,
+            ));
+        }
+        if self.groups == 0 || self.groups > 32 || !e.is_multiple_of(self.groups) {
+            return Err(Error::bad_arg(
+                OP,
+                "groups",
+                format!("1..=32 dividing experts = {e}"),
+                self.groups,
+            ));
+        }
+        if self.topk_groups == 0 || self.topk_groups > self.groups {
+            return Err(Error::bad_arg(
+                OP,
+                "topk_groups",
+                format!("1..=groups = {}", self.groups),
+                self.topk_groups,
+            ));
+        }
+        let eligible = self.topk_groups * (e / self.groups);
+        if self.top_k > eligible {
+            return Err(Error::bad_arg(
+                OP,
+                "top_k",
+                format!("≤ the experts of topk_groups groups ({eligible})"),
+                self.top_k,
+            ));
+        }
+        if let Some(f) = self.capacity_factor {
+            if !(f > 0.0 && f.is_finite()) {
+                return Err(Error::bad_arg(OP, "capacity_factor", "a finite value > 0", f));
+            }
+        }
+        for (name, v) in [
+            ("routed_scale", self.routed_scale),
+            ("aux_loss_coef", self.aux_loss_coef),
+            ("z_loss_coef", self.z_loss_coef),
+        ] {
+            if !v.is_finite() {
+                return Err(Error::bad_arg(OP, name, "a finite value", v));
+            }
+        }
+        if !matches!(
+            self.act,
+            Activation::Silu | Activation::GeluTanh | Activation::GeluErf | Activation::Relu
+        ) {
+            return Err(Error::bad_arg(
+                OP,
+                "act",
+                "silu, gelu_tanh, gelu_erf or relu (the GLU's gate activation)",
+                self.act.name(),
+            ));
+        }
+        let pairs = tokens.checked_mul(self.top_k);
+        let rows = pairs.and_then(|p| p.checked_add(e * (ALIGN - 1)));
+        if tokens == 0 || rows.is_none_or(|r| r > i32::MAX as usize) {
+            return Err(Error::bad_arg(
+                OP,
+                "x",
+                format!("1 ≤ tokens with T·k + E·{} < 2³¹ (int32 row indices)", ALIGN - 1),
+                tokens,
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct MoeOptions {
+    pub variant: Option<String>,
+    pub stream: Option<Stream>,
+}
+
+/// The layer's weights.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeWeights<'a> {
+    /// `[E, H]`.
+    pub router: &'a Tensor,
+    /// `[E, H, 2I]`: gate columns first.
+    pub w_up: &'a Tensor,
+    /// `[E, I, H]`.
+    pub w_down: &'a Tensor,
+}
+
+/// A validated layer call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub tokens: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Problem {
+    /// Rows the permuted buffers are allocated with: every pair plus each expert's padding.
+    pub fn rows_cap(&self) -> usize {
+        self.tokens * self.top_k + self.experts * (ALIGN - 1)
+    }
+    /// FLOPs of the expert GEMMs for `rows` routed rows (forward): up 2·rows·H·2I, down
+    /// 2·rows·I·H.
+    pub fn expert_flops(&self, rows: usize) -> f64 {
+        6.0 * rows as f64 * self.hidden as f64 * self.inter as f64
+    }
+    pub fn label(&self) -> String {
+        format!(
+            "T{} H{} I{} E{} k{}",
+            self.tokens, self.hidden, self.inter, self.experts, self.top_k
+        )
+    }
+}
+
+fn expect(t: &Tensor, arg: &str, shape: &[usize], dtype: DType, device: Device) -> Result<()> {
+    if t.shape() != shape || t.dtype() != dtype || t.device() != device || !t.is_contiguous() {
+        return Err(Error::bad_arg(
+            OP,
+            arg,
+            format!("a contiguous {dtype}{shape:?} on {device}"),
+            describe(t),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a layer call's inputs.
+pub fn validate(x: &Tensor, w: &MoeWeights, cfg: &MoeConfig) -> Result<Problem> {
+    if x.rank() != 2 || !x.is_contiguous() || !FLOATS.contains(&x.dtype()) {
+        return Err(Error::bad_arg(
+            OP,
+            "x",
+            "a contiguous f32/f16/bf16 [tokens, hidden]",
+            describe(x),
+        ));
+    }
+    let (t, h) = (x.shape()[0], x.shape()[1]);
+    cfg.validate(t)?;
+    let (dt, dev, e) = (x.dtype(), x.device(), cfg.experts);
+    if h == 0 {
+        return Err(Error::bad_arg(OP, "x", "hidden ≥ 1", describe(x)));
+    }
+    expect(w.router, "router", &[e, h], dt, dev)?;
+    if w.w_up.rank() != 3 || w.w_up.shape()[2] % 2 != 0 || w.w_up.shape()[2] == 0 {
+        return Err(Error::bad_arg(
+            OP,
+            "w_up",
+            format!("[experts = {e}, hidden = {h}, 2·inter] (gate | up)"),
+            describe(w.w_up),
+        ));
+    }
+    let i = w.w_up.shape()[2] / 2;
+    expect(w.w_up, "w_up", &[e, h, 2 * i], dt, dev)?;
+    expect(w.w_down, "w_down", &[e, i, h], dt, dev)?;
+    Ok(Problem {
+        tokens: t,
+        hidden: h,
+        inter: i,
+        experts: e,
+        top_k: cfg.top_k,
+        dtype: dt,
+        device: dev,
+    })
+}
+
+/// Everything a forward produced and its backward reads: the output, the routing, the layout and
+/// the expert activations (all on the layer's device).
+pub struct MoeForward {
+    pub problem: Problem,
+    /// `[T, H]`.
+    pub out: Tensor,
+    /// `[T, E]` in the layer's dtype.
+    pub logits: Tensor,
+    /// `[T, E]` f32: the scores.
+    pub probs: Tensor,
+    /// `[T]` f32: logsumexp of each token's logits.
+    pub lse: Tensor,
+    /// `[T, k]` i32 / f32: chosen experts (best first) and their weights.
+    pub idx: Tensor,
+    pub weights: Tensor,
+    /// `[T·k]` i32: each pair's row in the layout (-1: dropped).
+    pub pos: Tensor,
+    /// `[rows_cap]` i32: each row's pair (-1: padding or unused).
+    pub src: Tensor,
+    /// `[E]` i32: cumulative row ends of the experts' segments.
+    pub ends: Tensor,
+    /// `[E]` i32: pairs routed to each expert (before any drop).
+    pub counts: Tensor,
+    /// `[2]` i32: pairs dropped, rows used.
+    pub stats: Tensor,
+    /// `[2 + E]` f32: aux loss, z-loss, mean score per expert.
+    pub losses: Tensor,
+    /// Layout rows: x gathered `[rows_cap, H]`, up projection `[rows_cap, 2I]`, GLU output
+    /// `[rows_cap, I]`, down projection `[rows_cap, H]`.
+    pub xp: Tensor,
+    pub hpre: Tensor,
+    pub h: Tensor,
+    pub y: Tensor,
+}
+
+/// What a step's routing did (read back from the device on request).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MoeMetrics {
+    pub tokens_per_expert: Vec<usize>,
+    pub dropped: usize,
+    pub rows_used: usize,
+    pub aux_loss: f32,
+    pub z_loss: f32,
+    /// Fraction of experts that received at least one pair.
+    pub experts_used: f64,
+    pub max_load: usize,
+    pub mean_load: f64,
+    /// mean_load / max_load (1 = perfectly balanced).
+    pub balance: f64,
+}
+
+impl MoeForward {
+    /// The step's routing metrics (waits for the device).
+    pub fn metrics(&self) -> Result<MoeMetrics> {
+        let counts: Vec<usize> = self
+            .counts
+            .to_vec::<i32>()?
+            .iter()
+            .map(|&c| c as usize)
+            .collect();
+        let stats = self.stats.to_vec::<i32>()?;
+        let losses = self.losses.to_vec::<f32>()?;
+        let e = counts.len().max(1);
+        let max_load = counts.iter().copied().max().unwrap_or(0);
+        let mean_load = counts.iter().sum::<usize>() as f64 / e as f64;
+        Ok(MoeMetrics {
+            experts_used: counts.iter().filter(|&&c| c > 0).count() as f64 / e as f64,
+            tokens_per_expert: counts,
+            dropped: stats[0] as usize,
+            rows_used: stats[1] as usize,
+            aux_loss: losses[0],
+            z_loss: losses[1],
+            max_load,
+            mean_load,
+            balance: if max_load > 0 {
+                mean_load / max_load as f64
+            } else {
+                0.0
+            },
+        })
+    }
+}
+
+/// Gradients of a layer call.
+pub struct MoeGrads {
+    pub dx: Tensor,
+    pub d_router: Tensor,
+    pub dw_up: Tensor,
+    pub dw_down: Tensor,
+}
+
+fn select(p: &Problem, requested: Option<&str>) -> Result<&'static str> {
+    let vs = variants();
+    let arch = match p.device {
+        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
+        Device::Cpu => None,
+    };
+    let v = variant::select(
+        OP,
+        &vs,
+        requested,
+        Backend::of(p.device),
+        p.dtype,
+        arch,
+        |v| {
+            (v.name == "wgmma")
+                .then(|| cuda::wgmma_unfit(p))
+                .flatten()
+        },
+    )?;
+    Ok(v.name)
+}
+
+/// The layer's forward.
+pub fn moe_forward(
+    x: &Tensor,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+    opts: &MoeOptions,
+) -> Result<MoeForward> {
+    let p = validate(x, w, cfg)?;
+    let v = select(&p, opts.variant.as_deref())?;
+    match p.device {
+        Device::Cpu => cpu::forward(v, &p, x, w, cfg),
+        Device::Cuda(_) => cuda::forward(v, &p, x, w, cfg, opts),
+    }
+}
+
+/// The layer's backward: dout `[T, H]` → dx, d_router, dw_up, dw_down (the auxiliary and
+/// z-losses' gradients included, with the coefficients of `cfg`).
+pub fn moe_backward(
+    dout: &Tensor,
+    x: &Tensor,
+    w: &MoeWeights,
+    fwd: &MoeForward,
+    cfg: &MoeConfig,
+    opts: &MoeOptions,
+) -> Result<MoeGrads> {
+    let p = validate(x, w, cfg)?;
+    if p != fwd.problem {
+        return Err(Error::bad_arg(
+            OP,
+            "fwd",
+            format!("the forward of this call ({})", p.label()),
+            fwd.problem.label(),
+        ));
+    }
+    expect(dout, "dout", &[p.tokens, p.hidden], p.dtype, p.device)?;
+    let v = select(&p, opts.variant.as_deref())?;
+    match p.device {
+        Device::Cpu => cpu::backward(v, &p, dout, x, w, fwd, cfg),
+        Device::Cuda(_) => cuda::backward(v, &p, dout, x, w, fwd, cfg, opts),
+    }
+}
+
+/// Checks grouped_mm's operands; returns (rows, k, n, groups, B transposed).
+fn validate_grouped(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor) -> Result<(usize, usize, usize, usize, bool)> {
+    let op = "grouped_mm";
+    if a.rank() != 2 || !a.is_contiguous() || !FLOATS.contains(&a.dtype()) {
+        return Err(Error::bad_arg(op, "a", "a contiguous f32/f16/bf16 [rows, k]", describe(a)));
+    }
+    let (m, k) = (a.shape()[0], a.shape()[1]);
+    if b.rank() != 3 || b.dtype() != a.dtype() || b.device() != a.device() || b.shape()[1] != k {
+        return Err(Error::bad_arg(
+            op,
+            "b",
+            format!("a {}[groups, {k}, n] on {}", a.dtype(), a.device()),
+            describe(b),
+        ));
+    }
+    let (g, n) = (b.shape()[0], b.shape()[2]);
+    let st = b.strides();
+    // Contiguous, or the transpose of a contiguous [G, n, k] (an nn.Linear weight stack).
+    let b_trans = if st == [k * n, n, 1] || n * k == 0 {
+        false
+    } else if st == [k * n, 1, k] {
+        true
+    } else {
+        return Err(Error::bad_arg(
+            op,
+            "b",
+            "[G, k, n] contiguous, or the transpose of a contiguous [G, n, k]",
+            describe(b),
+        ));
+    };
+    if g == 0 || g > MAX_EXPERTS {
+        return Err(Error::bad_arg(op, "b", format!("1..={MAX_EXPERTS} groups"), describe(b)));
+    }
+    if offs.shape() != [g] || offs.dtype() != DType::I32 || offs.device() != a.device() {
+        return Err(Error::bad_arg(
+            op,
+            "offs",
+            format!("an int32 [{g}] of cumulative row ends on {}", a.device()),
+            describe(offs),
+        ));
+    }
+    let ends = offs.to_vec::<i32>()?;
+    let mut prev = 0i64;
+    for (i, &e) in ends.iter().enumerate() {
+        if (e as i64) < prev {
+            return Err(Error::bad_arg(
+                op,
+                "offs",
+                "nondecreasing cumulative row ends",
+                format!("offs[{i}] = {e} after {prev}"),
+            ));
+        }
+        prev = e as i64;
+    }
+    if prev != m as i64 {
+        return Err(Error::bad_arg(
+            op,
+            "offs",
+            format!("the last end = rows of a = {m}"),
+            prev,
+        ));
+    }
+    expect(out, "out", &[m, n], a.dtype(), a.device())?;
+    if out.shares_storage(a) || out.shares_storage(b) {
+        return Err(Error::bad_arg(op, "out", "a buffer distinct from a and b", "a view of one"));
+    }
+    Ok((m, k, n, g, b_trans))
+}
+
+/// out[rows of g] = a[rows of g]·b[g] (`torch._grouped_mm` for 2-D a and 3-D b): a `[M, K]`,
+/// b `[G, K, N]` (or the transpose of a contiguous `[G, N, K]`), offs int32 `[G]` cumulative
+/// row ends (nondecreasing, the last = M; read on the host to check them).
+pub fn grouped_mm(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor, opts: &MoeOptions) -> Result<()> {
+    let (m, k, n, g, b_trans) = validate_grouped(a, b, offs, out)?;
+    match a.device() {
+        Device::Cpu => cpu::grouped_mm(a, b, offs, out, (m, k, n, g, b_trans)),
+        Device::Cuda(_) => cuda::grouped_mm(a, b, offs, out, (m, k, n, g, b_trans), opts),
+    }
+}
+
+pub struct Moe;
+
+impl OpFamily for Moe {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn variants(&self) -> Vec<VariantInfo> {
+        variants()
+    }
+    fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
+        check::run(cfg, out)
+    }
+    fn bench(
+        &self,
+        cfg: &BenchConfig,
+        ceilings: &Ceilings,
+        progress: &mut dyn FnMut(&str),
+        out: &mut Vec<BenchRecord>,
+    ) -> Result<()> {
+        bench::run(cfg, ceilings, progress, out)
+    }
+    fn kernels(&self) -> Vec<KernelSpec> {
+        cuda::kernel_specs()
+    }
+}
+
+#[cfg(test)]
+mod tests;
