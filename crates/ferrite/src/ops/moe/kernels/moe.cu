@@ -338,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(256)
                     const int* __restrict__ src, const float* __restrict__ w, int k,
                     const int* __restrict__ ends, int E, T* __restrict__ dy,
                     float* __restrict__ dw) {
-  __shared__ float red[32];
+  __shared__ float red[64];  // block_sum2 owns 64 floats
   const i64 used = ends[E - 1];
   for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
     const int p = src[r];
@@ -453,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     moe_stats_final(const float* __restrict__ part, int blocks, int E, const int* __restrict__ counts,
                     int ntok, int k, float aux_coef, float z_coef, float* __restrict__ out) {
-  __shared__ float red[32];
+  __shared__ float red[64];  // block_sum2 owns 64 floats
   float aux = 0.f;
   for (int e = threadIdx.x; e <= E; e += blockDim.x) {
     float acc = 0.f;
