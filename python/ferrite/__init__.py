@@ -5,6 +5,7 @@
     y = ferrite.linear(x, w, b, activation="gelu")     # bias + GELU in the GEMM epilogue
     o = ferrite.flash_attn_func(q, k, v, causal=True)  # [B, S, H, D], GQA, window, varlen
     loss = ferrite.cross_entropy(logits, targets)      # fused loss + gradient
+    out, aux = ferrite.moe(x, router, w_up, w_down, top_k=2)  # mixture of experts, grouped GEMMs
     swapped = ferrite.optimize(model)                  # nn.Linear / norms / MHA -> ferrite
     opt = ferrite.optim.AdamW(model.parameters())      # one fused launch per step
 
@@ -20,6 +21,7 @@ from ._attention import (
     scaled_dot_product_attention,
 )
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
+from ._moe import grouped_mm, moe, moe_forward, moe_metrics
 from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, matmul, mlp, rms_norm
 from . import nn, optim
 from .nn import optimize
@@ -41,6 +43,10 @@ __all__ = [
     "swiglu",
     "geglu",
     "cross_entropy",
+    "grouped_mm",
+    "moe",
+    "moe_forward",
+    "moe_metrics",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "scaled_dot_product_attention",

@@ -105,9 +105,14 @@ def _function(name: str, fn, setup, bwd):
     def forward(ctx, *args):
         out = fn(*args)
         setup(ctx=ctx, inputs=args, output=out)
-        return out
+        # A List[Tensor] op: autograd tracks tuples, and the op's backward takes the list of
+        # gradients as one argument (as the dispatcher's generated Function passes it).
+        ctx.listed = isinstance(out, list)
+        return tuple(out) if ctx.listed else out
 
     def backward(ctx, *grads):
+        if ctx.listed:
+            return bwd(ctx, list(grads))
         return bwd(ctx, *grads)
 
     return type(

@@ -10,7 +10,8 @@ flash attention when the call allows it (``need_weights=False``, no key-padding 
 mask other than a causal one flagged by ``is_causal``, no ``bias_k``/``add_zero_attn``, dropout 0
 or eval mode); any other call runs torch's implementation.
 
-New modules with no exact torch counterpart: ``MLP`` (the GPT-style MLP, fc1 → activation → fc2,
+New modules with no exact torch counterpart: ``MoE`` (a mixture of experts with SwiGLU experts,
+as ``ferrite.moe``), ``MLP`` (the GPT-style MLP, fc1 → activation → fc2,
 as ``ferrite.mlp``: the activation's backward and fc1's bias gradient inside fc2's dX GEMM),
 ``SwiGLU`` (the gated MLP of Llama-style blocks:
 one fused gate+up projection, ferrite's SwiGLU, the down projection) and ``CausalSelfAttention``
@@ -28,9 +29,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _attention, _fused, _ops
+from . import _attention, _fused, _moe, _ops
 
-__all__ = ["Linear", "LayerNorm", "RMSNorm", "MultiheadAttention", "MLP", "SwiGLU", "CausalSelfAttention", "optimize"]
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "MultiheadAttention", "MLP", "SwiGLU", "MoE", "CausalSelfAttention", "optimize"]
 
 
 def _ferrite_can_run(x: Tensor, matmul: bool = False) -> bool:
@@ -180,6 +181,40 @@ class SwiGLU(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = _ops.linear(x, self.gate_up.weight, self.gate_up.bias)
         return _ops.linear(_fused.swiglu(h), self.down.weight, self.down.bias)
+
+
+class MoE(torch.nn.Module):
+    """A mixture-of-experts layer with SwiGLU (or GEGLU) experts, as ``ferrite.moe``: router
+    ``[experts, dim]``, ``w_up`` ``[experts, dim, 2·hidden]`` (gate columns first), ``w_down``
+    ``[experts, hidden, dim]``. ``forward`` returns the output and keeps the step's auxiliary loss
+    (load balancing + z-loss, with the configured coefficients) in ``self.aux_loss``: add it to the
+    training loss. Dropless unless ``capacity_factor`` is given."""
+
+    def __init__(
+        self, dim: int, hidden: int, experts: int, top_k: int, score: str = "softmax", renormalize: bool = True,
+        groups: int = 1, topk_groups: int = 1, routed_scale: float = 1.0, capacity_factor: Optional[float] = None,
+        aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, activation: str = "silu", device=None, dtype=None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.router = torch.nn.Parameter(torch.empty(experts, dim, **kw))
+        self.w_up = torch.nn.Parameter(torch.empty(experts, dim, 2 * hidden, **kw))
+        self.w_down = torch.nn.Parameter(torch.empty(experts, hidden, dim, **kw))
+        self.cfg = dict(top_k=top_k, score=score, renormalize=renormalize, groups=groups, topk_groups=topk_groups,
+                        routed_scale=routed_scale, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef,
+                        z_loss_coef=z_loss_coef, activation=activation)
+        self.aux_loss: Optional[Tensor] = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default bounds: 1/sqrt(fan_in) for the router and both projections.
+        for p, fan_in in ((self.router, self.router.shape[1]), (self.w_up, self.w_up.shape[1]), (self.w_down, self.w_down.shape[1])):
+            bound = fan_in ** -0.5
+            torch.nn.init.uniform_(p, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, self.aux_loss = _moe.moe(x, self.router, self.w_up, self.w_down, **self.cfg)
+        return out
 
 
 class CausalSelfAttention(torch.nn.Module):

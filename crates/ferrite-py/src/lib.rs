@@ -28,6 +28,7 @@
 
 mod attn;
 mod fused;
+mod moe;
 mod train;
 
 use ferrite::core::cuda::{self as fcuda, CudaDevice, Stream};
@@ -511,6 +512,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attn::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode, m)?)?;
     m.add_function(wrap_pyfunction!(attn::append_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::moe_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::grouped_mm, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::grouped_mm_weight_grad, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(variants, m)?)?;
     Ok(())

@@ -181,6 +181,25 @@ impl Tensor {
         Ok(Self::from_storage(storage, shape, dtype, device))
     }
 
+    /// `empty` on a GPU, allocated in stream order on `stream` (a workspace used and dropped by
+    /// work queued on that stream, not the device's own).
+    pub fn empty_on(
+        shape: &[usize],
+        dtype: DType,
+        dev: &Arc<CudaDevice>,
+        stream: &Stream,
+    ) -> Result<Tensor> {
+        let n = checked_numel("Tensor::empty_on", shape)?;
+        let bytes = checked_bytes("Tensor::empty_on", n, dtype.size_in_bytes())?;
+        let storage = Storage::Cuda(dev.alloc(bytes, stream)?);
+        Ok(Self::from_storage(
+            storage,
+            shape,
+            dtype,
+            Device::Cuda(dev.ordinal()),
+        ))
+    }
+
     /// Every element set to `v` (rounded to the dtype).
     pub fn full(shape: &[usize], dtype: DType, device: Device, v: f64) -> Result<Tensor> {
         let n = checked_numel("Tensor::full", shape)?;

@@ -1250,7 +1250,11 @@ fn launch_inner(
             let row_tiles = (g.m as u64).div_ceil(l.tile.0 as u64).div_ceil(c);
             let tiles = match grouped {
                 // At most one partial tile per group beyond the rows' own.
-                Some(Groups { mode: Grouping::M, groups, .. }) => row_tiles + groups as u64,
+                Some(Groups {
+                    mode: Grouping::M,
+                    groups,
+                    ..
+                }) => row_tiles + groups as u64,
                 _ => row_tiles * g.batch as u64,
             } * (g.n as u64).div_ceil(l.tile.1 as u64);
             ((tiles.clamp(1, ctas as u64 / c) * c) as u32, 1, 1)
@@ -1258,12 +1262,18 @@ fn launch_inner(
         None => {
             let row_tiles = (g.m as u32).div_ceil(l.tile.0);
             let (y, z) = match grouped {
-                Some(Groups { mode: Grouping::M, groups, .. }) => {
-                    (row_tiles.saturating_add(groups as u32), 1)
-                }
+                Some(Groups {
+                    mode: Grouping::M,
+                    groups,
+                    ..
+                }) => (row_tiles.saturating_add(groups as u32), 1),
                 _ => (row_tiles, g.batch as u32),
             };
-            ((g.n as u32).div_ceil(l.tile.1), y.clamp(1, 65535), z.clamp(1, 65535))
+            (
+                (g.n as u32).div_ceil(l.tile.1),
+                y.clamp(1, 65535),
+                z.clamp(1, 65535),
+            )
         }
     };
     let mut args = KernelArgs::new();
@@ -1450,7 +1460,9 @@ pub fn plan_grouped(
                 block: (256, 1, 1),
                 smem,
                 tile: (128, 128),
-                config: format!("tile 128×128, mma.sync, {MMA_STAGES} cp.async stages, {mode:?}-grouped"),
+                config: format!(
+                    "tile 128×128, mma.sync, {MMA_STAGES} cp.async stages, {mode:?}-grouped"
+                ),
                 persistent: None,
                 epilogue: None,
                 pack: None,
@@ -1514,7 +1526,16 @@ pub fn launch_grouped(
             groups.groups, g.batch
         )));
     }
-    launch_inner(l, g, p, alpha, beta, EpiPtrs::default(), Some(groups), stream)
+    launch_inner(
+        l,
+        g,
+        p,
+        alpha,
+        beta,
+        EpiPtrs::default(),
+        Some(groups),
+        stream,
+    )
 }
 
 /// Runs the tf32 pack pre-pass on every operand `tf32_direct` rejects and returns the problem and

@@ -91,15 +91,30 @@ fn dense_chain(
             m,
             n,
             k,
-            a: Operand { ld: if at { m } else { k }, trans: at, batch_stride: 0 },
-            b: Operand { ld: if bt { k } else { n }, trans: bt, batch_stride: 0 },
-            c: Operand { ld: n, trans: false, batch_stride: 0 },
+            a: Operand {
+                ld: if at { m } else { k },
+                trans: at,
+                batch_stride: 0,
+            },
+            b: Operand {
+                ld: if bt { k } else { n },
+                trans: bt,
+                batch_stride: 0,
+            },
+            c: Operand {
+                ld: n,
+                trans: false,
+                batch_stride: 0,
+            },
             dtype: dt,
             device: d,
         };
         Ok((g, [a, b, c]))
     };
-    let mut v = vec![mk(rows, 2 * i, h, false, false)?, mk(rows, h, i, false, false)?];
+    let mut v = vec![
+        mk(rows, 2 * i, h, false, false)?,
+        mk(rows, h, i, false, false)?,
+    ];
     if backward {
         v.push(mk(rows, i, h, false, true)?); // dh = dy·W_downᵀ
         v.push(mk(i, h, rows, true, false)?); // dW_down = hᵀ·dy
@@ -133,22 +148,43 @@ fn bench_gpu(
             let wu = Tensor::rand(&[e, h, 2 * i], dt, d, 13, -su, su)?;
             let wd = Tensor::rand(&[e, i, h], dt, d, 14, -sd, sd)?;
             let dout = Tensor::rand(&[t, h], dt, d, 15, -1.0, 1.0)?;
-            let w = MoeWeights { router: &router, w_up: &wu, w_down: &wd };
+            let w = MoeWeights {
+                router: &router,
+                w_up: &wu,
+                w_down: &wd,
+            };
             let mcfg = MoeConfig::new(e, k);
-            let p = Problem { tokens: t, hidden: h, inter: i, experts: e, top_k: k, dtype: dt, device: d };
-            let resident = (x.nbytes() + router.nbytes() + wu.nbytes() + wd.nbytes() + dout.nbytes()) as u64;
+            let p = Problem {
+                tokens: t,
+                hidden: h,
+                inter: i,
+                experts: e,
+                top_k: k,
+                dtype: dt,
+                device: d,
+            };
+            let resident =
+                (x.nbytes() + router.nbytes() + wu.nbytes() + wd.nbytes() + dout.nbytes()) as u64;
             let fwd_flops = p.expert_flops(t * k);
             let shape = |pass: &str| format!("{label} T{t} H{h} I{i} E{e} k{k} {pass}");
             for backward in [false, true] {
                 let pass = if backward { "fwd+bwd" } else { "fwd" };
                 let flops = if backward { 3.0 * fwd_flops } else { fwd_flops };
                 let mut group = Vec::new();
-                for v in variants().iter().filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name)) {
-                    if v.unsupported_reason(Backend::Cuda, dt, Some(dev.arch())).is_some() {
+                for v in variants()
+                    .iter()
+                    .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
+                {
+                    if v.unsupported_reason(Backend::Cuda, dt, Some(dev.arch()))
+                        .is_some()
+                    {
                         continue;
                     }
                     progress(&format!("moe {} {} {pass}", v.name, shape("")));
-                    let opts = MoeOptions { variant: Some(v.name.into()), stream: None };
+                    let opts = MoeOptions {
+                        variant: Some(v.name.into()),
+                        stream: None,
+                    };
                     let call = || -> Result<()> {
                         let f = moe_forward(&x, &w, &mcfg, &opts)?;
                         if backward {
@@ -165,7 +201,8 @@ fn bench_gpu(
                     let peak = peak_of(dev, resident, call)?;
                     let st = time_gpu(dev, &stream, Budget::gpu(), |_| call())?;
                     let m = moe_forward(&x, &w, &mcfg, &opts)?.metrics()?;
-                    let mut rec = BenchRecord::new(d, &name, OP, v.name, dt, shape(pass), st, flops, 0.0);
+                    let mut rec =
+                        BenchRecord::new(d, &name, OP, v.name, dt, shape(pass), st, flops, 0.0);
                     rec.peak_device_bytes = Some(peak);
                     rec.config = v.summary.into();
                     rec.note = format!(
@@ -184,12 +221,26 @@ fn bench_gpu(
                 let (chain, chain_flops) = dense_chain(dev, t * k, h, i, dt, backward)?;
                 let st = time_gpu(dev, &stream, Budget::gpu(), |_| {
                     for (g, [a, b, c]) in &chain {
-                        let ptrs = matmul::cuda::Ptrs { a: a.device_ptr()?, b: b.device_ptr()?, c: c.device_ptr()? };
+                        let ptrs = matmul::cuda::Ptrs {
+                            a: a.device_ptr()?,
+                            b: b.device_ptr()?,
+                            c: c.device_ptr()?,
+                        };
                         matmul::cuda::cublas(dev, g, ptrs, 1.0, 0.0, Precision::Bf16, &stream)?;
                     }
                     Ok(())
                 })?;
-                let mut rec = BenchRecord::new(d, &name, OP, "cublas_dense_chain", dt, shape(pass), st, chain_flops, 0.0);
+                let mut rec = BenchRecord::new(
+                    d,
+                    &name,
+                    OP,
+                    "cublas_dense_chain",
+                    dt,
+                    shape(pass),
+                    st,
+                    chain_flops,
+                    0.0,
+                );
                 rec.is_peer = true;
                 rec.config = "the expert GEMMs' FLOPs as dense cuBLAS GEMMs (one expert holding every row); no routing".into();
                 group.push(rec);

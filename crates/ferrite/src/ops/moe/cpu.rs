@@ -36,7 +36,9 @@ fn rows_mut(par: bool, out: &mut [f32], cols: usize, f: impl Fn(usize, &mut [f32
         return;
     }
     if par {
-        out.par_chunks_mut(cols).enumerate().for_each(|(r, o)| f(r, o));
+        out.par_chunks_mut(cols)
+            .enumerate()
+            .for_each(|(r, o)| f(r, o));
     } else {
         out.chunks_mut(cols).enumerate().for_each(|(r, o)| f(r, o));
     }
@@ -178,7 +180,7 @@ fn gemm_rows(
 
 /// c = aᵀ·b for a `[rows, m]`, b `[rows, n]` → c `[m, n]`, rounded to `dtype`.
 fn gemm_tn(par: bool, a: &[f32], m: usize, b: &[f32], n: usize, dtype: DType, c: &mut [f32]) {
-    let rows = if m == 0 { 0 } else { a.len() / m };
+    let rows = a.len().checked_div(m).unwrap_or(0);
     rows_mut(par, c, n, |i, o| {
         for (j, oj) in o.iter_mut().enumerate() {
             let mut acc = 0f32;
@@ -363,7 +365,18 @@ pub fn backward(
     w: &MoeWeights,
     f: &MoeForward,
     cfg: &MoeConfig,
+    loss_grad: Option<&Tensor>,
 ) -> Result<MoeGrads> {
+    // The losses' incoming gradients scale their terms (None: 1 each).
+    let lg = match loss_grad {
+        Some(t) => t.to_f32_vec()?,
+        None => vec![1.0, 1.0],
+    };
+    let cfg = &MoeConfig {
+        aux_loss_coef: cfg.aux_loss_coef * lg[0],
+        z_loss_coef: cfg.z_loss_coef * lg[1],
+        ..cfg.clone()
+    };
     let par = variant == "parallel";
     let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
     let rows_cap = p.rows_cap();
@@ -372,7 +385,11 @@ pub fn backward(
     let router = w.router.to_f32_vec()?;
     let wu = w.w_up.to_f32_vec()?;
     let wd = w.w_down.to_f32_vec()?;
-    let (src, pos, ends) = (f.src.to_vec::<i32>()?, f.pos.to_vec::<i32>()?, f.ends.to_vec::<i32>()?);
+    let (src, pos, ends) = (
+        f.src.to_vec::<i32>()?,
+        f.pos.to_vec::<i32>()?,
+        f.ends.to_vec::<i32>()?,
+    );
     let (weights, y, hh, hpre, xp) = (
         f.weights.to_f32_vec()?,
         f.y.to_f32_vec()?,
@@ -409,7 +426,16 @@ pub fn backward(
         let (s, en) = seg(&ends, ex);
         let wd_e = &wd[ex * i * h..(ex + 1) * i * h];
         // dh = dy·W_downᵀ (W_down [I, H] read as [n = I, k = H] transposed).
-        gemm_rows(par, &dy[s * h..en * h], h, wd_e, i, true, dt, &mut dh[s * i..en * i]);
+        gemm_rows(
+            par,
+            &dy[s * h..en * h],
+            h,
+            wd_e,
+            i,
+            true,
+            dt,
+            &mut dh[s * i..en * i],
+        );
         gemm_tn(
             par,
             &hh[s * i..en * i],

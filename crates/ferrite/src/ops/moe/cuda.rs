@@ -56,7 +56,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 /// Why `wgmma` cannot run `p`, if it cannot: TMA needs 16-byte aligned rows.
 pub fn wgmma_unfit(p: &Problem) -> Option<String> {
     let es = p.dtype.size_in_bytes();
-    ((p.hidden * es) % 16 != 0 || (p.inter * es) % 16 != 0).then(|| {
+    (!(p.hidden * es).is_multiple_of(16) || !(p.inter * es).is_multiple_of(16)).then(|| {
         format!(
             "needs hidden and inter multiples of {} (16-byte rows for TMA), got {} and {}",
             16 / es,
@@ -108,8 +108,9 @@ impl Ctx {
         work.div_ceil(per_block.max(1)).clamp(1, most) as u32
     }
 
+    /// A workspace in stream order on the call's stream.
     fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Tensor::empty(shape, dtype, Device::Cuda(self.dev.ordinal()))
+        Tensor::empty_on(shape, dtype, &self.dev, &self.stream)
     }
 
     fn fill_i32(&self, t: &Tensor, v: i32) -> Result<()> {
@@ -169,9 +170,21 @@ fn expert_gemm(
                 m,
                 n,
                 k,
-                a: Operand { ld: k, trans: false, batch_stride: 0 },
-                b: Operand { ld: if bt { k } else { n }, trans: bt, batch_stride: k * n },
-                c: Operand { ld: n, trans: false, batch_stride: 0 },
+                a: Operand {
+                    ld: k,
+                    trans: false,
+                    batch_stride: 0,
+                },
+                b: Operand {
+                    ld: if bt { k } else { n },
+                    trans: bt,
+                    batch_stride: k * n,
+                },
+                c: Operand {
+                    ld: n,
+                    trans: false,
+                    batch_stride: 0,
+                },
                 dtype: p.dtype,
                 device: p.device,
             },
@@ -180,9 +193,21 @@ fn expert_gemm(
                 m,
                 n,
                 k,
-                a: Operand { ld: m, trans: true, batch_stride: 0 },
-                b: Operand { ld: n, trans: false, batch_stride: 0 },
-                c: Operand { ld: n, trans: false, batch_stride: m * n },
+                a: Operand {
+                    ld: m,
+                    trans: true,
+                    batch_stride: 0,
+                },
+                b: Operand {
+                    ld: n,
+                    trans: false,
+                    batch_stride: 0,
+                },
+                c: Operand {
+                    ld: n,
+                    trans: false,
+                    batch_stride: m * n,
+                },
                 dtype: p.dtype,
                 device: p.device,
             },
@@ -235,32 +260,20 @@ fn expert_gemm(
     Ok(())
 }
 
-/// The routing and layout steps shared by every variant: logits, router, plan, scatter, gather.
-struct Routed {
-    logits: Tensor,
-    probs: Tensor,
-    lse: Tensor,
-    idx: Tensor,
-    weights: Tensor,
-    pos: Tensor,
-    src: Tensor,
-    ends: Tensor,
-    counts: Tensor,
-    stats: Tensor,
-    xp: Tensor,
-}
-
-fn route(x: &Ctx, p: &Problem, xt: &Tensor, w: &MoeWeights, cfg: &MoeConfig) -> Result<Routed> {
-    let (t, h, e, k) = (p.tokens, p.hidden, p.experts, p.top_k);
-    let rows_cap = p.rows_cap();
-    let logits = x.empty(&[t, e], p.dtype)?;
-    matmul::matmul_into(xt, &w.router.t()?, &logits, &x.matmul_opts())?;
-    let probs = x.empty(&[t, e], DType::F32)?;
-    let lse = x.empty(&[t], DType::F32)?;
-    let idx = x.empty(&[t, k], DType::I32)?;
-    let weights = x.empty(&[t, k], DType::F32)?;
+/// The routing and layout steps shared by every variant (logits, router, plan, scatter,
+/// gather), into the forward's buffers.
+fn route(
+    x: &Ctx,
+    p: &Problem,
+    xt: &Tensor,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+    f: &MoeForward,
+) -> Result<()> {
+    let (t, e, k) = (p.tokens, p.experts, p.top_k);
+    matmul::matmul_into(xt, &w.router.t()?, &f.logits, &x.matmul_opts())?;
     let mut a = KernelArgs::new();
-    a.push(logits.device_ptr()?)
+    a.push(f.logits.device_ptr()?)
         .push(e as i64)
         .push(t as i32)
         .push(e as i32)
@@ -270,72 +283,64 @@ fn route(x: &Ctx, p: &Problem, xt: &Tensor, w: &MoeWeights, cfg: &MoeConfig) -> 
         .push(cfg.groups as i32)
         .push(cfg.topk_groups as i32)
         .push(cfg.routed_scale)
-        .push(idx.device_ptr()?)
-        .push(weights.device_ptr()?)
-        .push(probs.device_ptr()?)
-        .push(lse.device_ptr()?);
-    x.launch("moe_router", x.grid(t, 4), 128, (4 * 2 * e * 4) as u32, &mut a)?;
+        .push(f.idx.device_ptr()?)
+        .push(f.weights.device_ptr()?)
+        .push(f.probs.device_ptr()?)
+        .push(f.lse.device_ptr()?);
+    x.launch(
+        "moe_router",
+        x.grid(t, 4),
+        128,
+        (4 * 2 * e * 4) as u32,
+        &mut a,
+    )?;
 
     let pairs = t * k;
     let chunks = pairs.div_ceil(CHUNK);
     let hist = x.empty(&[chunks, e], DType::I32)?;
     let base = x.empty(&[chunks, e], DType::I32)?;
-    let counts = x.empty(&[e], DType::I32)?;
-    let ends = x.empty(&[e], DType::I32)?;
-    let stats = x.empty(&[2], DType::I32)?;
-    let pos = x.empty(&[pairs], DType::I32)?;
-    let src = x.empty(&[rows_cap], DType::I32)?;
-    x.fill_i32(&src, -1)?;
+    x.fill_i32(&f.src, -1)?;
     let mut a = KernelArgs::new();
-    a.push(idx.device_ptr()?)
+    a.push(f.idx.device_ptr()?)
         .push(pairs as i64)
         .push(e as i32)
         .push(hist.device_ptr()?);
-    x.dev
-        .kernel(&x.program, "moe_chunk_hist")?
-        .launch(&x.stream, (chunks as u32, 1, 1), (256, 1, 1), (e * 4) as u32, &mut a)?;
-    let cap = cfg.capacity(t).map_or(-1, |c| c.min(i32::MAX as usize) as i32);
+    x.dev.kernel(&x.program, "moe_chunk_hist")?.launch(
+        &x.stream,
+        (chunks as u32, 1, 1),
+        (256, 1, 1),
+        (e * 4) as u32,
+        &mut a,
+    )?;
+    let cap = cfg
+        .capacity(t)
+        .map_or(-1, |c| c.min(i32::MAX as usize) as i32);
     let mut a = KernelArgs::new();
     a.push(hist.device_ptr()?)
         .push(chunks as i32)
         .push(e as i32)
         .push(cap)
         .push(base.device_ptr()?)
-        .push(counts.device_ptr()?)
-        .push(ends.device_ptr()?)
-        .push(stats.device_ptr()?);
+        .push(f.counts.device_ptr()?)
+        .push(f.ends.device_ptr()?)
+        .push(f.stats.device_ptr()?);
     x.launch("moe_plan", 1, 1024, 0, &mut a)?;
     let mut a = KernelArgs::new();
-    a.push(idx.device_ptr()?)
+    a.push(f.idx.device_ptr()?)
         .push(pairs as i64)
         .push(e as i32)
         .push(base.device_ptr()?)
-        .push(ends.device_ptr()?)
+        .push(f.ends.device_ptr()?)
         .push(cap)
-        .push(pos.device_ptr()?)
-        .push(src.device_ptr()?);
+        .push(f.pos.device_ptr()?)
+        .push(f.src.device_ptr()?);
     let smem = (e * (SCATTER_WARPS + 1) * 4) as u32;
     let k_sc = x.dev.kernel(&x.program, "moe_scatter")?;
     if smem > 48 * 1024 {
         k_sc.allow_dynamic_smem(smem)?;
     }
     k_sc.launch(&x.stream, (chunks as u32, 1, 1), (256, 1, 1), smem, &mut a)?;
-
-    let xp = x.empty(&[rows_cap, h], p.dtype)?;
-    permute_rows(x, p, xt, &src, &ends, &xp)?;
-    Ok(Routed {
-        logits,
-        probs,
-        lse,
-        idx,
-        weights,
-        pos,
-        src,
-        ends,
-        counts,
-        stats,
-        xp,
-    })
+    permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)
 }
 
 fn permute_rows(
@@ -380,24 +385,34 @@ pub fn forward(
     xt: &Tensor,
     w: &MoeWeights,
     cfg: &MoeConfig,
+    f: &MoeForward,
     opts: &MoeOptions,
-) -> Result<MoeForward> {
+) -> Result<()> {
     let x = Ctx::new(p, opts)?;
     let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
     let rows_cap = p.rows_cap();
-    let r = route(&x, p, xt, w, cfg)?;
-    let he = host_ends(variant, &r.ends)?;
-    let hpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
-    let hh = x.empty(&[rows_cap, i], p.dtype)?;
-    let y = x.empty(&[rows_cap, h], p.dtype)?;
-    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, 2 * i, h), &r.xp, w.w_up, false, &hpre, &r.ends, he.as_deref())?;
+    route(&x, p, xt, w, cfg, f)?;
+    let he = host_ends(variant, &f.ends)?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::M,
+        p,
+        (rows_cap, 2 * i, h),
+        &f.xp,
+        w.w_up,
+        false,
+        &f.hpre,
+        &f.ends,
+        he.as_deref(),
+    )?;
     // The GLU over the used rows when the host knows them, else over the whole buffer (rows past
     // the used ones are never read).
     let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
     if used > 0 {
         activation::glu_into(
-            &hpre.narrow(0, 0, used)?,
-            &hh.narrow(0, 0, used)?,
+            &f.hpre.narrow(0, 0, used)?,
+            &f.h.narrow(0, 0, used)?,
             &GluOptions {
                 act: cfg.act,
                 stream: Some(x.stream.clone()),
@@ -405,41 +420,33 @@ pub fn forward(
             },
         )?;
     }
-    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, h, i), &hh, w.w_down, false, &y, &r.ends, he.as_deref())?;
-    let out = x.empty(&[t, h], p.dtype)?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::M,
+        p,
+        (rows_cap, h, i),
+        &f.h,
+        w.w_down,
+        false,
+        &f.y,
+        &f.ends,
+        he.as_deref(),
+    )?;
     let mut a = KernelArgs::new();
-    a.push(y.device_ptr()?)
+    a.push(f.y.device_ptr()?)
         .push(h as i64)
-        .push(r.pos.device_ptr()?)
-        .push(r.weights.device_ptr()?)
+        .push(f.pos.device_ptr()?)
+        .push(f.weights.device_ptr()?)
         .push(k as i32)
         .push(t as i32)
-        .push(out.device_ptr()?);
+        .push(f.out.device_ptr()?);
     x.launch("moe_combine", x.grid(t, 1), 256, 0, &mut a)?;
-    let losses = stats(&x, p, cfg, &r)?;
-    Ok(MoeForward {
-        problem: *p,
-        out,
-        logits: r.logits,
-        probs: r.probs,
-        lse: r.lse,
-        idx: r.idx,
-        weights: r.weights,
-        pos: r.pos,
-        src: r.src,
-        ends: r.ends,
-        counts: r.counts,
-        stats: r.stats,
-        losses,
-        xp: r.xp,
-        hpre,
-        h: hh,
-        y,
-    })
+    stats(&x, p, cfg, f)
 }
 
 /// The auxiliary and z-losses and each expert's mean score (`[2 + E]` f32), deterministic.
-fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &Routed) -> Result<Tensor> {
+fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &MoeForward) -> Result<()> {
     let (t, e) = (p.tokens, p.experts);
     let blocks = t.div_ceil(STATS_ROWS);
     let part = x.empty(&[blocks, e + 1], DType::F32)?;
@@ -450,10 +457,13 @@ fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &Routed) -> Result<Tensor> {
         .push(e as i32)
         .push(STATS_ROWS as i32)
         .push(part.device_ptr()?);
-    x.dev
-        .kernel(&x.program, "moe_stats_partial")?
-        .launch(&x.stream, (blocks as u32, 1, 1), (256, 1, 1), 0, &mut a)?;
-    let out = x.empty(&[2 + e], DType::F32)?;
+    x.dev.kernel(&x.program, "moe_stats_partial")?.launch(
+        &x.stream,
+        (blocks as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &mut a,
+    )?;
     let mut a = KernelArgs::new();
     a.push(part.device_ptr()?)
         .push(blocks as i32)
@@ -463,9 +473,8 @@ fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &Routed) -> Result<Tensor> {
         .push(p.top_k as i32)
         .push(cfg.aux_loss_coef)
         .push(cfg.z_loss_coef)
-        .push(out.device_ptr()?);
-    x.launch("moe_stats_final", 1, 256, 0, &mut a)?;
-    Ok(out)
+        .push(r.losses.device_ptr()?);
+    x.launch("moe_stats_final", 1, 256, 0, &mut a)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -477,8 +486,10 @@ pub fn backward(
     w: &MoeWeights,
     f: &MoeForward,
     cfg: &MoeConfig,
+    gr: &MoeGrads,
+    loss_grad: Option<&Tensor>,
     opts: &MoeOptions,
-) -> Result<MoeGrads> {
+) -> Result<()> {
     let x = Ctx::new(p, opts)?;
     let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
     let rows_cap = p.rows_cap();
@@ -501,9 +512,32 @@ pub fn backward(
     x.launch("moe_combine_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
     // Down projection: dh = dy·W_downᵀ, dW_down[e] = h_eᵀ·dy_e.
     let dh = x.empty(&[rows_cap, i], p.dtype)?;
-    let dw_down = x.empty(&[e, i, h], p.dtype)?;
-    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, i, h), &dy, w.w_down, true, &dh, &f.ends, he.as_deref())?;
-    expert_gemm(&x, variant, Grouping::K, p, (i, h, rows_cap), &f.h, &dy, false, &dw_down, &f.ends, he.as_deref())?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::M,
+        p,
+        (rows_cap, i, h),
+        &dy,
+        w.w_down,
+        true,
+        &dh,
+        &f.ends,
+        he.as_deref(),
+    )?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::K,
+        p,
+        (i, h, rows_cap),
+        &f.h,
+        &dy,
+        false,
+        &gr.dw_down,
+        &f.ends,
+        he.as_deref(),
+    )?;
     // GLU backward over the used rows (the whole buffer when the host does not know them).
     let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
     let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
@@ -521,11 +555,34 @@ pub fn backward(
     }
     // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
     let dxp = x.empty(&[rows_cap, h], p.dtype)?;
-    let dw_up = x.empty(&[e, h, 2 * i], p.dtype)?;
-    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, h, 2 * i), &dhpre, w.w_up, true, &dxp, &f.ends, he.as_deref())?;
-    expert_gemm(&x, variant, Grouping::K, p, (h, 2 * i, rows_cap), &f.xp, &dhpre, false, &dw_up, &f.ends, he.as_deref())?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::M,
+        p,
+        (rows_cap, h, 2 * i),
+        &dhpre,
+        w.w_up,
+        true,
+        &dxp,
+        &f.ends,
+        he.as_deref(),
+    )?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::K,
+        p,
+        (h, 2 * i, rows_cap),
+        &f.xp,
+        &dhpre,
+        false,
+        &gr.dw_up,
+        &f.ends,
+        he.as_deref(),
+    )?;
     // dx = Σ_j dxp[pos] + dlogits·router; d_router = dlogitsᵀ·x.
-    let dx = x.empty(&[t, h], p.dtype)?;
+    let dx = &gr.dx;
     let mut a = KernelArgs::new();
     a.push(dxp.device_ptr()?)
         .push(h as i64)
@@ -551,19 +608,27 @@ pub fn backward(
         .push(cfg.routed_scale)
         .push(cfg.aux_loss_coef)
         .push(cfg.z_loss_coef)
+        .push(loss_grad.map_or(Ok(0), |t| t.device_ptr())?)
         .push(dlogits.device_ptr()?)
         .push(e as i64);
-    x.launch("moe_router_bwd", x.grid(t, 4), 128, (4 * e * 4) as u32, &mut a)?;
+    x.launch(
+        "moe_router_bwd",
+        x.grid(t, 4),
+        128,
+        (4 * e * 4) as u32,
+        &mut a,
+    )?;
     let mo = x.matmul_opts();
-    matmul::matmul_into(&dlogits, w.router, &dx, &MatmulOptions { beta: 1.0, ..mo.clone() })?;
-    let d_router = x.empty(&[e, h], p.dtype)?;
-    matmul::matmul_into(&dlogits.t()?, xt, &d_router, &mo)?;
-    Ok(MoeGrads {
+    matmul::matmul_into(
+        &dlogits,
+        w.router,
         dx,
-        d_router,
-        dw_up,
-        dw_down,
-    })
+        &MatmulOptions {
+            beta: 1.0,
+            ..mo.clone()
+        },
+    )?;
+    matmul::matmul_into(&dlogits.t()?, xt, &gr.d_router, &mo)
 }
 
 /// grouped_mm on the GPU: the M-grouped kernel of the best variant that fits.
@@ -588,9 +653,21 @@ pub fn grouped_mm(
         m,
         n,
         k,
-        a: Operand { ld: k, trans: false, batch_stride: 0 },
-        b: Operand { ld: if bt { k } else { n }, trans: bt, batch_stride: k * n },
-        c: Operand { ld: n, trans: false, batch_stride: 0 },
+        a: Operand {
+            ld: k,
+            trans: false,
+            batch_stride: 0,
+        },
+        b: Operand {
+            ld: if bt { k } else { n },
+            trans: bt,
+            batch_stride: k * n,
+        },
+        c: Operand {
+            ld: n,
+            trans: false,
+            batch_stride: 0,
+        },
         dtype: a.dtype(),
         device: a.device(),
     };
@@ -612,8 +689,14 @@ pub fn grouped_mm(
             ))
         }
         None => {
-            let aligned = [ptrs.a, ptrs.b, ptrs.c].iter().all(|p| p.is_multiple_of(16));
-            if dev.arch().major == 9 && a.dtype() != DType::F32 && aligned && mm::wgmma_declines(&gm).is_none() {
+            let aligned = [ptrs.a, ptrs.b, ptrs.c]
+                .iter()
+                .all(|p| p.is_multiple_of(16));
+            if dev.arch().major == 9
+                && a.dtype() != DType::F32
+                && aligned
+                && mm::wgmma_declines(&gm).is_none()
+            {
                 "wgmma"
             } else {
                 "mma_pipelined"
@@ -639,4 +722,87 @@ pub fn grouped_mm(
         Error::NoVariant { msg, .. } => Error::NoVariant { op: OP.into(), msg },
         e => e,
     })
+}
+
+/// db[g] = a[rows of g]ᵀ·dout[rows of g] (grouped_mm's weight gradient, a K-grouped GEMM): `wgmma`
+/// when every boundary is a multiple of 64 rows (whole TMA k slices), else the mma.sync kernel,
+/// which predicates k against each group's own length.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_mm_weight_grad(
+    a: &Tensor,
+    dout: &Tensor,
+    offs: &Tensor,
+    db: &Tensor,
+    (m, k, n, g): (usize, usize, usize, usize),
+    aligned: bool,
+    opts: &MoeOptions,
+) -> Result<()> {
+    let Device::Cuda(di) = a.device() else {
+        return Err(Error::Other(
+            "moe::cuda::grouped_mm_weight_grad on the CPU".into(),
+        ));
+    };
+    let dev = device(di)?;
+    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+    let x = Ctx {
+        dev: dev.clone(),
+        stream: stream.clone(),
+        program: program(a.dtype()),
+    };
+    if k == 0 || n == 0 {
+        return Ok(());
+    }
+    if m == 0 {
+        return x.zero(db);
+    }
+    let gm = Gemm {
+        batch: g,
+        m: k,
+        n,
+        k: m,
+        a: Operand {
+            ld: k,
+            trans: true,
+            batch_stride: 0,
+        },
+        b: Operand {
+            ld: n,
+            trans: false,
+            batch_stride: 0,
+        },
+        c: Operand {
+            ld: n,
+            trans: false,
+            batch_stride: k * n,
+        },
+        dtype: a.dtype(),
+        device: a.device(),
+    };
+    let ptrs = Ptrs {
+        a: a.device_ptr()?,
+        b: dout.device_ptr()?,
+        c: db.device_ptr()?,
+    };
+    let fits = [ptrs.a, ptrs.b, ptrs.c]
+        .iter()
+        .all(|p| p.is_multiple_of(16));
+    let kind = match opts.variant.as_deref() {
+        Some("grouped") => "mma_pipelined",
+        _ if aligned
+            && fits
+            && dev.arch().major == 9
+            && a.dtype() != DType::F32
+            && mm::wgmma_declines(&gm).is_none() =>
+        {
+            "wgmma"
+        }
+        _ => "mma_pipelined",
+    };
+    let l = mm::plan_grouped(kind, &gm, Grouping::K, &dev)?;
+    let groups = Groups {
+        mode: Grouping::K,
+        ends: offs.device_ptr()?,
+        groups: g,
+    };
+    mm::launch_grouped(&l, &gm, ptrs, groups, 1.0, 0.0, &stream)
 }

@@ -141,7 +141,12 @@ impl MoeConfig {
     pub fn validate(&self, tokens: usize) -> Result<()> {
         let e = self.experts;
         if e == 0 || e > MAX_EXPERTS {
-            return Err(Error::bad_arg(OP, "experts", format!("1..={MAX_EXPERTS}"), e));
+            return Err(Error::bad_arg(
+                OP,
+                "experts",
+                format!("1..={MAX_EXPERTS}"),
+                e,
+            ));
         }
         if self.top_k == 0 || self.top_k > e || self.top_k > MAX_TOP_K {
             return Err(Error::bad_arg(
@@ -178,7 +183,12 @@ impl MoeConfig {
         }
         if let Some(f) = self.capacity_factor {
             if !(f > 0.0 && f.is_finite()) {
-                return Err(Error::bad_arg(OP, "capacity_factor", "a finite value > 0", f));
+                return Err(Error::bad_arg(
+                    OP,
+                    "capacity_factor",
+                    "a finite value > 0",
+                    f,
+                ));
             }
         }
         for (name, v) in [
@@ -207,7 +217,10 @@ impl MoeConfig {
             return Err(Error::bad_arg(
                 OP,
                 "x",
-                format!("1 ≤ tokens with T·k + E·{} < 2³¹ (int32 row indices)", ALIGN - 1),
+                format!(
+                    "1 ≤ tokens with T·k + E·{} < 2³¹ (int32 row indices)",
+                    ALIGN - 1
+                ),
                 tokens,
             ));
         }
@@ -291,7 +304,7 @@ pub fn validate(x: &Tensor, w: &MoeWeights, cfg: &MoeConfig) -> Result<Problem> 
         return Err(Error::bad_arg(OP, "x", "hidden ≥ 1", describe(x)));
     }
     expect(w.router, "router", &[e, h], dt, dev)?;
-    if w.w_up.rank() != 3 || w.w_up.shape()[2] % 2 != 0 || w.w_up.shape()[2] == 0 {
+    if w.w_up.rank() != 3 || !w.w_up.shape()[2].is_multiple_of(2) || w.w_up.shape()[2] == 0 {
         return Err(Error::bad_arg(
             OP,
             "w_up",
@@ -364,7 +377,137 @@ pub struct MoeMetrics {
     pub balance: f64,
 }
 
+/// A tensor of `shape`/`dtype` on `p`'s device (in stream order on `stream` when given).
+fn alloc_like(
+    p: &Problem,
+    shape: &[usize],
+    dtype: DType,
+    stream: Option<&Stream>,
+) -> Result<Tensor> {
+    match (p.device, stream) {
+        (Device::Cuda(i), Some(s)) => {
+            Tensor::empty_on(shape, dtype, &crate::core::cuda::device(i)?, s)
+        }
+        _ => Tensor::empty(shape, dtype, p.device),
+    }
+}
+
 impl MoeForward {
+    /// The (name, shape, dtype) of every buffer of a forward of `p`, in field order.
+    pub fn layout(p: &Problem) -> Vec<(&'static str, Vec<usize>, DType)> {
+        let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
+        let r = p.rows_cap();
+        vec![
+            ("out", vec![t, h], dt),
+            ("logits", vec![t, e], dt),
+            ("probs", vec![t, e], DType::F32),
+            ("lse", vec![t], DType::F32),
+            ("idx", vec![t, k], DType::I32),
+            ("weights", vec![t, k], DType::F32),
+            ("pos", vec![t * k], DType::I32),
+            ("src", vec![r], DType::I32),
+            ("ends", vec![e], DType::I32),
+            ("counts", vec![e], DType::I32),
+            ("stats", vec![2], DType::I32),
+            ("losses", vec![2 + e], DType::F32),
+            ("xp", vec![r, h], dt),
+            ("hpre", vec![r, 2 * i], dt),
+            ("h", vec![r, i], dt),
+            ("y", vec![r, h], dt),
+        ]
+    }
+
+    fn fields(&self) -> [&Tensor; 16] {
+        [
+            &self.out,
+            &self.logits,
+            &self.probs,
+            &self.lse,
+            &self.idx,
+            &self.weights,
+            &self.pos,
+            &self.src,
+            &self.ends,
+            &self.counts,
+            &self.stats,
+            &self.losses,
+            &self.xp,
+            &self.hpre,
+            &self.h,
+            &self.y,
+        ]
+    }
+
+    /// Buffers for a forward of `p` (uninitialised on a GPU).
+    pub fn alloc(p: &Problem, stream: Option<&Stream>) -> Result<MoeForward> {
+        let mut ts = Self::layout(p)
+            .into_iter()
+            .map(|(_, shape, dt)| alloc_like(p, &shape, dt, stream))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
+        let mut next = || ts.next().unwrap();
+        Ok(MoeForward {
+            problem: *p,
+            out: next(),
+            logits: next(),
+            probs: next(),
+            lse: next(),
+            idx: next(),
+            weights: next(),
+            pos: next(),
+            src: next(),
+            ends: next(),
+            counts: next(),
+            stats: next(),
+            losses: next(),
+            xp: next(),
+            hpre: next(),
+            h: next(),
+            y: next(),
+        })
+    }
+
+    /// Caller-provided buffers (`MoeForward::layout`'s shapes and dtypes, contiguous, on `p`'s
+    /// device, none sharing storage with another or with the layer's inputs).
+    pub fn from_buffers(p: &Problem, ts: [Tensor; 16]) -> Result<MoeForward> {
+        for ((name, shape, dt), t) in Self::layout(p).iter().zip(&ts) {
+            expect(t, name, shape, *dt, p.device)?;
+        }
+        for a in 0..16 {
+            for b in a + 1..16 {
+                if ts[a].shares_storage(&ts[b]) {
+                    return Err(Error::bad_arg(
+                        OP,
+                        Self::layout(p)[b].0,
+                        "a buffer of its own",
+                        format!("a view of `{}`", Self::layout(p)[a].0),
+                    ));
+                }
+            }
+        }
+        let [out, logits, probs, lse, idx, weights, pos, src, ends, counts, stats, losses, xp, hpre, h, y] =
+            ts;
+        Ok(MoeForward {
+            problem: *p,
+            out,
+            logits,
+            probs,
+            lse,
+            idx,
+            weights,
+            pos,
+            src,
+            ends,
+            counts,
+            stats,
+            losses,
+            xp,
+            hpre,
+            h,
+            y,
+        })
+    }
+
     /// The step's routing metrics (waits for the device).
     pub fn metrics(&self) -> Result<MoeMetrics> {
         let counts: Vec<usize> = self
@@ -404,6 +547,45 @@ pub struct MoeGrads {
     pub dw_down: Tensor,
 }
 
+impl MoeGrads {
+    /// Buffers for the gradients of `p` (uninitialised on a GPU).
+    pub fn alloc(p: &Problem, stream: Option<&Stream>) -> Result<MoeGrads> {
+        let (t, h, i, e, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.dtype);
+        Ok(MoeGrads {
+            dx: alloc_like(p, &[t, h], dt, stream)?,
+            d_router: alloc_like(p, &[e, h], dt, stream)?,
+            dw_up: alloc_like(p, &[e, h, 2 * i], dt, stream)?,
+            dw_down: alloc_like(p, &[e, i, h], dt, stream)?,
+        })
+    }
+
+    fn check(&self, p: &Problem, ins: &[&Tensor]) -> Result<()> {
+        let (t, h, i, e, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.dtype);
+        let outs = [
+            ("dx", &self.dx, vec![t, h]),
+            ("d_router", &self.d_router, vec![e, h]),
+            ("dw_up", &self.dw_up, vec![e, h, 2 * i]),
+            ("dw_down", &self.dw_down, vec![e, i, h]),
+        ];
+        for (n, (name, tt, shape)) in outs.iter().enumerate() {
+            expect(tt, name, shape, dt, p.device)?;
+            if ins
+                .iter()
+                .chain(outs[..n].iter().map(|o| &o.1))
+                .any(|x| tt.shares_storage(x))
+            {
+                return Err(Error::bad_arg(
+                    OP,
+                    *name,
+                    "a buffer of its own",
+                    "a view of an input or another gradient",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn select(p: &Problem, requested: Option<&str>) -> Result<&'static str> {
     let vs = variants();
     let arch = match p.device {
@@ -417,16 +599,12 @@ fn select(p: &Problem, requested: Option<&str>) -> Result<&'static str> {
         Backend::of(p.device),
         p.dtype,
         arch,
-        |v| {
-            (v.name == "wgmma")
-                .then(|| cuda::wgmma_unfit(p))
-                .flatten()
-        },
+        |v| (v.name == "wgmma").then(|| cuda::wgmma_unfit(p)).flatten(),
     )?;
     Ok(v.name)
 }
 
-/// The layer's forward.
+/// The layer's forward, into new buffers.
 pub fn moe_forward(
     x: &Tensor,
     w: &MoeWeights,
@@ -434,10 +612,52 @@ pub fn moe_forward(
     opts: &MoeOptions,
 ) -> Result<MoeForward> {
     let p = validate(x, w, cfg)?;
+    let f = MoeForward::alloc(&p, opts.stream.as_ref())?;
+    moe_forward_into(x, w, cfg, &f, opts)?;
+    Ok(f)
+}
+
+/// The layer's forward into caller-provided buffers (`MoeForward::alloc` / `from_buffers`).
+pub fn moe_forward_into(
+    x: &Tensor,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+    f: &MoeForward,
+    opts: &MoeOptions,
+) -> Result<()> {
+    let p = validate(x, w, cfg)?;
+    if p != f.problem {
+        return Err(Error::bad_arg(
+            OP,
+            "f",
+            format!("buffers for {}", p.label()),
+            f.problem.label(),
+        ));
+    }
+    for t in f.fields() {
+        if [x, w.router, w.w_up, w.w_down]
+            .iter()
+            .any(|i| t.shares_storage(i))
+        {
+            return Err(Error::bad_arg(
+                OP,
+                "f",
+                "buffers distinct from the inputs",
+                "a view of one",
+            ));
+        }
+    }
     let v = select(&p, opts.variant.as_deref())?;
     match p.device {
-        Device::Cpu => cpu::forward(v, &p, x, w, cfg),
-        Device::Cuda(_) => cuda::forward(v, &p, x, w, cfg, opts),
+        Device::Cpu => {
+            let r = cpu::forward(v, &p, x, w, cfg)?;
+            let copy = crate::ops::copy::CopyOptions::default();
+            for (src, dst) in r.fields().iter().zip(f.fields()) {
+                crate::ops::copy::copy_into(src, dst, &copy)?;
+            }
+            Ok(())
+        }
+        Device::Cuda(_) => cuda::forward(v, &p, x, w, cfg, f, opts),
     }
 }
 
@@ -460,19 +680,86 @@ pub fn moe_backward(
             fwd.problem.label(),
         ));
     }
+    let g = MoeGrads::alloc(&p, opts.stream.as_ref())?;
+    moe_backward_into(dout, x, w, fwd, cfg, &g, None, opts)?;
+    Ok(g)
+}
+
+/// The layer's backward into caller-provided gradient buffers. `loss_grad` (f32, at least 2
+/// elements, on the layer's device): the incoming gradients of the aux loss and the z-loss, which
+/// scale their terms (None: 1 each) — read on the device, so a captured step needs no host value.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_backward_into(
+    dout: &Tensor,
+    x: &Tensor,
+    w: &MoeWeights,
+    fwd: &MoeForward,
+    cfg: &MoeConfig,
+    g: &MoeGrads,
+    loss_grad: Option<&Tensor>,
+    opts: &MoeOptions,
+) -> Result<()> {
+    if let Some(l) = loss_grad {
+        if l.dtype() != DType::F32
+            || l.numel() < 2
+            || !l.is_contiguous()
+            || l.device() != x.device()
+        {
+            return Err(Error::bad_arg(
+                OP,
+                "loss_grad",
+                format!("a contiguous f32 tensor of ≥ 2 elements on {}", x.device()),
+                describe(l),
+            ));
+        }
+    }
+    let p = validate(x, w, cfg)?;
+    if p != fwd.problem {
+        return Err(Error::bad_arg(
+            OP,
+            "fwd",
+            format!("the forward of this call ({})", p.label()),
+            fwd.problem.label(),
+        ));
+    }
     expect(dout, "dout", &[p.tokens, p.hidden], p.dtype, p.device)?;
+    let mut ins: Vec<&Tensor> = vec![dout, x, w.router, w.w_up, w.w_down];
+    ins.extend(fwd.fields());
+    g.check(&p, &ins)?;
     let v = select(&p, opts.variant.as_deref())?;
     match p.device {
-        Device::Cpu => cpu::backward(v, &p, dout, x, w, fwd, cfg),
-        Device::Cuda(_) => cuda::backward(v, &p, dout, x, w, fwd, cfg, opts),
+        Device::Cpu => {
+            let r = cpu::backward(v, &p, dout, x, w, fwd, cfg, loss_grad)?;
+            let copy = crate::ops::copy::CopyOptions::default();
+            for (src, dst) in [
+                (&r.dx, &g.dx),
+                (&r.d_router, &g.d_router),
+                (&r.dw_up, &g.dw_up),
+                (&r.dw_down, &g.dw_down),
+            ] {
+                crate::ops::copy::copy_into(src, dst, &copy)?;
+            }
+            Ok(())
+        }
+        Device::Cuda(_) => cuda::backward(v, &p, dout, x, w, fwd, cfg, g, loss_grad, opts),
     }
 }
 
 /// Checks grouped_mm's operands; returns (rows, k, n, groups, B transposed).
-fn validate_grouped(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor) -> Result<(usize, usize, usize, usize, bool)> {
+fn validate_grouped(
+    a: &Tensor,
+    b: &Tensor,
+    offs: &Tensor,
+    out: &Tensor,
+) -> Result<(usize, usize, usize, usize, bool)> {
     let op = "grouped_mm";
     if a.rank() != 2 || !a.is_contiguous() || !FLOATS.contains(&a.dtype()) {
-        return Err(Error::bad_arg(op, "a", "a contiguous f32/f16/bf16 [rows, k]", describe(a)));
+        return Err(Error::bad_arg(
+            op,
+            "a",
+            "a contiguous f32/f16/bf16 [rows, k]",
+            describe(a),
+        ));
     }
     let (m, k) = (a.shape()[0], a.shape()[1]);
     if b.rank() != 3 || b.dtype() != a.dtype() || b.device() != a.device() || b.shape()[1] != k {
@@ -499,7 +786,12 @@ fn validate_grouped(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor) -> Resu
         ));
     };
     if g == 0 || g > MAX_EXPERTS {
-        return Err(Error::bad_arg(op, "b", format!("1..={MAX_EXPERTS} groups"), describe(b)));
+        return Err(Error::bad_arg(
+            op,
+            "b",
+            format!("1..={MAX_EXPERTS} groups"),
+            describe(b),
+        ));
     }
     if offs.shape() != [g] || offs.dtype() != DType::I32 || offs.device() != a.device() {
         return Err(Error::bad_arg(
@@ -532,7 +824,12 @@ fn validate_grouped(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor) -> Resu
     }
     expect(out, "out", &[m, n], a.dtype(), a.device())?;
     if out.shares_storage(a) || out.shares_storage(b) {
-        return Err(Error::bad_arg(op, "out", "a buffer distinct from a and b", "a view of one"));
+        return Err(Error::bad_arg(
+            op,
+            "out",
+            "a buffer distinct from a and b",
+            "a view of one",
+        ));
     }
     Ok((m, k, n, g, b_trans))
 }
@@ -540,11 +837,78 @@ fn validate_grouped(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor) -> Resu
 /// out[rows of g] = a[rows of g]·b[g] (`torch._grouped_mm` for 2-D a and 3-D b): a `[M, K]`,
 /// b `[G, K, N]` (or the transpose of a contiguous `[G, N, K]`), offs int32 `[G]` cumulative
 /// row ends (nondecreasing, the last = M; read on the host to check them).
-pub fn grouped_mm(a: &Tensor, b: &Tensor, offs: &Tensor, out: &Tensor, opts: &MoeOptions) -> Result<()> {
+pub fn grouped_mm(
+    a: &Tensor,
+    b: &Tensor,
+    offs: &Tensor,
+    out: &Tensor,
+    opts: &MoeOptions,
+) -> Result<()> {
     let (m, k, n, g, b_trans) = validate_grouped(a, b, offs, out)?;
     match a.device() {
         Device::Cpu => cpu::grouped_mm(a, b, offs, out, (m, k, n, g, b_trans)),
         Device::Cuda(_) => cuda::grouped_mm(a, b, offs, out, (m, k, n, g, b_trans), opts),
+    }
+}
+
+/// grouped_mm's gradient with respect to b: db[g] = a[rows of g]ᵀ·dout[rows of g] (a `[M, K]`,
+/// dout `[M, N]`, db `[G, K, N]` contiguous; offs as for `grouped_mm`, read on the host).
+pub fn grouped_mm_weight_grad(
+    a: &Tensor,
+    dout: &Tensor,
+    offs: &Tensor,
+    db: &Tensor,
+    opts: &MoeOptions,
+) -> Result<()> {
+    let op = "grouped_mm_weight_grad";
+    if db.rank() != 3 {
+        return Err(Error::bad_arg(
+            op,
+            "db",
+            "a contiguous [groups, k, n]",
+            describe(db),
+        ));
+    }
+    let (m, k, n, g, _) = validate_grouped(a, db, offs, dout)?;
+    if !db.is_contiguous() {
+        return Err(Error::bad_arg(
+            op,
+            "db",
+            "a contiguous [groups, k, n]",
+            describe(db),
+        ));
+    }
+    if db.shares_storage(a) || db.shares_storage(dout) {
+        return Err(Error::bad_arg(
+            op,
+            "db",
+            "a buffer distinct from a and dout",
+            "a view of one",
+        ));
+    }
+    match a.device() {
+        Device::Cpu => {
+            let (av, gv, ends) = (a.to_f32_vec()?, dout.to_f32_vec()?, offs.to_vec::<i32>()?);
+            let mut out = vec![0f32; g * k * n];
+            let mut s = 0usize;
+            for (ex, &en) in ends.iter().enumerate() {
+                for r in s..en as usize {
+                    for q in 0..k {
+                        let x = av[r * k + q];
+                        for j in 0..n {
+                            out[ex * k * n + q * n + j] += x * gv[r * n + j];
+                        }
+                    }
+                }
+                s = en as usize;
+            }
+            let dt = a.dtype();
+            db.write_f32(&out.iter().map(|&v| cpu::round(dt, v)).collect::<Vec<_>>())
+        }
+        Device::Cuda(_) => {
+            let aligned = offs.to_vec::<i32>()?.iter().all(|&e| e % 64 == 0);
+            cuda::grouped_mm_weight_grad(a, dout, offs, db, (m, k, n, g), aligned, opts)
+        }
     }
 }
 

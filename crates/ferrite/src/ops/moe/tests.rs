@@ -40,24 +40,51 @@ fn weights(e: usize, h: usize, i: usize) -> [Tensor; 4] {
 #[test]
 fn bad_configs_are_named() {
     let [x, r, u, dn] = weights(4, 8, 6);
-    let w = MoeWeights { router: &r, w_up: &u, w_down: &dn };
+    let w = MoeWeights {
+        router: &r,
+        w_up: &u,
+        w_down: &dn,
+    };
     let o = MoeOptions::default();
     let err = |cfg: MoeConfig| moe_forward(&x, &w, &cfg, &o).err().unwrap().to_string();
     assert!(err(MoeConfig::new(4, 0)).contains("top_k"));
     assert!(err(MoeConfig::new(4, 5)).contains("top_k"));
     assert!(err(MoeConfig::new(3, 1)).contains("router"));
-    assert!(err(MoeConfig { capacity_factor: Some(0.0), ..MoeConfig::new(4, 2) }).contains("capacity_factor"));
-    assert!(err(MoeConfig { capacity_factor: Some(f32::NAN), ..MoeConfig::new(4, 2) }).contains("capacity_factor"));
-    assert!(err(MoeConfig { groups: 3, ..MoeConfig::new(4, 2) }).contains("groups"));
-    assert!(err(MoeConfig { groups: 4, topk_groups: 1, ..MoeConfig::new(4, 2) }).contains("top_k"));
+    assert!(err(MoeConfig {
+        capacity_factor: Some(0.0),
+        ..MoeConfig::new(4, 2)
+    })
+    .contains("capacity_factor"));
+    assert!(err(MoeConfig {
+        capacity_factor: Some(f32::NAN),
+        ..MoeConfig::new(4, 2)
+    })
+    .contains("capacity_factor"));
+    assert!(err(MoeConfig {
+        groups: 3,
+        ..MoeConfig::new(4, 2)
+    })
+    .contains("groups"));
+    assert!(err(MoeConfig {
+        groups: 4,
+        topk_groups: 1,
+        ..MoeConfig::new(4, 2)
+    })
+    .contains("top_k"));
     // Mismatched expert weights.
     let u2 = Tensor::rand(&[4, 7, 12], DType::F32, Device::Cpu, 3, -1.0, 1.0).unwrap();
     let w2 = MoeWeights { w_up: &u2, ..w };
-    let e = moe_forward(&x, &w2, &MoeConfig::new(4, 2), &o).err().unwrap().to_string();
+    let e = moe_forward(&x, &w2, &MoeConfig::new(4, 2), &o)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("w_up"), "{e}");
     let d16 = dn.to_dtype_for_test(DType::BF16);
     let w3 = MoeWeights { w_down: &d16, ..w };
-    let e = moe_forward(&x, &w3, &MoeConfig::new(4, 2), &o).err().unwrap().to_string();
+    let e = moe_forward(&x, &w3, &MoeConfig::new(4, 2), &o)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("w_down"), "{e}");
 }
 
@@ -119,10 +146,57 @@ fn grouped_mm_rejects_bad_offsets() {
     assert!(e.contains("nondecreasing"), "{e}");
     let e = run(vec![2, 6, 9]).err().unwrap().to_string();
     assert!(e.contains("last end"), "{e}");
-    let bt = Tensor::rand(&[3, 5, 4], DType::F32, d, 2, -1.0, 1.0).unwrap().transpose(1, 2).unwrap();
+    let bt = Tensor::rand(&[3, 5, 4], DType::F32, d, 2, -1.0, 1.0)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap();
     let offs = Tensor::from_vec(vec![2, 6, 10], &[3]).unwrap();
     grouped_mm(&a, &bt, &offs, &o, &MoeOptions::default()).unwrap();
     let bad = Tensor::rand(&[3, 5, 4], DType::F32, d, 2, -1.0, 1.0).unwrap();
-    let e = grouped_mm(&a, &bad, &offs, &o, &MoeOptions::default()).err().unwrap().to_string();
+    let e = grouped_mm(&a, &bad, &offs, &o, &MoeOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("[groups, 4, n]"), "{e}");
+}
+
+#[test]
+fn loss_grad_scales_the_aux_and_z_terms() {
+    let d = Device::Cpu;
+    let x = Tensor::rand(&[30, 8], DType::F32, d, 1, -1.0, 1.0).unwrap();
+    let r = Tensor::rand(&[4, 8], DType::F32, d, 2, -1.0, 1.0).unwrap();
+    let u = Tensor::rand(&[4, 8, 12], DType::F32, d, 3, -0.3, 0.3).unwrap();
+    let dn = Tensor::rand(&[4, 6, 8], DType::F32, d, 4, -0.3, 0.3).unwrap();
+    let g = Tensor::rand(&[30, 8], DType::F32, d, 5, -1.0, 1.0).unwrap();
+    let w = MoeWeights {
+        router: &r,
+        w_up: &u,
+        w_down: &dn,
+    };
+    let o = MoeOptions::default();
+    let base = MoeConfig {
+        aux_loss_coef: 0.3,
+        z_loss_coef: 0.02,
+        ..MoeConfig::new(4, 2)
+    };
+    let f = moe_forward(&x, &w, &base, &o).unwrap();
+    let p = f.problem;
+    // loss_grad (2, 0.5) with the base coefficients = coefficients scaled by (2, 0.5).
+    let lg = Tensor::from_vec(vec![2.0f32, 0.5], &[2]).unwrap();
+    let g1 = MoeGrads::alloc(&p, None).unwrap();
+    moe_backward_into(&g, &x, &w, &f, &base, &g1, Some(&lg), &o).unwrap();
+    let scaled = MoeConfig {
+        aux_loss_coef: 0.6,
+        z_loss_coef: 0.01,
+        ..base.clone()
+    };
+    let g2 = moe_backward(&g, &x, &w, &f, &scaled, &o).unwrap();
+    let (a, b) = (
+        g1.d_router.to_f32_vec().unwrap(),
+        g2.d_router.to_f32_vec().unwrap(),
+    );
+    assert_eq!(a, b);
+    // And differs from the unscaled gradient.
+    let g3 = moe_backward(&g, &x, &w, &f, &base, &o).unwrap();
+    assert_ne!(a, g3.d_router.to_f32_vec().unwrap());
 }

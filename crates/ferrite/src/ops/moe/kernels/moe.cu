@@ -382,17 +382,24 @@ extern "C" __global__ void __launch_bounds__(256)
 // w_j = scale·s_j/S, S = Σ_sel s) onto the selected scores, the auxiliary loss
 // aux_coef·E·Σ_i f_i·P_i (f_i = counts_i/(T·k) held constant, P_i = mean_t s_{t,i}) onto every
 // score, then through the scoring function (softmax: p_i·(ds_i − Σ p·ds); sigmoid: s(1−s)·ds),
-// plus the z-loss z_coef·mean_t lse_t² (2·z_coef·lse/T · softmax). Shared memory: E floats per
+// plus the z-loss z_coef·mean_t lse_t² (2·z_coef·lse/T · softmax), both losses' terms scaled by
+// their incoming gradients loss_grad[0], loss_grad[1] when given. Shared memory: E floats per
 // warp.
 extern "C" __global__ void __launch_bounds__(128)
     moe_router_bwd(const float* __restrict__ dw, const int* __restrict__ idx,
                    const float* __restrict__ probs, const float* __restrict__ lse,
                    const T* __restrict__ logits, i64 ld, const int* __restrict__ counts, int ntok,
                    int E, int k, int score, int renorm, float scale, float aux_coef, float z_coef,
-                   T* __restrict__ dlogits, i64 ldd) {
+                   const float* __restrict__ loss_grad, T* __restrict__ dlogits, i64 ldd) {
   extern __shared__ float smem_f[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* ds = smem_f + warp * E;
+  // The incoming gradients of the aux and z-losses (null: 1 each), read on the device so a
+  // captured step needs no host value.
+  if (loss_grad) {
+    aux_coef *= loss_grad[0];
+    z_coef *= loss_grad[1];
+  }
   const float aux = aux_coef * (float)E / ((float)ntok * (float)ntok * (float)k);
   for (i64 t = (i64)blockIdx.x * 4 + warp; t < ntok; t += (i64)gridDim.x * 4) {
     const float* p = probs + t * E;
