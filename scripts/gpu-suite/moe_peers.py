@@ -1,7 +1,9 @@
 """PyTorch peers of `ferrite bench moe`, timed in the same call: the MoE layer a PyTorch user
 builds (softmax top-k router, renormalised; permutation by a stable sort; SwiGLU experts; weighted
 scatter-add combine) with the expert GEMMs as (a) `torch._grouped_mm` and (b) a loop over
-experts, plus the expert GEMMs alone through `torch._grouped_mm` and a dense same-FLOP chain.
+experts, plus the expert GEMMs alone through `torch._grouped_mm` and a dense same-FLOP chain — and, when
+the ferrite wheel is importable, `ferrite.moe` itself through its custom op (what a PyTorch user
+of ferrite runs), so the ratio is measured in one process.
 Forward and forward+backward (autograd), bf16, CUDA-event medians; peak memory per call.
 TFLOP/s count the expert GEMMs of the T·k routed rows (forward 6·T·k·H·I, backward 2× that).
 
@@ -108,7 +110,14 @@ def main():
         dout = torch.rand(t, h, device=dev, dtype=dt, generator=g) * 2 - 1
         fwd_flops = 6.0 * t * k * h * i
         shape = f"{label} T{t} H{h} I{i} E{e} k{k}"
-        for name, fn in [("torch_grouped_mm_layer", layer_grouped), ("torch_loop_layer", layer_loop)]:
+        layers = [("torch_grouped_mm_layer", layer_grouped), ("torch_loop_layer", layer_loop)]
+        try:
+            import ferrite
+
+            layers.insert(0, ("ferrite_moe_python", lambda x, r, u, d, k: ferrite.moe(x, r, u, d, k)[0]))
+        except ImportError:
+            pass
+        for name, fn in layers:
             for backward in (False, True):
                 ps = [p.requires_grad_(backward) for p in (x, router, w_up, w_down)]
 
@@ -128,7 +137,7 @@ def main():
                     continue
                 flops = fwd_flops * (3 if backward else 1)
                 rows.append({
-                    "op": "moe", "variant": name, "is_peer": True, "dtype": "bf16",
+                    "op": "moe", "variant": name, "is_peer": not name.startswith("ferrite"), "dtype": "bf16",
                     "shape": shape + (" fwd+bwd" if backward else " fwd"), "median_ms": ms,
                     "tflops": flops / ms / 1e9, "peak_device_bytes": pk,
                 })

@@ -353,9 +353,7 @@ fn permute_rows(
 ) -> Result<()> {
     let h = p.hidden;
     let (px, pp) = (xt.device_ptr()?, xp.device_ptr()?);
-    let vec = (h * p.dtype.size_in_bytes()).is_multiple_of(16)
-        && px.is_multiple_of(16)
-        && pp.is_multiple_of(16);
+    let vec = rows_vec(p, &[px, pp]);
     let rows_cap = p.rows_cap();
     let mut a = KernelArgs::new();
     a.push(px)
@@ -368,6 +366,11 @@ fn permute_rows(
         .push(vec as i32)
         .push(pp);
     x.launch("moe_permute_rows", x.grid(rows_cap, 8), 256, 0, &mut a)
+}
+
+/// Whether rows of H elements at these bases can move as 16-byte vectors.
+fn rows_vec(p: &Problem, ptrs: &[u64]) -> bool {
+    (p.hidden * p.dtype.size_in_bytes()).is_multiple_of(16) && ptrs.iter().all(|q| q.is_multiple_of(16))
 }
 
 /// The host's copy of the ends (`naive` only: waits for the device).
@@ -433,14 +436,16 @@ pub fn forward(
         &f.ends,
         he.as_deref(),
     )?;
+    let (py, po) = (f.y.device_ptr()?, f.out.device_ptr()?);
     let mut a = KernelArgs::new();
-    a.push(f.y.device_ptr()?)
+    a.push(py)
         .push(h as i64)
         .push(f.pos.device_ptr()?)
         .push(f.weights.device_ptr()?)
         .push(k as i32)
         .push(t as i32)
-        .push(f.out.device_ptr()?);
+        .push(rows_vec(p, &[py, po]) as i32)
+        .push(po);
     x.launch("moe_combine", x.grid(t, 1), 256, 0, &mut a)?;
     stats(&x, p, cfg, f)
 }
@@ -498,16 +503,18 @@ pub fn backward(
     let dy = x.empty(&[rows_cap, h], p.dtype)?;
     let dw = x.empty(&[t * k], DType::F32)?;
     x.zero(&dw)?;
+    let (pg, pyy, pdy) = (dout.device_ptr()?, f.y.device_ptr()?, dy.device_ptr()?);
     let mut a = KernelArgs::new();
-    a.push(dout.device_ptr()?)
-        .push(f.y.device_ptr()?)
+    a.push(pg)
+        .push(pyy)
         .push(h as i64)
         .push(f.src.device_ptr()?)
         .push(f.weights.device_ptr()?)
         .push(k as i32)
         .push(f.ends.device_ptr()?)
         .push(e as i32)
-        .push(dy.device_ptr()?)
+        .push(rows_vec(p, &[pg, pyy, pdy]) as i32)
+        .push(pdy)
         .push(dw.device_ptr()?);
     x.launch("moe_combine_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
     // Down projection: dh = dy·W_downᵀ, dW_down[e] = h_eᵀ·dy_e.
@@ -583,13 +590,15 @@ pub fn backward(
     )?;
     // dx = Σ_j dxp[pos] + dlogits·router; d_router = dlogitsᵀ·x.
     let dx = &gr.dx;
+    let (pd, px) = (dxp.device_ptr()?, dx.device_ptr()?);
     let mut a = KernelArgs::new();
-    a.push(dxp.device_ptr()?)
+    a.push(pd)
         .push(h as i64)
         .push(f.pos.device_ptr()?)
         .push(k as i32)
         .push(t as i32)
-        .push(dx.device_ptr()?);
+        .push(rows_vec(p, &[pd, px]) as i32)
+        .push(px);
     x.launch("moe_unpermute_grad", x.grid(t, 1), 256, 0, &mut a)?;
     let dlogits = x.empty(&[t, e], p.dtype)?;
     let mut a = KernelArgs::new();

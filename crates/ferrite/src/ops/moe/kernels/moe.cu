@@ -314,20 +314,57 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
-// out[t] = Σ_j w[t,j]·y[pos[t,j]] (dropped slots add nothing), fp32 in slot order.
-extern "C" __global__ void __launch_bounds__(256)
-    moe_combine(const T* __restrict__ y, i64 H, const int* __restrict__ pos,
-                const float* __restrict__ w, int k, int ntok, T* __restrict__ out) {
+// out[t] = Σ_j c_j·src[pos[t,j]] over the token's slots (dropped ones add nothing), c_j = w[t,j]
+// or 1 (w null), fp32 in slot order. One block per token; the slots' rows and weights go to
+// shared memory once; with `vec` (H·sizeof(T) a multiple of 16, aligned bases) each thread
+// gathers 16-byte vectors from every slot's row (k loads in flight), else scalars.
+__device__ __forceinline__ void gather_sum(const T* __restrict__ src, i64 H, const int* __restrict__ pos,
+                                           const float* __restrict__ w, int k, int ntok, int vec,
+                                           T* __restrict__ out) {
+  __shared__ int rows[32];
+  __shared__ float cw[32];
+  constexpr int N = Vec16<T>::N;
   for (i64 t = blockIdx.x; t < ntok; t += gridDim.x) {
-    for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
-      float acc = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int r = pos[t * k + j];
-        if (r >= 0) acc = fmaf(w[t * k + j], to_float(y[(i64)r * H + c]), acc);
+    __syncthreads();  // the previous token's slots are no longer read
+    if (threadIdx.x < k) {
+      rows[threadIdx.x] = pos[t * k + threadIdx.x];
+      cw[threadIdx.x] = w ? w[t * k + threadIdx.x] : 1.f;
+    }
+    __syncthreads();
+    if (vec) {
+      const i64 nv = H / N;
+      for (i64 c = threadIdx.x; c < nv; c += blockDim.x) {
+        float acc[N];
+#pragma unroll
+        for (int e = 0; e < N; ++e) acc[e] = 0.f;
+        for (int j = 0; j < k; ++j) {
+          const int r = rows[j];
+          if (r < 0) continue;
+          const Vec16<T> v = reinterpret_cast<const Vec16<T>*>(src + (i64)r * H)[c];
+#pragma unroll
+          for (int e = 0; e < N; ++e) acc[e] = fmaf(cw[j], to_float(v.v[e]), acc[e]);
+        }
+        Vec16<T> o;
+#pragma unroll
+        for (int e = 0; e < N; ++e) o.v[e] = from_float<T>(acc[e]);
+        reinterpret_cast<Vec16<T>*>(out + t * H)[c] = o;
       }
-      out[t * H + c] = from_float<T>(acc);
+    } else {
+      for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < k; ++j)
+          if (rows[j] >= 0) acc = fmaf(cw[j], to_float(src[(i64)rows[j] * H + c]), acc);
+        out[t * H + c] = from_float<T>(acc);
+      }
     }
   }
+}
+
+// The combine: out[t] = Σ_j w[t,j]·y[pos[t,j]].
+extern "C" __global__ void __launch_bounds__(256)
+    moe_combine(const T* __restrict__ y, i64 H, const int* __restrict__ pos,
+                const float* __restrict__ w, int k, int ntok, int vec, T* __restrict__ out) {
+  gather_sum(y, H, pos, w, k, ntok, vec, out);
 }
 
 // Backward of moe_combine, one block per used row r: dy[r] = w[p]·dout[t] (zeros on padding
@@ -336,9 +373,10 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     moe_combine_bwd(const T* __restrict__ dout, const T* __restrict__ y, i64 H,
                     const int* __restrict__ src, const float* __restrict__ w, int k,
-                    const int* __restrict__ ends, int E, T* __restrict__ dy,
+                    const int* __restrict__ ends, int E, int vec, T* __restrict__ dy,
                     float* __restrict__ dw) {
   __shared__ float red[64];  // block_sum2 owns 64 floats
+  constexpr int N = Vec16<T>::N;
   const i64 used = ends[E - 1];
   for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
     const int p = src[r];
@@ -351,31 +389,36 @@ extern "C" __global__ void __launch_bounds__(256)
     const T* yr = y + r * H;
     const float wp = w[p];
     float dot = 0.f;
-    for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
-      const float gc = to_float(g[c]);
-      d[c] = from_float<T>(wp * gc);
-      dot = fmaf(gc, to_float(yr[c]), dot);
+    if (vec) {
+      for (i64 c = threadIdx.x; c < H / N; c += blockDim.x) {
+        const Vec16<T> gv = reinterpret_cast<const Vec16<T>*>(g)[c];
+        const Vec16<T> yv = reinterpret_cast<const Vec16<T>*>(yr)[c];
+        Vec16<T> o;
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const float gc = to_float(gv.v[e]);
+          o.v[e] = from_float<T>(wp * gc);
+          dot = fmaf(gc, to_float(yv.v[e]), dot);
+        }
+        reinterpret_cast<Vec16<T>*>(d)[c] = o;
+      }
+    } else {
+      for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
+        const float gc = to_float(g[c]);
+        d[c] = from_float<T>(wp * gc);
+        dot = fmaf(gc, to_float(yr[c]), dot);
+      }
     }
     dot = block_sum(dot, red);
     if (threadIdx.x == 0) dw[p] = dot;
-    __syncthreads();
   }
 }
 
-// dx[t] = Σ_j dxp[pos[t,j]] (fp32, slot order; dropped slots add nothing).
+// The permutation's backward: dx[t] = Σ_j dxp[pos[t,j]].
 extern "C" __global__ void __launch_bounds__(256)
     moe_unpermute_grad(const T* __restrict__ dxp, i64 H, const int* __restrict__ pos, int k,
-                       int ntok, T* __restrict__ dx) {
-  for (i64 t = blockIdx.x; t < ntok; t += gridDim.x) {
-    for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
-      float acc = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int r = pos[t * k + j];
-        if (r >= 0) acc += to_float(dxp[(i64)r * H + c]);
-      }
-      dx[t * H + c] = from_float<T>(acc);
-    }
-  }
+                       int ntok, int vec, T* __restrict__ dx) {
+  gather_sum(dxp, H, pos, nullptr, k, ntok, vec, dx);
 }
 
 // dlogits for one token per warp: the gates' gradient dw through the weights (renormalised:
