@@ -450,6 +450,17 @@ pub fn forward(
     stats(&x, p, cfg, f)
 }
 
+/// The forward's two expert GEMMs alone (up into `hpre`, down from `h` into `y`) on the layout
+/// of a finished forward `f`: what `bench` sets against a dense GEMM chain of the same FLOPs.
+pub fn expert_gemms(variant: &str, p: &Problem, w: &MoeWeights, f: &MoeForward, opts: &MoeOptions) -> Result<()> {
+    let x = Ctx::new(p, opts)?;
+    let (h, i) = (p.hidden, p.inter);
+    let rows_cap = p.rows_cap();
+    let he = host_ends(variant, &f.ends)?;
+    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, 2 * i, h), &f.xp, w.w_up, false, &f.hpre, &f.ends, he.as_deref())?;
+    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, h, i), &f.h, w.w_down, false, &f.y, &f.ends, he.as_deref())
+}
+
 /// The auxiliary and z-losses and each expert's mean score (`[2 + E]` f32), deterministic.
 fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &MoeForward) -> Result<()> {
     let (t, e) = (p.tokens, p.experts);
