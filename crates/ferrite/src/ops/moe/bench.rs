@@ -218,22 +218,46 @@ fn bench_gpu(
                 }
                 // The expert GEMMs alone on a finished forward's layout (forward pass only).
                 for v in variants().iter().filter(|v| {
-                    !backward && v.backend == Backend::Cuda && v.name != "naive" && cfg.wants_variant(v.name)
+                    !backward
+                        && v.backend == Backend::Cuda
+                        && v.name != "naive"
+                        && cfg.wants_variant(v.name)
                 }) {
-                    if v.unsupported_reason(Backend::Cuda, dt, Some(dev.arch())).is_some() {
+                    if v.unsupported_reason(Backend::Cuda, dt, Some(dev.arch()))
+                        .is_some()
+                    {
                         continue;
                     }
-                    let opts = MoeOptions { variant: Some(v.name.into()), stream: None };
+                    let opts = MoeOptions {
+                        variant: Some(v.name.into()),
+                        stream: None,
+                    };
                     let f = match moe_forward(&x, &w, &mcfg, &opts) {
                         Ok(f) => f,
                         Err(Error::NoVariant { .. }) => continue,
                         Err(e) => return Err(e),
                     };
                     progress(&format!("moe {} expert GEMMs {}", v.name, shape("")));
-                    let st = time_gpu(dev, &stream, Budget::gpu(), |_| super::cuda::expert_gemms(v.name, &p, &w, &f, &opts))?;
-                    let mut rec = BenchRecord::new(d, &name, OP, &format!("{}:expert_gemms", v.name), dt, shape(pass), st, fwd_flops, 0.0);
+                    let st = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                        super::cuda::expert_gemms(v.name, &p, &w, &f, &opts)
+                    })?;
+                    let mut rec = BenchRecord::new(
+                        d,
+                        &name,
+                        OP,
+                        &format!("{}:expert_gemms", v.name),
+                        dt,
+                        shape(pass),
+                        st,
+                        fwd_flops,
+                        0.0,
+                    );
                     rec.config = "the two grouped expert GEMMs alone (up, down) on the layout of a finished forward".into();
-                    rec.note = format!("{} rows in the padded layout for {} pairs", f.metrics()?.rows_used, t * k);
+                    rec.note = format!(
+                        "{} rows in the padded layout for {} pairs",
+                        f.metrics()?.rows_used,
+                        t * k
+                    );
                     group.push(rec);
                 }
                 // The peer: a dense cuBLAS chain of the same FLOPs.

@@ -370,7 +370,8 @@ fn permute_rows(
 
 /// Whether rows of H elements at these bases can move as 16-byte vectors.
 fn rows_vec(p: &Problem, ptrs: &[u64]) -> bool {
-    (p.hidden * p.dtype.size_in_bytes()).is_multiple_of(16) && ptrs.iter().all(|q| q.is_multiple_of(16))
+    (p.hidden * p.dtype.size_in_bytes()).is_multiple_of(16)
+        && ptrs.iter().all(|q| q.is_multiple_of(16))
 }
 
 /// The host's copy of the ends (`naive` only: waits for the device).
@@ -452,13 +453,43 @@ pub fn forward(
 
 /// The forward's two expert GEMMs alone (up into `hpre`, down from `h` into `y`) on the layout
 /// of a finished forward `f`: what `bench` sets against a dense GEMM chain of the same FLOPs.
-pub fn expert_gemms(variant: &str, p: &Problem, w: &MoeWeights, f: &MoeForward, opts: &MoeOptions) -> Result<()> {
+pub fn expert_gemms(
+    variant: &str,
+    p: &Problem,
+    w: &MoeWeights,
+    f: &MoeForward,
+    opts: &MoeOptions,
+) -> Result<()> {
     let x = Ctx::new(p, opts)?;
     let (h, i) = (p.hidden, p.inter);
     let rows_cap = p.rows_cap();
     let he = host_ends(variant, &f.ends)?;
-    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, 2 * i, h), &f.xp, w.w_up, false, &f.hpre, &f.ends, he.as_deref())?;
-    expert_gemm(&x, variant, Grouping::M, p, (rows_cap, h, i), &f.h, w.w_down, false, &f.y, &f.ends, he.as_deref())
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::M,
+        p,
+        (rows_cap, 2 * i, h),
+        &f.xp,
+        w.w_up,
+        false,
+        &f.hpre,
+        &f.ends,
+        he.as_deref(),
+    )?;
+    expert_gemm(
+        &x,
+        variant,
+        Grouping::M,
+        p,
+        (rows_cap, h, i),
+        &f.h,
+        w.w_down,
+        false,
+        &f.y,
+        &f.ends,
+        he.as_deref(),
+    )
 }
 
 /// The auxiliary and z-losses and each expert's mean score (`[2 + E]` f32), deterministic.
@@ -556,6 +587,10 @@ pub fn backward(
         &f.ends,
         he.as_deref(),
     )?;
+    // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
+    // is queued, so the next ones reuse the memory: the backward's peak holds two of the four
+    // layout-sized gradients at a time, not four.
+    drop(dy);
     // GLU backward over the used rows (the whole buffer when the host does not know them).
     let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
     let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
@@ -571,6 +606,7 @@ pub fn backward(
             },
         )?;
     }
+    drop(dh);
     // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
     let dxp = x.empty(&[rows_cap, h], p.dtype)?;
     expert_gemm(
