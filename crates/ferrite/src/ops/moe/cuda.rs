@@ -127,6 +127,13 @@ impl Ctx {
         self.launch("moe_zero_bytes", self.grid(n, 1024), 256, 0, &mut a)
     }
 
+    fn router_opts(&self) -> MatmulOptions {
+        MatmulOptions {
+            precision: Precision::F32,
+            ..self.matmul_opts()
+        }
+    }
+
     fn matmul_opts(&self) -> MatmulOptions {
         MatmulOptions {
             stream: Some(self.stream.clone()),
@@ -271,7 +278,9 @@ fn route(
     f: &MoeForward,
 ) -> Result<()> {
     let (t, e, k) = (p.tokens, p.experts, p.top_k);
-    matmul::matmul_into(xt, &w.router.t()?, &f.logits, &x.matmul_opts())?;
+    // The router's GEMMs in full precision for f32 layers: tf32's 10-bit products can reorder
+    // close logits, and they are a sliver of the layer's FLOPs.
+    matmul::matmul_into(xt, &w.router.t()?, &f.logits, &x.router_opts())?;
     let mut a = KernelArgs::new();
     a.push(f.logits.device_ptr()?)
         .push(e as i64)
@@ -674,7 +683,7 @@ pub fn backward(
         (4 * e * 4) as u32,
         &mut a,
     )?;
-    let mo = x.matmul_opts();
+    let mo = x.router_opts();
     matmul::matmul_into(
         &dlogits,
         w.router,
