@@ -15,14 +15,21 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
 echo "== trainer GPU test (bf16 GPU against f32 CPU)"
 "$here/tests/ferrite-ferrite" --include-ignored train:: 2>&1 | tail -12 | tee "$out/train-tests.txt"
+# SAME_INIT=1 (GPT-2): every run starts from PyTorch's seeded initial weights (saved in Hugging
+# Face layout, loaded by `ferrite train --init-hf`), so the loss curves differ only by the training.
+init=()
+if [ "${SAME_INIT:-0}" = 1 ]; then
+  python3 "$here/train_peers.py" "$data" --model "$model" --save-init "${TMPDIR:-/tmp}/ferrite-init.safetensors" 2>&1 | grep -v Warning | tail -2
+  init=(--init-hf "${TMPDIR:-/tmp}/ferrite-init.safetensors")
+fi
 echo "== ferrite train $model B $b T $t"
-"$here/bin/ferrite" train --data "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" \
-  --val-data "$val" --val-every "$steps" --dump-batches "$batches" \
+"$here/bin/ferrite" train --data "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" "${init[@]}" \
+  --val-data "$val" --val-every "$steps" --val-batches 6 --dump-batches "$batches" \
   --json "$out/ferrite.json" --svg "$out/loss.svg" --print-every 5 --profile-step 10 2>&1 | tee "$out/ferrite.txt"
 for run in "eager fp32 torch_eager" "compile fp32 torch_compile" "compile bf16 torch_compile_bf16"; do
   set -- $run
   echo "== torch $1, $2 weights"
   python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --mode "$1" \
-    --params "$2" --batches "$batches" --val "$val" --json "$out/$3.json" 2>&1 | grep -v Warning | tail -3
+    --params "$2" --batches "$batches" --val "$val" --val-batches 6 --json "$out/$3.json" 2>&1 | grep -v Warning | tail -3
 done
 python3 "$here/train_table.py" "$out" | tee "$out/table.txt"

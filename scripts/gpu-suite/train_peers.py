@@ -96,6 +96,34 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1))
 
 
+def save_hf_gpt2(model, path):
+    """The GPT model's weights as a Hugging Face GPT2LMHeadModel checkpoint (unpadded vocab,
+    Conv1D weights [in, out]), written as safetensors by hand (header length, JSON header, data)."""
+    import json as _json
+    import struct
+
+    sd = {"wte.weight": model.wte.weight[: model.vocab], "wpe.weight": model.wpe.weight,
+          "ln_f.weight": model.lnf.weight, "ln_f.bias": model.lnf.bias}
+    for i, b in enumerate(model.blocks):
+        for hf, mod, conv in (("ln_1", b.ln1, False), ("attn.c_attn", b.qkv, True), ("attn.c_proj", b.proj, True),
+                              ("ln_2", b.ln2, False), ("mlp.c_fc", b.fc, True), ("mlp.c_proj", b.fcproj, True)):
+            sd[f"h.{i}.{hf}.weight"] = mod.weight.t() if conv else mod.weight
+            sd[f"h.{i}.{hf}.bias"] = mod.bias
+    header, blobs, off = {}, [], 0
+    for name, t in sd.items():
+        data = t.detach().float().contiguous().cpu().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    h = _json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for blob in blobs:
+            f.write(blob)
+
+
 def rope_tables(t, d, theta, device):
     inv = theta ** (-torch.arange(0, d // 2, dtype=torch.float32, device=device) * 2 / d)
     ang = torch.arange(t, dtype=torch.float32, device=device)[:, None] * inv[None, :]
@@ -174,6 +202,8 @@ def main():
     ap.add_argument("--val", help="a shard file: after training, the mean loss over its first --val-batches "
                     "batches of consecutive (T+1)-token rows, as `ferrite train --val-data`")
     ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--save-init", help="write the initial weights (GPT-2, Hugging Face names and Conv1D "
+                    "layout, f32 safetensors) to this file and exit: `ferrite train --init-hf` starts from them")
     ap.add_argument("--batches", help="train on these batches (i32 [steps, B, T+1], from `ferrite train "
                     "--dump-batches`) instead of random windows: the same data in the same order")
     a = ap.parse_args()
@@ -188,6 +218,9 @@ def main():
     else:
         layers, heads, dim = PRESETS[a.model]
         model = GPT(50257, 1024, layers, heads, dim, max(a.pad_vocab, 50257)).to(dev)
+    if a.save_init:
+        save_hf_gpt2(model, a.save_init)
+        return
     if a.params == "bf16":
         model = model.to(torch.bfloat16)
     decay = [p for p in model.parameters() if p.dim() >= 2]
