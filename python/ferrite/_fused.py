@@ -359,6 +359,9 @@ def _ce_check(op: str, logits: Tensor, target: Tensor, reduction: str, label_smo
         _fail(op, "target", f"shape {want} (one class index per row of input {list(logits.shape)})", _describe(target))
     if target.device != logits.device:
         _fail(op, "target", f"a tensor on {logits.device} (like `input`)", _describe(target))
+    if logits.shape[-1] == 0 and target.numel() > 0:
+        # No class for a target to name (torch raises too); N = 0 stays an empty loss.
+        _fail(op, "input", "at least one class (C ≥ 1) when there are targets", _describe(logits))
     if reduction not in _REDUCTIONS:
         _fail(op, "reduction", "'mean', 'sum' or 'none'", repr(reduction))
     if not (0.0 <= label_smoothing < 1.0):

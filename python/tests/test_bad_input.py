@@ -130,3 +130,13 @@ def test_norm_backward_shape_errors():
     y, rstd = ops.rms_norm(x, [8], None, 1e-5)
     with pytest.raises(ValueError, match="rstd"):
         ops.rms_norm_backward(torch.randn(4, 8), x, [8], None, torch.empty(3), False)
+
+
+def test_cross_entropy_without_classes_is_an_error():
+    # torch raises for targets with no class to index; an empty batch stays an empty loss.
+    with pytest.raises(ValueError, match="at least one class"):
+        ferrite.cross_entropy(torch.empty(3, 0), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one class"):
+        ferrite.cross_entropy(torch.empty(0), torch.tensor(0))
+    loss = ferrite.cross_entropy(torch.empty(0, 5), torch.zeros(0, dtype=torch.long), reduction="sum")
+    assert loss.item() == 0.0

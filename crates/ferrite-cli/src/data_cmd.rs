@@ -63,9 +63,14 @@ pub struct BenchArgs {
     /// Write this many GB of random tokens to PATH first (1 GB shards).
     #[arg(long)]
     synthetic: Option<f64>,
-    /// Delete the synthetic data afterwards.
+    /// Delete the synthetic data afterwards (only the files this run wrote, and PATH if the run
+    /// created it).
     #[arg(long)]
     cleanup: bool,
+    /// Let --synthetic write into a PATH that already holds files (shards or an index of the
+    /// same names are overwritten).
+    #[arg(long)]
+    force: bool,
     #[arg(long, default_value_t = 256)]
     batch: usize,
     #[arg(long, default_value_t = 1024)]
@@ -294,10 +299,42 @@ fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
+    // What --synthetic wrote (and whether it created PATH), for --cleanup to remove exactly that.
+    let mut written = Vec::new();
+    let mut created_dir = false;
     if let Some(gb) = a.synthetic {
+        if !(gb > 0.0 && gb.is_finite()) {
+            return Err(Error::bad_arg(
+                "data bench",
+                "--synthetic",
+                "a size in GB > 0",
+                gb,
+            ));
+        }
+        let occupied = match std::fs::read_dir(&a.path) {
+            Ok(mut it) => it.next().is_some(),
+            Err(_) => false,
+        };
+        if a.path.exists() && !a.path.is_dir() {
+            return Err(Error::bad_arg(
+                "data bench",
+                "PATH",
+                "a folder for the synthetic shards",
+                format!("{} (a file)", a.path.display()),
+            ));
+        }
+        if occupied && !a.force {
+            return Err(Error::bad_arg(
+                "data bench",
+                "PATH",
+                "an empty or new folder for --synthetic (or --force to write into it)",
+                format!("{}, which already holds files", a.path.display()),
+            ));
+        }
+        created_dir = !a.path.exists();
         let bytes = (gb * 1e9) as u64;
         let pb = bar(bytes, "writing synthetic shards");
-        bench::synthetic(&a.path, bytes, 1 << 30, &mut |d, _| pb.set_position(d))?;
+        written = bench::synthetic(&a.path, bytes, 1 << 30, &mut |d, _| pb.set_position(d))?;
         pb.finish_and_clear();
     }
     let gpu = match a.device.as_deref() {
@@ -454,23 +491,20 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         println!("json: {}", p.display());
     }
     if a.cleanup && a.synthetic.is_some() {
-        remove_synthetic(&a.path)?;
+        remove_synthetic(&a.path, &written, created_dir)?;
     }
     Ok(())
 }
 
-fn remove_synthetic(dir: &Path) -> Result<()> {
-    for e in std::fs::read_dir(dir)
-        .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
-        .flatten()
-    {
-        let p = e.path();
-        if p.extension().is_some_and(|x| x == "ftok")
-            || p.file_name().is_some_and(|n| n == "index.json")
-        {
-            std::fs::remove_file(&p)
-                .map_err(|e| Error::io(format!("removing {}", p.display()), e))?;
-        }
+/// Removes the files a --synthetic run wrote, and the folder when the run created it (and it is
+/// empty then); nothing else in the folder is touched.
+fn remove_synthetic(dir: &Path, written: &[PathBuf], created_dir: bool) -> Result<()> {
+    for p in written {
+        std::fs::remove_file(p).map_err(|e| Error::io(format!("removing {}", p.display()), e))?;
+    }
+    if created_dir {
+        // Fails (and is left alone) if anything else was put there meanwhile.
+        let _ = std::fs::remove_dir(dir);
     }
     Ok(())
 }

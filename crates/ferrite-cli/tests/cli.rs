@@ -157,3 +157,29 @@ fn kernels_without_nvrtc_say_how_to_get_it() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("NVRTC"), "{err}");
 }
+
+#[test]
+fn data_bench_synthetic_never_writes_into_a_folder_it_did_not_create() {
+    let dir = std::env::temp_dir().join(format!("ferrite-cli-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let index = dir.join("index.json");
+    std::fs::write(&index, "a user's corpus index").unwrap();
+    let d = dir.to_str().unwrap();
+    let (ok, _, err) = ferrite(&[
+        "data",
+        "bench",
+        d,
+        "--synthetic",
+        "0.001",
+        "--device",
+        "cpu",
+    ]);
+    assert!(!ok && err.contains("--force"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(&index).unwrap(),
+        "a user's corpus index"
+    );
+    let (ok, _, err) = ferrite(&["data", "bench", d, "--synthetic", "0", "--device", "cpu"]);
+    assert!(!ok && err.contains("--synthetic"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

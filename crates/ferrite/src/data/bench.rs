@@ -845,15 +845,17 @@ pub fn run(ds: &Dataset, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> R
 }
 
 /// Writes `bytes` of random u16 tokens as ferrite shards of `shard_bytes` each (with an index),
-/// streaming, so any size fits in memory.
+/// streaming, so any size fits in memory. Returns the files written (shards, then the index), so
+/// a caller that cleans up removes exactly those.
 pub fn synthetic(
     dir: &Path,
     bytes: u64,
     shard_bytes: u64,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<()> {
+) -> Result<Vec<std::path::PathBuf>> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let mut written = Vec::new();
     let total_tokens = bytes / 2;
     let per_shard = (shard_bytes / 2).max(1);
     let mut entries = Vec::new();
@@ -862,6 +864,7 @@ pub fn synthetic(
     while t < total_tokens {
         let n = per_shard.min(total_tokens - t);
         let p = dir.join(format!("shard_{:06}.ftok", entries.len()));
+        written.push(p.clone());
         let mut w = ShardWriter::create(
             &p,
             ShardFormat::Ferrite,
@@ -891,5 +894,8 @@ pub fn synthetic(
         total_tokens,
         shards: entries,
     };
-    index.write(&dir.join(super::format::INDEX_FILE))
+    let ip = dir.join(super::format::INDEX_FILE);
+    index.write(&ip)?;
+    written.push(ip);
+    Ok(written)
 }
