@@ -152,6 +152,44 @@ fn grouped_kernel(variant: &str) -> Option<&'static str> {
     }
 }
 
+/// The whole launch of a grouped GEMM over `e` groups: M-grouped `c[rows] = a[rows]·op(b[g])`
+/// (a `[m, k]` row-major, b `[e, k, n]`, or `[e, n, k]` read transposed when `bt`, c `[m, n]`),
+/// or K-grouped `c[g] = a[rows of g]ᵀ·b[rows of g]` (a `[k, m]`, b `[k, n]`, c `[e, m, n]`).
+#[allow(clippy::too_many_arguments)]
+fn grouped_gemm(
+    mode: Grouping,
+    e: usize,
+    (m, n, k): (usize, usize, usize),
+    bt: bool,
+    dtype: DType,
+    device: Device,
+) -> Gemm {
+    let op = |ld, trans, batch_stride| Operand {
+        ld,
+        trans,
+        batch_stride,
+    };
+    let (a, b, c) = match mode {
+        Grouping::M => (
+            op(k, false, 0),
+            op(if bt { k } else { n }, bt, k * n),
+            op(n, false, 0),
+        ),
+        Grouping::K => (op(m, true, 0), op(n, false, 0), op(n, false, m * n)),
+    };
+    Gemm {
+        batch: e,
+        m,
+        n,
+        k,
+        a,
+        b,
+        c,
+        dtype,
+        device,
+    }
+}
+
 /// One expert GEMM of the layer over every expert: M-grouped `c[rows] = a[rows]·op(b[e])`
 /// (b `[E, k, n]`, or `[E, n, k]` read transposed when `bt`), or K-grouped `c[e] =
 /// a[rows of e]ᵀ·b[rows of e]` (a `[rows, m]`, b `[rows, n]`, c `[E, m, n]`).
@@ -171,54 +209,7 @@ fn expert_gemm(
 ) -> Result<()> {
     let e = p.experts;
     if let Some(kind) = grouped_kernel(variant) {
-        let g = match mode {
-            Grouping::M => Gemm {
-                batch: e,
-                m,
-                n,
-                k,
-                a: Operand {
-                    ld: k,
-                    trans: false,
-                    batch_stride: 0,
-                },
-                b: Operand {
-                    ld: if bt { k } else { n },
-                    trans: bt,
-                    batch_stride: k * n,
-                },
-                c: Operand {
-                    ld: n,
-                    trans: false,
-                    batch_stride: 0,
-                },
-                dtype: p.dtype,
-                device: p.device,
-            },
-            Grouping::K => Gemm {
-                batch: e,
-                m,
-                n,
-                k,
-                a: Operand {
-                    ld: m,
-                    trans: true,
-                    batch_stride: 0,
-                },
-                b: Operand {
-                    ld: n,
-                    trans: false,
-                    batch_stride: 0,
-                },
-                c: Operand {
-                    ld: n,
-                    trans: false,
-                    batch_stride: m * n,
-                },
-                dtype: p.dtype,
-                device: p.device,
-            },
-        };
+        let g = grouped_gemm(mode, e, (m, n, k), bt, p.dtype, p.device);
         let l = mm::plan_grouped(kind, &g, mode, &x.dev)?;
         let ptrs = Ptrs {
             a: a.device_ptr()?,
@@ -713,29 +704,7 @@ pub fn grouped_mm(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let gm = Gemm {
-        batch: g,
-        m,
-        n,
-        k,
-        a: Operand {
-            ld: k,
-            trans: false,
-            batch_stride: 0,
-        },
-        b: Operand {
-            ld: if bt { k } else { n },
-            trans: bt,
-            batch_stride: k * n,
-        },
-        c: Operand {
-            ld: n,
-            trans: false,
-            batch_stride: 0,
-        },
-        dtype: a.dtype(),
-        device: a.device(),
-    };
+    let gm = grouped_gemm(Grouping::M, g, (m, n, k), bt, a.dtype(), a.device());
     let ptrs = Ptrs {
         a: a.device_ptr()?,
         b: b.device_ptr()?,
@@ -820,29 +789,7 @@ pub fn grouped_mm_weight_grad(
     if m == 0 {
         return x.zero(db);
     }
-    let gm = Gemm {
-        batch: g,
-        m: k,
-        n,
-        k: m,
-        a: Operand {
-            ld: k,
-            trans: true,
-            batch_stride: 0,
-        },
-        b: Operand {
-            ld: n,
-            trans: false,
-            batch_stride: 0,
-        },
-        c: Operand {
-            ld: n,
-            trans: false,
-            batch_stride: k * n,
-        },
-        dtype: a.dtype(),
-        device: a.device(),
-    };
+    let gm = grouped_gemm(Grouping::K, g, (k, n, m), false, a.dtype(), a.device());
     let ptrs = Ptrs {
         a: a.device_ptr()?,
         b: dout.device_ptr()?,
