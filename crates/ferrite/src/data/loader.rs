@@ -98,12 +98,16 @@ impl Dataset {
         Self::from_paths(&[path.to_path_buf()])
     }
 
-    /// Shards without an index: headers are validated, payloads cannot be verified.
+    /// Shards without an index: headers are validated, and a shard whose header carries a payload
+    /// checksum (ferrite's `.ftok`) is read once here and checked against it — the loader's chunk
+    /// checks need an index, and bad bytes must never reach training silently. llm.c shards have
+    /// no checksum to check.
     pub fn from_paths(paths: &[PathBuf]) -> Result<Dataset> {
         let shards = paths
             .iter()
             .map(|p| {
                 let header = read_header(p)?;
+                format::verify_payload(p, &header)?;
                 Ok(ShardMeta {
                     path: p.clone(),
                     file_bytes: header.payload_offset + header.payload_bytes(),

@@ -909,3 +909,30 @@ fn bench_and_loader_refuse_sizes_that_cannot_run() {
     assert!(e.contains("read_ahead"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_standalone_shard_with_a_flipped_payload_byte_is_refused_at_open() {
+    let dir = TmpDir::new("standalone");
+    let toks = tokens(3000, 9, 50257);
+    let idx = write_shards(
+        &dir.0,
+        ShardFormat::Ferrite,
+        DType::U16,
+        4096,
+        std::slice::from_ref(&toks),
+        50257,
+    )
+    .unwrap();
+    let path = dir.0.join(&idx.shards[0].file);
+    // Without an index the shard opens and is verified against its header's checksum.
+    Dataset::open(&path).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 7;
+    bytes[at] ^= 0x04;
+    std::fs::write(&path, &bytes).unwrap();
+    let e = err_of(Dataset::open(&path));
+    assert!(
+        e.contains("payload checksum mismatch") && e.contains("shard_000000"),
+        "{e}"
+    );
+}
