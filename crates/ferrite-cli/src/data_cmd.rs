@@ -23,7 +23,8 @@ pub enum DataCmd {
 
 #[derive(Args)]
 pub struct PackArgs {
-    /// Text files (.txt: one document each; .jsonl: one {"text": ...} per line) or folders of them.
+    /// Text files (.txt: one document each; .jsonl: one {"text": ...} per line) or folders of them
+    /// (walked recursively, in name order).
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
     /// Output folder.
@@ -153,22 +154,49 @@ fn bar(len: u64, what: &str) -> ProgressBar {
     pb
 }
 
+/// The text files to pack: files as given, folders walked recursively (each folder's entries in
+/// name order, so the corpus order is stable); files that are neither .txt nor .jsonl are
+/// skipped and counted on stderr, and finding no input at all is an error.
 fn inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>, skipped: &mut Vec<PathBuf>) -> Result<()> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        v.sort();
+        for f in v {
+            if f.is_dir() {
+                walk(&f, out, skipped)?;
+            } else if f.extension().is_some_and(|e| e == "txt" || e == "jsonl") {
+                out.push(f);
+            } else {
+                skipped.push(f);
+            }
+        }
+        Ok(())
+    }
+    let (mut out, mut skipped) = (Vec::new(), Vec::new());
     for p in paths {
         if p.is_dir() {
-            let mut v: Vec<PathBuf> = std::fs::read_dir(p)
-                .map_err(|e| Error::io(format!("listing {}", p.display()), e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|f| {
-                    f.is_file() && f.extension().is_some_and(|e| e == "txt" || e == "jsonl")
-                })
-                .collect();
-            v.sort();
-            out.extend(v);
+            walk(p, &mut out, &mut skipped)?;
         } else {
             out.push(p.clone());
         }
+    }
+    if !skipped.is_empty() {
+        eprintln!(
+            "note: skipped {} file(s) that are neither .txt nor .jsonl (first: {})",
+            skipped.len(),
+            skipped[0].display()
+        );
+    }
+    if out.is_empty() {
+        return Err(Error::bad_arg(
+            "data pack",
+            "INPUTS",
+            ".txt or .jsonl files, or folders holding some",
+            format!("{} path(s) with none", paths.len()),
+        ));
     }
     Ok(out)
 }

@@ -183,3 +183,59 @@ fn data_bench_synthetic_never_writes_into_a_folder_it_did_not_create() {
     assert!(!ok && err.contains("--synthetic"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn data_pack_walks_subfolders_and_names_what_it_skips() {
+    let root = std::env::temp_dir().join(format!("ferrite-cli-pack-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (src, nested) = (root.join("src"), root.join("src/part2"));
+    std::fs::create_dir_all(&nested).unwrap();
+    std::fs::write(src.join("a.txt"), "The first document, at the top.").unwrap();
+    std::fs::write(nested.join("b.txt"), "A second document, one folder down.").unwrap();
+    std::fs::write(nested.join("notes.md"), "not a corpus file").unwrap();
+    let out = root.join("out");
+    let (ok, _, err) = ferrite(&[
+        "data",
+        "pack",
+        src.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("skipped 1 file") && err.contains("notes.md"),
+        "{err}"
+    );
+    // The same corpus as naming both files.
+    let out2 = root.join("out2");
+    let (ok, _, err) = ferrite(&[
+        "data",
+        "pack",
+        src.join("a.txt").to_str().unwrap(),
+        nested.join("b.txt").to_str().unwrap(),
+        "-o",
+        out2.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let tokens = |d: &std::path::Path| {
+        let s = std::fs::read_to_string(d.join("index.json")).unwrap();
+        let i = s.find("\"total_tokens\"").unwrap();
+        s[i..]
+            .split(|c: char| c == ',' || c == '}')
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(tokens(&out), tokens(&out2));
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let (ok, _, err) = ferrite(&[
+        "data",
+        "pack",
+        empty.to_str().unwrap(),
+        "-o",
+        root.join("o3").to_str().unwrap(),
+    ]);
+    assert!(!ok && err.contains(".txt or .jsonl"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
