@@ -220,11 +220,7 @@ fn data_pack_walks_subfolders_and_names_what_it_skips() {
     let tokens = |d: &std::path::Path| {
         let s = std::fs::read_to_string(d.join("index.json")).unwrap();
         let i = s.find("\"total_tokens\"").unwrap();
-        s[i..]
-            .split(|c: char| c == ',' || c == '}')
-            .next()
-            .unwrap()
-            .to_string()
+        s[i..].split([',', '}']).next().unwrap().to_string()
     };
     assert_eq!(tokens(&out), tokens(&out2));
     let empty = root.join("empty");
