@@ -102,8 +102,58 @@ fn documents(path: &Path) -> Result<Vec<String>> {
     }
 }
 
-/// Tokenizes `files` (in order) into shards under `cfg.out_dir`.
+/// Tokenizes `files` (in order) into shards under `cfg.out_dir`. The shards are written into a
+/// staging folder inside it and moved in only when every input has been packed, then the index
+/// is replaced and the previous corpus's shards that the new one did not overwrite are removed:
+/// a pack that fails midway leaves the folder as it was.
 pub fn pack_files(files: &[PathBuf], cfg: &PackConfig, progress: Progress) -> Result<PackSummary> {
+    std::fs::create_dir_all(&cfg.out_dir)
+        .map_err(|e| Error::io(format!("creating {}", cfg.out_dir.display()), e))?;
+    let stage = cfg
+        .out_dir
+        .join(format!(".ferrite-pack-staging-{}", std::process::id()));
+    std::fs::create_dir_all(&stage)
+        .map_err(|e| Error::io(format!("creating {}", stage.display()), e))?;
+    let r = pack_into(files, cfg, &stage, progress).and_then(|s| commit(cfg, &stage, s));
+    let _ = std::fs::remove_dir_all(&stage);
+    r
+}
+
+/// Moves the staged shards into the output folder, writes the new index over the old one and
+/// removes the old corpus's shards the new one did not replace.
+fn commit(
+    cfg: &PackConfig,
+    stage: &Path,
+    (summary, index): (PackSummary, Index),
+) -> Result<PackSummary> {
+    let old: Vec<String> = Index::read(&cfg.out_dir.join(INDEX_FILE))
+        .map(|i| i.shards.into_iter().map(|e| e.file).collect())
+        .unwrap_or_default();
+    for e in &index.shards {
+        let (from, to) = (stage.join(&e.file), cfg.out_dir.join(&e.file));
+        std::fs::rename(&from, &to).map_err(|err| {
+            Error::io(
+                format!("moving {} to {}", from.display(), to.display()),
+                err,
+            )
+        })?;
+    }
+    index.write(&summary.index)?;
+    for f in old
+        .iter()
+        .filter(|f| !index.shards.iter().any(|e| &e.file == *f))
+    {
+        let _ = std::fs::remove_file(cfg.out_dir.join(f));
+    }
+    Ok(summary)
+}
+
+fn pack_into(
+    files: &[PathBuf],
+    cfg: &PackConfig,
+    stage: &Path,
+    progress: Progress,
+) -> Result<(PackSummary, Index)> {
     let t0 = std::time::Instant::now();
     if files.is_empty() {
         return Err(Error::bad_arg(
@@ -121,8 +171,6 @@ pub fn pack_files(files: &[PathBuf], cfg: &PackConfig, progress: Progress) -> Re
         ShardFormat::LlmcV7 => DType::U32,
         ShardFormat::Ferrite => cfg.dtype,
     };
-    std::fs::create_dir_all(&cfg.out_dir)
-        .map_err(|e| Error::io(format!("creating {}", cfg.out_dir.display()), e))?;
     let sizes: Vec<u64> = files
         .iter()
         .map(|f| {
@@ -165,9 +213,7 @@ pub fn pack_files(files: &[PathBuf], cfg: &PackConfig, progress: Progress) -> Re
                 let mut first = true;
                 while !rest.is_empty() {
                     if writer.is_none() {
-                        let p =
-                            cfg.out_dir
-                                .join(format!("{}_{:06}.{ext}", cfg.prefix, entries.len()));
+                        let p = stage.join(format!("{}_{:06}.{ext}", cfg.prefix, entries.len()));
                         writer = Some(ShardWriter::create(
                             &p,
                             cfg.format,
@@ -209,17 +255,16 @@ pub fn pack_files(files: &[PathBuf], cfg: &PackConfig, progress: Progress) -> Re
         total_tokens: tokens,
         shards: entries,
     };
-    let index_path = cfg.out_dir.join(INDEX_FILE);
-    index.write(&index_path)?;
-    Ok(PackSummary {
+    let summary = PackSummary {
         files: files.len(),
         documents: documents_n,
         input_bytes: total,
         tokens,
         shards: index.shards.len(),
         seconds: t0.elapsed().as_secs_f64(),
-        index: index_path,
-    })
+        index: cfg.out_dir.join(INDEX_FILE),
+    };
+    Ok((summary, index))
 }
 
 /// Writes token arrays as shards plus an index (tests and synthetic benchmarks use this).

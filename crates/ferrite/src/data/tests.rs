@@ -936,3 +936,62 @@ fn a_standalone_shard_with_a_flipped_payload_byte_is_refused_at_open() {
         "{e}"
     );
 }
+
+#[test]
+fn a_pack_that_fails_midway_leaves_the_previous_corpus_intact() {
+    let dir = TmpDir::new("pack-fail");
+    let good: Vec<PathBuf> = (0..3)
+        .map(|i| {
+            let p = dir.0.join(format!("good{i}.txt"));
+            std::fs::write(
+                &p,
+                "to be or not to be, that is the question ".repeat(40 + i),
+            )
+            .unwrap();
+            p
+        })
+        .collect();
+    let bad = dir.0.join("bad.txt");
+    std::fs::write(&bad, [0x66u8, 0x6f, 0xff, 0xfe, 0x6f]).unwrap(); // not UTF-8
+    let out = dir.0.join("corpus");
+    let cfg = PackConfig {
+        out_dir: out.clone(),
+        shard_tokens: 300,
+        ..PackConfig::default()
+    };
+    let noop = &mut |_: u64, _: u64, _: u64| {};
+    pack::pack_files(&good, &cfg, noop).unwrap();
+    let snapshot = |d: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut v: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap_or_default(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = snapshot(&out);
+    assert!(
+        before.len() > 2,
+        "{:?}",
+        before.iter().map(|x| &x.0).collect::<Vec<_>>()
+    );
+    // A second pack into the same folder with a bad third input: an error, and not a byte changed.
+    let mut inputs = vec![good[1].clone(), good[0].clone(), bad];
+    inputs.extend(good.iter().cloned());
+    let e = err_of(pack::pack_files(&inputs, &cfg, noop));
+    assert!(e.contains("bad.txt"), "{e}");
+    assert_eq!(snapshot(&out), before);
+    // A successful repack replaces the corpus: the new index lists only shards that exist.
+    pack::pack_files(&good[..1], &cfg, noop).unwrap();
+    let ds = Dataset::open(&out).unwrap();
+    assert!(ds.total_tokens() > 0);
+    let files: Vec<String> = snapshot(&out).into_iter().map(|x| x.0).collect();
+    let idx = Index::read(&out.join(INDEX_FILE)).unwrap();
+    assert_eq!(files.len(), idx.shards.len() + 1, "{files:?}");
+}
