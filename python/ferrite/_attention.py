@@ -112,6 +112,8 @@ def _attention(
     lse_shape = _attn_check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, layout)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return o, lse  # no query row (S = 0, a batch or a head count of 0): nothing to compute
     dev, stream = _where(q)
     _native_call(
         _native.attention_forward,
@@ -160,6 +162,9 @@ def _attention_backward(
     # contiguous is the simple way to get that (copies only where the caller's views are strided).
     q, k, v, o, dout = (t.contiguous() for t in (q, k, v, o, dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        # No query, or no key: nothing attends, every gradient is zero (and dq, dk, dv may be empty).
+        return dq.zero_(), dk.zero_(), dv.zero_()
     dev, stream = _where(q)
     _native_call(
         _native.attention_backward,

@@ -140,3 +140,18 @@ def test_cross_entropy_without_classes_is_an_error():
         ferrite.cross_entropy(torch.empty(0), torch.tensor(0))
     loss = ferrite.cross_entropy(torch.empty(0, 5), torch.zeros(0, dtype=torch.long), reduction="sum")
     assert loss.item() == 0.0
+
+
+def test_attention_with_no_query_rows_is_empty_not_an_error():
+    # S = 0 queries (an empty batch of prompts): empty outputs, zero gradients — as torch's SDPA.
+    q, k, v = (torch.randn(2, 0, 4, 32, requires_grad=True) for _ in range(3))
+    o = ferrite.flash_attn_func(q, k, v, causal=True)
+    assert o.shape == (2, 0, 4, 32)
+    o.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    q2 = torch.randn(1, 3, 2, 16, requires_grad=True)
+    k2, v2 = (torch.randn(1, 0, 2, 16, requires_grad=True) for _ in range(2))
+    o2 = ferrite.flash_attn_func(q2, k2, v2)
+    assert o2.shape == q2.shape and torch.isfinite(o2).all()
+    o2.sum().backward()
+    assert (q2.grad == 0).all()
