@@ -1,7 +1,8 @@
 """PyTorch peers of `ferrite bench moe`, timed in the same call: the MoE layer a PyTorch user
 builds (softmax top-k router, renormalised; permutation by a stable sort; SwiGLU experts; weighted
 scatter-add combine) with the expert GEMMs as (a) `torch._grouped_mm` and (b) a loop over
-experts, plus the expert GEMMs alone through `torch._grouped_mm` and a dense same-FLOP chain — and, when
+experts, the `_grouped_mm` layer under `torch.compile` too, plus the expert GEMMs alone through
+`torch._grouped_mm` and a dense same-FLOP chain — and, when
 the ferrite wheel is importable, `ferrite.moe` itself through its custom op (what a PyTorch user
 of ferrite runs), so the ratio is measured in one process.
 Forward and forward+backward (autograd), bf16, CUDA-event medians; peak memory per call.
@@ -110,7 +111,9 @@ def main():
         dout = torch.rand(t, h, device=dev, dtype=dt, generator=g) * 2 - 1
         fwd_flops = 6.0 * t * k * h * i
         shape = f"{label} T{t} H{h} I{i} E{e} k{k}"
-        layers = [("torch_grouped_mm_layer", layer_grouped), ("torch_loop_layer", layer_loop)]
+        layers = [("torch_grouped_mm_layer", layer_grouped),
+                  ("torch_grouped_mm_layer_compiled", torch.compile(layer_grouped)),
+                  ("torch_loop_layer", layer_loop)]
         try:
             import ferrite
 

@@ -175,7 +175,7 @@ impl Tensor {
             Device::Cpu => Storage::Cpu(HostBytes::zeroed(bytes)),
             Device::Cuda(i) => {
                 let dev = cuda::device(i)?;
-                Storage::Cuda(dev.alloc(bytes, dev.stream())?)
+                return Self::empty_on(shape, dtype, &dev, dev.stream());
             }
         };
         Ok(Self::from_storage(storage, shape, dtype, device))

@@ -4,7 +4,6 @@
 //! thread; `parallel` spreads the tokens and each expert's rows across cores.
 
 use super::{MoeConfig, MoeForward, MoeGrads, MoeWeights, Problem, Score, ALIGN};
-use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::tensor::Tensor;
@@ -20,14 +19,9 @@ pub fn round(dtype: DType, v: f32) -> f32 {
     }
 }
 
-fn tensor(v: &[f32], shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let t = Tensor::empty(shape, dtype, Device::Cpu)?;
-    t.write_f32(v)?;
-    Ok(t)
-}
-
-fn tensor_i32(v: Vec<i32>, shape: &[usize]) -> Result<Tensor> {
-    Tensor::from_vec(v, shape)
+/// Writes int32 values into a caller's (validated, contiguous) i32 buffer.
+fn write_i32(t: &Tensor, v: &[i32]) -> Result<()> {
+    t.with_cpu_mut::<i32, _>(|d| d[..v.len()].copy_from_slice(v))
 }
 
 /// Runs `f(row, out_row)` over the rows of `out` (`cols` wide), on all cores when `par`.
@@ -205,7 +199,8 @@ pub fn forward(
     x: &Tensor,
     w: &MoeWeights,
     cfg: &MoeConfig,
-) -> Result<MoeForward> {
+    f: &MoeForward,
+) -> Result<()> {
     let par = variant == "parallel";
     let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
     let xs = x.to_f32_vec()?;
@@ -289,25 +284,33 @@ pub fn forward(
     }
     losses[0] = cfg.aux_loss_coef * e as f32 * aux;
     losses[1] = cfg.z_loss_coef * lse.iter().map(|l| l * l).sum::<f32>() / t as f32;
-    Ok(MoeForward {
-        problem: *p,
-        out: tensor(&out, &[t, h], dt)?,
-        logits: tensor(&logits, &[t, e], dt)?,
-        probs: tensor(&probs, &[t, e], DType::F32)?,
-        lse: tensor(&lse, &[t], DType::F32)?,
-        idx: tensor_i32(idx.iter().map(|&v| v as i32).collect(), &[t, k])?,
-        weights: tensor(&weights, &[t, k], DType::F32)?,
-        pos: tensor_i32(pos, &[t * k])?,
-        src: tensor_i32(src, &[rows_cap])?,
-        ends: tensor_i32(ends, &[e])?,
-        counts: tensor_i32(counts, &[e])?,
-        stats: tensor_i32(vec![dropped as i32, used as i32], &[2])?,
-        losses: tensor(&losses, &[2 + e], DType::F32)?,
-        xp: tensor(&xp, &[rows_cap, h], dt)?,
-        hpre: tensor(&hpre, &[rows_cap, 2 * i], dt)?,
-        h: tensor(&hh, &[rows_cap, i], dt)?,
-        y: tensor(&y, &[rows_cap, h], dt)?,
-    })
+    let idx: Vec<i32> = idx.iter().map(|&v| v as i32).collect();
+    for (t, v) in [
+        (&f.out, &out),
+        (&f.logits, &logits),
+        (&f.probs, &probs),
+        (&f.lse, &lse),
+        (&f.weights, &weights),
+        (&f.losses, &losses),
+        (&f.xp, &xp),
+        (&f.hpre, &hpre),
+        (&f.h, &hh),
+        (&f.y, &y),
+    ] {
+        t.write_f32(v)?;
+    }
+    let stats = [dropped as i32, used as i32];
+    for (t, v) in [
+        (&f.idx, &idx[..]),
+        (&f.pos, &pos[..]),
+        (&f.src, &src[..]),
+        (&f.ends, &ends[..]),
+        (&f.counts, &counts[..]),
+        (&f.stats, &stats[..]),
+    ] {
+        write_i32(t, v)?;
+    }
+    Ok(())
 }
 
 /// dlogits of one token (kernels/moe.cu's moe_router_bwd).
@@ -366,7 +369,8 @@ pub fn backward(
     f: &MoeForward,
     cfg: &MoeConfig,
     loss_grad: Option<&Tensor>,
-) -> Result<MoeGrads> {
+    g_out: &MoeGrads,
+) -> Result<()> {
     // The losses' incoming gradients scale their terms (None: 1 each).
     let lg = match loss_grad {
         Some(t) => t.to_f32_vec()?,
@@ -520,12 +524,10 @@ pub fn backward(
     });
     let mut d_router = vec![0f32; e * h];
     gemm_tn(par, &dlogits, e, &xs, h, dt, &mut d_router);
-    Ok(MoeGrads {
-        dx: tensor(&dx, &[t, h], dt)?,
-        d_router: tensor(&d_router, &[e, h], dt)?,
-        dw_up: tensor(&dw_up, &[e, h, 2 * i], dt)?,
-        dw_down: tensor(&dw_down, &[e, i, h], dt)?,
-    })
+    g_out.dx.write_f32(&dx)?;
+    g_out.d_router.write_f32(&d_router)?;
+    g_out.dw_up.write_f32(&dw_up)?;
+    g_out.dw_down.write_f32(&dw_down)
 }
 
 /// grouped_mm on the CPU: each group's rows times its matrix, fp32 accumulate.

@@ -305,13 +305,8 @@ fn route(
         .push(pairs as i64)
         .push(e as i32)
         .push(hist.device_ptr()?);
-    x.dev.kernel(&x.program, "moe_chunk_hist")?.launch(
-        &x.stream,
-        (chunks as u32, 1, 1),
-        (256, 1, 1),
-        (e * 4) as u32,
-        &mut a,
-    )?;
+    // One block per chunk (not grid-stride): chunk c's histogram is row c.
+    x.launch("moe_chunk_hist", chunks as u32, 256, (e * 4) as u32, &mut a)?;
     let cap = cfg
         .capacity(t)
         .map_or(-1, |c| c.min(i32::MAX as usize) as i32);
@@ -335,11 +330,7 @@ fn route(
         .push(f.pos.device_ptr()?)
         .push(f.src.device_ptr()?);
     let smem = (e * (SCATTER_WARPS + 1) * 4) as u32;
-    let k_sc = x.dev.kernel(&x.program, "moe_scatter")?;
-    if smem > 48 * 1024 {
-        k_sc.allow_dynamic_smem(smem)?;
-    }
-    k_sc.launch(&x.stream, (chunks as u32, 1, 1), (256, 1, 1), smem, &mut a)?;
+    x.launch("moe_scatter", chunks as u32, 256, smem, &mut a)?;
     permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)
 }
 
@@ -393,23 +384,11 @@ pub fn forward(
     opts: &MoeOptions,
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
-    let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
+    let (t, h, e, k) = (p.tokens, p.hidden, p.experts, p.top_k);
     let rows_cap = p.rows_cap();
     route(&x, p, xt, w, cfg, f)?;
     let he = host_ends(variant, &f.ends)?;
-    expert_gemm(
-        &x,
-        variant,
-        Grouping::M,
-        p,
-        (rows_cap, 2 * i, h),
-        &f.xp,
-        w.w_up,
-        false,
-        &f.hpre,
-        &f.ends,
-        he.as_deref(),
-    )?;
+    up_proj(&x, variant, p, w, f, he.as_deref())?;
     // The GLU over the used rows when the host knows them, else over the whole buffer (rows past
     // the used ones are never read).
     let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
@@ -424,19 +403,7 @@ pub fn forward(
             },
         )?;
     }
-    expert_gemm(
-        &x,
-        variant,
-        Grouping::M,
-        p,
-        (rows_cap, h, i),
-        &f.h,
-        w.w_down,
-        false,
-        &f.y,
-        &f.ends,
-        he.as_deref(),
-    )?;
+    down_proj(&x, variant, p, w, f, he.as_deref())?;
     let (py, po) = (f.y.device_ptr()?, f.out.device_ptr()?);
     let mut a = KernelArgs::new();
     a.push(py)
@@ -451,6 +418,56 @@ pub fn forward(
     stats(&x, p, cfg, f)
 }
 
+/// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows.
+fn up_proj(
+    x: &Ctx,
+    variant: &str,
+    p: &Problem,
+    w: &MoeWeights,
+    f: &MoeForward,
+    he: Option<&[i32]>,
+) -> Result<()> {
+    let dims = (p.rows_cap(), 2 * p.inter, p.hidden);
+    expert_gemm(
+        x,
+        variant,
+        Grouping::M,
+        p,
+        dims,
+        &f.xp,
+        w.w_up,
+        false,
+        &f.hpre,
+        &f.ends,
+        he,
+    )
+}
+
+/// The down projection of every expert: `y = h·W_down[e]` over the layout's rows.
+fn down_proj(
+    x: &Ctx,
+    variant: &str,
+    p: &Problem,
+    w: &MoeWeights,
+    f: &MoeForward,
+    he: Option<&[i32]>,
+) -> Result<()> {
+    let dims = (p.rows_cap(), p.hidden, p.inter);
+    expert_gemm(
+        x,
+        variant,
+        Grouping::M,
+        p,
+        dims,
+        &f.h,
+        w.w_down,
+        false,
+        &f.y,
+        &f.ends,
+        he,
+    )
+}
+
 /// The forward's two expert GEMMs alone (up into `hpre`, down from `h` into `y`) on the layout
 /// of a finished forward `f`: what `bench` sets against a dense GEMM chain of the same FLOPs.
 pub fn expert_gemms(
@@ -461,35 +478,9 @@ pub fn expert_gemms(
     opts: &MoeOptions,
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
-    let (h, i) = (p.hidden, p.inter);
-    let rows_cap = p.rows_cap();
     let he = host_ends(variant, &f.ends)?;
-    expert_gemm(
-        &x,
-        variant,
-        Grouping::M,
-        p,
-        (rows_cap, 2 * i, h),
-        &f.xp,
-        w.w_up,
-        false,
-        &f.hpre,
-        &f.ends,
-        he.as_deref(),
-    )?;
-    expert_gemm(
-        &x,
-        variant,
-        Grouping::M,
-        p,
-        (rows_cap, h, i),
-        &f.h,
-        w.w_down,
-        false,
-        &f.y,
-        &f.ends,
-        he.as_deref(),
-    )
+    up_proj(&x, variant, p, w, f, he.as_deref())?;
+    down_proj(&x, variant, p, w, f, he.as_deref())
 }
 
 /// The auxiliary and z-losses and each expert's mean score (`[2 + E]` f32), deterministic.
@@ -504,13 +495,7 @@ fn stats(x: &Ctx, p: &Problem, cfg: &MoeConfig, r: &MoeForward) -> Result<()> {
         .push(e as i32)
         .push(STATS_ROWS as i32)
         .push(part.device_ptr()?);
-    x.dev.kernel(&x.program, "moe_stats_partial")?.launch(
-        &x.stream,
-        (blocks as u32, 1, 1),
-        (256, 1, 1),
-        0,
-        &mut a,
-    )?;
+    x.launch("moe_stats_partial", blocks as u32, 256, 0, &mut a)?;
     let mut a = KernelArgs::new();
     a.push(part.device_ptr()?)
         .push(blocks as i32)

@@ -649,14 +649,7 @@ pub fn moe_forward_into(
     }
     let v = select(&p, opts.variant.as_deref())?;
     match p.device {
-        Device::Cpu => {
-            let r = cpu::forward(v, &p, x, w, cfg)?;
-            let copy = crate::ops::copy::CopyOptions::default();
-            for (src, dst) in r.fields().iter().zip(f.fields()) {
-                crate::ops::copy::copy_into(src, dst, &copy)?;
-            }
-            Ok(())
-        }
+        Device::Cpu => cpu::forward(v, &p, x, w, cfg, f),
         Device::Cuda(_) => cuda::forward(v, &p, x, w, cfg, f, opts),
     }
 }
@@ -728,19 +721,7 @@ pub fn moe_backward_into(
     g.check(&p, &ins)?;
     let v = select(&p, opts.variant.as_deref())?;
     match p.device {
-        Device::Cpu => {
-            let r = cpu::backward(v, &p, dout, x, w, fwd, cfg, loss_grad)?;
-            let copy = crate::ops::copy::CopyOptions::default();
-            for (src, dst) in [
-                (&r.dx, &g.dx),
-                (&r.d_router, &g.d_router),
-                (&r.dw_up, &g.dw_up),
-                (&r.dw_down, &g.dw_down),
-            ] {
-                crate::ops::copy::copy_into(src, dst, &copy)?;
-            }
-            Ok(())
-        }
+        Device::Cpu => cpu::backward(v, &p, dout, x, w, fwd, cfg, loss_grad, g),
         Device::Cuda(_) => cuda::backward(v, &p, dout, x, w, fwd, cfg, g, loss_grad, opts),
     }
 }
