@@ -5,7 +5,8 @@
 //! rows went to one expert). Shapes (`--shape T,H,I,E,k`): by default Mixtral-like
 //! (8192, 4096, 14336, 8, 2), Qwen3-MoE-like (32768, 2048, 768, 128, 8) and a DeepSeek-V3-like
 //! per-GPU slice (8192, 7168, 2048, 32, 8); `--quick`: (4096, 1024, 512, 16, 4). The routing is
-//! a random router's (near-balanced); the note gives its max / mean load.
+//! a random router's (near-balanced); the note gives its max / mean load. On the CPU the two rungs
+//! run a small f32 layer (T 1024, H 256, I 128, E 8, k 2; `--quick` half of it).
 
 use super::{moe_backward, moe_forward, variants, MoeConfig, MoeOptions, MoeWeights, Problem, OP};
 use crate::core::cuda::{device, CudaDevice};
@@ -50,11 +51,79 @@ pub fn run(
 ) -> Result<()> {
     for &d in &cfg.devices {
         match d {
-            // The CPU variants are correctness rungs at these sizes (minutes per call): `check`
-            // runs them; bench times the GPU.
-            Device::Cpu => {}
+            Device::Cpu => bench_cpu(cfg, progress, out)?,
             Device::Cuda(i) => bench_gpu(cfg, &device(i)?, ceilings, progress, out)?,
         }
+    }
+    Ok(())
+}
+
+/// The CPU rungs at a small layer (the GPU shapes take minutes per call here): forward and
+/// forward+backward, f32, `naive` against `parallel`.
+fn bench_cpu(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str),
+    out: &mut Vec<BenchRecord>,
+) -> Result<()> {
+    let [t, h, i, e, k] = if cfg.quick {
+        [256, 128, 64, 8, 2]
+    } else {
+        [1024, 256, 128, 8, 2]
+    };
+    let d = Device::Cpu;
+    let dt = DType::F32;
+    if !(cfg.dtypes.is_empty() || cfg.wants_dtype(dt)) {
+        return Ok(());
+    }
+    let x = Tensor::rand(&[t, h], dt, d, 11, -1.0, 1.0)?;
+    let router = Tensor::rand(&[e, h], dt, d, 12, -0.05, 0.05)?;
+    let wu = Tensor::rand(&[e, h, 2 * i], dt, d, 13, -0.1, 0.1)?;
+    let wd = Tensor::rand(&[e, i, h], dt, d, 14, -0.1, 0.1)?;
+    let dout = Tensor::rand(&[t, h], dt, d, 15, -1.0, 1.0)?;
+    let w = MoeWeights {
+        router: &router,
+        w_up: &wu,
+        w_down: &wd,
+    };
+    let mcfg = MoeConfig::new(e, k);
+    let fwd_flops = 6.0 * (t * k) as f64 * h as f64 * i as f64;
+    let name = crate::ops::matmul::bench::cpu_name();
+    for backward in [false, true] {
+        let pass = if backward { "fwd+bwd" } else { "fwd" };
+        let shape = format!("T{t} H{h} I{i} E{e} k{k} {pass}");
+        let mut group = Vec::new();
+        for v in variants()
+            .iter()
+            .filter(|v| v.backend == Backend::Cpu && cfg.wants_variant(v.name))
+        {
+            progress(&format!("moe cpu {} {shape}", v.name));
+            let opts = MoeOptions {
+                variant: Some(v.name.into()),
+                stream: None,
+            };
+            let mut err = None;
+            let st = crate::core::harness::bench::time_cpu(Budget::cpu(), || {
+                let r = moe_forward(&x, &w, &mcfg, &opts).and_then(|f| {
+                    if backward {
+                        moe_backward(&dout, &x, &w, &f, &mcfg, &opts).map(|_| ())
+                    } else {
+                        Ok(())
+                    }
+                });
+                if let Err(e) = r {
+                    err.get_or_insert(e);
+                }
+            });
+            if let Some(e) = err {
+                return Err(e);
+            }
+            let flops = if backward { 3.0 * fwd_flops } else { fwd_flops };
+            let mut rec = BenchRecord::new(d, &name, OP, v.name, dt, shape.clone(), st, flops, 0.0);
+            rec.config = v.summary.into();
+            group.push(rec);
+        }
+        relate(&mut group, "naive", None);
+        out.extend(group);
     }
     Ok(())
 }
