@@ -112,8 +112,8 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # the layer
 
-_SAVED = 16  # MoeForward's buffers: out, logits, probs, lse, idx, weights, pos, src, ends,
-#              counts, stats, losses, xp, hpre, h, y
+_SAVED = 14  # MoeForward's buffers: out, logits, probs, lse, idx, weights, pos, src, ends,
+#              counts, stats, losses, xp, hpre
 
 
 def _moe_shapes(op: str, x: Tensor, router: Tensor, w_up: Tensor, w_down: Tensor, top_k: int):
@@ -136,7 +136,7 @@ def _moe_shapes(op: str, x: Tensor, router: Tensor, w_up: Tensor, w_down: Tensor
     return [
         ([t, h], dt), ([t, e], dt), ([t, e], f32), ([t], f32), ([t, top_k], i32), ([t, top_k], f32),
         ([t * top_k], i32), ([rows], i32), ([e], i32), ([e], i32), ([2], i32), ([2 + e], f32),
-        ([rows, h], dt), ([rows, 2 * i], dt), ([rows, i], dt), ([rows, h], dt),
+        ([rows, h], dt), ([rows, 2 * i], dt),
     ]
 
 

@@ -51,9 +51,9 @@ fn wrap_all(
         .collect()
 }
 
-const SAVED: [&str; 16] = [
+const SAVED: [&str; fmoe::FORWARD_BUFFERS] = [
     "out", "logits", "probs", "lse", "idx", "weights", "pos", "src", "ends", "counts", "stats",
-    "losses", "xp", "hpre", "h", "y",
+    "losses", "xp", "hpre",
 ];
 
 /// The saved buffers as a MoeForward of the layer x / weights describe.
@@ -64,11 +64,11 @@ fn forward_of(
     cfg: &MoeConfig,
 ) -> ferrite::Result<MoeForward> {
     let p = fmoe::validate(x, w, cfg)?;
-    let ts: [ferrite::Tensor; 16] = std::array::from_fn(|i| ops[i].t.clone());
+    let ts: [ferrite::Tensor; fmoe::FORWARD_BUFFERS] = std::array::from_fn(|i| ops[i].t.clone());
     MoeForward::from_buffers(&p, ts)
 }
 
-/// The layer's forward into the 16 buffers of `saved` (MoeForward's fields, in order).
+/// The layer's forward into the buffers of `saved` (MoeForward's fields, in order).
 #[pyfunction]
 #[pyo3(signature = (x, router, w_up, w_down, saved, top_k, score="softmax", renormalize=true, groups=1, topk_groups=1, routed_scale=1.0, capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0, activation="silu", device=-1, stream=0, variant=None))]
 #[allow(clippy::too_many_arguments)]
@@ -103,11 +103,11 @@ pub fn moe_forward(
             &[x, router, w_up, w_down],
             &tgt,
         )?;
-        if saved.len() != 16 {
+        if saved.len() != fmoe::FORWARD_BUFFERS {
             return Err(ferrite::Error::bad_arg(
                 OP,
                 "saved",
-                "16 buffers",
+                format!("{} buffers", fmoe::FORWARD_BUFFERS),
                 saved.len(),
             ));
         }
@@ -146,7 +146,7 @@ pub fn moe_forward(
     })
 }
 
-/// The layer's backward from dout and the forward's 16 saved buffers into dx, d_router, dw_up,
+/// The layer's backward from dout and the forward's saved buffers into dx, d_router, dw_up,
 /// dw_down; `loss_grad` (f32 [≥ 2], optional): the incoming gradients of the aux and z-losses.
 #[pyfunction]
 #[pyo3(signature = (dout, x, router, w_up, w_down, saved, grads, top_k, loss_grad=None, score="softmax", renormalize=true, groups=1, topk_groups=1, routed_scale=1.0, capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0, activation="silu", device=-1, stream=0, variant=None))]
@@ -185,11 +185,11 @@ pub fn moe_backward(
             &[dout, x, router, w_up, w_down],
             &tgt,
         )?;
-        if saved.len() != 16 || grads.len() != 4 {
+        if saved.len() != fmoe::FORWARD_BUFFERS || grads.len() != 4 {
             return Err(ferrite::Error::bad_arg(
                 OP,
                 "saved/grads",
-                "16 saved buffers and 4 gradients",
+                format!("{} saved buffers and 4 gradients", fmoe::FORWARD_BUFFERS),
                 format!("{} and {}", saved.len(), grads.len()),
             ));
         }

@@ -39,6 +39,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("philox.cuh", include_str!("kernels/philox.cuh")),
     ("hopper.cuh", include_str!("kernels/hopper.cuh")),
     ("async.cuh", include_str!("kernels/async.cuh")),
+    ("act.cuh", include_str!("kernels/act.cuh")),
 ];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).

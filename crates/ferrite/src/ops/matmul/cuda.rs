@@ -440,14 +440,7 @@ fn tensor_map(
     bx: u32,
     by: u32,
 ) -> Result<TmaDesc> {
-    use cudarc::driver::sys;
     let es = dtype.size_in_bytes() as u64;
-    let dt = match dtype {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        // tf32 inputs are loaded as the f32 bits they are (wgmma reads them as tf32).
-        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
     let (inner, outer) = (inner.max(1) as u64, outer.max(1) as u64);
     let batch = if batch_stride == 0 {
         1
@@ -463,7 +456,24 @@ fn tensor_map(
             ld as u64 * es * outer
         },
     ];
-    let boxd = [bx, by, 1u32];
+    tensor_map_3d(dtype, ptr, dims, strides, [bx, by, 1])
+}
+
+/// A 3-D tensor map (dims innermost first, byte strides of dims 1 and 2), 128-byte swizzle.
+fn tensor_map_3d(
+    dtype: DType,
+    ptr: u64,
+    dims: [u64; 3],
+    strides: [u64; 2],
+    boxd: [u32; 3],
+) -> Result<TmaDesc> {
+    use cudarc::driver::sys;
+    let dt = match dtype {
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        // tf32 inputs are loaded as the f32 bits they are (wgmma reads them as tf32).
+        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
     let estr = [1u32; 3];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every array holds `rank` (3, strides 2) entries; the map is written by the call.
@@ -1276,24 +1286,7 @@ fn launch_inner(
             )
         }
     };
-    let mut args = KernelArgs::new();
-    args.push(p.c)
-        .push(p.a)
-        .push(p.b)
-        .push(g.m as i64)
-        .push(g.n as i64)
-        .push(g.k as i64)
-        .push(g.a.ld as i64)
-        .push(g.b.ld as i64)
-        .push(g.c.ld as i64)
-        .push(g.a.trans as i32)
-        .push(g.b.trans as i32)
-        .push(g.a.batch_stride as i64)
-        .push(g.b.batch_stride as i64)
-        .push(g.c.batch_stride as i64)
-        .push(g.batch as i64)
-        .push(alpha)
-        .push(beta);
+    let mut args = gemm_args(g, p, alpha, beta);
     if let Some(pp) = l.persistent {
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
         let store = pp.tma_store && wg_tma_store_ok(g, p.c, beta, &e);
@@ -1345,6 +1338,29 @@ fn launch_inner(
         args.push(gr.ends).push(gr.groups as i32);
     }
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
+}
+
+/// Every GEMM kernel's leading parameters (FE_MATMUL_PARAMS).
+fn gemm_args(g: &Gemm, p: Ptrs, alpha: f32, beta: f32) -> KernelArgs {
+    let mut args = KernelArgs::new();
+    args.push(p.c)
+        .push(p.a)
+        .push(p.b)
+        .push(g.m as i64)
+        .push(g.n as i64)
+        .push(g.k as i64)
+        .push(g.a.ld as i64)
+        .push(g.b.ld as i64)
+        .push(g.c.ld as i64)
+        .push(g.a.trans as i32)
+        .push(g.b.trans as i32)
+        .push(g.a.batch_stride as i64)
+        .push(g.b.batch_stride as i64)
+        .push(g.c.batch_stride as i64)
+        .push(g.batch as i64)
+        .push(alpha)
+        .push(beta);
+    args
 }
 
 /// Which dimension a grouped GEMM splits into groups (the kernels' `-DFE_GROUPED`).
@@ -1423,7 +1439,140 @@ pub fn grouped_specs() -> Vec<KernelSpec> {
             }
         }
     }
+    // The GLU builds of the two GLUs MLPs use most (SwiGLU, GeGLU-tanh); the other activations
+    // compile the same code with another formula.
+    for d in [DType::F16, DType::BF16] {
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            v.push(KernelSpec {
+                program: grouped_glu_program(d, act),
+                functions: vec!["matmul_wgmma".into()],
+                min_arch: Arch::SM90,
+            });
+        }
+    }
     v
+}
+
+fn grouped_glu_program(dtype: DType, act: Activation) -> Program {
+    grouped_program("wgmma", dtype, Grouping::M, false, false).define("FE_GLU", 1 + act.code())
+}
+
+/// Plans the M-grouped `wgmma` GEMM with the GLU in its epilogue (wgmma.cu's `FE_GLU`): `g` is
+/// the up projection `[m, k]·[batch][k, n]` with `n = 2·nh` columns (gate | up) and C the GLU
+/// output `[m, nh]` (`g.c.ld = nh`). Needs sm_90, f16/bf16, B not transposed and `nh` a multiple
+/// of 8 (16-byte rows for the TMA store).
+pub fn plan_grouped_glu(g: &Gemm, act: Activation, dev: &Arc<CudaDevice>) -> Result<Launch> {
+    let refuse = |why: String| Error::NoVariant {
+        op: OP.into(),
+        msg: format!("the GLU-fused grouped `wgmma` {why}"),
+    };
+    if g.dtype == DType::F32 {
+        return Err(refuse("takes f16/bf16".into()));
+    }
+    if dev.arch().major != 9 {
+        return Err(refuse(WGMMA_ARCH.into()));
+    }
+    if g.a.trans || g.b.trans {
+        return Err(refuse("reads A row-major and B [k, n]".into()));
+    }
+    if !g.n.is_multiple_of(16) || g.c.ld != g.n / 2 {
+        return Err(refuse(format!(
+            "needs n = 2·nh with nh a multiple of 8 and C's ld = nh, got n {} and ld {}",
+            g.n, g.c.ld
+        )));
+    }
+    if let Some(why) = wgmma_declines(g) {
+        return Err(refuse(why));
+    }
+    let kernel = dev.kernel(&grouped_glu_program(g.dtype, act), "matmul_wgmma")?;
+    let smem = wg_smem(g.dtype, None);
+    kernel.set_max_dynamic_smem(smem)?;
+    let sms = dev.props().sm_count.max(1);
+    Ok(Launch {
+        kernel,
+        block: (WG_THREADS, 1, 1),
+        smem,
+        tile: (WG_TILE.0, WG_TILE.1 / 2),
+        config: format!(
+            "tile {}×{} of the GLU output ({} B columns: gate and up), TMA + wgmma, persistent grid ≤ {sms}, {} GLU in the epilogue, M-grouped",
+            WG_TILE.0,
+            WG_TILE.1 / 2,
+            WG_TILE.1,
+            act.name()
+        ),
+        persistent: Some(Persistent {
+            ctas: sms,
+            group_m: WG_GROUP_M,
+            cluster: 1,
+            tma_store: true,
+        }),
+        epilogue: None,
+        pack: None,
+    })
+}
+
+/// Queues a GEMM planned by `plan_grouped_glu`: `p.c` receives the GLU output `[g.m, g.n / 2]`,
+/// `h` (when given) the pre-activations `[g.m, g.n]` (gate | up). The caller guarantees what
+/// `launch_grouped` asks, with C and h covering `g.m` rows and 16-byte aligned bases.
+pub fn launch_grouped_glu(
+    l: &Launch,
+    g: &Gemm,
+    p: Ptrs,
+    h: Option<u64>,
+    groups: Groups,
+    stream: &Stream,
+) -> Result<()> {
+    if groups.groups == 0 || groups.groups > MAX_GROUPS || groups.groups != g.batch {
+        return Err(Error::Other(format!(
+            "grouped GLU matmul: {} groups for a problem of batch {} (1..={MAX_GROUPS})",
+            groups.groups, g.batch
+        )));
+    }
+    let Some(pp) = l.persistent else {
+        return Err(Error::Other(format!(
+            "grouped GLU matmul: {} is not the persistent wgmma kernel",
+            l.kernel.name
+        )));
+    };
+    if [p.a, p.b, p.c, h.unwrap_or(0)]
+        .iter()
+        .any(|q| !q.is_multiple_of(16))
+        || g.k == 0
+    {
+        return Err(Error::NoVariant {
+            op: OP.into(),
+            msg: "the GLU-fused grouped wgmma needs 16-byte aligned operands and k > 0".into(),
+        });
+    }
+    let nh = g.n / 2;
+    let es = g.dtype.size_in_bytes() as u64;
+    let rows = g.m.max(1) as u64;
+    let (ta, tb) = wgmma_maps(g, p, 1)?;
+    let tc = tensor_map(g.dtype, p.c, nh, g.m, nh, 1, 0, 64, 16)?;
+    // The pre-activations as (column, half, row): half 0 the gate's columns, 1 the up's.
+    let th = match h {
+        Some(ph) => tensor_map_3d(
+            g.dtype,
+            ph,
+            [nh as u64, 2, rows],
+            [nh as u64 * es, g.n as u64 * es],
+            [64, 1, 16],
+        )?,
+        None => TmaDesc([0; 16]),
+    };
+    let tiles = ((g.m as u64).div_ceil(l.tile.0 as u64) + groups.groups as u64)
+        * (nh as u64).div_ceil(l.tile.1 as u64);
+    let grid = (tiles.clamp(1, pp.ctas as u64) as u32, 1, 1);
+    let mut args = gemm_args(g, p, 1.0, 0.0);
+    args.push(ta)
+        .push(tb)
+        .push(tc)
+        .push(th)
+        .push(pp.group_m.max(1) as i32)
+        .push(1 | if h.is_some() { 2 } else { 0 });
+    args.push(groups.ends).push(groups.groups as i32);
+    args.push(h.unwrap_or(0));
+    l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
 }
 
 /// Plans a grouped GEMM on `variant` (`mma_pipelined`, or `wgmma` on sm_90 for f16/bf16): the

@@ -31,6 +31,19 @@ pub enum Activation {
     Silu,
 }
 
+impl From<crate::ops::activation::Activation> for Activation {
+    fn from(a: crate::ops::activation::Activation) -> Self {
+        use crate::ops::activation::Activation as A;
+        match a {
+            A::None => Activation::None,
+            A::Relu => Activation::Relu,
+            A::GeluTanh => Activation::GeluTanh,
+            A::GeluErf => Activation::GeluErf,
+            A::Silu => Activation::Silu,
+        }
+    }
+}
+
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_A: f64 = 0.044715;
 

@@ -307,8 +307,9 @@ fn bench_gpu(
                         Err(e) => return Err(e),
                     };
                     progress(&format!("moe {} expert GEMMs {}", v.name, shape("")));
+                    let gemms = super::cuda::ExpertGemms::new(&p, &opts)?;
                     let st = time_gpu(dev, &stream, Budget::gpu(), |_| {
-                        super::cuda::expert_gemms(v.name, &p, &w, &f, &opts)
+                        gemms.run(v.name, &p, &w, &mcfg, &f, &opts)
                     })?;
                     let mut rec = BenchRecord::new(
                         d,

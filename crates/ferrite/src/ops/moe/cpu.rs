@@ -294,8 +294,6 @@ pub fn forward(
         (&f.losses, &losses),
         (&f.xp, &xp),
         (&f.hpre, &hpre),
-        (&f.h, &hh),
-        (&f.y, &y),
     ] {
         t.write_f32(v)?;
     }
@@ -394,34 +392,25 @@ pub fn backward(
         f.pos.to_vec::<i32>()?,
         f.ends.to_vec::<i32>()?,
     );
-    let (weights, y, hh, hpre, xp) = (
+    let (weights, hpre, xp) = (
         f.weights.to_f32_vec()?,
-        f.y.to_f32_vec()?,
-        f.h.to_f32_vec()?,
         f.hpre.to_f32_vec()?,
         f.xp.to_f32_vec()?,
     );
     let used = ends[e - 1] as usize;
-    // Combine backward: dy rows and the gates' gradients.
-    let mut dy = vec![0f32; rows_cap * h];
-    let mut dw = vec![0f32; t * k];
-    rows_mut(par, &mut dy[..used * h], h, |r, o| {
+    // dout's rows in the layout, unscaled (zeros on padding).
+    let mut dyu = vec![0f32; rows_cap * h];
+    rows_mut(par, &mut dyu[..used * h], h, |r, o| {
         if src[r] >= 0 {
-            let pr = src[r] as usize;
-            let tok = pr / k;
-            for (c, oc) in o.iter_mut().enumerate() {
-                *oc = round(dt, weights[pr] * g[tok * h + c]);
-            }
+            let tok = src[r] as usize / k;
+            o.copy_from_slice(&g[tok * h..(tok + 1) * h]);
         }
     });
-    for r in 0..used {
-        if src[r] >= 0 {
-            let pr = src[r] as usize;
-            let tok = pr / k;
-            dw[pr] = (0..h).map(|c| g[tok * h + c] * y[r * h + c]).sum();
-        }
-    }
-    let mut dh = vec![0f32; rows_cap * i];
+    // Per row (kernels/moe.cu's moe_glu_bwd): gu = dyu·W_downᵀ, the GLU output a recomputed from
+    // hpre, the gate's gradient <gu, a>, s·a for dW_down and the GLU backward of s·gu.
+    let mut gu = vec![0f32; rows_cap * i];
+    let mut wa = vec![0f32; rows_cap * i];
+    let mut dots = vec![0f32; rows_cap];
     let mut dhpre = vec![0f32; rows_cap * 2 * i];
     let mut dxp = vec![0f32; rows_cap * h];
     let mut dw_up = vec![0f32; e * h * 2 * i];
@@ -429,36 +418,59 @@ pub fn backward(
     for ex in 0..e {
         let (s, en) = seg(&ends, ex);
         let wd_e = &wd[ex * i * h..(ex + 1) * i * h];
-        // dh = dy·W_downᵀ (W_down [I, H] read as [n = I, k = H] transposed).
+        // gu = dyu·W_downᵀ (W_down [I, H] read as [n = I, k = H] transposed).
         gemm_rows(
             par,
-            &dy[s * h..en * h],
+            &dyu[s * h..en * h],
             h,
             wd_e,
             i,
             true,
             dt,
-            &mut dh[s * i..en * i],
+            &mut gu[s * i..en * i],
         );
+        let (hp, gus) = (&hpre[s * 2 * i..en * 2 * i], &gu[s * i..en * i]);
+        let row = |r: usize| {
+            let sc = if src[s + r] >= 0 {
+                weights[src[s + r] as usize]
+            } else {
+                0.0
+            };
+            let mut d = vec![0f32; 2 * i];
+            let mut wr = vec![0f32; i];
+            let mut dot = 0f32;
+            for c in 0..i {
+                let (gt, u) = (hp[r * 2 * i + c], hp[r * 2 * i + i + c]);
+                let (a, da) = act_fg(cfg.act, gt);
+                let gv = gus[r * i + c];
+                let hv = round(dt, a * u);
+                let dd = sc * gv;
+                d[c] = round(dt, dd * u * da);
+                d[i + c] = round(dt, dd * a);
+                wr[c] = round(dt, sc * hv);
+                dot += gv * hv;
+            }
+            (dot, d, wr)
+        };
+        let rows: Vec<(f32, Vec<f32>, Vec<f32>)> = if par {
+            (0..en - s).into_par_iter().map(row).collect()
+        } else {
+            (0..en - s).map(row).collect()
+        };
+        for (r, (dot, d, wr)) in rows.into_iter().enumerate() {
+            dots[s + r] = dot;
+            dhpre[(s + r) * 2 * i..(s + r + 1) * 2 * i].copy_from_slice(&d);
+            wa[(s + r) * i..(s + r + 1) * i].copy_from_slice(&wr);
+        }
         gemm_tn(
             par,
-            &hh[s * i..en * i],
+            &wa[s * i..en * i],
             i,
-            &dy[s * h..en * h],
+            &dyu[s * h..en * h],
             h,
             dt,
             &mut dw_down[ex * i * h..(ex + 1) * i * h],
         );
-        let (hp, dhs) = (&hpre[s * 2 * i..en * 2 * i], &dh[s * i..en * i]);
-        rows_mut(par, &mut dhpre[s * 2 * i..en * 2 * i], 2 * i, |r, o| {
-            for c in 0..i {
-                let (gt, u) = (hp[r * 2 * i + c], hp[r * 2 * i + i + c]);
-                let (a, da) = act_fg(cfg.act, gt);
-                let d = dhs[r * i + c];
-                o[c] = round(dt, d * u * da);
-                o[i + c] = round(dt, d * a);
-            }
-        });
         let wu_e = &wu[ex * h * 2 * i..(ex + 1) * h * 2 * i];
         gemm_rows(
             par,
@@ -479,6 +491,13 @@ pub fn backward(
             dt,
             &mut dw_up[ex * h * 2 * i..(ex + 1) * h * 2 * i],
         );
+    }
+    // The gates' gradients (dropped pairs: 0).
+    let mut dw = vec![0f32; t * k];
+    for r in 0..used {
+        if src[r] >= 0 {
+            dw[src[r] as usize] = dots[r];
+        }
     }
     // Router: dlogits per token, then dx += dlogits·router, d_router = dlogitsᵀ·x.
     let (idx, probs, lse, logits, counts) = (

@@ -1,6 +1,7 @@
 //! CUDA host code of the moe family: the routing / layout / combine kernels of kernels/moe.cu and
 //! the expert GEMMs, as a loop of matmul calls (`naive`) or matmul's grouped kernels (`grouped`:
-//! mma.sync, `wgmma`: Hopper's persistent TMA kernel).
+//! mma.sync, `wgmma`: Hopper's persistent TMA kernel; `fused`: `wgmma` with the GLU in the up
+//! projection's epilogue).
 
 use super::{MoeConfig, MoeForward, MoeGrads, MoeOptions, MoeWeights, Problem, OP};
 use crate::core::cuda::jit::{KernelSource, Program};
@@ -17,7 +18,7 @@ use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
-const FUNCS: [&str; 13] = [
+const FUNCS: [&str; 14] = [
     "moe_router",
     "moe_fill_i32",
     "moe_zero_bytes",
@@ -26,7 +27,8 @@ const FUNCS: [&str; 13] = [
     "moe_scatter",
     "moe_permute_rows",
     "moe_combine",
-    "moe_combine_bwd",
+    "moe_gather_dout",
+    "moe_glu_bwd",
     "moe_unpermute_grad",
     "moe_router_bwd",
     "moe_stats_partial",
@@ -147,7 +149,7 @@ impl Ctx {
 fn grouped_kernel(variant: &str) -> Option<&'static str> {
     match variant {
         "grouped" => Some("mma_pipelined"),
-        "wgmma" => Some("wgmma"),
+        "wgmma" | "fused" => Some("wgmma"),
         _ => None,
     }
 }
@@ -384,29 +386,21 @@ pub fn forward(
     opts: &MoeOptions,
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
-    let (t, h, e, k) = (p.tokens, p.hidden, p.experts, p.top_k);
-    let rows_cap = p.rows_cap();
+    let (t, h, k) = (p.tokens, p.hidden, p.top_k);
     route(&x, p, xt, w, cfg, f)?;
     let he = host_ends(variant, &f.ends)?;
-    up_proj(&x, variant, p, w, f, he.as_deref())?;
-    // The GLU over the used rows when the host knows them, else over the whole buffer (rows past
-    // the used ones are never read).
-    let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
-    if used > 0 {
-        activation::glu_into(
-            &f.hpre.narrow(0, 0, used)?,
-            &f.h.narrow(0, 0, used)?,
-            &GluOptions {
-                act: cfg.act,
-                stream: Some(x.stream.clone()),
-                variant: None,
-            },
-        )?;
+    // The GLU output and the down projection are the forward's own workspaces (the backward
+    // needs neither): back to the pool, in stream order, once the combine has read them.
+    let (a, y) = acts(&x, p)?;
+    up_proj(&x, variant, p, w, cfg, f, &a, he.as_deref())?;
+    if variant != "fused" {
+        glu(&x, p, cfg, f, &a, he.as_deref())?;
     }
-    down_proj(&x, variant, p, w, f, he.as_deref())?;
-    let (py, po) = (f.y.device_ptr()?, f.out.device_ptr()?);
-    let mut a = KernelArgs::new();
-    a.push(py)
+    down_proj(&x, variant, p, w, f, &a, &y, he.as_deref())?;
+    drop(a);
+    let (py, po) = (y.device_ptr()?, f.out.device_ptr()?);
+    let mut args = KernelArgs::new();
+    args.push(py)
         .push(h as i64)
         .push(f.pos.device_ptr()?)
         .push(f.weights.device_ptr()?)
@@ -414,20 +408,74 @@ pub fn forward(
         .push(t as i32)
         .push(rows_vec(p, &[py, po]) as i32)
         .push(po);
-    x.launch("moe_combine", x.grid(t, 1), 256, 0, &mut a)?;
+    x.launch("moe_combine", x.grid(t, 1), 256, 0, &mut args)?;
     stats(&x, p, cfg, f)
 }
 
-/// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows.
+/// The forward's GLU output `[rows_cap, I]` and down projection `[rows_cap, H]` workspaces.
+fn acts(x: &Ctx, p: &Problem) -> Result<(Tensor, Tensor)> {
+    let r = p.rows_cap();
+    Ok((
+        x.empty(&[r, p.inter], p.dtype)?,
+        x.empty(&[r, p.hidden], p.dtype)?,
+    ))
+}
+
+/// `a = act(gate) ⊙ up` of the up projection, over the used rows when the host knows them, else
+/// over the whole buffer (rows past the used ones are never read).
+fn glu(
+    x: &Ctx,
+    p: &Problem,
+    cfg: &MoeConfig,
+    f: &MoeForward,
+    a: &Tensor,
+    he: Option<&[i32]>,
+) -> Result<()> {
+    let used = he.map_or(p.rows_cap(), |v| v[p.experts - 1] as usize);
+    if used == 0 {
+        return Ok(());
+    }
+    activation::glu_into(
+        &f.hpre.narrow(0, 0, used)?,
+        &a.narrow(0, 0, used)?,
+        &GluOptions {
+            act: cfg.act,
+            stream: Some(x.stream.clone()),
+            variant: None,
+        },
+    )
+}
+
+/// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows (`fused`: and
+/// `a = act(gate) ⊙ up` from the same accumulators).
+#[allow(clippy::too_many_arguments)]
 fn up_proj(
     x: &Ctx,
     variant: &str,
     p: &Problem,
     w: &MoeWeights,
+    cfg: &MoeConfig,
     f: &MoeForward,
+    a: &Tensor,
     he: Option<&[i32]>,
 ) -> Result<()> {
     let dims = (p.rows_cap(), 2 * p.inter, p.hidden);
+    if variant == "fused" {
+        let mut g = grouped_gemm(Grouping::M, p.experts, dims, false, p.dtype, p.device);
+        g.c.ld = p.inter;
+        let l = mm::plan_grouped_glu(&g, cfg.act.into(), &x.dev)?;
+        let ptrs = Ptrs {
+            a: f.xp.device_ptr()?,
+            b: w.w_up.device_ptr()?,
+            c: a.device_ptr()?,
+        };
+        let groups = Groups {
+            mode: Grouping::M,
+            ends: f.ends.device_ptr()?,
+            groups: p.experts,
+        };
+        return mm::launch_grouped_glu(&l, &g, ptrs, Some(f.hpre.device_ptr()?), groups, &x.stream);
+    }
     expert_gemm(
         x,
         variant,
@@ -443,13 +491,16 @@ fn up_proj(
     )
 }
 
-/// The down projection of every expert: `y = h·W_down[e]` over the layout's rows.
+/// The down projection of every expert: `y = a·W_down[e]` over the layout's rows.
+#[allow(clippy::too_many_arguments)]
 fn down_proj(
     x: &Ctx,
     variant: &str,
     p: &Problem,
     w: &MoeWeights,
     f: &MoeForward,
+    a: &Tensor,
+    y: &Tensor,
     he: Option<&[i32]>,
 ) -> Result<()> {
     let dims = (p.rows_cap(), p.hidden, p.inter);
@@ -459,28 +510,43 @@ fn down_proj(
         Grouping::M,
         p,
         dims,
-        &f.h,
+        a,
         w.w_down,
         false,
-        &f.y,
+        y,
         &f.ends,
         he,
     )
 }
 
-/// The forward's two expert GEMMs alone (up into `hpre`, down from `h` into `y`) on the layout
-/// of a finished forward `f`: what `bench` sets against a dense GEMM chain of the same FLOPs.
-pub fn expert_gemms(
-    variant: &str,
-    p: &Problem,
-    w: &MoeWeights,
-    f: &MoeForward,
-    opts: &MoeOptions,
-) -> Result<()> {
-    let x = Ctx::new(p, opts)?;
-    let he = host_ends(variant, &f.ends)?;
-    up_proj(&x, variant, p, w, f, he.as_deref())?;
-    down_proj(&x, variant, p, w, f, he.as_deref())
+/// The forward's two expert GEMMs alone (up into `hpre` — `fused`: and the GLU output — down
+/// from the GLU output) on the layout of a finished forward `f`, with the workspaces of
+/// `ExpertGemms::new`: what `bench` sets against a dense GEMM chain of the same FLOPs.
+pub struct ExpertGemms {
+    a: Tensor,
+    y: Tensor,
+}
+
+impl ExpertGemms {
+    pub fn new(p: &Problem, opts: &MoeOptions) -> Result<ExpertGemms> {
+        let (a, y) = acts(&Ctx::new(p, opts)?, p)?;
+        Ok(ExpertGemms { a, y })
+    }
+
+    pub fn run(
+        &self,
+        variant: &str,
+        p: &Problem,
+        w: &MoeWeights,
+        cfg: &MoeConfig,
+        f: &MoeForward,
+        opts: &MoeOptions,
+    ) -> Result<()> {
+        let x = Ctx::new(p, opts)?;
+        let he = host_ends(variant, &f.ends)?;
+        up_proj(&x, variant, p, w, cfg, f, &self.a, he.as_deref())?;
+        down_proj(&x, variant, p, w, f, &self.a, &self.y, he.as_deref())
+    }
 }
 
 /// The auxiliary and z-losses and each expert's mean score (`[2 + E]` f32), deterministic.
@@ -526,72 +592,80 @@ pub fn backward(
     let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
     let rows_cap = p.rows_cap();
     let he = host_ends(variant, &f.ends)?;
-    // Combine backward: dy rows (zeros on padding) and the gates' gradients.
-    let dy = x.empty(&[rows_cap, h], p.dtype)?;
-    let dw = x.empty(&[t * k], DType::F32)?;
-    x.zero(&dw)?;
-    let (pg, pyy, pdy) = (dout.device_ptr()?, f.y.device_ptr()?, dy.device_ptr()?);
+    // dout's rows in the layout, unscaled (zeros on padding), then gu = dyu·W_downᵀ.
+    let dyu = x.empty(&[rows_cap, h], p.dtype)?;
+    let (pg, pdy) = (dout.device_ptr()?, dyu.device_ptr()?);
     let mut a = KernelArgs::new();
     a.push(pg)
-        .push(pyy)
         .push(h as i64)
         .push(f.src.device_ptr()?)
-        .push(f.weights.device_ptr()?)
         .push(k as i32)
         .push(f.ends.device_ptr()?)
         .push(e as i32)
-        .push(rows_vec(p, &[pg, pyy, pdy]) as i32)
-        .push(pdy)
-        .push(dw.device_ptr()?);
-    x.launch("moe_combine_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
-    // Down projection: dh = dy·W_downᵀ, dW_down[e] = h_eᵀ·dy_e.
-    let dh = x.empty(&[rows_cap, i], p.dtype)?;
+        .push(rows_vec(p, &[pg, pdy]) as i32)
+        .push(pdy);
+    x.launch("moe_gather_dout", x.grid(rows_cap, 1), 256, 0, &mut a)?;
+    let gu = x.empty(&[rows_cap, i], p.dtype)?;
     expert_gemm(
         &x,
         variant,
         Grouping::M,
         p,
         (rows_cap, i, h),
-        &dy,
+        &dyu,
         w.w_down,
         true,
-        &dh,
+        &gu,
         &f.ends,
         he.as_deref(),
     )?;
+    // The GLU backward with the gates folded in: dhpre, s·a (dW_down's operand) and the gates'
+    // gradients, from hpre and gu (kernels/moe.cu, moe_glu_bwd).
+    let dw = x.empty(&[t * k], DType::F32)?;
+    x.zero(&dw)?;
+    let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
+    let wa = x.empty(&[rows_cap, i], p.dtype)?;
+    let (pgu, php, pdh, pwa) = (
+        gu.device_ptr()?,
+        f.hpre.device_ptr()?,
+        dhpre.device_ptr()?,
+        wa.device_ptr()?,
+    );
+    let vec = (i * p.dtype.size_in_bytes()).is_multiple_of(16)
+        && [pgu, php, pdh, pwa].iter().all(|q| q.is_multiple_of(16));
+    let mut a = KernelArgs::new();
+    a.push(pgu)
+        .push(php)
+        .push(i as i64)
+        .push(cfg.act.code())
+        .push(f.src.device_ptr()?)
+        .push(f.weights.device_ptr()?)
+        .push(f.ends.device_ptr()?)
+        .push(e as i32)
+        .push(vec as i32)
+        .push(pdh)
+        .push(pwa)
+        .push(dw.device_ptr()?);
+    x.launch("moe_glu_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
+    // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
+    // is queued, so the next ones reuse the memory.
+    drop(gu);
+    // dW_down[e] = (s·a)_eᵀ·dyu_e.
     expert_gemm(
         &x,
         variant,
         Grouping::K,
         p,
         (i, h, rows_cap),
-        &f.h,
-        &dy,
+        &wa,
+        &dyu,
         false,
         &gr.dw_down,
         &f.ends,
         he.as_deref(),
     )?;
-    // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
-    // is queued, so the next ones reuse the memory: the backward's peak holds two of the four
-    // layout-sized gradients at a time, not four.
-    drop(dy);
-    // GLU backward over the used rows (the whole buffer when the host does not know them).
-    let used = he.as_ref().map_or(rows_cap, |v| v[e - 1] as usize);
-    let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
-    if used > 0 {
-        activation::glu_backward_into(
-            &dh.narrow(0, 0, used)?,
-            &f.hpre.narrow(0, 0, used)?,
-            &dhpre.narrow(0, 0, used)?,
-            &GluOptions {
-                act: cfg.act,
-                stream: Some(x.stream.clone()),
-                variant: None,
-            },
-        )?;
-    }
-    drop(dh);
+    drop(wa);
+    drop(dyu);
     // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
     let dxp = x.empty(&[rows_cap, h], p.dtype)?;
     expert_gemm(

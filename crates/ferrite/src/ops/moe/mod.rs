@@ -29,7 +29,8 @@
 //! cores). CUDA: `naive` (a loop over experts calling matmul with the host reading the counts:
 //! what a PyTorch user writes), `grouped` (the device plans the layout, one grouped `mma.sync`
 //! launch per GEMM, no host synchronisation: graph-capturable), `wgmma` (the same with Hopper's
-//! persistent TMA + wgmma grouped kernels). Routing, permutation and combine kernels are shared
+//! persistent TMA + wgmma grouped kernels), `fused` (`wgmma` with the GLU computed in the up
+//! projection's epilogue: no GLU pass). Routing, permutation and combine kernels are shared
 //! by the CUDA variants (kernels/moe.cu).
 
 pub mod bench;
@@ -65,6 +66,7 @@ pub fn variants() -> Vec<VariantInfo> {
         VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "a loop over experts calling matmul (cuBLAS-class per-expert GEMMs); the host waits for the routing to size each call", rank: 1 },
         VariantInfo { name: "grouped", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "layout planned on the device, one grouped mma.sync launch per GEMM over every expert; no host synchronisation (CUDA-graph safe)", rank: 2 },
         VariantInfo { name: "wgmma", backend: Backend::Cuda, dtypes: HALFS, min_arch: Some(Arch::SM90), constraints: "16-byte aligned rows (H, I multiples of 8)", summary: "the grouped launches on Hopper's persistent TMA + wgmma kernel (walks every expert's tiles)", rank: 3 },
+        VariantInfo { name: "fused", backend: Backend::Cuda, dtypes: HALFS, min_arch: Some(Arch::SM90), constraints: "16-byte aligned rows (H, I multiples of 8)", summary: "wgmma with the GLU in the up projection's epilogue (act(gate) ⊙ up out of the accumulators: no GLU pass)", rank: 4 },
     ]
 }
 
@@ -326,6 +328,9 @@ pub fn validate(x: &Tensor, w: &MoeWeights, cfg: &MoeConfig) -> Result<Problem> 
     })
 }
 
+/// How many buffers a forward's state has (`MoeForward::layout`).
+pub const FORWARD_BUFFERS: usize = 14;
+
 /// Everything a forward produced and its backward reads: the output, the routing, the layout and
 /// the expert activations (all on the layer's device).
 pub struct MoeForward {
@@ -353,12 +358,12 @@ pub struct MoeForward {
     pub stats: Tensor,
     /// `[2 + E]` f32: aux loss, z-loss, mean score per expert.
     pub losses: Tensor,
-    /// Layout rows: x gathered `[rows_cap, H]`, up projection `[rows_cap, 2I]`, GLU output
-    /// `[rows_cap, I]`, down projection `[rows_cap, H]`.
+    /// Layout rows: x gathered `[rows_cap, H]`, up projection `[rows_cap, 2I]` (gate | up): what
+    /// the backward needs. The GLU output and the down projection are workspaces of the forward
+    /// (the backward recomputes the GLU from `hpre` and takes the gates' gradient from its own
+    /// down-projection GEMM).
     pub xp: Tensor,
     pub hpre: Tensor,
-    pub h: Tensor,
-    pub y: Tensor,
 }
 
 /// What a step's routing did (read back from the device on request).
@@ -412,12 +417,10 @@ impl MoeForward {
             ("losses", vec![2 + e], DType::F32),
             ("xp", vec![r, h], dt),
             ("hpre", vec![r, 2 * i], dt),
-            ("h", vec![r, i], dt),
-            ("y", vec![r, h], dt),
         ]
     }
 
-    fn fields(&self) -> [&Tensor; 16] {
+    fn fields(&self) -> [&Tensor; FORWARD_BUFFERS] {
         [
             &self.out,
             &self.logits,
@@ -433,8 +436,6 @@ impl MoeForward {
             &self.losses,
             &self.xp,
             &self.hpre,
-            &self.h,
-            &self.y,
         ]
     }
 
@@ -462,19 +463,17 @@ impl MoeForward {
             losses: next(),
             xp: next(),
             hpre: next(),
-            h: next(),
-            y: next(),
         })
     }
 
     /// Caller-provided buffers (`MoeForward::layout`'s shapes and dtypes, contiguous, on `p`'s
     /// device, none sharing storage with another or with the layer's inputs).
-    pub fn from_buffers(p: &Problem, ts: [Tensor; 16]) -> Result<MoeForward> {
+    pub fn from_buffers(p: &Problem, ts: [Tensor; FORWARD_BUFFERS]) -> Result<MoeForward> {
         for ((name, shape, dt), t) in Self::layout(p).iter().zip(&ts) {
             expect(t, name, shape, *dt, p.device)?;
         }
-        for a in 0..16 {
-            for b in a + 1..16 {
+        for a in 0..FORWARD_BUFFERS {
+            for b in a + 1..FORWARD_BUFFERS {
                 if ts[a].shares_storage(&ts[b]) {
                     return Err(Error::bad_arg(
                         OP,
@@ -485,7 +484,7 @@ impl MoeForward {
                 }
             }
         }
-        let [out, logits, probs, lse, idx, weights, pos, src, ends, counts, stats, losses, xp, hpre, h, y] =
+        let [out, logits, probs, lse, idx, weights, pos, src, ends, counts, stats, losses, xp, hpre] =
             ts;
         Ok(MoeForward {
             problem: *p,
@@ -503,8 +502,6 @@ impl MoeForward {
             losses,
             xp,
             hpre,
-            h,
-            y,
         })
     }
 
@@ -599,7 +596,11 @@ fn select(p: &Problem, requested: Option<&str>) -> Result<&'static str> {
         Backend::of(p.device),
         p.dtype,
         arch,
-        |v| (v.name == "wgmma").then(|| cuda::wgmma_unfit(p)).flatten(),
+        |v| {
+            matches!(v.name, "wgmma" | "fused")
+                .then(|| cuda::wgmma_unfit(p))
+                .flatten()
+        },
     )?;
     Ok(v.name)
 }

@@ -46,58 +46,10 @@ typedef FE_ELEM T;
 typedef Vec16<T> Vec;
 constexpr int VEC = Vec::N;
 
-#define SQRT_2_OVER_PI 0.7978845608028654f
-#define GELU_C 0.044715f
-#define INV_SQRT2 0.7071067811865476f
-#define INV_SQRT_2PI 0.3989422804014327f
+#include "act.cuh"
 
-#define LOG2E 1.4426950408889634f
-
-// 2^x and 1/x on the special-function unit, one MUFU instruction each (ex2.approx: ≤ 2⁻²² relative
-// error; rcp.approx: ≤ 1 ulp; subnormal results flush to 0). The IEEE expf and 1.f/x cost ~10 and
-// ~8 instructions plus a slow-path call each, the largest share of the first fused build's issue.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// σ(z) = 1/(1 + 2^(−z·log₂e)) from t = −z·log₂e: t → +∞ gives 1/∞ = 0, t → −∞ gives 1; NaN stays NaN.
-__device__ __forceinline__ float sigmoid_of_neg_log2(float t) { return rcp_approx(1.f + ex2_approx(t)); }
-
-// a = act(h) and d = act'(h); callers using one of them let the compiler drop the other.
-__device__ __forceinline__ void act_fg(float h, float& a, float& d) {
-#if FE_ACT == 0
-  a = h;
-  d = 1.f;
-#elif FE_ACT == 1
-  a = (h > 0.f || isnan(h)) ? h : 0.f;  // NaN stays NaN, as torch's relu
-  d = h > 0.f ? 1.f : 0.f;
-#elif FE_ACT == 2
-  // 0.5·(1 + tanh(u)) = σ(2u): one exponential instead of tanhf, and no cancellation where
-  // tanh → −1. With u = k·(h + c·h³): −2u·log₂e = h·(C1 + C2·h²), C1 = −2k·log₂e, C2 = C1·c.
-  // Then a = h·σ, d = σ + σ(1 − σ)·h·(2k + 6kc·h²).
-  const float h2 = h * h;
-  const float s = sigmoid_of_neg_log2(h * fmaf(-2.f * SQRT_2_OVER_PI * LOG2E * GELU_C, h2,
-                                                -2.f * SQRT_2_OVER_PI * LOG2E));
-  a = h * s;
-  d = fmaf(s * (1.f - s), h * fmaf(6.f * SQRT_2_OVER_PI * GELU_C, h2, 2.f * SQRT_2_OVER_PI), s);
-#elif FE_ACT == 3
-  const float e = erff(h * INV_SQRT2);
-  a = 0.5f * h * (1.f + e);
-  d = 0.5f * (1.f + e) + h * INV_SQRT_2PI * ex2_approx(-0.5f * LOG2E * h * h);
-#elif FE_ACT == 4
-  const float s = sigmoid_of_neg_log2(-LOG2E * h);
-  a = h * s;
-  d = s * (1.f + h * (1.f - s));
-#else
-#error "FE_ACT must be 0..4"
-#endif
-}
+// a = act(h) and d = act'(h) for this module's activation.
+__device__ __forceinline__ void act_fg(float h, float& a, float& d) { act_fg_of<FE_ACT>(h, a, d); }
 
 __device__ __forceinline__ float act_f(float h) {
   float a, d;

@@ -215,45 +215,50 @@ __device__ __forceinline__ float fe_tanh_approx(float x) {
 }
 constexpr bool FE_FAST_ACT = FE_EPI_PAIRS && sizeof(T) == 2;
 
-__device__ __forceinline__ float fe_act(float v) {
-#if FE_EPI == 2
-  return (v > 0.f || isnan(v)) ? v : 0.f;  // NaN stays NaN, as torch's relu
-#elif FE_EPI == 3
-  if (FE_FAST_ACT) {
-    // ½v(1 + tanh u) as h + h·tanh u: one FFMA after the tanh.
-    const float u = v * fmaf(0.7978845608028654f * 0.044715f, v * v, 0.7978845608028654f);
-    const float h = 0.5f * v;
-    return fmaf(h, fe_tanh_approx(u), h);
+// act(v) for activation code ACT (FE_EPI's numbering: 1 none, 2 relu, 3 gelu_tanh, 4 gelu_erf,
+// 5 silu), on the SFU when FAST (16-bit outputs). fe_act is the epilogue's; wgmma.cu's GLU build
+// (FE_GLU) takes the same formulas with its own code.
+template <int ACT, bool FAST>
+__device__ __forceinline__ float fe_act_of(float v) {
+  if constexpr (ACT == 2) {
+    return (v > 0.f || isnan(v)) ? v : 0.f;  // NaN stays NaN, as torch's relu
+  } else if constexpr (ACT == 3) {
+    if (FAST) {
+      // ½v(1 + tanh u) as h + h·tanh u: one FFMA after the tanh.
+      const float u = v * fmaf(0.7978845608028654f * 0.044715f, v * v, 0.7978845608028654f);
+      const float h = 0.5f * v;
+      return fmaf(h, fe_tanh_approx(u), h);
+    }
+    const float u = 0.7978845608028654f * fmaf(0.044715f * v, v * v, v);
+    return 0.5f * v * (1.f + tanhf(u));
+  } else if constexpr (ACT == 4) {
+    if (FAST) {
+      // Φ(v) through erfc(|v|/√2) = t·P(t)·exp(−x²), t = 1/(1 + p·x) (a five-term rational fit,
+      // absolute error ≤ 1.5e-7; one RCP and one EX2, no branches). erff branches on |x| per
+      // element: in the unrolled wgmma pair epilogue its blocks pushed ptxas into spills. The
+      // negative side takes ½erfc directly, so the tail has no cancellation.
+      const float x = fabsf(v) * 0.7071067811865476f;
+      const float t = __fdividef(1.f, fmaf(0.3275911f, x, 1.f));
+      float p = fmaf(t, 1.061405429f, -1.453152027f);
+      p = fmaf(t, p, 1.421413741f);
+      p = fmaf(t, p, -0.284496736f);
+      p = fmaf(t, p, 0.254829592f);
+      const float e = t * p * __expf(-x * x);  // erfc(x)
+      return v * (v >= 0.f ? fmaf(-0.5f, e, 1.f) : 0.5f * e);
+    }
+    return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+  } else if constexpr (ACT == 5) {
+    if (FAST) {
+      // v·σ(v) = ½v(1 + tanh(v/2)): one SFU op instead of EX2 + RCP.
+      const float h = 0.5f * v;
+      return fmaf(h, fe_tanh_approx(h), h);
+    }
+    return v / (1.f + expf(-v));
+  } else {
+    return v;
   }
-  const float u = 0.7978845608028654f * fmaf(0.044715f * v, v * v, v);
-  return 0.5f * v * (1.f + tanhf(u));
-#elif FE_EPI == 4
-  if (FE_FAST_ACT) {
-    // Φ(v) through erfc(|v|/√2) = t·P(t)·exp(−x²), t = 1/(1 + p·x) (a five-term rational fit,
-    // absolute error ≤ 1.5e-7; one RCP and one EX2, no branches). erff branches on |x| per
-    // element: in the unrolled wgmma pair epilogue its blocks pushed ptxas into spills. The
-    // negative side takes ½erfc directly, so the tail has no cancellation.
-    const float x = fabsf(v) * 0.7071067811865476f;
-    const float t = __fdividef(1.f, fmaf(0.3275911f, x, 1.f));
-    float p = fmaf(t, 1.061405429f, -1.453152027f);
-    p = fmaf(t, p, 1.421413741f);
-    p = fmaf(t, p, -0.284496736f);
-    p = fmaf(t, p, 0.254829592f);
-    const float e = t * p * __expf(-x * x);  // erfc(x)
-    return v * (v >= 0.f ? fmaf(-0.5f, e, 1.f) : 0.5f * e);
-  }
-  return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
-#elif FE_EPI == 5
-  if (FE_FAST_ACT) {
-    // v·σ(v) = ½v(1 + tanh(v/2)): one SFU op instead of EX2 + RCP.
-    const float h = 0.5f * v;
-    return fmaf(h, fe_tanh_approx(h), h);
-  }
-  return v / (1.f + expf(-v));
-#else
-  return v;
-#endif
 }
+__device__ __forceinline__ float fe_act(float v) { return fe_act_of<FE_EPI, FE_FAST_ACT>(v); }
 
 // act'(v), the backward of fe_act (FE_EPI_DACT): the same formulas as the linear family's
 // act_grad (linear.cu), with tanh on the SFU for 16-bit pair epilogues (FE_FAST_ACT).

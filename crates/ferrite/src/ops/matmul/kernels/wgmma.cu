@@ -143,6 +143,28 @@ constexpr int MAX_GROUPS = 1024;
 #else
 #define FE_GROUPED_PARAMS
 #endif
+// -DFE_GLU = 1 + act (FE_EPI's activation codes; with FE_GROUPED == 1, B not transposed, the
+// TMA store): the up projection of a GLU MLP (moe's `fused` variant) with the GLU in its
+// epilogue. B is `[groups][k][n]` with n = 2·nh columns, the gate's nh first and then the up's;
+// C is the GLU output `[m][nh]` (ldc = nh). A tile's 256 B columns are the gate's columns
+// [128·tn, 128·tn + 128) and the up's columns nh + the same (two 64-wide boxes each; gate boxes
+// past nh read up columns, whose products are never stored), so every thread holds the gate and
+// the up value of its output columns in accumulators j and j + 16: C = act(gate) ⊙ up goes out
+// straight from the registers, and the GLU pass over a [m][2·nh] buffer (its read, and its launch)
+// is gone. With store_tma & 2 the pre-activations (the backward's input) are stored too, to
+// `glu_h` `[m][n]` (gate | up, as the unfused GEMM writes them) through tma_z, a map of
+// (column, half, row). Both are rounded to T before the product, so C is bit for bit what the
+// unfused GEMM + GLU pass write (given the same activation formulas). Needs nh % 8 == 0.
+#ifndef FE_GLU
+#define FE_GLU 0
+#endif
+#if FE_GLU
+#define FE_GLU_PARAMS , T* __restrict__ glu_h
+static_assert(FE_GROUPED == 1 && FE_TMA_STORE && !FE_EPI && !FE_B_TRANS,
+              "GLU epilogue: M-grouped, TMA store, B [k][n]");
+#else
+#define FE_GLU_PARAMS
+#endif
 // The C staging area: per consumer warp, SBUF buffers of one 16-row × 64-column box (2 KiB,
 // 128-byte swizzled, the layout the TMA store reads), after the ring.
 // - Plain C and the activation backward (FE_EPI_DACT): SBUF = 4, the warp's whole 16 × 256 slice
@@ -312,6 +334,62 @@ template <class Vals>
 __device__ __forceinline__ void store_warp_tma(const Vals& vals, unsigned stg, const TmaDesc* map,
                                                int row, int n0, int z, int lane) {
   store_warp_tma(vals, [](int) {}, [](int, unsigned) {}, stg, map, row, n0, z, lane);
+}
+#endif
+
+#if FE_GLU
+// The GLU of the thread's pair (column group j < 16, row half i): the gate and up pre-activations
+// rounded to T (returned in g, u as floats) and act(gate) ⊙ up, rounded and packed.
+__device__ __forceinline__ unsigned glu_pair(const float (&d)[128], int j, int i, float2& g,
+                                             float2& u) {
+  const float2 g2 = fe_f2(fe_pack2<T2>(d[4 * j + 2 * i], d[4 * j + 2 * i + 1]));
+  const float2 u2 = fe_f2(fe_pack2<T2>(d[4 * (j + 16) + 2 * i], d[4 * (j + 16) + 2 * i + 1]));
+  g = g2;
+  u = u2;
+  return pack_u32(fe_act_of<FE_GLU, true>(g2.x) * u2.x, fe_act_of<FE_GLU, true>(g2.y) * u2.y);
+}
+
+// One consumer warp's 16 rows of a GLU tile through the TMA store: with keep_h the 256
+// pre-activation columns (boxes 0–1 the gate's, 2–3 the up's: half q / 2 of map_h, a map of
+// (column, half, row)), then the 128 GLU columns (2 boxes of map_c). Staging buffers rotate as
+// in store_warp_tma.
+__device__ __forceinline__ void glu_store_tma(const float (&d)[128], unsigned stg,
+                                              const TmaDesc* map_c, const TmaDesc* map_h,
+                                              bool keep_h, int row, int hc, int lane) {
+  int b = 0;
+  auto box = [&](auto vals, int q, const TmaDesc* map, int c0, int c1, int c2) {
+    const unsigned buf = stg + (b % SBUF) * SBOX;
+    ++b;
+    if (lane == 0) bulk_wait_read<SBUF - 1>();
+    __syncwarp();
+    stage_box(vals, q, buf, lane);
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0) {
+      tma_store(map, buf, c0, c1, c2);
+      bulk_commit();
+    }
+  };
+  if (keep_h) {
+    const auto pre = [&](int j, unsigned(&v)[4]) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int jj = j + e / 2, i = e % 2;
+        v[e] = pack_u32(d[4 * jj + 2 * i], d[4 * jj + 2 * i + 1]);
+      }
+    };
+#pragma unroll
+    for (int q = 0; q < 4; ++q) box(pre, q, map_h, hc + 64 * (q % 2), q / 2, row);
+  }
+  const auto glu = [&](int j, unsigned(&v)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float2 g, u;
+      v[e] = glu_pair(d, j + e / 2, e % 2, g, u);
+    }
+  };
+#pragma unroll
+  for (int q = 0; q < 2; ++q) box(glu, q, map_c, hc + 64 * q, row, 0);
 }
 #endif
 
@@ -646,7 +724,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     FE_WGMMA_FN(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
                  const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
                  const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS
-                 FE_GROUPED_PARAMS) {
+                 FE_GROUPED_PARAMS FE_GLU_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -770,7 +848,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       unsigned ph = 0;
       for (i64 t = first_tile; t < total; t += tile_step) {
         const Loc l = locate(t);
-        const int m0 = l.m0, n0 = (int)(l.tn * BN);
+        // GLU: n0 is the tile's first gate column; its up columns start at n / 2 + n0.
+        const int m0 = l.m0, n0 = (int)(l.tn * (FE_GLU ? BN / 2 : BN));
         const int za = stride_a ? (int)l.z : 0, zb = stride_b ? (int)l.z : 0;
         for (int kt = 0; kt < l.ktiles; ++kt) {
           mbar_wait(empty0 + 8 * s, ph ^ 1);
@@ -787,8 +866,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           if (CL == 1) {
             if (B_MN) {
 #pragma unroll
-              for (int i = 0; i < BN / 64; ++i)
-                tma_load(sb + i * BOX64, &tma_b, bar, n0 + 64 * i, k0, zb);
+              for (int i = 0; i < BN / 64; ++i) {
+                const int col = FE_GLU && i >= 2 ? (int)(n / 2) + n0 + 64 * (i - 2) : n0 + 64 * i;
+                tma_load(sb + i * BOX64, &tma_b, bar, col, k0, zb);
+              }
             } else {
               tma_load(sb, &tma_b, bar, k0, n0, zb);
             }
@@ -1017,6 +1098,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           else
             wg_epilogue_tma<false, false>(d, bias2, alpha, rp, epi.ldr, stg, &tma_c, &tma_z,
                                           srow, scol, (int)z, lane);
+        }
+        continue;
+      }
+#elif FE_GLU
+      {
+        const int nh = (int)(n / 2), hc = (int)(tn * (BN / 2));
+        const bool keep_h = store_tma & 2;
+        if ((store_tma & 1) && srow + 16 <= mend) {
+          glu_store_tma(d, stg, &tma_c, &tma_z, keep_h, srow, hc, lane);
+          continue;
+        }
+        // A warp whose rows run past its group's end: predicated stores from registers.
+#pragma unroll
+        for (int j = 0; j < BN / 16; ++j) {
+          const int col = hc + 8 * j + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const i64 row = row0 + 8 * i;
+            if (row < mend && col < nh) {  // nh is even: col + 1 < nh too
+              float2 g, u;
+              const unsigned a = glu_pair(d, j, i, g, u);
+              *reinterpret_cast<unsigned*>(C + row * ldc + col) = a;
+              if (keep_h) {
+                *reinterpret_cast<unsigned*>(glu_h + row * n + col) = pack_u32(g.x, g.y);
+                *reinterpret_cast<unsigned*>(glu_h + row * n + nh + col) = pack_u32(u.x, u.y);
+              }
+            }
+          }
         }
         continue;
       }

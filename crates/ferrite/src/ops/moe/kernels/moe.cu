@@ -18,11 +18,13 @@
 // moe_scatter (each (token, slot) pair's row: stable rank inside its expert, dropped beyond the
 // capacity) → moe_permute_rows (gather x into the layout, zero the padding) → grouped GEMMs →
 // moe_combine (out[t] = Σ_j w[t,j]·y[pos[t,j]], fixed order, no atomics).
-// Backward: moe_combine_bwd (dy rows and the gates' gradients), grouped GEMMs,
+// Backward: moe_gather_dout (dout's rows in the layout), the down projection's dX GEMM,
+// moe_glu_bwd (the GLU backward with the gates folded in, and the gates' gradients), grouped GEMMs,
 // moe_unpermute_grad (dx[t] = Σ_j dxp[pos[t,j]]), moe_router_bwd (dlogits through the
 // renormalisation, the scoring function, the auxiliary and z-losses), moe_stats_* (the losses).
 
 #include "ferrite.cuh"
+#include "act.cuh"
 
 using namespace ferrite;
 
@@ -367,50 +369,110 @@ extern "C" __global__ void __launch_bounds__(256)
   gather_sum(y, H, pos, w, k, ntok, vec, out);
 }
 
-// Backward of moe_combine, one block per used row r: dy[r] = w[p]·dout[t] (zeros on padding
-// rows) and dw[p] = <dout[t], y[r]> (p = src[r], t = p / k). Dropped pairs' dw is set to 0 by
-// the caller's fill.
+// Backward of moe_combine, first half, one block per used row r: dyu[r] = dout[t] (p = src[r],
+// t = p / k; zeros on padding rows). Unscaled: the gate weight w[p] is applied by moe_glu_bwd
+// after the down projection's dX GEMM, which is what lets the gates' gradient come from that
+// GEMM's output (<dyu·W_downᵀ, h>, see moe_glu_bwd) instead of from a saved copy of y.
 extern "C" __global__ void __launch_bounds__(256)
-    moe_combine_bwd(const T* __restrict__ dout, const T* __restrict__ y, i64 H,
-                    const int* __restrict__ src, const float* __restrict__ w, int k,
-                    const int* __restrict__ ends, int E, int vec, T* __restrict__ dy,
-                    float* __restrict__ dw) {
-  __shared__ float red[64];  // block_sum2 owns 64 floats
+    moe_gather_dout(const T* __restrict__ dout, i64 H, const int* __restrict__ src, int k,
+                    const int* __restrict__ ends, int E, int vec, T* __restrict__ dyu) {
   constexpr int N = Vec16<T>::N;
   const i64 used = ends[E - 1];
   for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
     const int p = src[r];
-    T* d = dy + r * H;
+    T* d = dyu + r * H;
     if (p < 0) {
       for (i64 c = threadIdx.x; c < H; c += blockDim.x) d[c] = from_float<T>(0.f);
       continue;
     }
     const T* g = dout + (i64)(p / k) * H;
-    const T* yr = y + r * H;
-    const float wp = w[p];
-    float dot = 0.f;
     if (vec) {
-      for (i64 c = threadIdx.x; c < H / N; c += blockDim.x) {
-        const Vec16<T> gv = reinterpret_cast<const Vec16<T>*>(g)[c];
-        const Vec16<T> yv = reinterpret_cast<const Vec16<T>*>(yr)[c];
-        Vec16<T> o;
+      for (i64 c = threadIdx.x; c < H / N; c += blockDim.x)
+        reinterpret_cast<Vec16<T>*>(d)[c] = reinterpret_cast<const Vec16<T>*>(g)[c];
+    } else {
+      for (i64 c = threadIdx.x; c < H; c += blockDim.x) d[c] = g[c];
+    }
+  }
+}
+
+// The GLU's backward with the gates folded in, one block per used row r (p = src[r], s = w[p],
+// 0 on padding rows): from the pre-activations hpre[r] = (gate | up) and gu[r] = dyu[r]·W_downᵀ
+// (the down projection's dX of the unscaled gradient),
+//   a = act(gate) ⊙ up           (recomputed, rounded as the forward rounds it)
+//   dw[p] = <gu[r], a>           (the gate's gradient: <dout[t], y[r]> = <dout[t]·W_downᵀ, a>)
+//   wa[r] = s·a                  (the down projection's dW operand: dW = Σ_r (s·a)ᵀ·dyu)
+//   da = s·gu;  dhpre[r] = (da ⊙ up ⊙ act'(gate) | da ⊙ act(gate))
+// So neither y nor the GLU output a is kept from the forward. Rows n apart (hpre, dhpre 2n);
+// vec: n a multiple of the 16-byte vector and every base aligned.
+template <int ACT>
+__device__ __forceinline__ void glu_bwd_rows(const T* __restrict__ gu, const T* __restrict__ hpre,
+                                             i64 n, const int* __restrict__ src,
+                                             const float* __restrict__ w, i64 used, int vec,
+                                             T* __restrict__ dhpre, T* __restrict__ wa,
+                                             float* __restrict__ dw, float* red) {
+  constexpr int N = Vec16<T>::N;
+  for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
+    const int p = src[r];
+    T* dg = dhpre + r * 2 * n;
+    T* du = dg + n;
+    T* wr = wa + r * n;
+    if (p < 0) {
+      for (i64 c = threadIdx.x; c < n; c += blockDim.x) {
+        dg[c] = du[c] = wr[c] = from_float<T>(0.f);
+      }
+      continue;
+    }
+    const float s = w[p];
+    const T* gr = gu + r * n;
+    const T* hg = hpre + r * 2 * n;
+    const T* hu = hg + n;
+    float dot = 0.f;
+    // One element: returns its term of the dot product.
+    auto one = [&](T g, T gate, T up, T& o_dg, T& o_du, T& o_wa) {
+      float a, d;
+      act_fg_of<ACT>(to_float(gate), a, d);
+      const float u = to_float(up), gv = to_float(g);
+      const float h = to_float(from_float<T>(a * u));  // the forward's rounded GLU output
+      const float da = s * gv;
+      o_dg = from_float<T>(da * u * d);
+      o_du = from_float<T>(da * a);
+      o_wa = from_float<T>(s * h);
+      return gv * h;
+    };
+    if (vec) {
+      for (i64 c = threadIdx.x; c < n / N; c += blockDim.x) {
+        const Vec16<T> gv = reinterpret_cast<const Vec16<T>*>(gr)[c];
+        const Vec16<T> gt = reinterpret_cast<const Vec16<T>*>(hg)[c];
+        const Vec16<T> up = reinterpret_cast<const Vec16<T>*>(hu)[c];
+        Vec16<T> o1, o2, o3;
 #pragma unroll
-        for (int e = 0; e < N; ++e) {
-          const float gc = to_float(gv.v[e]);
-          o.v[e] = from_float<T>(wp * gc);
-          dot = fmaf(gc, to_float(yv.v[e]), dot);
-        }
-        reinterpret_cast<Vec16<T>*>(d)[c] = o;
+        for (int e = 0; e < N; ++e) dot += one(gv.v[e], gt.v[e], up.v[e], o1.v[e], o2.v[e], o3.v[e]);
+        reinterpret_cast<Vec16<T>*>(dg)[c] = o1;
+        reinterpret_cast<Vec16<T>*>(du)[c] = o2;
+        reinterpret_cast<Vec16<T>*>(wr)[c] = o3;
       }
     } else {
-      for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
-        const float gc = to_float(g[c]);
-        d[c] = from_float<T>(wp * gc);
-        dot = fmaf(gc, to_float(yr[c]), dot);
-      }
+      for (i64 c = threadIdx.x; c < n; c += blockDim.x) dot += one(gr[c], hg[c], hu[c], dg[c], du[c], wr[c]);
     }
     dot = block_sum(dot, red);
     if (threadIdx.x == 0) dw[p] = dot;
+  }
+}
+// act: the activation family's codes (0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf, 4 silu). Rows
+// up to ends[E - 1] (read on the device). Dropped pairs' dw is set to 0 by the caller's fill.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_glu_bwd(const T* __restrict__ gu, const T* __restrict__ hpre, i64 n, int act,
+                const int* __restrict__ src, const float* __restrict__ w,
+                const int* __restrict__ ends, int E, int vec, T* __restrict__ dhpre,
+                T* __restrict__ wa, float* __restrict__ dw) {
+  __shared__ float red[64];  // block_sum owns 64 floats
+  const i64 used = ends[E - 1];
+  switch (act) {
+    case 0: glu_bwd_rows<0>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
+    case 1: glu_bwd_rows<1>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
+    case 2: glu_bwd_rows<2>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
+    case 3: glu_bwd_rows<3>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
+    default: glu_bwd_rows<4>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
   }
 }
 
