@@ -152,6 +152,7 @@ def _cfg_kwargs(top_k, score, renormalize, groups, topk_groups, routed_scale, ca
 def _moe(
     x: Tensor, router: Tensor, w_up: Tensor, w_down: Tensor, top_k: int, score: str, renormalize: bool, groups: int,
     topk_groups: int, routed_scale: float, capacity_factor: float, aux_loss_coef: float, z_loss_coef: float, activation: str,
+    forward_only: bool,
 ) -> List[Tensor]:
     op = "ferrite.moe"
     shapes = _moe_shapes(op, x, router, w_up, w_down, top_k)
@@ -160,14 +161,14 @@ def _moe(
     _native_call(
         _native.moe_forward, x.contiguous(), router.contiguous(), w_up.contiguous(), w_down.contiguous(),
         [_desc(t) for t in saved],
-        device=dev, stream=stream,
+        device=dev, stream=stream, forward_only=bool(forward_only),
         **_cfg_kwargs(top_k, score, renormalize, groups, topk_groups, routed_scale, capacity_factor, aux_loss_coef, z_loss_coef, activation),
     )
     return saved
 
 
 @_moe.register_fake
-def _(x, router, w_up, w_down, top_k, score, renormalize, groups, topk_groups, routed_scale, capacity_factor, aux_loss_coef, z_loss_coef, activation):
+def _(x, router, w_up, w_down, top_k, score, renormalize, groups, topk_groups, routed_scale, capacity_factor, aux_loss_coef, z_loss_coef, activation, forward_only):
     return [x.new_empty(s, dtype=d) for s, d in _moe_shapes("ferrite.moe", x, router, w_up, w_down, top_k)]
 
 
@@ -194,7 +195,7 @@ def _(grad, loss_grad, x, router, w_up, w_down, saved, *cfg):
 
 
 def _moe_setup(ctx, inputs, output):
-    ctx.cfg = inputs[4:]
+    ctx.cfg = inputs[4:-1]  # the layer's configuration (forward_only last: not the backward's)
     ctx.save_for_backward(*inputs[:4], *output)
 
 
@@ -205,7 +206,7 @@ def _moe_bwd(ctx, grads):
     lg = grads[11]
     loss_grad = lg.to(torch.float32) if lg is not None else torch.zeros(2, dtype=torch.float32, device=x.device)
     dx, dr, du, dd = eager.moe_backward(dout, loss_grad, x, router, w_up, w_down, saved, *ctx.cfg)
-    return (dx, dr, du, dd) + (None,) * 10
+    return (dx, dr, du, dd) + (None,) * 11
 
 
 _moe.register_autograd(_moe_bwd, setup_context=_moe_setup)
@@ -216,12 +217,16 @@ def moe_forward(
     groups: int = 1, topk_groups: int = 1, routed_scale: float = 1.0, capacity_factor: Optional[float] = None,
     aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, activation: str = "silu",
 ) -> List[Tensor]:
-    """The layer's op itself: every buffer of the forward (see ``_SAVED``); ``moe`` is the usual entry."""
+    """The layer's op itself: every buffer of the forward (see ``_SAVED``); ``moe`` is the usual entry.
+    Where no gradient can flow (``torch.no_grad()``, or no input requires one) the forward is run
+    forward-only: the pre-activations the backward would read are not written (``saved[13]``
+    then holds no values)."""
     cf = 0.0 if capacity_factor is None else float(capacity_factor)
     if capacity_factor is not None and not cf > 0:
         _fail("ferrite.moe", "capacity_factor", "None (dropless) or a value > 0", repr(capacity_factor))
+    forward_only = not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, router, w_up, w_down)))
     return eager.moe(x, router, w_up, w_down, int(top_k), score, bool(renormalize), int(groups), int(topk_groups),
-                     float(routed_scale), cf, float(aux_loss_coef), float(z_loss_coef), activation)
+                     float(routed_scale), cf, float(aux_loss_coef), float(z_loss_coef), activation, forward_only)
 
 
 def moe(

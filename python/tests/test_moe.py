@@ -149,7 +149,7 @@ def test_opcheck_and_compile():
     offs = torch.tensor([5, 5, 20], dtype=torch.int32)
     torch.library.opcheck(ops.grouped_mm.default, (a, b, offs))
     x, r, u, d = inputs(12, 8, 4, 4)
-    args = (x, r, u, d, 2, "softmax", True, 1, 1, 1.0, 0.0, 0.01, 0.001, "silu")
+    args = (x, r, u, d, 2, "softmax", True, 1, 1, 1.0, 0.0, 0.01, 0.001, "silu", False)
     torch.library.opcheck(ops.moe.default, args)
 
     def f(x, r, u, d):
@@ -203,3 +203,17 @@ def test_moe_cuda_graph_replay_matches_eager():
     torch.testing.assert_close(out, o2, atol=0, rtol=0)
     for p, q in zip(params, ref):
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_moe_under_no_grad_matches_and_skips_the_saved_state(device):
+    # Without a gradient to come the forward runs forward-only (CUDA `fused`: the pre-activations
+    # are not stored); the output is the same bits as with autograd recording.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, r, u, d = inputs(300, 64, 40, 8, dtype, device)
+    out, aux = ferrite.moe(x, r, u, d, 2, aux_loss_coef=0.01)
+    with torch.no_grad():
+        out2, aux2 = ferrite.moe(x, r, u, d, 2, aux_loss_coef=0.01)
+    assert not out2.requires_grad
+    assert torch.equal(out.detach(), out2) and torch.equal(aux.detach(), aux2)
+    assert torch.isfinite(out2.float()).all()

@@ -68,9 +68,10 @@ fn forward_of(
     MoeForward::from_buffers(&p, ts)
 }
 
-/// The layer's forward into the buffers of `saved` (MoeForward's fields, in order).
+/// The layer's forward into the buffers of `saved` (MoeForward's fields, in order);
+/// `forward_only`: no backward will read them (the pre-activations may be left unwritten).
 #[pyfunction]
-#[pyo3(signature = (x, router, w_up, w_down, saved, top_k, score="softmax", renormalize=true, groups=1, topk_groups=1, routed_scale=1.0, capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0, activation="silu", device=-1, stream=0, variant=None))]
+#[pyo3(signature = (x, router, w_up, w_down, saved, top_k, score="softmax", renormalize=true, groups=1, topk_groups=1, routed_scale=1.0, capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0, activation="silu", device=-1, stream=0, variant=None, forward_only=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_forward(
     py: Python<'_>,
@@ -92,6 +93,7 @@ pub fn moe_forward(
     device: i64,
     stream: u64,
     variant: Option<String>,
+    forward_only: bool,
 ) -> PyResult<()> {
     const OP: &str = "ferrite.moe";
     let (score, activation) = (score.to_string(), activation.to_string());
@@ -140,6 +142,7 @@ pub fn moe_forward(
             &MoeOptions {
                 variant,
                 stream: tgt.stream(),
+                forward_only,
             },
         )?;
         outs.iter().try_for_each(|o| o.write_back())
@@ -236,6 +239,7 @@ pub fn moe_backward(
             &MoeOptions {
                 variant,
                 stream: tgt.stream(),
+                forward_only: false,
             },
         )?;
         gs.iter().try_for_each(|o| o.write_back())
@@ -268,6 +272,7 @@ pub fn grouped_mm(
             &MoeOptions {
                 variant,
                 stream: tgt.stream(),
+                forward_only: false,
             },
         )?;
         t[3].write_back()
@@ -300,6 +305,7 @@ pub fn grouped_mm_weight_grad(
             &MoeOptions {
                 variant,
                 stream: tgt.stream(),
+                forward_only: false,
             },
         )?;
         t[3].write_back()

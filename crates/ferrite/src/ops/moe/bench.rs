@@ -100,6 +100,7 @@ fn bench_cpu(
             let opts = MoeOptions {
                 variant: Some(v.name.into()),
                 stream: None,
+                forward_only: false,
             };
             let mut err = None;
             let st = crate::core::harness::bench::time_cpu(Budget::cpu(), || {
@@ -250,9 +251,12 @@ fn bench_gpu(
                         continue;
                     }
                     progress(&format!("moe {} {} {pass}", v.name, shape("")));
+                    // The forward alone is timed as inference runs it (no pre-activations kept
+                    // for a backward), as the PyTorch peers run theirs under no_grad.
                     let opts = MoeOptions {
                         variant: Some(v.name.into()),
                         stream: None,
+                        forward_only: !backward,
                     };
                     let call = || -> Result<()> {
                         let f = moe_forward(&x, &w, &mcfg, &opts)?;
@@ -300,6 +304,7 @@ fn bench_gpu(
                     let opts = MoeOptions {
                         variant: Some(v.name.into()),
                         stream: None,
+                        forward_only: false,
                     };
                     let f = match moe_forward(&x, &w, &mcfg, &opts) {
                         Ok(f) => f,

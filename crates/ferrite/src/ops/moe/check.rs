@@ -500,6 +500,7 @@ fn check_case(c: &Case, variant: &str, dev: Device, dt: DType, seed: u64) -> Res
     let opts = MoeOptions {
         variant: Some(variant.into()),
         stream: None,
+        forward_only: false,
     };
     let run = || -> Result<(MoeForward, MoeGrads)> {
         let f = moe_forward(&x, &w, &c.cfg, &opts)?;
@@ -538,6 +539,20 @@ fn check_case(c: &Case, variant: &str, dev: Device, dt: DType, seed: u64) -> Res
             rec.note += "; a second run gave different bits";
         } else {
             rec.note += "; repeats bit for bit";
+        }
+        // A forward-only run (inference: `fused` skips the pre-activations' stores) gives the
+        // same output bits, and its state is refused by the backward.
+        let inf = MoeOptions {
+            forward_only: true,
+            ..opts.clone()
+        };
+        let f3 = moe_forward(&x, &w, &c.cfg, &inf)?;
+        if f3.out.to_f64_vec()? != f.out.to_f64_vec()? {
+            rec.pass = false;
+            rec.note += "; forward_only changed the output";
+        } else if moe_backward(&dout, &x, &w, &f3, &c.cfg, &opts).is_ok() {
+            rec.pass = false;
+            rec.note += "; the backward took a forward_only state";
         }
     }
     Ok(rec)

@@ -392,7 +392,17 @@ pub fn forward(
     // The GLU output and the down projection are the forward's own workspaces (the backward
     // needs neither): back to the pool, in stream order, once the combine has read them.
     let (a, y) = acts(&x, p)?;
-    up_proj(&x, variant, p, w, cfg, f, &a, he.as_deref())?;
+    up_proj(
+        &x,
+        variant,
+        p,
+        w,
+        cfg,
+        f,
+        &a,
+        !opts.forward_only,
+        he.as_deref(),
+    )?;
     if variant != "fused" {
         glu(&x, p, cfg, f, &a, he.as_deref())?;
     }
@@ -446,8 +456,8 @@ fn glu(
     )
 }
 
-/// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows (`fused`: and
-/// `a = act(gate) ⊙ up` from the same accumulators).
+/// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows (`fused`:
+/// `a = act(gate) ⊙ up` from the same accumulators, and `hpre` only when `keep_pre`).
 #[allow(clippy::too_many_arguments)]
 fn up_proj(
     x: &Ctx,
@@ -457,6 +467,7 @@ fn up_proj(
     cfg: &MoeConfig,
     f: &MoeForward,
     a: &Tensor,
+    keep_pre: bool,
     he: Option<&[i32]>,
 ) -> Result<()> {
     let dims = (p.rows_cap(), 2 * p.inter, p.hidden);
@@ -474,7 +485,14 @@ fn up_proj(
             ends: f.ends.device_ptr()?,
             groups: p.experts,
         };
-        return mm::launch_grouped_glu(&l, &g, ptrs, Some(f.hpre.device_ptr()?), groups, &x.stream);
+        return mm::launch_grouped_glu(
+            &l,
+            &g,
+            ptrs,
+            keep_pre.then(|| f.hpre.device_ptr()).transpose()?,
+            groups,
+            &x.stream,
+        );
     }
     expert_gemm(
         x,
@@ -544,7 +562,7 @@ impl ExpertGemms {
     ) -> Result<()> {
         let x = Ctx::new(p, opts)?;
         let he = host_ends(variant, &f.ends)?;
-        up_proj(&x, variant, p, w, cfg, f, &self.a, he.as_deref())?;
+        up_proj(&x, variant, p, w, cfg, f, &self.a, true, he.as_deref())?;
         down_proj(&x, variant, p, w, f, &self.a, &self.y, he.as_deref())
     }
 }
@@ -619,20 +637,16 @@ pub fn backward(
         &f.ends,
         he.as_deref(),
     )?;
-    // The GLU backward with the gates folded in: dhpre, s·a (dW_down's operand) and the gates'
-    // gradients, from hpre and gu (kernels/moe.cu, moe_glu_bwd).
+    // The GLU backward with the gates folded in: dhpre, s·a (dW_down's operand, written over gu
+    // in place) and the gates' gradients, from hpre and gu (kernels/moe.cu, moe_glu_bwd).
     let dw = x.empty(&[t * k], DType::F32)?;
     x.zero(&dw)?;
     let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
-    let wa = x.empty(&[rows_cap, i], p.dtype)?;
-    let (pgu, php, pdh, pwa) = (
-        gu.device_ptr()?,
-        f.hpre.device_ptr()?,
-        dhpre.device_ptr()?,
-        wa.device_ptr()?,
-    );
+    let wa = gu;
+    let (pgu, php, pdh) = (wa.device_ptr()?, f.hpre.device_ptr()?, dhpre.device_ptr()?);
+    let pwa = pgu;
     let vec = (i * p.dtype.size_in_bytes()).is_multiple_of(16)
-        && [pgu, php, pdh, pwa].iter().all(|q| q.is_multiple_of(16));
+        && [pgu, php, pdh].iter().all(|q| q.is_multiple_of(16));
     let mut a = KernelArgs::new();
     a.push(pgu)
         .push(php)
@@ -649,7 +663,6 @@ pub fn backward(
     x.launch("moe_glu_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
     // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
     // is queued, so the next ones reuse the memory.
-    drop(gu);
     // dW_down[e] = (s·a)_eᵀ·dyu_e.
     expert_gemm(
         &x,

@@ -234,6 +234,10 @@ impl MoeConfig {
 pub struct MoeOptions {
     pub variant: Option<String>,
     pub stream: Option<Stream>,
+    /// A forward no backward will follow (inference): `fused` then stores only the GLU output,
+    /// not the pre-activations `hpre` the backward reads (a third of its epilogue's stores), and
+    /// `moe_backward` refuses the state.
+    pub forward_only: bool,
 }
 
 /// The layer's weights.
@@ -364,6 +368,9 @@ pub struct MoeForward {
     /// down-projection GEMM).
     pub xp: Tensor,
     pub hpre: Tensor,
+    /// Whether the last forward into these buffers kept what the backward reads (not
+    /// `forward_only`).
+    backward_ready: std::sync::atomic::AtomicBool,
 }
 
 /// What a step's routing did (read back from the device on request).
@@ -463,6 +470,7 @@ impl MoeForward {
             losses: next(),
             xp: next(),
             hpre: next(),
+            backward_ready: false.into(),
         })
     }
 
@@ -502,6 +510,9 @@ impl MoeForward {
             losses,
             xp,
             hpre,
+            // Caller-provided buffers carry a forward made elsewhere (the PyTorch op's saved
+            // tensors): only forwards with a gradient to come are saved there.
+            backward_ready: true.into(),
         })
     }
 
@@ -649,10 +660,15 @@ pub fn moe_forward_into(
         }
     }
     let v = select(&p, opts.variant.as_deref())?;
+    f.backward_ready
+        .store(false, std::sync::atomic::Ordering::Relaxed);
     match p.device {
-        Device::Cpu => cpu::forward(v, &p, x, w, cfg, f),
-        Device::Cuda(_) => cuda::forward(v, &p, x, w, cfg, f, opts),
+        Device::Cpu => cpu::forward(v, &p, x, w, cfg, f)?,
+        Device::Cuda(_) => cuda::forward(v, &p, x, w, cfg, f, opts)?,
     }
+    f.backward_ready
+        .store(!opts.forward_only, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
 }
 
 /// The layer's backward: dout `[T, H]` → dx, d_router, dw_up, dw_down (the auxiliary and
@@ -706,6 +722,17 @@ pub fn moe_backward_into(
                 describe(l),
             ));
         }
+    }
+    if !fwd
+        .backward_ready
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        return Err(Error::bad_arg(
+            OP,
+            "fwd",
+            "the state of a finished forward run without forward_only",
+            "a forward_only (or unfinished) forward",
+        ));
     }
     let p = validate(x, w, cfg)?;
     if p != fwd.problem {

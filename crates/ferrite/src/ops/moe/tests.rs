@@ -200,3 +200,28 @@ fn loss_grad_scales_the_aux_and_z_terms() {
     let g3 = moe_backward(&g, &x, &w, &f, &base, &o).unwrap();
     assert_ne!(a, g3.d_router.to_f32_vec().unwrap());
 }
+
+#[test]
+fn a_forward_only_state_is_refused_by_the_backward() {
+    let [x, router, wu, wd] = weights(4, 16, 8);
+    let w = MoeWeights {
+        router: &router,
+        w_up: &wu,
+        w_down: &wd,
+    };
+    let cfg = MoeConfig::new(4, 2);
+    let inf = MoeOptions {
+        forward_only: true,
+        ..Default::default()
+    };
+    let f = moe_forward(&x, &w, &cfg, &inf).unwrap();
+    let dout = Tensor::rand(&[x.shape()[0], 16], DType::F32, Device::Cpu, 5, -1.0, 1.0).unwrap();
+    let e = moe_backward(&dout, &x, &w, &f, &cfg, &MoeOptions::default())
+        .err()
+        .expect("a forward_only state must be refused")
+        .to_string();
+    assert!(e.contains("forward_only"), "{e}");
+    // The same buffers after a forward with a backward to come are accepted.
+    moe_forward_into(&x, &w, &cfg, &f, &MoeOptions::default()).unwrap();
+    moe_backward(&dout, &x, &w, &f, &cfg, &MoeOptions::default()).unwrap();
+}

@@ -403,12 +403,13 @@ extern "C" __global__ void __launch_bounds__(256)
 //   wa[r] = s·a                  (the down projection's dW operand: dW = Σ_r (s·a)ᵀ·dyu)
 //   da = s·gu;  dhpre[r] = (da ⊙ up ⊙ act'(gate) | da ⊙ act(gate))
 // So neither y nor the GLU output a is kept from the forward. Rows n apart (hpre, dhpre 2n);
-// vec: n a multiple of the 16-byte vector and every base aligned.
+// vec: n a multiple of the 16-byte vector and every base aligned. wa may be gu itself (the host
+// passes the same buffer): each element is read by the thread that then writes it.
 template <int ACT>
-__device__ __forceinline__ void glu_bwd_rows(const T* __restrict__ gu, const T* __restrict__ hpre,
-                                             i64 n, const int* __restrict__ src,
+__device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ hpre, i64 n,
+                                             const int* __restrict__ src,
                                              const float* __restrict__ w, i64 used, int vec,
-                                             T* __restrict__ dhpre, T* __restrict__ wa,
+                                             T* __restrict__ dhpre, T* wa,
                                              float* __restrict__ dw, float* red) {
   constexpr int N = Vec16<T>::N;
   for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
@@ -461,10 +462,10 @@ __device__ __forceinline__ void glu_bwd_rows(const T* __restrict__ gu, const T* 
 // act: the activation family's codes (0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf, 4 silu). Rows
 // up to ends[E - 1] (read on the device). Dropped pairs' dw is set to 0 by the caller's fill.
 extern "C" __global__ void __launch_bounds__(256)
-    moe_glu_bwd(const T* __restrict__ gu, const T* __restrict__ hpre, i64 n, int act,
+    moe_glu_bwd(const T* gu, const T* __restrict__ hpre, i64 n, int act,
                 const int* __restrict__ src, const float* __restrict__ w,
-                const int* __restrict__ ends, int E, int vec, T* __restrict__ dhpre,
-                T* __restrict__ wa, float* __restrict__ dw) {
+                const int* __restrict__ ends, int E, int vec, T* __restrict__ dhpre, T* wa,
+                float* __restrict__ dw) {
   __shared__ float red[64];  // block_sum owns 64 floats
   const i64 used = ends[E - 1];
   switch (act) {
