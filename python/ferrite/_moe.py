@@ -197,6 +197,9 @@ def _(grad, loss_grad, x, router, w_up, w_down, saved, *cfg):
 def _moe_setup(ctx, inputs, output):
     ctx.cfg = inputs[4:-1]  # the layer's configuration (forward_only last: not the backward's)
     ctx.save_for_backward(*inputs[:4], *output)
+    # Only out and the losses carry gradients: no zero tensors for the other buffers (the layout
+    # ones are GBs at real sizes — filling them cost more than a GEMM).
+    ctx.set_materialize_grads(False)
 
 
 def _moe_bwd(ctx, grads):

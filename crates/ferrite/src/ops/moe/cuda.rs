@@ -260,8 +260,8 @@ fn expert_gemm(
     Ok(())
 }
 
-/// The routing and layout steps shared by every variant (logits, router, plan, scatter,
-/// gather), into the forward's buffers.
+/// The routing and layout steps shared by every variant (logits, router, plan, scatter, and
+/// with `permute` the gather of x into the layout), into the forward's buffers.
 fn route(
     x: &Ctx,
     p: &Problem,
@@ -269,6 +269,7 @@ fn route(
     w: &MoeWeights,
     cfg: &MoeConfig,
     f: &MoeForward,
+    permute: bool,
 ) -> Result<()> {
     let (t, e, k) = (p.tokens, p.experts, p.top_k);
     // The router's GEMMs in full precision for f32 layers: tf32's 10-bit products can reorder
@@ -333,7 +334,10 @@ fn route(
         .push(f.src.device_ptr()?);
     let smem = (e * (SCATTER_WARPS + 1) * 4) as u32;
     x.launch("moe_scatter", chunks as u32, 256, smem, &mut a)?;
-    permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)
+    if permute {
+        permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)?;
+    }
+    Ok(())
 }
 
 fn permute_rows(
@@ -387,22 +391,15 @@ pub fn forward(
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
     let (t, h, k) = (p.tokens, p.hidden, p.top_k);
-    route(&x, p, xt, w, cfg, f)?;
+    // `fused` without a backward to come: the up projection gathers x's rows itself (no xp, no
+    // pre-activations).
+    let gather_x = variant == "fused" && opts.forward_only;
+    route(&x, p, xt, w, cfg, f, !gather_x)?;
     let he = host_ends(variant, &f.ends)?;
     // The GLU output and the down projection are the forward's own workspaces (the backward
     // needs neither): back to the pool, in stream order, once the combine has read them.
     let (a, y) = acts(&x, p)?;
-    up_proj(
-        &x,
-        variant,
-        p,
-        w,
-        cfg,
-        f,
-        &a,
-        !opts.forward_only,
-        he.as_deref(),
-    )?;
+    up_proj(&x, variant, p, w, cfg, f, xt, &a, !gather_x, he.as_deref())?;
     if variant != "fused" {
         glu(&x, p, cfg, f, &a, he.as_deref())?;
     }
@@ -457,7 +454,8 @@ fn glu(
 }
 
 /// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows (`fused`:
-/// `a = act(gate) ⊙ up` from the same accumulators, and `hpre` only when `keep_pre`).
+/// `a = act(gate) ⊙ up` from the same accumulators; without `keep_pre` neither `hpre` nor `xp`:
+/// the rows are gathered from x by the GEMM itself).
 #[allow(clippy::too_many_arguments)]
 fn up_proj(
     x: &Ctx,
@@ -466,6 +464,7 @@ fn up_proj(
     w: &MoeWeights,
     cfg: &MoeConfig,
     f: &MoeForward,
+    xt: &Tensor,
     a: &Tensor,
     keep_pre: bool,
     he: Option<&[i32]>,
@@ -474,9 +473,23 @@ fn up_proj(
     if variant == "fused" {
         let mut g = grouped_gemm(Grouping::M, p.experts, dims, false, p.dtype, p.device);
         g.c.ld = p.inter;
-        let l = mm::plan_grouped_glu(&g, cfg.act.into(), &x.dev)?;
+        // Without a backward to come nothing needs the gathered copy of x: the GEMM reads each
+        // row's token straight from x (the layout's pair / top_k).
+        let gather = if keep_pre {
+            None
+        } else {
+            Some(mm::Gather {
+                src: f.src.device_ptr()?,
+                div: p.top_k,
+            })
+        };
+        let l = mm::plan_grouped_glu(&g, cfg.act.into(), gather.is_some(), &x.dev)?;
         let ptrs = Ptrs {
-            a: f.xp.device_ptr()?,
+            a: if gather.is_some() {
+                xt.device_ptr()?
+            } else {
+                f.xp.device_ptr()?
+            },
             b: w.w_up.device_ptr()?,
             c: a.device_ptr()?,
         };
@@ -490,6 +503,7 @@ fn up_proj(
             &g,
             ptrs,
             keep_pre.then(|| f.hpre.device_ptr()).transpose()?,
+            gather,
             groups,
             &x.stream,
         );
@@ -562,7 +576,18 @@ impl ExpertGemms {
     ) -> Result<()> {
         let x = Ctx::new(p, opts)?;
         let he = host_ends(variant, &f.ends)?;
-        up_proj(&x, variant, p, w, cfg, f, &self.a, true, he.as_deref())?;
+        up_proj(
+            &x,
+            variant,
+            p,
+            w,
+            cfg,
+            f,
+            &f.xp,
+            &self.a,
+            true,
+            he.as_deref(),
+        )?;
         down_proj(&x, variant, p, w, f, &self.a, &self.y, he.as_deref())
     }
 }
@@ -660,7 +685,7 @@ pub fn backward(
         .push(pdh)
         .push(pwa)
         .push(dw.device_ptr()?);
-    x.launch("moe_glu_bwd", x.grid(rows_cap, 1), 256, 0, &mut a)?;
+    x.launch("moe_glu_bwd", x.grid(rows_cap, 8), 256, 0, &mut a)?;
     // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
     // is queued, so the next ones reuse the memory.
     // dW_down[e] = (s·a)_eᵀ·dyu_e.

@@ -395,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
-// The GLU's backward with the gates folded in, one block per used row r (p = src[r], s = w[p],
+// The GLU's backward with the gates folded in, one warp per used row r (p = src[r], s = w[p],
 // 0 on padding rows): from the pre-activations hpre[r] = (gate | up) and gu[r] = dyu[r]·W_downᵀ
 // (the down projection's dX of the unscaled gradient),
 //   a = act(gate) ⊙ up           (recomputed, rounded as the forward rounds it)
@@ -404,23 +404,24 @@ extern "C" __global__ void __launch_bounds__(256)
 //   da = s·gu;  dhpre[r] = (da ⊙ up ⊙ act'(gate) | da ⊙ act(gate))
 // So neither y nor the GLU output a is kept from the forward. Rows n apart (hpre, dhpre 2n);
 // vec: n a multiple of the 16-byte vector and every base aligned. wa may be gu itself (the host
-// passes the same buffer): each element is read by the thread that then writes it.
+// passes the same buffer): each element is read by the lane that then writes it. A warp per row
+// (not a block): rows are short (I = 768 is 96 vectors) and the dot product needs no barrier.
 template <int ACT>
 __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ hpre, i64 n,
                                              const int* __restrict__ src,
                                              const float* __restrict__ w, i64 used, int vec,
                                              T* __restrict__ dhpre, T* wa,
-                                             float* __restrict__ dw, float* red) {
+                                             float* __restrict__ dw) {
   constexpr int N = Vec16<T>::N;
-  for (i64 r = blockIdx.x; r < used; r += gridDim.x) {
+  const int lane = threadIdx.x % 32;
+  const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+  for (i64 r = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < used; r += warps) {
     const int p = src[r];
     T* dg = dhpre + r * 2 * n;
     T* du = dg + n;
     T* wr = wa + r * n;
     if (p < 0) {
-      for (i64 c = threadIdx.x; c < n; c += blockDim.x) {
-        dg[c] = du[c] = wr[c] = from_float<T>(0.f);
-      }
+      for (i64 c = lane; c < n; c += 32) dg[c] = du[c] = wr[c] = from_float<T>(0.f);
       continue;
     }
     const float s = w[p];
@@ -441,7 +442,7 @@ __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ 
       return gv * h;
     };
     if (vec) {
-      for (i64 c = threadIdx.x; c < n / N; c += blockDim.x) {
+      for (i64 c = lane; c < n / N; c += 32) {
         const Vec16<T> gv = reinterpret_cast<const Vec16<T>*>(gr)[c];
         const Vec16<T> gt = reinterpret_cast<const Vec16<T>*>(hg)[c];
         const Vec16<T> up = reinterpret_cast<const Vec16<T>*>(hu)[c];
@@ -453,10 +454,10 @@ __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ 
         reinterpret_cast<Vec16<T>*>(wr)[c] = o3;
       }
     } else {
-      for (i64 c = threadIdx.x; c < n; c += blockDim.x) dot += one(gr[c], hg[c], hu[c], dg[c], du[c], wr[c]);
+      for (i64 c = lane; c < n; c += 32) dot += one(gr[c], hg[c], hu[c], dg[c], du[c], wr[c]);
     }
-    dot = block_sum(dot, red);
-    if (threadIdx.x == 0) dw[p] = dot;
+    dot = warp_sum(dot);
+    if (lane == 0) dw[p] = dot;
   }
 }
 // act: the activation family's codes (0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf, 4 silu). Rows
@@ -466,14 +467,13 @@ extern "C" __global__ void __launch_bounds__(256)
                 const int* __restrict__ src, const float* __restrict__ w,
                 const int* __restrict__ ends, int E, int vec, T* __restrict__ dhpre, T* wa,
                 float* __restrict__ dw) {
-  __shared__ float red[64];  // block_sum owns 64 floats
   const i64 used = ends[E - 1];
   switch (act) {
-    case 0: glu_bwd_rows<0>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
-    case 1: glu_bwd_rows<1>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
-    case 2: glu_bwd_rows<2>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
-    case 3: glu_bwd_rows<3>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
-    default: glu_bwd_rows<4>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw, red); break;
+    case 0: glu_bwd_rows<0>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
+    case 1: glu_bwd_rows<1>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
+    case 2: glu_bwd_rows<2>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
+    case 3: glu_bwd_rows<3>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
+    default: glu_bwd_rows<4>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
   }
 }
 
