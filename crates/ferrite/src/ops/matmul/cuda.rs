@@ -1442,13 +1442,9 @@ pub fn grouped_specs() -> Vec<KernelSpec> {
     // The GLU builds of the two GLUs MLPs use most (SwiGLU, GeGLU-tanh); the other activations
     // compile the same code with another formula.
     for d in [DType::F16, DType::BF16] {
-        for (act, gather) in [
-            (Activation::Silu, false),
-            (Activation::GeluTanh, false),
-            (Activation::Silu, true),
-        ] {
+        for act in [Activation::Silu, Activation::GeluTanh] {
             v.push(KernelSpec {
-                program: grouped_glu_program(d, act, gather),
+                program: grouped_glu_program(d, act),
                 functions: vec!["matmul_wgmma".into()],
                 min_arch: Arch::SM90,
             });
@@ -1457,27 +1453,15 @@ pub fn grouped_specs() -> Vec<KernelSpec> {
     v
 }
 
-fn grouped_glu_program(dtype: DType, act: Activation, gather: bool) -> Program {
-    let p =
-        grouped_program("wgmma", dtype, Grouping::M, false, false).define("FE_GLU", 1 + act.code());
-    if gather {
-        p.define("FE_GATHER", 1)
-    } else {
-        p
-    }
+fn grouped_glu_program(dtype: DType, act: Activation) -> Program {
+    grouped_program("wgmma", dtype, Grouping::M, false, false).define("FE_GLU", 1 + act.code())
 }
 
 /// Plans the M-grouped `wgmma` GEMM with the GLU in its epilogue (wgmma.cu's `FE_GLU`): `g` is
 /// the up projection `[m, k]·[batch][k, n]` with `n = 2·nh` columns (gate | up) and C the GLU
 /// output `[m, nh]` (`g.c.ld = nh`). Needs sm_90, f16/bf16, B not transposed and `nh` a multiple
-/// of 8 (16-byte rows for the TMA store). `gather`: A's rows are read by index (wgmma.cu's
-/// `FE_GATHER`; `launch_grouped_glu` then takes the index array).
-pub fn plan_grouped_glu(
-    g: &Gemm,
-    act: Activation,
-    gather: bool,
-    dev: &Arc<CudaDevice>,
-) -> Result<Launch> {
+/// of 8 (16-byte rows for the TMA store).
+pub fn plan_grouped_glu(g: &Gemm, act: Activation, dev: &Arc<CudaDevice>) -> Result<Launch> {
     let refuse = |why: String| Error::NoVariant {
         op: OP.into(),
         msg: format!("the GLU-fused grouped `wgmma` {why}"),
@@ -1500,13 +1484,7 @@ pub fn plan_grouped_glu(
     if let Some(why) = wgmma_declines(g) {
         return Err(refuse(why));
     }
-    if gather && (!g.k.is_multiple_of(8) || !g.a.ld.is_multiple_of(8)) {
-        return Err(refuse(format!(
-            "gathers A in 16-byte chunks: needs k and A's ld multiples of 8, got {} and {}",
-            g.k, g.a.ld
-        )));
-    }
-    let kernel = dev.kernel(&grouped_glu_program(g.dtype, act, gather), "matmul_wgmma")?;
+    let kernel = dev.kernel(&grouped_glu_program(g.dtype, act), "matmul_wgmma")?;
     let smem = wg_smem(g.dtype, None);
     kernel.set_max_dynamic_smem(smem)?;
     let sms = dev.props().sm_count.max(1);
@@ -1516,11 +1494,10 @@ pub fn plan_grouped_glu(
         smem,
         tile: (WG_TILE.0, WG_TILE.1 / 2),
         config: format!(
-            "tile {}×{} of the GLU output ({} B columns: gate and up), {} + wgmma, persistent grid ≤ {sms}, {} GLU in the epilogue, M-grouped",
+            "tile {}×{} of the GLU output ({} B columns: gate and up), TMA + wgmma, persistent grid ≤ {sms}, {} GLU in the epilogue, M-grouped",
             WG_TILE.0,
             WG_TILE.1 / 2,
             WG_TILE.1,
-            if gather { "A rows gathered by cp.async, B by TMA" } else { "TMA" },
             act.name()
         ),
         persistent: Some(Persistent {
@@ -1534,25 +1511,14 @@ pub fn plan_grouped_glu(
     })
 }
 
-/// Where a gathering GEMM reads A's rows: row r of the problem is row `src[r] / div` of A
-/// (`src[r] < 0`: zeros). `src` addresses `g.m` int32 values; every source row lies inside A.
-#[derive(Clone, Copy, Debug)]
-pub struct Gather {
-    pub src: u64,
-    pub div: usize,
-}
-
 /// Queues a GEMM planned by `plan_grouped_glu`: `p.c` receives the GLU output `[g.m, g.n / 2]`,
-/// `h` (when given) the pre-activations `[g.m, g.n]` (gate | up); `gather` exactly when planned
-/// with it. The caller guarantees what `launch_grouped` asks, with C and h covering `g.m` rows and
-/// 16-byte aligned bases.
-#[allow(clippy::too_many_arguments)]
+/// `h` (when given) the pre-activations `[g.m, g.n]` (gate | up). The caller guarantees what
+/// `launch_grouped` asks, with C and h covering `g.m` rows and 16-byte aligned bases.
 pub fn launch_grouped_glu(
     l: &Launch,
     g: &Gemm,
     p: Ptrs,
     h: Option<u64>,
-    gather: Option<Gather>,
     groups: Groups,
     stream: &Stream,
 ) -> Result<()> {
@@ -1582,12 +1548,6 @@ pub fn launch_grouped_glu(
     let es = g.dtype.size_in_bytes() as u64;
     let rows = g.m.max(1) as u64;
     let (ta, tb) = wgmma_maps(g, p, 1)?;
-    // A gathered: read by the producer's cp.async, never through its map.
-    let ta = if gather.is_some() {
-        TmaDesc([0; 16])
-    } else {
-        ta
-    };
     let tc = tensor_map(g.dtype, p.c, nh, g.m, nh, 1, 0, 64, 16)?;
     // The pre-activations as (column, half, row): half 0 the gate's columns, 1 the up's.
     let th = match h {
@@ -1612,9 +1572,6 @@ pub fn launch_grouped_glu(
         .push(1 | if h.is_some() { 2 } else { 0 });
     args.push(groups.ends).push(groups.groups as i32);
     args.push(h.unwrap_or(0));
-    if let Some(gt) = gather {
-        args.push(gt.src).push(gt.div.max(1) as i32);
-    }
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
 }
 

@@ -260,8 +260,8 @@ fn expert_gemm(
     Ok(())
 }
 
-/// The routing and layout steps shared by every variant (logits, router, plan, scatter, and
-/// with `permute` the gather of x into the layout), into the forward's buffers.
+/// The routing and layout steps shared by every variant (logits, router, plan, scatter,
+/// gather), into the forward's buffers.
 fn route(
     x: &Ctx,
     p: &Problem,
@@ -269,7 +269,6 @@ fn route(
     w: &MoeWeights,
     cfg: &MoeConfig,
     f: &MoeForward,
-    permute: bool,
 ) -> Result<()> {
     let (t, e, k) = (p.tokens, p.experts, p.top_k);
     // The router's GEMMs in full precision for f32 layers: tf32's 10-bit products can reorder
@@ -334,10 +333,7 @@ fn route(
         .push(f.src.device_ptr()?);
     let smem = (e * (SCATTER_WARPS + 1) * 4) as u32;
     x.launch("moe_scatter", chunks as u32, 256, smem, &mut a)?;
-    if permute {
-        permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)?;
-    }
-    Ok(())
+    permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)
 }
 
 fn permute_rows(
@@ -391,15 +387,22 @@ pub fn forward(
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
     let (t, h, k) = (p.tokens, p.hidden, p.top_k);
-    // `fused` without a backward to come: the up projection gathers x's rows itself (no xp, no
-    // pre-activations).
-    let gather_x = variant == "fused" && opts.forward_only;
-    route(&x, p, xt, w, cfg, f, !gather_x)?;
+    route(&x, p, xt, w, cfg, f)?;
     let he = host_ends(variant, &f.ends)?;
     // The GLU output and the down projection are the forward's own workspaces (the backward
     // needs neither): back to the pool, in stream order, once the combine has read them.
     let (a, y) = acts(&x, p)?;
-    up_proj(&x, variant, p, w, cfg, f, xt, &a, !gather_x, he.as_deref())?;
+    up_proj(
+        &x,
+        variant,
+        p,
+        w,
+        cfg,
+        f,
+        &a,
+        !opts.forward_only,
+        he.as_deref(),
+    )?;
     if variant != "fused" {
         glu(&x, p, cfg, f, &a, he.as_deref())?;
     }
@@ -454,8 +457,7 @@ fn glu(
 }
 
 /// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows (`fused`:
-/// `a = act(gate) ⊙ up` from the same accumulators; without `keep_pre` neither `hpre` nor `xp`:
-/// the rows are gathered from x by the GEMM itself).
+/// `a = act(gate) ⊙ up` from the same accumulators, and `hpre` only when `keep_pre`).
 #[allow(clippy::too_many_arguments)]
 fn up_proj(
     x: &Ctx,
@@ -464,7 +466,6 @@ fn up_proj(
     w: &MoeWeights,
     cfg: &MoeConfig,
     f: &MoeForward,
-    xt: &Tensor,
     a: &Tensor,
     keep_pre: bool,
     he: Option<&[i32]>,
@@ -473,23 +474,9 @@ fn up_proj(
     if variant == "fused" {
         let mut g = grouped_gemm(Grouping::M, p.experts, dims, false, p.dtype, p.device);
         g.c.ld = p.inter;
-        // Without a backward to come nothing needs the gathered copy of x: the GEMM reads each
-        // row's token straight from x (the layout's pair / top_k).
-        let gather = if keep_pre {
-            None
-        } else {
-            Some(mm::Gather {
-                src: f.src.device_ptr()?,
-                div: p.top_k,
-            })
-        };
-        let l = mm::plan_grouped_glu(&g, cfg.act.into(), gather.is_some(), &x.dev)?;
+        let l = mm::plan_grouped_glu(&g, cfg.act.into(), &x.dev)?;
         let ptrs = Ptrs {
-            a: if gather.is_some() {
-                xt.device_ptr()?
-            } else {
-                f.xp.device_ptr()?
-            },
+            a: f.xp.device_ptr()?,
             b: w.w_up.device_ptr()?,
             c: a.device_ptr()?,
         };
@@ -503,7 +490,6 @@ fn up_proj(
             &g,
             ptrs,
             keep_pre.then(|| f.hpre.device_ptr()).transpose()?,
-            gather,
             groups,
             &x.stream,
         );
@@ -576,18 +562,7 @@ impl ExpertGemms {
     ) -> Result<()> {
         let x = Ctx::new(p, opts)?;
         let he = host_ends(variant, &f.ends)?;
-        up_proj(
-            &x,
-            variant,
-            p,
-            w,
-            cfg,
-            f,
-            &f.xp,
-            &self.a,
-            true,
-            he.as_deref(),
-        )?;
+        up_proj(&x, variant, p, w, cfg, f, &self.a, true, he.as_deref())?;
         down_proj(&x, variant, p, w, f, &self.a, &self.y, he.as_deref())
     }
 }

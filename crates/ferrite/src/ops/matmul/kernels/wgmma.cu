@@ -165,30 +165,6 @@ static_assert(FE_GROUPED == 1 && FE_TMA_STORE && !FE_EPI && !FE_B_TRANS,
 #else
 #define FE_GLU_PARAMS
 #endif
-// -DFE_GATHER=1 (with FE_GROUPED == 1, A row-major, no cluster): A's rows are gathered by index
-// instead of read in place — row r of the problem is row gsrc[r] / gdiv of A (gsrc[r] < 0: a zero
-// row). moe's up projection reads each routed token's x row straight from x (gsrc = the layout's
-// pair of each row, gdiv = top_k) instead of from a gathered copy: the gather pass (a write and a
-// read of T·k rows) is gone. TMA moves boxes of a strided tensor, not rows by index (on Hopper;
-// one box per row was measured 3.5× slower), so the producer warpgroup's 128 threads load A with
-// 16-byte cp.async (zero-filled past k and for rows without a source) straight into the 128-byte
-// swizzled layout wgmma reads, 8 chunks each per stage: thread t takes chunk t % 8 of rows
-// t / 8 + 16j, so a warp's instruction covers 4 whole 128-byte rows. Each thread's copies arrive
-// on the stage's `full` barrier when done (cp.async.mbarrier.arrive.noinc: the barrier counts 1 +
-// 128 arrivals), beside thread 0's B boxes by TMA; the consumers fence the generic-proxy writes
-// for the async proxy before their wgmmas read them. Needs k % 8 == 0 and 16-byte aligned rows.
-#ifndef FE_GATHER
-#define FE_GATHER 0
-#endif
-#if FE_GATHER
-#define FE_GATHER_PARAMS , const int* __restrict__ gsrc, int gdiv
-static_assert(FE_GROUPED == 1 && !FE_A_TRANS && FE_CLUSTER == 1, "gather: M-grouped, A [m][k], no cluster");
-#else
-#define FE_GATHER_PARAMS
-#endif
-// Threads that arrive on a stage's `full` barrier: the TMA issuer, and with FE_GATHER the
-// producer warpgroup's cp.async completions.
-constexpr unsigned FULL_ARRIVALS = FE_GATHER ? 129 : 1;
 // The C staging area: per consumer warp, SBUF buffers of one 16-row × 64-column box (2 KiB,
 // 128-byte swizzled, the layout the TMA store reads), after the ring.
 // - Plain C and the activation backward (FE_EPI_DACT): SBUF = 4, the warp's whole 16 × 256 slice
@@ -734,69 +710,6 @@ __device__ __forceinline__ void dact_helper_tile(unsigned staging, const TmaDesc
 #endif
 
 
-#if FE_GATHER
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, unsigned bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-}
-// The producer warpgroup's walk with A gathered by row index (FE_GATHER above): every thread
-// copies its 8 chunks of each stage's A and arrives when they land; thread 0 also issues B's
-// boxes by TMA (B stored [k][n]: 64-wide boxes; GLU: gate and up halves) and its byte count.
-template <class Locate>
-__device__ __forceinline__ void gather_producer(const T* A, i64 lda, i64 n, i64 k, const int* gsrc,
-                                                int gdiv, const TmaDesc* tma_b, i64 stride_b,
-                                                unsigned base, unsigned full0, unsigned empty0,
-                                                i64 first_tile, i64 total, i64 tile_step,
-                                                const Locate& locate) {
-  static_assert(!FE_B_TRANS, "gather: B [k][n]");
-  const int pt = threadIdx.x, chunk = pt % 8, r0 = pt / 8;
-  if (pt == 0)
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(tma_b)) : "memory");
-  int s = 0;
-  unsigned ph = 0;
-  for (i64 t = first_tile; t < total; t += tile_step) {
-    const Loc l = locate(t);
-    const int n0 = (int)(l.tn * (FE_GLU ? BN / 2 : BN));
-    const int zb = stride_b ? (int)l.z : 0;
-    // This thread's 8 rows of the tile: their source rows in A (-1: zeros).
-    int arow[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int r = l.m0 + r0 + 16 * j;
-      const int p = r < l.mend ? __ldg(gsrc + r) : -1;
-      arow[j] = p >= 0 ? p / gdiv : -1;
-    }
-    for (int kt = 0; kt < l.ktiles; ++kt) {
-      mbar_wait(empty0 + 8 * s, ph ^ 1);
-      const unsigned bar = full0 + 8 * s;
-      const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
-      const int k0 = l.k0 + kt * BK;
-      if (pt == 0) {
-        mbar_expect_tx(bar, B_BYTES);
-#pragma unroll
-        for (int i = 0; i < BN / 64; ++i) {
-          const int col = FE_GLU && i >= 2 ? (int)(n / 2) + n0 + 64 * (i - 2) : n0 + 64 * i;
-          tma_load(sb + i * BOX64, tma_b, bar, col, k0, zb);
-        }
-      }
-      const i64 kc = k0 + chunk * 8;  // k % 8 == 0: a chunk is all inside or all outside
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int row = r0 + 16 * j;
-        const bool ok = arow[j] >= 0 && kc < k;
-        const T* src = ok ? A + (i64)arow[j] * lda + kc : A;
-        cp_async16_zfill(sa + row * 128 + ((chunk ^ (row & 7)) << 4), src, ok ? 16 : 0);
-      }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-      if (++s == STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
-  }
-}
-#endif
-
 // The activation-backward build has its own name, so profilers and traces tell it from the plain
 // GEMM it runs beside in a backward (matmul::cuda::wgmma_function).
 #if FE_EPI_DACT
@@ -811,7 +724,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     FE_WGMMA_FN(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
                  const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
                  const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS
-                 FE_GROUPED_PARAMS FE_GLU_PARAMS FE_GATHER_PARAMS) {
+                 FE_GROUPED_PARAMS FE_GLU_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -885,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, FULL_ARRIVALS);
+      mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, 8 * CL);  // one arrival per consumer warp of the cluster
     }
 #if FE_EPI_DACT
@@ -925,17 +838,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // 88 for the helper warps (their 4 16-byte R loads and 8 column sums; at 72–80 ptxas spilled
     // in some activations), 208 for the consumers: 128·88 + 256·208 = the 384·168 allocated.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n");
-#elif FE_GATHER
-    // The gathering producer keeps 8 source rows and its copies' addresses: 56 registers (at 40
-    // ptxas spilled), 224 for the consumers: 128·56 + 256·224 = the 384·168 allocated.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
 #else
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
 #endif
-#if FE_GATHER
-    gather_producer(A, lda, n, k, gsrc, gdiv, &tma_b, stride_b, base, full0, empty0, first_tile,
-                    total, tile_step, locate);
-#else
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
@@ -1030,13 +935,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       if (lane == 0) bulk_wait<0>();
     }
 #endif
-#endif  // FE_GATHER
   } else {
     // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
 #if FE_EPI_DACT
     asm volatile("setmaxnreg.inc.sync.aligned.u32 208;\n");
-#elif FE_GATHER
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
 #else
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 #endif
@@ -1102,8 +1004,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #endif
       for (int kt = 0; kt < l.ktiles; ++kt) {
         mbar_wait(full0 + 8 * s, ph);
-        // Gathered A came through the generic proxy (cp.async): visible to wgmma's async proxy.
-        if (FE_GATHER) fence_async_smem();
         const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
         wgmma_fence();
 #pragma unroll
