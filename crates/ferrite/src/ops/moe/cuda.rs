@@ -18,16 +18,15 @@ use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
-const FUNCS: [&str; 14] = [
+const FUNCS: [&str; 13] = [
     "moe_router",
     "moe_fill_i32",
     "moe_zero_bytes",
     "moe_chunk_hist",
     "moe_plan",
     "moe_scatter",
-    "moe_permute_rows",
+    "moe_spread_rows",
     "moe_combine",
-    "moe_gather_dout",
     "moe_glu_bwd",
     "moe_unpermute_grad",
     "moe_router_bwd",
@@ -333,32 +332,25 @@ fn route(
         .push(f.src.device_ptr()?);
     let smem = (e * (SCATTER_WARPS + 1) * 4) as u32;
     x.launch("moe_scatter", chunks as u32, 256, smem, &mut a)?;
-    permute_rows(x, p, xt, &f.src, &f.ends, &f.xp)
+    spread_rows(x, p, xt, f, &f.xp)
 }
 
-fn permute_rows(
-    x: &Ctx,
-    p: &Problem,
-    xt: &Tensor,
-    src: &Tensor,
-    ends: &Tensor,
-    xp: &Tensor,
-) -> Result<()> {
-    let h = p.hidden;
-    let (px, pp) = (xt.device_ptr()?, xp.device_ptr()?);
-    let vec = rows_vec(p, &[px, pp]);
-    let rows_cap = p.rows_cap();
+/// `dst[pos[t, j]] = rows[t]` for every kept slot, zeros on the padding rows (kernels/moe.cu's
+/// moe_spread_rows): x into the layout (forward), dout into it (backward).
+fn spread_rows(x: &Ctx, p: &Problem, rows: &Tensor, f: &MoeForward, dst: &Tensor) -> Result<()> {
+    let (pr, pd) = (rows.device_ptr()?, dst.device_ptr()?);
     let mut a = KernelArgs::new();
-    a.push(px)
-        .push(h as i64)
-        .push(src.device_ptr()?)
+    a.push(pr)
+        .push(p.hidden as i64)
+        .push(f.pos.device_ptr()?)
         .push(p.top_k as i32)
-        .push(ends.device_ptr()?)
+        .push(p.tokens as i32)
+        .push(f.src.device_ptr()?)
+        .push(f.ends.device_ptr()?)
         .push(p.experts as i32)
-        .push(rows_cap as i64)
-        .push(vec as i32)
-        .push(pp);
-    x.launch("moe_permute_rows", x.grid(rows_cap, 8), 256, 0, &mut a)
+        .push(rows_vec(p, &[pr, pd]) as i32)
+        .push(pd);
+    x.launch("moe_spread_rows", x.grid(p.rows_cap(), 8), 256, 0, &mut a)
 }
 
 /// Whether rows of H elements at these bases can move as 16-byte vectors.
@@ -612,17 +604,7 @@ pub fn backward(
     let he = host_ends(variant, &f.ends)?;
     // dout's rows in the layout, unscaled (zeros on padding), then gu = dyu·W_downᵀ.
     let dyu = x.empty(&[rows_cap, h], p.dtype)?;
-    let (pg, pdy) = (dout.device_ptr()?, dyu.device_ptr()?);
-    let mut a = KernelArgs::new();
-    a.push(pg)
-        .push(h as i64)
-        .push(f.src.device_ptr()?)
-        .push(k as i32)
-        .push(f.ends.device_ptr()?)
-        .push(e as i32)
-        .push(rows_vec(p, &[pg, pdy]) as i32)
-        .push(pdy);
-    x.launch("moe_gather_dout", x.grid(rows_cap, 1), 256, 0, &mut a)?;
+    spread_rows(&x, p, dout, f, &dyu)?;
     let gu = x.empty(&[rows_cap, i], p.dtype)?;
     expert_gemm(
         &x,
