@@ -419,17 +419,18 @@ __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ 
     const T* hg = hpre + r * 2 * n;
     const T* hu = hg + n;
     float dot = 0.f;
-    // One element: returns its term of the dot product.
-    auto one = [&](T g, T gate, T up, T& o_dg, T& o_du, T& o_wa) {
+    // One element: its three outputs and its term of the dot product.
+    struct Out {
+      T dg, du, wa;
+      float dot;
+    };
+    auto one = [&](T g, T gate, T up) {
       float a, d;
       act_fg_of<ACT>(to_float(gate), a, d);
       const float u = to_float(up), gv = to_float(g);
       const float h = to_float(from_float<T>(a * u));  // the forward's rounded GLU output
       const float da = s * gv;
-      o_dg = from_float<T>(da * u * d);
-      o_du = from_float<T>(da * a);
-      o_wa = from_float<T>(s * h);
-      return gv * h;
+      return Out{from_float<T>(da * u * d), from_float<T>(da * a), from_float<T>(s * h), gv * h};
     };
     if (vec) {
       for (i64 c = lane; c < n / N; c += 32) {
@@ -438,13 +439,25 @@ __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ 
         const Vec16<T> up = reinterpret_cast<const Vec16<T>*>(hu)[c];
         Vec16<T> o1, o2, o3;
 #pragma unroll
-        for (int e = 0; e < N; ++e) dot += one(gv.v[e], gt.v[e], up.v[e], o1.v[e], o2.v[e], o3.v[e]);
+        for (int e = 0; e < N; ++e) {
+          const Out o = one(gv.v[e], gt.v[e], up.v[e]);
+          o1.v[e] = o.dg;
+          o2.v[e] = o.du;
+          o3.v[e] = o.wa;
+          dot += o.dot;
+        }
         reinterpret_cast<Vec16<T>*>(dg)[c] = o1;
         reinterpret_cast<Vec16<T>*>(du)[c] = o2;
         reinterpret_cast<Vec16<T>*>(wr)[c] = o3;
       }
     } else {
-      for (i64 c = lane; c < n; c += 32) dot += one(gr[c], hg[c], hu[c], dg[c], du[c], wr[c]);
+      for (i64 c = lane; c < n; c += 32) {
+        const Out o = one(gr[c], hg[c], hu[c]);
+        dg[c] = o.dg;
+        du[c] = o.du;
+        wr[c] = o.wa;
+        dot += o.dot;
+      }
     }
     dot = warp_sum(dot);
     if (lane == 0) dw[p] = dot;
