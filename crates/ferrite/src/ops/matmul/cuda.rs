@@ -1484,22 +1484,43 @@ pub fn plan_grouped_glu(g: &Gemm, act: Activation, dev: &Arc<CudaDevice>) -> Res
     if let Some(why) = wgmma_declines(g) {
         return Err(refuse(why));
     }
-    let kernel = dev.kernel(&grouped_glu_program(g.dtype, act), "matmul_wgmma")?;
-    let smem = wg_smem(g.dtype, None);
+    let tile = (WG_TILE.0, WG_TILE.1 / 2);
+    grouped_wgmma_launch(
+        &grouped_glu_program(g.dtype, act),
+        g.dtype,
+        tile,
+        dev,
+        |sms| {
+            format!(
+            "tile {}×{} of the GLU output ({} B columns: gate and up), TMA + wgmma, persistent grid ≤ {sms}, {} GLU in the epilogue, M-grouped",
+            tile.0,
+            tile.1,
+            WG_TILE.1,
+            act.name()
+        )
+        },
+    )
+}
+
+/// The launch of a grouped persistent `wgmma` module (no cluster, TMA store), `tile` the C tile
+/// one block computes; `config(sms)` describes it.
+fn grouped_wgmma_launch(
+    program: &Program,
+    dtype: DType,
+    tile: (u32, u32),
+    dev: &Arc<CudaDevice>,
+    config: impl Fn(u32) -> String,
+) -> Result<Launch> {
+    let kernel = dev.kernel(program, "matmul_wgmma")?;
+    let smem = wg_smem(dtype, None);
     kernel.set_max_dynamic_smem(smem)?;
     let sms = dev.props().sm_count.max(1);
     Ok(Launch {
         kernel,
         block: (WG_THREADS, 1, 1),
         smem,
-        tile: (WG_TILE.0, WG_TILE.1 / 2),
-        config: format!(
-            "tile {}×{} of the GLU output ({} B columns: gate and up), TMA + wgmma, persistent grid ≤ {sms}, {} GLU in the epilogue, M-grouped",
-            WG_TILE.0,
-            WG_TILE.1 / 2,
-            WG_TILE.1,
-            act.name()
-        ),
+        tile,
+        config: config(sms),
         persistent: Some(Persistent {
             ctas: sms,
             group_m: WG_GROUP_M,
@@ -1628,27 +1649,11 @@ pub fn plan_grouped(
                 return Err(refuse(why));
             }
             let program = grouped_program(variant, g.dtype, mode, layout.0, layout.1);
-            let kernel = dev.kernel(&program, "matmul_wgmma")?;
-            let smem = wg_smem(g.dtype, None);
-            kernel.set_max_dynamic_smem(smem)?;
-            let sms = dev.props().sm_count.max(1);
-            Ok(Launch {
-                kernel,
-                block: (WG_THREADS, 1, 1),
-                smem,
-                tile: WG_TILE,
-                config: format!(
+            grouped_wgmma_launch(&program, g.dtype, WG_TILE, dev, |sms| {
+                format!(
                     "tile {}×{}, TMA + wgmma, persistent grid ≤ {sms} over every group's tiles, {mode:?}-grouped",
                     WG_TILE.0, WG_TILE.1
-                ),
-                persistent: Some(Persistent {
-                    ctas: sms,
-                    group_m: WG_GROUP_M,
-                    cluster: 1,
-                    tma_store: true,
-                }),
-                epilogue: None,
-                pack: None,
+                )
             })
         }
         _ => Err(refuse("does not exist (mma_pipelined, wgmma)".into())),

@@ -309,6 +309,22 @@ __device__ __forceinline__ void stage_box(const Vals& vals, int q, unsigned buf,
     stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4), v[0], v[1], v[2], v[3]);
   }
 }
+// Box q of the warp's values through staging buffer buf to the map's (c0, c1, c2): once the box
+// that last used the buffer has been read out, stage, fence for the async proxy, and lane 0
+// issues the store.
+template <class Vals>
+__device__ __forceinline__ void store_box(const Vals& vals, int q, unsigned buf,
+                                          const TmaDesc* map, int c0, int c1, int c2, int lane) {
+  if (lane == 0) bulk_wait_read<SBUF - 1>();
+  __syncwarp();
+  stage_box(vals, q, buf, lane);
+  fence_async_smem();
+  __syncwarp();
+  if (lane == 0) {
+    tma_store(map, buf, c0, c1, c2);
+    bulk_commit();
+  }
+}
 template <class Vals, class Before, class After>
 __device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& before,
                                                const After& after, unsigned stg,
@@ -318,15 +334,7 @@ __device__ __forceinline__ void store_warp_tma(const Vals& vals, const Before& b
   for (int q = 0; q < BN / 64; ++q) {
     before(q);
     const unsigned buf = stg + (q % SBUF) * SBOX;
-    if (lane == 0) bulk_wait_read<SBUF - 1>();
-    __syncwarp();
-    stage_box(vals, q, buf, lane);
-    fence_async_smem();
-    __syncwarp();
-    if (lane == 0) {
-      tma_store(map, buf, n0 + 64 * q, row, z);
-      bulk_commit();
-    }
+    store_box(vals, q, buf, map, n0 + 64 * q, row, z, lane);
     after(q, buf);
   }
 }
@@ -358,17 +366,7 @@ __device__ __forceinline__ void glu_store_tma(const float (&d)[128], unsigned st
                                               bool keep_h, int row, int hc, int lane) {
   int b = 0;
   auto box = [&](auto vals, int q, const TmaDesc* map, int c0, int c1, int c2) {
-    const unsigned buf = stg + (b % SBUF) * SBOX;
-    ++b;
-    if (lane == 0) bulk_wait_read<SBUF - 1>();
-    __syncwarp();
-    stage_box(vals, q, buf, lane);
-    fence_async_smem();
-    __syncwarp();
-    if (lane == 0) {
-      tma_store(map, buf, c0, c1, c2);
-      bulk_commit();
-    }
+    store_box(vals, q, stg + (b++ % SBUF) * SBOX, map, c0, c1, c2, lane);
   };
   if (keep_h) {
     const auto pre = [&](int j, unsigned(&v)[4]) {
