@@ -18,7 +18,7 @@ use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
-const FUNCS: [&str; 13] = [
+const FUNCS: [&str; 17] = [
     "moe_router",
     "moe_fill_i32",
     "moe_zero_bytes",
@@ -27,7 +27,11 @@ const FUNCS: [&str; 13] = [
     "moe_scatter",
     "moe_spread_rows",
     "moe_combine",
-    "moe_glu_bwd",
+    "moe_glu_bwd_0",
+    "moe_glu_bwd_1",
+    "moe_glu_bwd_2",
+    "moe_glu_bwd_3",
+    "moe_glu_bwd_4",
     "moe_unpermute_grad",
     "moe_router_bwd",
     "moe_stats_partial",
@@ -633,7 +637,6 @@ pub fn backward(
     a.push(pgu)
         .push(php)
         .push(i as i64)
-        .push(cfg.act.code())
         .push(f.src.device_ptr()?)
         .push(f.weights.device_ptr()?)
         .push(f.ends.device_ptr()?)
@@ -642,7 +645,8 @@ pub fn backward(
         .push(pdh)
         .push(pwa)
         .push(dw.device_ptr()?);
-    x.launch("moe_glu_bwd", x.grid(rows_cap, 8), 256, 0, &mut a)?;
+    let glu_bwd = format!("moe_glu_bwd_{}", cfg.act.code());
+    x.launch(&glu_bwd, x.grid(rows_cap, 8), 256, 0, &mut a)?;
     // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
     // is queued, so the next ones reuse the memory.
     // dW_down[e] = (s·a)_eᵀ·dyu_e.

@@ -463,22 +463,21 @@ __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ 
     if (lane == 0) dw[p] = dot;
   }
 }
-// act: the activation family's codes (0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf, 4 silu). Rows
-// up to ends[E - 1] (read on the device). Dropped pairs' dw is set to 0 by the caller's fill.
-extern "C" __global__ void __launch_bounds__(256)
-    moe_glu_bwd(const T* gu, const T* __restrict__ hpre, i64 n, int act,
-                const int* __restrict__ src, const float* __restrict__ w,
-                const int* __restrict__ ends, int E, int vec, T* __restrict__ dhpre, T* wa,
-                float* __restrict__ dw) {
-  const i64 used = ends[E - 1];
-  switch (act) {
-    case 0: glu_bwd_rows<0>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
-    case 1: glu_bwd_rows<1>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
-    case 2: glu_bwd_rows<2>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
-    case 3: glu_bwd_rows<3>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
-    default: glu_bwd_rows<4>(gu, hpre, n, src, w, used, vec, dhpre, wa, dw); break;
+// One entry per activation (the activation family's codes: _0 none, _1 relu, _2 gelu_tanh,
+// _3 gelu_erf, _4 silu; one kernel switching over all five made ptxas spill). Rows up to
+// ends[E - 1] (read on the device). Dropped pairs' dw is set to 0 by the caller's fill.
+#define MOE_GLU_BWD(ACT)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) moe_glu_bwd_##ACT(                          \
+      const T* gu, const T* __restrict__ hpre, i64 n, const int* __restrict__ src,              \
+      const float* __restrict__ w, const int* __restrict__ ends, int E, int vec,                \
+      T* __restrict__ dhpre, T* wa, float* __restrict__ dw) {                                   \
+    glu_bwd_rows<ACT>(gu, hpre, n, src, w, ends[E - 1], vec, dhpre, wa, dw);                    \
   }
-}
+MOE_GLU_BWD(0)
+MOE_GLU_BWD(1)
+MOE_GLU_BWD(2)
+MOE_GLU_BWD(3)
+MOE_GLU_BWD(4)
 
 // The permutation's backward: dx[t] = Σ_j dxp[pos[t,j]].
 extern "C" __global__ void __launch_bounds__(256)
