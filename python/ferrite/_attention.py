@@ -192,12 +192,15 @@ def _(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _attn_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     q, k, v, cu_q, cu_k = inputs[:5]
     ctx.args = inputs[5:]
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
 
 
 def _attn_bwd(ctx, dout, _dlse):
+    if dout is None:  # only an output without a gradient was used
+        return (None,) * 14
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = eager.attention_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 11

@@ -433,12 +433,15 @@ def _(logits, target, ignore_index, label_smoothing, reduction, need_grad, check
 
 
 def _ce_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     ctx.need_grad = inputs[5]
     ctx.reduction = inputs[4]
     ctx.save_for_backward(output[1])
 
 
 def _ce_bwd(ctx, grad_loss, _grad_dlogits):
+    if grad_loss is None:  # only an output without a gradient was used
+        return (None,) * 7
     if not ctx.need_grad:
         raise RuntimeError(
             "ferrite.cross_entropy: backward needs the gradient computed in the forward, which ran "

@@ -532,6 +532,7 @@ def _(grad, x, weight, preact, activation, need_x, need_w, need_b):
 
 
 def _linear_act_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     x, weight, bias, activation, save_preact = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.has_bias = bias is not None
@@ -540,6 +541,8 @@ def _linear_act_setup(ctx, inputs, output):
 
 
 def _linear_act_bwd(ctx, grad, _grad_z):
+    if grad is None:  # only an output without a gradient was used
+        return (None,) * 5
     x, weight, z = ctx.saved_tensors
     act = _activation("ferrite.linear_backward", ctx.activation)
     if act != "none" and not ctx.saved_preact:
@@ -676,6 +679,7 @@ def _(grad, x, w1, h, preact, w2, activation, need):
 
 
 def _mlp_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     x, w1, b1, w2, b2, activation, save_preact = inputs
     ctx.save_for_backward(x, w1, output[1], output[2], w2)
     ctx.has_bias = (b1 is not None, b2 is not None)
@@ -684,6 +688,8 @@ def _mlp_setup(ctx, inputs, output):
 
 
 def _mlp_bwd(ctx, grad, _grad_h, _grad_z):
+    if grad is None:  # only an output without a gradient was used
+        return (None,) * 7
     x, w1, h, z, w2 = ctx.saved_tensors
     if not ctx.saved_preact:
         raise RuntimeError(
@@ -803,12 +809,15 @@ def _(grad, x, normalized_shape, weight, rstd, need_w):
 
 
 def _rms_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     x, ns, weight, eps = inputs
     ctx.ns = ns
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _rms_bwd(ctx, grad, _grad_rstd):
+    if grad is None:  # only an output without a gradient was used
+        return (None,) * 4
     x, weight, rstd = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[2]
     dx, dw = eager.rms_norm_backward(grad, x, ctx.ns, weight, rstd, need_w)
@@ -855,6 +864,7 @@ def _(grad, x, normalized_shape, weight, mean, rstd, need_w, need_b):
 
 
 def _ln_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     x, ns, weight, bias, eps = inputs
     ctx.ns = ns
     ctx.has_bias = bias is not None
@@ -862,6 +872,8 @@ def _ln_setup(ctx, inputs, output):
 
 
 def _ln_bwd(ctx, grad, _grad_mean, _grad_rstd):
+    if grad is None:  # only an output without a gradient was used
+        return (None,) * 5
     x, weight, mean, rstd = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[2]
     need_b = ctx.has_bias and ctx.needs_input_grad[3]
@@ -906,6 +918,7 @@ def _(kind, x, residual, normalized_shape, weight, bias, eps):
 
 
 def _add_norm_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     kind, x, residual, ns, weight, bias, eps = inputs
     ctx.kind, ctx.ns, ctx.has_bias = kind, ns, bias is not None
     ctx.save_for_backward(output[1], weight, output[2], output[3])
@@ -915,13 +928,16 @@ def _add_norm_bwd(ctx, grad_y, grad_h, _grad_mean, _grad_rstd):
     h, weight, mean, rstd = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[4]
     need_b = ctx.has_bias and ctx.needs_input_grad[5]
-    if ctx.kind == "rms_norm":
+    if grad_y is None:  # only the new residual stream was used
+        need_w = need_b = False
+        dh, dw, db = grad_h, None, None
+    elif ctx.kind == "rms_norm":
         dh, dw = eager.rms_norm_backward(grad_y, h, ctx.ns, weight, rstd, need_w)
         db = None
     else:
         dh, dw, db = eager.layer_norm_backward(grad_y, h, ctx.ns, weight, mean, rstd, need_w, need_b)
     # h = x + residual feeds both the norm and the caller (the new residual stream)
-    if grad_h is not None:
+    if grad_y is not None and grad_h is not None:
         dh = dh + grad_h
     return (
         None,
