@@ -464,6 +464,13 @@ fn raw_read_covers_the_data_from_any_start() {
     }
 }
 
+/// One u16 shard of `toks` (GPT-2 vocabulary) written into `dir` as `format`: its index and path.
+fn one_shard(dir: &Path, format: ShardFormat, toks: &[u32]) -> (Index, PathBuf) {
+    let idx = write_shards(dir, format, DType::U16, 4096, &[toks.to_vec()], 50257).unwrap();
+    let path = dir.join(&idx.shards[0].file);
+    (idx, path)
+}
+
 fn err_of<T>(r: crate::Result<T>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
@@ -476,16 +483,7 @@ fn every_header_byte_and_payload_byte_corruption_is_detected() {
     for format in [ShardFormat::Ferrite, ShardFormat::LlmcV1] {
         let dir = TmpDir::new("corrupt");
         let toks = tokens(600, 5, 50257);
-        let idx = write_shards(
-            &dir.0,
-            format,
-            DType::U16,
-            4096,
-            std::slice::from_ref(&toks),
-            50257,
-        )
-        .unwrap();
-        let path = dir.0.join(&idx.shards[0].file);
+        let (idx, path) = one_shard(&dir.0, format, &toks);
         let good = std::fs::read(&path).unwrap();
         let hb = format.header_bytes() as usize;
         // Every header byte (checked in memory: the same code the file path runs): the header
@@ -570,16 +568,7 @@ fn every_header_byte_and_payload_byte_corruption_is_detected() {
 fn bad_inputs_give_errors_naming_shard_and_offset() {
     let dir = TmpDir::new("bad");
     let toks = tokens(500, 9, 50257);
-    let idx = write_shards(
-        &dir.0,
-        ShardFormat::Ferrite,
-        DType::U16,
-        4096,
-        std::slice::from_ref(&toks),
-        50257,
-    )
-    .unwrap();
-    let path = dir.0.join(&idx.shards[0].file);
+    let (idx, path) = one_shard(&dir.0, ShardFormat::Ferrite, &toks);
     let good = std::fs::read(&path).unwrap();
     let expect = |what: &str, want: &[&str]| {
         let e = err_of(Dataset::open(&dir.0));
@@ -914,16 +903,7 @@ fn bench_and_loader_refuse_sizes_that_cannot_run() {
 fn a_standalone_shard_with_a_flipped_payload_byte_is_refused_at_open() {
     let dir = TmpDir::new("standalone");
     let toks = tokens(3000, 9, 50257);
-    let idx = write_shards(
-        &dir.0,
-        ShardFormat::Ferrite,
-        DType::U16,
-        4096,
-        std::slice::from_ref(&toks),
-        50257,
-    )
-    .unwrap();
-    let path = dir.0.join(&idx.shards[0].file);
+    let (_, path) = one_shard(&dir.0, ShardFormat::Ferrite, &toks);
     // Without an index the shard opens and is verified against its header's checksum.
     Dataset::open(&path).unwrap();
     let mut bytes = std::fs::read(&path).unwrap();

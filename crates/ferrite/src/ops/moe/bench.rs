@@ -21,6 +21,22 @@ use crate::ops::matmul::{self, Gemm, Operand};
 use std::sync::Arc;
 
 /// (label, T, H, I, E, k).
+/// A layer's random inputs: x, router, w_up, w_down (uniform in ±`scales`) and dout, fixed seeds.
+fn layer_inputs(
+    [t, h, i, e]: [usize; 4],
+    dt: DType,
+    d: Device,
+    (su, sd): (f64, f64),
+) -> Result<[Tensor; 5]> {
+    Ok([
+        Tensor::rand(&[t, h], dt, d, 11, -1.0, 1.0)?,
+        Tensor::rand(&[e, h], dt, d, 12, -0.05, 0.05)?,
+        Tensor::rand(&[e, h, 2 * i], dt, d, 13, -su, su)?,
+        Tensor::rand(&[e, i, h], dt, d, 14, -sd, sd)?,
+        Tensor::rand(&[t, h], dt, d, 15, -1.0, 1.0)?,
+    ])
+}
+
 pub fn shapes(cfg: &BenchConfig) -> Result<Vec<(String, [usize; 5])>> {
     if !cfg.shapes.is_empty() {
         return cfg
@@ -75,11 +91,7 @@ fn bench_cpu(
     if !(cfg.dtypes.is_empty() || cfg.wants_dtype(dt)) {
         return Ok(());
     }
-    let x = Tensor::rand(&[t, h], dt, d, 11, -1.0, 1.0)?;
-    let router = Tensor::rand(&[e, h], dt, d, 12, -0.05, 0.05)?;
-    let wu = Tensor::rand(&[e, h, 2 * i], dt, d, 13, -0.1, 0.1)?;
-    let wd = Tensor::rand(&[e, i, h], dt, d, 14, -0.1, 0.1)?;
-    let dout = Tensor::rand(&[t, h], dt, d, 15, -1.0, 1.0)?;
+    let [x, router, wu, wd, dout] = layer_inputs([t, h, i, e], dt, d, (0.1, 0.1))?;
     let w = MoeWeights {
         router: &router,
         w_up: &wu,
@@ -211,13 +223,8 @@ fn bench_gpu(
         .collect();
     for (label, [t, h, i, e, k]) in shapes(cfg)? {
         for &dt in &dtypes {
-            let x = Tensor::rand(&[t, h], dt, d, 11, -1.0, 1.0)?;
-            let router = Tensor::rand(&[e, h], dt, d, 12, -0.05, 0.05)?;
-            let su = 1.0 / (h as f64).sqrt();
-            let sd = 1.0 / (i as f64).sqrt();
-            let wu = Tensor::rand(&[e, h, 2 * i], dt, d, 13, -su, su)?;
-            let wd = Tensor::rand(&[e, i, h], dt, d, 14, -sd, sd)?;
-            let dout = Tensor::rand(&[t, h], dt, d, 15, -1.0, 1.0)?;
+            let scales = (1.0 / (h as f64).sqrt(), 1.0 / (i as f64).sqrt());
+            let [x, router, wu, wd, dout] = layer_inputs([t, h, i, e], dt, d, scales)?;
             let w = MoeWeights {
                 router: &router,
                 w_up: &wu,
