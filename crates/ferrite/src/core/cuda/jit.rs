@@ -40,6 +40,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("hopper.cuh", include_str!("kernels/hopper.cuh")),
     ("async.cuh", include_str!("kernels/async.cuh")),
     ("act.cuh", include_str!("kernels/act.cuh")),
+    ("mma.cuh", include_str!("kernels/mma.cuh")),
 ];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).

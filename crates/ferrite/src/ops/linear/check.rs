@@ -97,6 +97,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
         // The same with 17 × 9 = 153 dX tiles: on the H100's 132 SMs some blocks take two, so
         // the helpers finish a first tile alone and share the last with the consumer warps.
         Case::new(&[2176], 72, 2304, false).gpu_only(),
+        // `skinny` (at most 64 rows of X): 4 tiles of 8 rows with n and k edges (k = 200 ends
+        // inside a 32-k chunk), every epilogue combination; one row split over k-slices.
+        Case::new(&[3, 7], 100, 200, true),
+        Case::new(&[1], 4104, 2056, false).gpu_only(),
         // dW [200, 384] is 4 output tiles over 4096 rows: the split-K path (4 slices).
         Case::new(&[4096], 200, 384, false).gpu_only(),
         Case::new(&[5], 7, 0, false),

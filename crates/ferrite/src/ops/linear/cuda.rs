@@ -127,7 +127,7 @@ pub fn forward(
     };
     match variant {
         "naive" => forward_unfused(p, g, ptrs, e, opts, &dev, &stream),
-        "fused" | "persistent" | "fused_pairs" | "persistent_pairs" => {
+        "fused" | "persistent" | "fused_pairs" | "persistent_pairs" | "skinny" => {
             let l = plan_fused(variant, g, &dev, opts.activation)?;
             mmc::launch_with_epilogue(&l, g, ptrs, 1.0, 0.0, e, &stream)
         }
@@ -139,13 +139,16 @@ pub fn forward(
 }
 
 /// The matmul epilogue kernel a fused variant launches: `fused*` = `mma_pipelined`,
-/// `persistent*` = `wgmma`; `*_pairs` with the pair epilogue.
+/// `persistent*` = `wgmma`; `*_pairs` with the pair epilogue; `skinny` = matmul's decode kernel.
 pub fn plan_fused(
     variant: &str,
     g: &Gemm,
     dev: &Arc<CudaDevice>,
     act: Activation,
 ) -> Result<mmc::Launch> {
+    if variant == "skinny" {
+        return mmc::plan_epilogue("skinny", g, dev, act);
+    }
     let gemm = if variant.starts_with("fused") {
         "mma_pipelined"
     } else {

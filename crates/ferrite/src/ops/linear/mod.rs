@@ -23,7 +23,9 @@
 //!   `mma_pipelined`'s store step, element by element, sm_80+) → `persistent` (the same inside
 //!   the Hopper `wgmma` persistent kernel, sm_90a) → `fused_pairs` / `persistent_pairs` (the
 //!   same kernels with the pair epilogue: interior tiles branch-free in 2-element stores, the bias
-//!   in registers, SFU activations). The epilogue is matmul's hook (`matmul::epilogue`).
+//!   in registers, SFU activations). The epilogue is matmul's hook (`matmul::epilogue`). For at
+//!   most 64 rows of X (decode) `skinny` runs the same epilogue on matmul's bandwidth-bound
+//!   decode kernel (by default for at most 8 rows: matmul's `skinny_by_default`).
 //!
 //! **QKV**: [`linear_qkv`] runs one GEMM with W `[3·H·D, in]` into a `[..., 3, H, D]` buffer and
 //! returns q, k, v as strided views of it (no copy; last dim contiguous).
@@ -129,6 +131,19 @@ pub fn variants() -> Vec<VariantInfo> {
                 the bias loaded into registers before the tile's mainloop, 4-byte stores, \
                 tanh.approx (16-bit)",
             rank: 5,
+        },
+        VariantInfo {
+            name: "skinny",
+            backend: Backend::Cuda,
+            dtypes: HALVES,
+            min_arch: Some(Arch::SM80),
+            constraints: "sm_80+; bf16/f16; at most 64 rows of X (decode; declined above, where \
+                the tiled variants run); any in, out and alignment. Chosen by default for at most 8 \
+                rows (matmul's skinny_by_default)",
+            summary: "the epilogue on matmul's `skinny` decode kernel: W streamed once at the \
+                copy rate (a warp per 16 outputs and a k-slice, mma.sync), bias, Z, activation \
+                and residual applied as the outputs are stored",
+            rank: 6,
         },
     ]
 }
@@ -500,6 +515,13 @@ pub fn select(
                         .to_string(),
                 ),
                 "persistent" | "persistent_pairs" => cuda::persistent_declines(g?, arch, ptrs),
+                "skinny" => {
+                    let g = g?;
+                    if opts.variant.is_none() && !crate::ops::matmul::cuda::skinny_by_default(g) {
+                        return Some("is chosen by default for at most 8 rows of X only (matmul's skinny_by_default)".into());
+                    }
+                    crate::ops::matmul::cuda::skinny_declines(g)
+                }
                 _ => None,
             }
         },

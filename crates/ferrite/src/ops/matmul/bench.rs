@@ -215,6 +215,20 @@ const TC_LARGE: &[[usize; 3]] = &[
     [8192, 4096, 14336],
 ];
 
+/// Decode shapes (full mode, bf16/f16), in the NT layout of a linear layer's weight: one token,
+/// 16 and 64 sequences through Llama-3-8B-like projections (4096², 14336×4096, 4096×14336), and
+/// GPT-2's and Llama-3's vocabulary heads. Bandwidth-bound: the GB/s column is the figure.
+const DECODE: &[[usize; 3]] = &[
+    [1, 4096, 4096],
+    [1, 14336, 4096],
+    [16, 14336, 4096],
+    [64, 14336, 4096],
+    [1, 4096, 14336],
+    [1, 50257, 768],
+    [16, 50257, 768],
+    [1, 128256, 4096],
+];
+
 fn bench_gpu(
     cfg: &BenchConfig,
     dev: &Arc<CudaDevice>,
@@ -241,6 +255,19 @@ fn bench_gpu(
         if tf32 {
             let first = runs_of[0].0;
             runs_of.insert(1, (first, true));
+        }
+        // Short A (decode): asked-for shapes also in the NT layout, where `skinny` runs; the
+        // default decode shapes in NT only.
+        if matches!(prec, Precision::Bf16 | Precision::F16) {
+            let short: Vec<_> = runs_of
+                .iter()
+                .filter(|(s, bt)| !bt && s[0] <= mm_cuda::SKINNY_MAX_M)
+                .map(|&(s, _)| (s, true))
+                .collect();
+            runs_of.extend(short);
+            if cfg.shapes.is_empty() && !cfg.quick {
+                runs_of.extend(DECODE.iter().map(|&s| (s, true)));
+            }
         }
         for (shape, b_trans) in runs_of {
             // Beyond the default cube in NN, only the tensor-core variants (unless shapes were
@@ -279,6 +306,14 @@ fn bench_gpu(
             // `--config` names replace the tuned `wgmma` launch by one row per configuration.
             let mut plans = Vec::new();
             for vname in runs {
+                let declines = match vname {
+                    "skinny" => mm_cuda::skinny_declines(&g),
+                    "wgmma" => mm_cuda::wgmma_declines(&g),
+                    _ => None,
+                };
+                if declines.is_some() {
+                    continue;
+                }
                 progress(&format!("matmul {d} {vname} {label} {}", g.label()));
                 if vname != "wgmma" {
                     plans.push((vname, mm_cuda::plan(vname, &g, dev)?, None));

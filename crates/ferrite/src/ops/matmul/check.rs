@@ -175,6 +175,27 @@ pub fn cases(quick: bool) -> Vec<Case> {
             beta: -1.5,
             ..Case::nn(100, 136, 72)
         },
+        // `skinny` (m ≤ 64, NT): one row with a k tail inside a 32-k chunk; unaligned rows
+        // (element-wise loads) with B broadcast over a batch and α/β; aligned rows with 8 tiles
+        // of A's rows, edges in m and n.
+        Case {
+            b_trans: true,
+            ..Case::nn(1, 4097, 200)
+        },
+        Case {
+            batch: 3,
+            broadcast_b: true,
+            b_trans: true,
+            pad: 3,
+            alpha: 0.5,
+            beta: -1.0,
+            ..Case::nn(9, 100, 77)
+        },
+        Case {
+            b_trans: true,
+            pad: 8,
+            ..Case::nn(61, 264, 1000)
+        },
         // The same with B transposed: tf32 wgmma reads both operands in place (NT, 16-byte rows),
         // B through a broadcast tensor map; in NN above it packs B once for all batches.
         Case {

@@ -32,6 +32,7 @@ const VECTORIZED: KernelSource = tiled_source!("vectorized", "kernels/vectorized
 const WARPTILE: KernelSource = tiled_source!("warptile", "kernels/warptile.cu");
 const MMA: KernelSource = tiled_source!("mma", "kernels/mma.cu");
 const WGMMA: KernelSource = tiled_source!("wgmma", "kernels/wgmma.cu");
+const SKINNY: KernelSource = tiled_source!("skinny", "kernels/skinny.cu");
 
 /// One fp32 SIMT rung: its module, entry point, threads per block, C tile per block (rows,
 /// columns) and a short description of the configuration.
@@ -371,7 +372,7 @@ fn tf32_packed(o: &Operand, is_a: bool, rows: usize, k: usize) -> Operand {
 /// Whether a CUDA variant runs on tensor cores: f32 inputs then run as tf32, and only when the
 /// caller asks for `Precision::Tf32`.
 pub fn tensor_core(variant: &str) -> bool {
-    matches!(variant, "mma" | "mma_pipelined" | "wgmma")
+    matches!(variant, "mma" | "mma_pipelined" | "wgmma" | "skinny")
 }
 
 /// wgmma, setmaxnreg and the sm_90a target exist on Hopper only (later GPUs have other MMAs).
@@ -407,6 +408,119 @@ pub fn wgmma_declines(g: &Gemm) -> Option<String> {
     None
 }
 
+/// The most rows of A `skinny` takes (8 tiles of the MMA's 8 columns).
+pub const SKINNY_MAX_M: usize = 64;
+/// The `skinny` kernel's entry points: tiles of 8 rows of A (matmul_skinny{MT}).
+const SKINNY_TILES: [u32; 4] = [1, 2, 4, 8];
+/// Warps per `skinny` block, split into k-slices × column groups.
+const SKINNY_WARPS: u32 = 8;
+/// Warps per SM the `skinny` k-split aims for (enough 16-byte loads in flight to cover the DRAM
+/// latency at full bandwidth).
+const SKINNY_WARPS_PER_SM: usize = 16;
+
+/// Why `skinny` cannot run `g` (None: it can): bf16/f16, m ≤ 64, A row-major and B transposed
+/// (both K-contiguous; linear's X and W).
+pub fn skinny_declines(g: &Gemm) -> Option<String> {
+    if !matches!(g.dtype, DType::BF16 | DType::F16) {
+        return Some("is bf16/f16 only (tensor-core dot products)".into());
+    }
+    if g.m > SKINNY_MAX_M {
+        return Some(format!(
+            "takes m ≤ {SKINNY_MAX_M} (a short A: decode); m is {}",
+            g.m
+        ));
+    }
+    if g.a.trans || !g.b.trans {
+        return Some(
+            "needs A row-major and B transposed (both K-contiguous, as linear's X and W [n, k])"
+                .into(),
+        );
+    }
+    None
+}
+
+/// The most rows of A the default selection gives `skinny`; taller problems run `wgmma` /
+/// `mma_pipelined` unless `skinny` is asked for by name. Measured on the H100 against `wgmma`
+/// and cuBLAS in the same runs (bench/results/2026-11-27-h100-h200-skinny-decode, bf16, m = 1
+/// and 8): `skinny` at 0.80–1.05× the better of cuBLAS and cuBLASLt and never behind `wgmma`
+/// (2.1–2.7× ahead where n / 256 tiles leave SMs idle: 4096², 4096×14336); 16 rows and more
+/// are not measured on the current kernel.
+pub const SKINNY_DEFAULT_MAX_M: usize = 8;
+
+/// Whether the default selection runs `skinny` on `g` (it runs whenever asked for by name).
+pub fn skinny_by_default(g: &Gemm) -> bool {
+    g.m <= SKINNY_DEFAULT_MAX_M
+}
+
+/// `skinny`'s k-slices per column group (1, 2, 4 or 8): doubled while the warps are fewer than
+/// SKINNY_WARPS_PER_SM per SM and every slice still gets a pass of k.
+fn skinny_slices(g: &Gemm, sms: usize, mt: u32) -> u32 {
+    let groups = g.n.div_ceil(16) * g.batch.max(1);
+    let pass = 32 * if mt >= 8 { 4 } else { 8 };
+    let mut s = 1usize;
+    while s < SKINNY_WARPS as usize && groups * s < sms * SKINNY_WARPS_PER_SM && g.k > s * pass {
+        s *= 2;
+    }
+    s as u32
+}
+
+/// `skinny`'s dynamic shared memory (kernels/skinny.cu, `Pass`): the k-slices' partial sums, and
+/// on sm_90 the warps' rings of B passes under them.
+fn skinny_smem(dtype: DType, mt: u32, sm90: bool) -> u32 {
+    let row = skinny_pass(mt) * dtype.size_in_bytes() as u32;
+    let stages = if mt >= 8 { 4 } else { 3 };
+    let ring = SKINNY_WARPS * stages * (16 * row + 8) + 128;
+    let red = SKINNY_WARPS * mt * 4 * 32 * 4;
+    if sm90 {
+        ring.max(red)
+    } else {
+        red
+    }
+}
+
+/// k per pass of `skinny` (kernels/skinny.cu, `Pass::K`): the TMA box's width on sm_90.
+fn skinny_pass(mt: u32) -> u32 {
+    32 * if mt >= 8 { 4 } else { 8 }
+}
+
+/// B's tensor map for `skinny` on sm_90 (boxes of one pass × 16 rows, no swizzle), or zeros
+/// where the kernel reads B without one (sm_80, or B rows not 16-byte aligned: the kernel's
+/// `fe_aligned16` test, made here alike).
+fn skinny_b_map(g: &Gemm, b: u64, box_k: u32, sm90: bool) -> Result<TmaDesc> {
+    let es = g.dtype.size_in_bytes();
+    let aligned = b.is_multiple_of(16)
+        && (g.b.ld * es).is_multiple_of(16)
+        && (g.b.batch_stride * es).is_multiple_of(16);
+    if !sm90 || !aligned {
+        return Ok(TmaDesc([0; 16]));
+    }
+    tensor_map_swizzled(
+        g.dtype,
+        b,
+        g.k,
+        g.n,
+        g.b.ld,
+        g.batch,
+        g.b.batch_stride,
+        [box_k, 16],
+        false,
+    )
+}
+
+fn skinny_program(dtype: DType, epi: Option<Epi>) -> Program {
+    with_epilogue(
+        Program::new(SKINNY).define("FE_ELEM", dtype.cuda_name()),
+        epi,
+    )
+}
+
+fn skinny_functions() -> Vec<String> {
+    SKINNY_TILES
+        .iter()
+        .map(|t| format!("matmul_skinny{t}"))
+        .collect()
+}
+
 /// How the persistent `wgmma` grid walks the C tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Persistent {
@@ -440,6 +554,32 @@ fn tensor_map(
     bx: u32,
     by: u32,
 ) -> Result<TmaDesc> {
+    tensor_map_swizzled(
+        dtype,
+        ptr,
+        inner,
+        outer,
+        ld,
+        batch,
+        batch_stride,
+        [bx, by],
+        true,
+    )
+}
+
+/// `tensor_map` with the 128-byte swizzle (`swizzle`) or dense rows.
+#[allow(clippy::too_many_arguments)]
+fn tensor_map_swizzled(
+    dtype: DType,
+    ptr: u64,
+    inner: usize,
+    outer: usize,
+    ld: usize,
+    batch: usize,
+    batch_stride: usize,
+    boxd: [u32; 2],
+    swizzle: bool,
+) -> Result<TmaDesc> {
     let es = dtype.size_in_bytes() as u64;
     let (inner, outer) = (inner.max(1) as u64, outer.max(1) as u64);
     let batch = if batch_stride == 0 {
@@ -456,7 +596,7 @@ fn tensor_map(
             ld as u64 * es * outer
         },
     ];
-    tensor_map_3d(dtype, ptr, dims, strides, [bx, by, 1])
+    tensor_map_encode(dtype, ptr, dims, strides, [boxd[0], boxd[1], 1], swizzle)
 }
 
 /// A 3-D tensor map (dims innermost first, byte strides of dims 1 and 2), 128-byte swizzle.
@@ -466,6 +606,19 @@ fn tensor_map_3d(
     dims: [u64; 3],
     strides: [u64; 2],
     boxd: [u32; 3],
+) -> Result<TmaDesc> {
+    tensor_map_encode(dtype, ptr, dims, strides, boxd, true)
+}
+
+/// cuTensorMapEncodeTiled for a 3-D map, zero fill outside; `swizzle`: 128-byte swizzle, else
+/// the box lands as dense rows.
+fn tensor_map_encode(
+    dtype: DType,
+    ptr: u64,
+    dims: [u64; 3],
+    strides: [u64; 2],
+    boxd: [u32; 3],
+    swizzle: bool,
 ) -> Result<TmaDesc> {
     use cudarc::driver::sys;
     let dt = match dtype {
@@ -488,7 +641,11 @@ fn tensor_map_3d(
             boxd.as_ptr(),
             estr.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            if swizzle {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+            } else {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+            },
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -743,6 +900,13 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             min_arch: Arch::SM90,
         });
     }
+    for d in [DType::F16, DType::BF16] {
+        v.push(KernelSpec {
+            program: skinny_program(d, None),
+            functions: skinny_functions(),
+            min_arch: Arch::SM80,
+        });
+    }
     v.extend(epilogue_specs());
     v.extend(grouped_specs());
     v
@@ -790,6 +954,11 @@ pub fn epilogue_specs() -> Vec<KernelSpec> {
             }
         }
         for d in [DType::F16, DType::BF16] {
+            v.push(KernelSpec {
+                program: skinny_program(d, elem),
+                functions: skinny_functions(),
+                min_arch: Arch::SM80,
+            });
             for epi in [elem, pairs] {
                 v.push(KernelSpec {
                     program: wgmma_program(d, false, true, WG_CLUSTER, epi),
@@ -842,6 +1011,9 @@ pub struct Launch {
     /// contiguous, or rows not 16-byte aligned) into a K-major tf32-rounded copy; `launch` runs
     /// it first where needed (see `tf32_direct`).
     pub pack: Option<Kernel>,
+    /// `skinny`: the kernel takes B's tensor map after the GEMM parameters (boxes of this k
+    /// width; `skinny_b_map`), and whether it is built for sm_90 (zeros are passed otherwise).
+    pub b_map: Option<(u32, bool)>,
 }
 
 pub fn plan(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>) -> Result<Launch> {
@@ -998,7 +1170,7 @@ pub fn dact_colsum_ok(l: &Launch, g: &Gemm, p: Ptrs, beta: f32, e: &EpiPtrs) -> 
 }
 
 /// The variants that have the fused epilogue.
-pub const EPILOGUE_VARIANTS: [&str; 3] = ["naive", "mma_pipelined", "wgmma"];
+pub const EPILOGUE_VARIANTS: [&str; 4] = ["naive", "mma_pipelined", "wgmma", "skinny"];
 
 /// `plan` for a kernel with the fused epilogue (bias, `act`, Z, residual; see `epilogue.rs`):
 /// `naive`, `mma_pipelined` or `wgmma`. Launch it with `launch_with_epilogue`.
@@ -1058,6 +1230,7 @@ fn plan_inner(
             persistent: None,
             epilogue: None,
             pack: None,
+            b_map: None,
         });
     }
     match variant {
@@ -1070,6 +1243,7 @@ fn plan_inner(
             persistent: None,
             epilogue: epi,
             pack: None,
+            b_map: None,
         }),
         "mma" | "mma_pipelined" => {
             let stages = match (variant, epi) {
@@ -1101,6 +1275,7 @@ fn plan_inner(
                 persistent: None,
                 epilogue: epi,
                 pack: None,
+                b_map: None,
             })
         }
         "wgmma" => {
@@ -1172,6 +1347,46 @@ fn plan_inner(
                 }),
                 epilogue: epi,
                 pack,
+                b_map: None,
+            })
+        }
+        "skinny" => {
+            if let Some(why) = skinny_declines(g) {
+                return Err(refuse(&why));
+            }
+            if epi.is_some_and(|e| e.pairs || e.dact) {
+                return Err(refuse("has the element-wise epilogue only"));
+            }
+            let rows = g.m.max(1).div_ceil(8) as u32;
+            let mt = *SKINNY_TILES.iter().find(|&&t| t >= rows).unwrap_or(&8);
+            let s = skinny_slices(g, dev.props().sm_count as usize, mt);
+            let groups = SKINNY_WARPS / s;
+            let kernel =
+                dev.kernel(&skinny_program(g.dtype, epi), &format!("matmul_skinny{mt}"))?;
+            let sm90 = dev.arch().major >= 9;
+            let smem = skinny_smem(g.dtype, mt, sm90);
+            kernel.allow_dynamic_smem(smem)?;
+            Ok(Launch {
+                kernel,
+                block: (32, s, groups),
+                smem,
+                tile: (SKINNY_MAX_M as u32, 16 * groups),
+                config: format!(
+                    "{groups} column group{} of 16 × {s} k-slice{} per block, {mt} tile{} of 8 rows of A, mma.sync m16n8k16 with B as the A operand, B {}{}",
+                    if groups > 1 { "s" } else { "" },
+                    if s > 1 { "s" } else { "" },
+                    if mt > 1 { "s" } else { "" },
+                    if sm90 {
+                        "through per-warp rings of TMA boxes"
+                    } else {
+                        "by 16-byte streaming loads"
+                    },
+                    epilogue_note(epi)
+                ),
+                persistent: None,
+                epilogue: epi,
+                pack: None,
+                b_map: Some((skinny_pass(mt), sm90)),
             })
         }
         _ => Err(refuse("does not exist")),
@@ -1287,6 +1502,9 @@ fn launch_inner(
         }
     };
     let mut args = gemm_args(g, p, alpha, beta);
+    if let Some((box_k, sm90)) = l.b_map {
+        args.push(skinny_b_map(g, p.b, box_k, sm90)?);
+    }
     if let Some(pp) = l.persistent {
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
         let store = pp.tma_store && wg_tma_store_ok(g, p.c, beta, &e);
@@ -1529,6 +1747,7 @@ fn grouped_wgmma_launch(
         }),
         epilogue: None,
         pack: None,
+        b_map: None,
     })
 }
 
@@ -1636,6 +1855,7 @@ pub fn plan_grouped(
                 persistent: None,
                 epilogue: None,
                 pack: None,
+                b_map: None,
             })
         }
         "wgmma" => {

@@ -25,6 +25,9 @@
 //!     rows (TMA) and decline other layouts; `mma_pipelined` is the fallback. tf32 reads K-major
 //!     operands only (A row-major, B transposed): an m/n-contiguous or unaligned operand is first
 //!     packed into a K-major tf32-rounded copy (a transpose pre-pass into scratch).
+//!   - Decode, sm_80+ (bf16, f16): `skinny` — m ≤ 64 with K-contiguous A and B (linear's
+//!     layout): a bandwidth-bound read of B, streamed once by TMA; chosen by default for
+//!     m ≤ 8.
 
 pub mod bench;
 pub mod check;
@@ -46,6 +49,7 @@ pub const OP: &str = "matmul";
 
 const F32: &[DType] = &[DType::F32];
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+const HALVES: &[DType] = &[DType::F16, DType::BF16];
 
 /// The ladder, in order.
 pub fn variants() -> Vec<VariantInfo> {
@@ -164,6 +168,20 @@ pub fn variants() -> Vec<VariantInfo> {
                 (tf32: m64n256k8) from shared memory, 1 producer + 2 consumer warpgroups (setmaxnreg), \
                 persistent grid, clusters of 2 multicasting B",
             rank: 10,
+        },
+        VariantInfo {
+            name: "skinny",
+            backend: Backend::Cuda,
+            dtypes: HALVES,
+            min_arch: Some(crate::core::device::Arch::SM80),
+            constraints: "sm_80+; bf16/f16; m ≤ 64 (declined above: the tiled rungs run taller \
+                problems); A row-major and B transposed (both K-contiguous: linear's X and \
+                W [n, k]); any n, k, alignment, batches and broadcast. Chosen by default for m ≤ 8 \
+                (cuda::skinny_by_default)",
+            summary: "decode: streams B once at the copy rate — a warp per 16 columns and a k-slice, \
+                16-byte loads of B in flight, mma.sync with B as the A operand, k-slices summed \
+                in shared memory",
+            rank: 11,
         },
     ]
 }
@@ -535,6 +553,15 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         arch,
         |v| {
             let tensor_core = v.backend == Backend::Cuda && cuda::tensor_core(v.name);
+            if v.backend == Backend::Cuda && v.name == "skinny" {
+                if opts.variant.is_none() && !cuda::skinny_by_default(g) {
+                    return Some(format!(
+                        "is chosen by default for m ≤ {} only (cuda::skinny_by_default)",
+                        cuda::SKINNY_DEFAULT_MAX_M
+                    ));
+                }
+                return cuda::skinny_declines(g);
+            }
             if v.backend == Backend::Cuda && v.name == "wgmma" {
                 if arch.is_some_and(|a| a.major != 9) {
                     return Some(cuda::WGMMA_ARCH.to_string());

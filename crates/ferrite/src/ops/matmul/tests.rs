@@ -295,3 +295,39 @@ fn warptile_is_the_f32_default_only_for_large_outputs() {
     assert!(!warptile_fills(&g(1, 127, 255)));
     assert!(warptile_fills(&g(usize::MAX, usize::MAX, 2)));
 }
+
+/// `skinny` takes short, K-contiguous, 16-bit problems only, and the default gives it up to 8
+/// rows of A.
+#[test]
+fn skinny_takes_short_k_contiguous_halves() {
+    let op = |trans| Operand {
+        ld: 4096,
+        trans,
+        batch_stride: 0,
+    };
+    let g = |m, n, k, dtype, at, bt| Gemm {
+        batch: 1,
+        m,
+        n,
+        k,
+        a: op(at),
+        b: op(bt),
+        c: op(false),
+        dtype,
+        device: Device::Cpu,
+    };
+    let bf = DType::BF16;
+    assert!(cuda::skinny_declines(&g(1, 4096, 4096, bf, false, true)).is_none());
+    assert!(cuda::skinny_declines(&g(64, 5, 3, DType::F16, false, true)).is_none());
+    let why = cuda::skinny_declines(&g(65, 4096, 4096, bf, false, true)).unwrap();
+    assert!(why.contains("m ≤ 64") && why.contains("65"), "{why}");
+    assert!(cuda::skinny_declines(&g(1, 4096, 4096, DType::F32, false, true)).is_some());
+    assert!(cuda::skinny_declines(&g(1, 4096, 4096, bf, false, false)).is_some());
+    assert!(cuda::skinny_declines(&g(1, 4096, 4096, bf, true, true)).is_some());
+    assert!(cuda::skinny_by_default(&g(1, 4096, 4096, bf, false, true)));
+    assert!(cuda::skinny_by_default(&g(8, 50257, 768, bf, false, true)));
+    assert!(!cuda::skinny_by_default(&g(9, 4096, 4096, bf, false, true)));
+    assert!(cuda::skinny_by_default(&g(
+        1, 128256, 4096, bf, false, true
+    )));
+}

@@ -17,6 +17,25 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return (unsigned)__cvta_generic_to_shared(p);
 }
 
+// The dynamic shared memory the launch gave this block, in bytes.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned v;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
+  return v;
+}
+
+// One box of a 3-D tensor map (coordinates innermost first) into shared memory at `dst` by
+// the tensor memory accelerator, counted in bytes on the mbarrier `bar`; elements outside the
+// tensor arrive as zeros.
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
+                                         int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // mbarriers in shared memory: arrival counts, transaction bytes (TMA) and phase parity.
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

@@ -200,15 +200,6 @@ static_assert(!A_MN && !B_MN, "tf32 wgmma reads K-major operands only");
 static_assert(ES == 2, "16-bit wgmma kernel takes f16/bf16 storage");
 #endif
 
-__device__ __forceinline__ void tma_load(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
-                                         int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
 // The same box into the same shared offset of every block in `mask`, completing on each one's
 // barrier at the same offset.
 __device__ __forceinline__ void tma_load_mc(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
@@ -272,11 +263,6 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned
 __device__ __forceinline__ unsigned pack_u32(float a, float b) {
   const T2 v = fe_pack2<T2>(a, b);
   return *reinterpret_cast<const unsigned*>(&v);
-}
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-  unsigned v;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
-  return v;
 }
 
 #if FE_TMA_STORE

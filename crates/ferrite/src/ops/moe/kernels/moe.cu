@@ -294,10 +294,56 @@ extern "C" __global__ void __launch_bounds__(SCATTER_THREADS)
 // Rows into the layout, by token: dst[pos[t,j]] = x[t] for every kept slot j (the forward's x
 // into xp, the backward's dout into dyu), then every padding row of the used ones (rsrc[r] < 0)
 // zeroed. Each token's row is read once and written k times: T·H read instead of the T·k·H a
-// pass by layout row reads (its x rows, in expert order, came from DRAM k times over: x is
-// larger than L2 at real sizes; measured 0.74 ms of a 5.3 ms Qwen3-MoE-like forward on the H100
-// that way). One warp per token, then one per padding row; 16-byte vectors when `vec` (H·sizeof(T)
-// a multiple of 16 and both bases aligned). Every row is written by exactly one warp.
+// pass by layout row reads (x is larger than L2 at real sizes, so a pass in expert order reads it
+// from DRAM k times over). One warp per token, then one per padding row; 16-byte vectors when
+// `vec` (H·sizeof(T) a multiple of 16 and both bases aligned). A warp loads SPREAD_UNROLL
+// vectors per lane (4 KiB of the row) into registers with every load in flight at once, then
+// stores them to each slot's row: a loop that loaded and stored one vector at a time kept one
+// DRAM read per warp in flight and ran at about half the copy rate. Every row is written by
+// exactly one warp.
+constexpr int SPREAD_UNROLL = 8;
+
+template <typename V>
+__device__ __forceinline__ void spread_row(const V* __restrict__ s, i64 n, int mine, int k, int lane,
+                                           V* __restrict__ dst, i64 row_len) {
+  for (i64 b = 0; b < n; b += 32 * SPREAD_UNROLL) {
+    V v[SPREAD_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SPREAD_UNROLL; ++u) {
+      const i64 i = b + u * 32 + lane;
+      if (i < n) v[u] = s[i];
+    }
+    for (int j = 0; j < k; ++j) {
+      const int r = __shfl_sync(0xffffffffu, mine, j);
+      if (r < 0) continue;
+      V* d = dst + (i64)r * row_len;
+#pragma unroll
+      for (int u = 0; u < SPREAD_UNROLL; ++u) {
+        const i64 i = b + u * 32 + lane;
+        if (i < n) d[i] = v[u];
+      }
+    }
+  }
+}
+
+template <typename V>
+__device__ __forceinline__ void zero_row(V* __restrict__ d, i64 n, int lane, V zero) {
+  for (i64 b = 0; b < n; b += 32 * SPREAD_UNROLL) {
+#pragma unroll
+    for (int u = 0; u < SPREAD_UNROLL; ++u) {
+      const i64 i = b + u * 32 + lane;
+      if (i < n) d[i] = zero;
+    }
+  }
+}
+
+// The scalar path moves elements as raw bits of their size (a 16-bit T held in an 8-array went
+// to local memory on sm_80).
+template <int S> struct RawOf;
+template <> struct RawOf<2> { typedef unsigned short t; };
+template <> struct RawOf<4> { typedef unsigned t; };
+typedef RawOf<sizeof(T)>::t Raw;
+
 extern "C" __global__ void __launch_bounds__(256)
     moe_spread_rows(const T* __restrict__ x, i64 H, const int* __restrict__ pos, int k, int ntok,
                     const int* __restrict__ rsrc, const int* __restrict__ ends, int E, int vec,
@@ -307,27 +353,21 @@ extern "C" __global__ void __launch_bounds__(256)
   const i64 nv = H * (i64)sizeof(T) / 16;
   for (i64 t = warp0; t < ntok; t += warps) {
     const int mine = lane < k ? pos[t * k + lane] : -1;  // k ≤ 32 (MAX_TOP_K)
-    // Slot by slot (the shuffle needs the whole warp); the row's later reads hit L1.
-    for (int j = 0; j < k; ++j) {
-      const int r = __shfl_sync(0xffffffffu, mine, j);
-      if (r < 0) continue;
-      T* d = dst + (i64)r * H;
-      if (vec) {
-        const uint4* s4 = reinterpret_cast<const uint4*>(x + t * H);
-        for (i64 i = lane; i < nv; i += 32) reinterpret_cast<uint4*>(d)[i] = s4[i];
-      } else {
-        for (i64 i = lane; i < H; i += 32) d[i] = x[t * H + i];
-      }
+    if (vec) {
+      spread_row(reinterpret_cast<const uint4*>(x + t * H), nv, mine, k, lane,
+                 reinterpret_cast<uint4*>(dst), nv);
+    } else {
+      spread_row(reinterpret_cast<const Raw*>(x + t * H), H, mine, k, lane,
+                 reinterpret_cast<Raw*>(dst), H);
     }
   }
   const i64 used = ends[E - 1];
   for (i64 r = warp0; r < used; r += warps) {
     if (rsrc[r] >= 0) continue;
-    T* d = dst + r * H;
     if (vec) {
-      for (i64 i = lane; i < nv; i += 32) reinterpret_cast<uint4*>(d)[i] = make_uint4(0, 0, 0, 0);
+      zero_row(reinterpret_cast<uint4*>(dst + r * H), nv, lane, make_uint4(0, 0, 0, 0));
     } else {
-      for (i64 i = lane; i < H; i += 32) d[i] = from_float<T>(0.f);
+      zero_row(reinterpret_cast<Raw*>(dst + r * H), H, lane, (Raw)0);
     }
   }
 }
