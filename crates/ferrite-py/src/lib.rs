@@ -36,7 +36,7 @@ use ferrite::core::harness::Precision;
 use ferrite::ops::matmul::{self as fmatmul, MatmulOptions};
 use ferrite::ops::norm::{self as fnorm, Bwd, BwdOut, Fwd, FwdOut, NormKind, NormOptions};
 use ferrite::{DType, Element, Error, Tensor};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
@@ -261,6 +261,7 @@ fn to_py(e: Error) -> PyErr {
         Error::BadArg { .. } | Error::Overflow { .. } | Error::NoVariant { .. } => {
             PyValueError::new_err(e.to_string())
         }
+        Error::HostMemory { .. } => PyMemoryError::new_err(e.to_string()),
         _ => PyRuntimeError::new_err(e.to_string()),
     }
 }

@@ -63,6 +63,12 @@ pub enum Error {
     #[error("{call}: {msg}")]
     Cuda { call: String, msg: String },
 
+    /// A host buffer the request needs is larger than the machine can give.
+    #[error(
+        "{what}: cannot allocate {bytes} bytes of host memory (more than this machine can give)"
+    )]
+    HostMemory { what: String, bytes: u128 },
+
     #[error("{context}: {source}")]
     Io {
         context: String,

@@ -7,6 +7,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod harness;
+pub mod host;
 pub mod layout;
 pub mod philox;
 pub mod rng;

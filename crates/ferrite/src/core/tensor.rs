@@ -6,6 +6,7 @@ use super::cuda::{self, CudaDevice, DeviceBuffer, Stream};
 use super::device::Device;
 use super::dtype::{read_as_f64, write_from_f64, DType, Element};
 use super::error::{Error, Result};
+use super::host;
 use super::layout::{checked_bytes, checked_numel, Layout};
 use super::rng::Rng;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -32,11 +33,12 @@ unsafe impl Send for HostBytes {}
 unsafe impl Sync for HostBytes {}
 
 impl HostBytes {
-    pub fn zeroed(len: usize) -> Self {
-        HostBytes {
-            mem: HostMem::Owned(vec![0u64; len.div_ceil(8)]),
+    /// `len` zeroed bytes; `what` names the buffer in the error when the host cannot give them.
+    pub fn zeroed(len: usize, what: &str) -> Result<Self> {
+        Ok(HostBytes {
+            mem: HostMem::Owned(crate::core::host::zeroed::<u64>(len.div_ceil(8), what)?),
             len,
-        }
+        })
     }
 
     /// Wraps `len` bytes at `ptr` without copying.
@@ -157,7 +159,7 @@ impl Tensor {
                 format!("{} elements", data.len()),
             ));
         }
-        let mut hb = HostBytes::zeroed(n * T::DTYPE.size_in_bytes());
+        let mut hb = HostBytes::zeroed(n * T::DTYPE.size_in_bytes(), "Tensor::from_vec")?;
         hb.as_mut_slice::<T>().copy_from_slice(&data);
         Ok(Self::from_storage(
             Storage::Cpu(hb),
@@ -172,7 +174,7 @@ impl Tensor {
         let n = checked_numel("Tensor::empty", shape)?;
         let bytes = checked_bytes("Tensor::empty", n, dtype.size_in_bytes())?;
         let storage = match device {
-            Device::Cpu => Storage::Cpu(HostBytes::zeroed(bytes)),
+            Device::Cpu => Storage::Cpu(HostBytes::zeroed(bytes, "Tensor::empty")?),
             Device::Cuda(i) => {
                 let dev = cuda::device(i)?;
                 return Self::empty_on(shape, dtype, &dev, dev.stream());
@@ -203,7 +205,8 @@ impl Tensor {
     /// Every element set to `v` (rounded to the dtype).
     pub fn full(shape: &[usize], dtype: DType, device: Device, v: f64) -> Result<Tensor> {
         let n = checked_numel("Tensor::full", shape)?;
-        let mut hb = HostBytes::zeroed(checked_bytes("Tensor::full", n, dtype.size_in_bytes())?);
+        let bytes = checked_bytes("Tensor::full", n, dtype.size_in_bytes())?;
+        let mut hb = HostBytes::zeroed(bytes, "Tensor::full")?;
         for i in 0..n {
             write_from_f64(hb.as_bytes_mut(), dtype, i, v);
         }
@@ -220,7 +223,8 @@ impl Tensor {
         hi: f64,
     ) -> Result<Tensor> {
         let n = checked_numel("Tensor::rand", shape)?;
-        let mut hb = HostBytes::zeroed(checked_bytes("Tensor::rand", n, dtype.size_in_bytes())?);
+        let bytes = checked_bytes("Tensor::rand", n, dtype.size_in_bytes())?;
+        let mut hb = HostBytes::zeroed(bytes, "Tensor::rand")?;
         let mut rng = Rng::new(seed);
         for i in 0..n {
             write_from_f64(hb.as_bytes_mut(), dtype, i, rng.uniform(lo, hi));
@@ -460,9 +464,9 @@ impl Tensor {
                 let src = h.as_bytes();
                 if self.is_contiguous() {
                     let o = self.layout.offset() * es;
-                    return Ok(src[o..o + self.nbytes()].to_vec());
+                    return host::copy_of(&src[o..o + self.nbytes()], "a host copy of a tensor");
                 }
-                let mut out = Vec::with_capacity(self.nbytes());
+                let mut out = host::with_capacity(self.nbytes(), "a host copy of a tensor")?;
                 for off in self.layout.offsets() {
                     out.extend_from_slice(&src[off * es..(off + 1) * es]);
                 }
@@ -472,24 +476,24 @@ impl Tensor {
                 let dev = b.device().clone();
                 // Copy the whole span the view touches, then gather on the host.
                 let span = self.layout.max_offset("to_bytes")? - self.layout.offset();
-                let mut host = vec![0u8; span * es];
+                let mut staged = host::zeroed::<u8>(span * es, "a device→host copy")?;
                 let base = b.ptr() + (self.layout.offset() * es) as u64;
                 let stream = dev.stream().clone();
                 // SAFETY: base..base+span*es lies inside the buffer (layout validated against
-                // it); `host` lives until the synchronize below.
-                unsafe { dev.dtoh(&mut host, base, &stream)? };
+                // it); `staged` lives until the synchronize below.
+                unsafe { dev.dtoh(&mut staged, base, &stream)? };
                 dev.synchronize(&stream, "device→host copy")?;
                 if self.is_contiguous() {
-                    return Ok(host);
+                    return Ok(staged);
                 }
                 let rel = self.with_layout(Layout::new(
                     self.shape().to_vec(),
                     self.strides().to_vec(),
                     0,
                 )?);
-                let mut out = Vec::with_capacity(self.nbytes());
+                let mut out = host::with_capacity(self.nbytes(), "a device→host copy")?;
                 for off in rel.layout.offsets() {
-                    out.extend_from_slice(&host[off * es..(off + 1) * es]);
+                    out.extend_from_slice(&staged[off * es..(off + 1) * es]);
                 }
                 Ok(out)
             }
@@ -500,7 +504,7 @@ impl Tensor {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype("to_vec", "self", T::DTYPE)?;
         let bytes = self.to_bytes()?;
-        let mut v = vec![T::zeroed(); self.numel()];
+        let mut v = host::zeroed::<T>(self.numel(), "Tensor::to_vec")?;
         bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&bytes);
         Ok(v)
     }
@@ -508,31 +512,34 @@ impl Tensor {
     /// The view's elements as f64, row-major (for references and error norms).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         let bytes = self.to_bytes()?;
-        Ok((0..self.numel())
-            .map(|i| read_as_f64(&bytes, self.dtype, i))
-            .collect())
+        let mut v = host::with_capacity(self.numel(), "Tensor::to_f64_vec")?;
+        v.extend((0..self.numel()).map(|i| read_as_f64(&bytes, self.dtype, i)));
+        Ok(v)
     }
 
     /// The view's elements as f32, row-major (float math on the CPU paths).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         let bytes = self.to_bytes()?;
-        Ok(match self.dtype {
-            DType::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
-            DType::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            DType::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            _ => (0..self.numel())
-                .map(|i| read_as_f64(&bytes, self.dtype, i) as f32)
-                .collect(),
-        })
+        let mut v = host::with_capacity(self.numel(), "Tensor::to_f32_vec")?;
+        match self.dtype {
+            DType::F32 => v.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap())),
+            ),
+            DType::F16 => v.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            DType::BF16 => v.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            _ => v.extend((0..self.numel()).map(|i| read_as_f64(&bytes, self.dtype, i) as f32)),
+        }
+        Ok(v)
     }
 
     /// Writes `v` (rounded to the dtype) into a contiguous CPU tensor, in row-major order.
@@ -579,7 +586,7 @@ impl Tensor {
         let bytes = self.to_bytes()?;
         match device {
             Device::Cpu => {
-                let mut hb = HostBytes::zeroed(bytes.len());
+                let mut hb = HostBytes::zeroed(bytes.len(), "a host copy of a tensor")?;
                 hb.as_bytes_mut().copy_from_slice(&bytes);
                 Ok(Self::from_storage(
                     Storage::Cpu(hb),
@@ -687,5 +694,39 @@ mod tests {
         assert!(t.to_vec::<f32>().unwrap().is_empty());
         let e = Tensor::empty(&[1 << 40, 1 << 30], DType::F32, Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("overflow"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod host_memory_tests {
+    use super::*;
+
+    /// Sizes the host cannot give are errors naming the buffer, not an abort of the process: a
+    /// new tensor, and the contiguous copy of a broadcast view of one element.
+    #[test]
+    fn oversized_host_buffers_are_errors() {
+        for e in [
+            Tensor::empty(&[1 << 44], DType::F32, Device::Cpu).unwrap_err(),
+            Tensor::rand(&[1 << 20, 1 << 24], DType::BF16, Device::Cpu, 1, -1.0, 1.0).unwrap_err(),
+        ] {
+            assert!(matches!(e, Error::HostMemory { .. }), "{e}");
+        }
+        let one = Tensor::from_vec(vec![1.5f32], &[1]).unwrap();
+        let wide = one.with_layout(Layout::new(vec![1 << 43], vec![0], 0).unwrap());
+        for e in [
+            wide.to_vec::<f32>().unwrap_err(),
+            wide.to_f64_vec().unwrap_err(),
+            wide.to_f32_vec().unwrap_err(),
+            wide.deep_copy().unwrap_err(),
+        ] {
+            let s = e.to_string();
+            assert!(
+                matches!(e, Error::HostMemory { .. }) && s.contains("host memory"),
+                "{s}"
+            );
+        }
+        // Small ones still work.
+        let small = one.with_layout(Layout::new(vec![3], vec![0], 0).unwrap());
+        assert_eq!(small.to_vec::<f32>().unwrap(), vec![1.5; 3]);
     }
 }

@@ -494,7 +494,7 @@ fn skinny_b_map(g: &Gemm, b: u64, box_k: u32, sm90: bool) -> Result<TmaDesc> {
     if !sm90 || !aligned {
         return Ok(TmaDesc([0; 16]));
     }
-    tensor_map_swizzled(
+    tensor_map(
         g.dtype,
         b,
         g.k,
@@ -540,36 +540,10 @@ pub struct Persistent {
 #[derive(Clone, Copy)]
 struct TmaDesc([u64; 16]);
 
-/// The 3-D tensor map (contiguous dim, rows, batch) of one operand, boxes of `bx`×`by`, 128-byte
-/// swizzle, zero fill outside.
+/// The 3-D tensor map (contiguous dim, rows, batch) of one operand, boxes of `boxd`, zero fill
+/// outside; `swizzle`: the 128-byte swizzle wgmma reads, else dense rows.
 #[allow(clippy::too_many_arguments)]
 fn tensor_map(
-    dtype: DType,
-    ptr: u64,
-    inner: usize,
-    outer: usize,
-    ld: usize,
-    batch: usize,
-    batch_stride: usize,
-    bx: u32,
-    by: u32,
-) -> Result<TmaDesc> {
-    tensor_map_swizzled(
-        dtype,
-        ptr,
-        inner,
-        outer,
-        ld,
-        batch,
-        batch_stride,
-        [bx, by],
-        true,
-    )
-}
-
-/// `tensor_map` with the 128-byte swizzle (`swizzle`) or dense rows.
-#[allow(clippy::too_many_arguments)]
-fn tensor_map_swizzled(
     dtype: DType,
     ptr: u64,
     inner: usize,
@@ -679,7 +653,17 @@ fn wg_tma_store_ok(g: &Gemm, c: u64, beta: f32, e: &EpiPtrs) -> bool {
 /// The tensor map of an m×n output (C or Z) for the TMA-store epilogue: boxes of 64 columns × 16
 /// rows (one consumer warp's store), 128-byte swizzle, as the kernel stages them.
 fn wgmma_out_map(g: &Gemm, ptr: u64, ld: usize, batch_stride: usize) -> Result<TmaDesc> {
-    tensor_map(g.dtype, ptr, g.n, g.m, ld, g.batch, batch_stride, 64, 16)
+    tensor_map(
+        g.dtype,
+        ptr,
+        g.n,
+        g.m,
+        ld,
+        g.batch,
+        batch_stride,
+        [64, 16],
+        true,
+    )
 }
 
 /// Tensor maps of A and B for `wgmma`: an operand whose contiguous dim is k is one box of
@@ -707,8 +691,8 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
             g.a.ld,
             g.batch,
             g.a.batch_stride,
-            64,
-            64,
+            [64, 64],
+            true,
         )?
     } else {
         tensor_map(
@@ -719,8 +703,8 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
             g.a.ld,
             g.batch,
             g.a.batch_stride,
-            bk,
-            bm,
+            [bk, bm],
+            true,
         )?
     };
     let b = if g.b.trans {
@@ -732,8 +716,8 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
             g.b.ld,
             g.batch,
             g.b.batch_stride,
-            bk,
-            bn,
+            [bk, bn],
+            true,
         )?
     } else {
         tensor_map(
@@ -744,8 +728,8 @@ fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
             g.b.ld,
             g.batch,
             g.b.batch_stride,
-            64,
-            64,
+            [64, 64],
+            true,
         )?
     };
     Ok((a, b))
@@ -1788,7 +1772,7 @@ pub fn launch_grouped_glu(
     let es = g.dtype.size_in_bytes() as u64;
     let rows = g.m.max(1) as u64;
     let (ta, tb) = wgmma_maps(g, p, 1)?;
-    let tc = tensor_map(g.dtype, p.c, nh, g.m, nh, 1, 0, 64, 16)?;
+    let tc = tensor_map(g.dtype, p.c, nh, g.m, nh, 1, 0, [64, 16], true)?;
     // The pre-activations as (column, half, row): half 0 the gate's columns, 1 the up's.
     let th = match h {
         Some(ph) => tensor_map_3d(

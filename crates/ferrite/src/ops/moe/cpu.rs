@@ -6,6 +6,7 @@
 use super::{MoeConfig, MoeForward, MoeGrads, MoeWeights, Problem, Score, ALIGN};
 use crate::core::dtype::DType;
 use crate::core::error::Result;
+use crate::core::host;
 use crate::core::tensor::Tensor;
 use crate::ops::activation::cpu::act_fg;
 use rayon::prelude::*;
@@ -207,7 +208,7 @@ pub fn forward(
     let router = w.router.to_f32_vec()?;
     let wu = w.w_up.to_f32_vec()?;
     let wd = w.w_down.to_f32_vec()?;
-    let mut logits = vec![0f32; t * e];
+    let mut logits = host::zeroed::<f32>(t * e, "moe: the CPU path's `logits` buffer")?;
     gemm_rows(par, &xs, h, &router, e, true, dt, &mut logits);
     let routes: Vec<_> = if par {
         logits.par_chunks(e).map(|l| route(l, cfg)).collect()
@@ -221,16 +222,16 @@ pub fn forward(
     let rows_cap = p.rows_cap();
     let (pos, src, ends, counts, dropped) = plan(&idx, e, cfg.capacity(t), rows_cap);
     let used = ends[e - 1] as usize;
-    let mut xp = vec![0f32; rows_cap * h];
+    let mut xp = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `xp` buffer")?;
     rows_mut(par, &mut xp[..used * h], h, |r, o| {
         if src[r] >= 0 {
             let tok = src[r] as usize / k;
             o.copy_from_slice(&xs[tok * h..(tok + 1) * h]);
         }
     });
-    let mut hpre = vec![0f32; rows_cap * 2 * i];
-    let mut hh = vec![0f32; rows_cap * i];
-    let mut y = vec![0f32; rows_cap * h];
+    let mut hpre = host::zeroed::<f32>(rows_cap * 2 * i, "moe: the CPU path's `hpre` buffer")?;
+    let mut hh = host::zeroed::<f32>(rows_cap * i, "moe: the CPU path's `hh` buffer")?;
+    let mut y = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `y` buffer")?;
     for ex in 0..e {
         let (s, en) = seg(&ends, ex);
         gemm_rows(
@@ -261,7 +262,7 @@ pub fn forward(
             &mut y[s * h..en * h],
         );
     }
-    let mut out = vec![0f32; t * h];
+    let mut out = host::zeroed::<f32>(t * h, "moe: the CPU path's `out` buffer")?;
     rows_mut(par, &mut out, h, |tok, o| {
         for (c, oc) in o.iter_mut().enumerate() {
             let mut acc = 0f32;
@@ -399,7 +400,7 @@ pub fn backward(
     );
     let used = ends[e - 1] as usize;
     // dout's rows in the layout, unscaled (zeros on padding).
-    let mut dyu = vec![0f32; rows_cap * h];
+    let mut dyu = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `dyu` buffer")?;
     rows_mut(par, &mut dyu[..used * h], h, |r, o| {
         if src[r] >= 0 {
             let tok = src[r] as usize / k;
@@ -408,11 +409,11 @@ pub fn backward(
     });
     // Per row (kernels/moe.cu's moe_glu_bwd): gu = dyu·W_downᵀ, the GLU output a recomputed from
     // hpre, the gate's gradient <gu, a>, s·a for dW_down and the GLU backward of s·gu.
-    let mut gu = vec![0f32; rows_cap * i];
-    let mut wa = vec![0f32; rows_cap * i];
-    let mut dots = vec![0f32; rows_cap];
-    let mut dhpre = vec![0f32; rows_cap * 2 * i];
-    let mut dxp = vec![0f32; rows_cap * h];
+    let mut gu = host::zeroed::<f32>(rows_cap * i, "moe: the CPU path's `gu` buffer")?;
+    let mut wa = host::zeroed::<f32>(rows_cap * i, "moe: the CPU path's `wa` buffer")?;
+    let mut dots = host::zeroed::<f32>(rows_cap, "moe: the CPU path's `dots` buffer")?;
+    let mut dhpre = host::zeroed::<f32>(rows_cap * 2 * i, "moe: the CPU path's `dhpre` buffer")?;
+    let mut dxp = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `dxp` buffer")?;
     let mut dw_up = vec![0f32; e * h * 2 * i];
     let mut dw_down = vec![0f32; e * i * h];
     for ex in 0..e {
@@ -493,7 +494,7 @@ pub fn backward(
         );
     }
     // The gates' gradients (dropped pairs: 0).
-    let mut dw = vec![0f32; t * k];
+    let mut dw = host::zeroed::<f32>(t * k, "moe: the CPU path's `dw` buffer")?;
     for r in 0..used {
         if src[r] >= 0 {
             dw[src[r] as usize] = dots[r];
@@ -507,7 +508,7 @@ pub fn backward(
         f.logits.to_f32_vec()?,
         f.counts.to_vec::<i32>()?,
     );
-    let mut dlogits = vec![0f32; t * e];
+    let mut dlogits = host::zeroed::<f32>(t * e, "moe: the CPU path's `dlogits` buffer")?;
     rows_mut(par, &mut dlogits, e, |tok, o| {
         let d = router_grad(
             &dw[tok * k..(tok + 1) * k],
@@ -523,7 +524,7 @@ pub fn backward(
             *oc = round(dt, v);
         }
     });
-    let mut dx = vec![0f32; t * h];
+    let mut dx = host::zeroed::<f32>(t * h, "moe: the CPU path's `dx` buffer")?;
     rows_mut(par, &mut dx, h, |tok, o| {
         for (c, oc) in o.iter_mut().enumerate() {
             let mut acc = 0f32;
