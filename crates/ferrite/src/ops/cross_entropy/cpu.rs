@@ -7,6 +7,7 @@ use super::{bad_target, CrossEntropyOptions, GradOut, Problem, Reduction};
 use crate::core::cpu::{exp_in_place, max_lanes, sum_lanes, with_f32, with_f32_out};
 use crate::core::dtype::DType;
 use crate::core::error::Result;
+use crate::core::host;
 use crate::core::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -107,7 +108,7 @@ pub fn run(
     // Small problems stay on this thread (see core::cpu::PAR_MIN_ELEMS).
     let parallel = variant != "naive" && n * v >= crate::core::cpu::PAR_MIN_ELEMS;
     let simd = variant == "simd";
-    let mut lr = vec![0f32; n];
+    let mut lr = host::zeroed::<f32>(n, "cross_entropy: the CPU path's per-row losses")?;
     let compute = |x: &[f32], g: &mut [f32], lr: &mut [f32]| {
         let one = |i: usize, gr: &mut [f32]| {
             let r = Row {

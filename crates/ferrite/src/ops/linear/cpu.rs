@@ -5,6 +5,7 @@
 use super::{rows_view, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions, Problem, OP, OP_BWD};
 use crate::core::cpu::{with_f32, with_f32_out};
 use crate::core::error::Result;
+use crate::core::host;
 use crate::ops::matmul::{cpu as mm, epilogue};
 use rayon::prelude::*;
 
@@ -82,7 +83,9 @@ pub fn forward(
         Some(r) => Some(rows_view(OP, "residual", r)?.to_f32_vec()?),
         None => None,
     };
-    let mut z = o.z.map(|_| vec![0f32; m * n]);
+    let mut z =
+        o.z.map(|_| host::zeroed::<f32>(m * n, "linear: the CPU path's Z buffer"))
+            .transpose()?;
     with_f32(&x2, |xs| {
         with_f32(i.w, |ws| {
             with_f32_out(o.y, |ys| {

@@ -8,6 +8,7 @@ use super::{Bwd, BwdOut, Fwd, FwdOut, NormKind, Problem};
 use crate::core::cpu::{for_rows, sum_f64, with_f32, with_f32_out};
 use crate::core::dtype::DType;
 use crate::core::error::Result;
+use crate::core::host;
 
 fn rounder(dtype: DType) -> fn(f32) -> f32 {
     match dtype {
@@ -77,7 +78,7 @@ pub fn backward(variant: &str, p: &Problem, i: &Bwd, o: &BwdOut) -> Result<()> {
     let (rows, cols) = (p.rows, p.cols);
     let n = cols as f64;
     let layer = p.kind == NormKind::Layer;
-    let mut dx = vec![0f32; rows * cols];
+    let mut dx = host::zeroed::<f32>(rows * cols, "norm backward: the CPU path's dx buffer")?;
     let mut unit = vec![(); rows];
     for_rows(
         variant == "parallel",
