@@ -573,19 +573,8 @@ fn tensor_map(
     tensor_map_encode(dtype, ptr, dims, strides, [boxd[0], boxd[1], 1], swizzle)
 }
 
-/// A 3-D tensor map (dims innermost first, byte strides of dims 1 and 2), 128-byte swizzle.
-fn tensor_map_3d(
-    dtype: DType,
-    ptr: u64,
-    dims: [u64; 3],
-    strides: [u64; 2],
-    boxd: [u32; 3],
-) -> Result<TmaDesc> {
-    tensor_map_encode(dtype, ptr, dims, strides, boxd, true)
-}
-
-/// cuTensorMapEncodeTiled for a 3-D map, zero fill outside; `swizzle`: 128-byte swizzle, else
-/// the box lands as dense rows.
+/// cuTensorMapEncodeTiled for a 3-D map (dims innermost first, byte strides of dims 1 and 2),
+/// zero fill outside; `swizzle`: 128-byte swizzle, else the box lands as dense rows.
 fn tensor_map_encode(
     dtype: DType,
     ptr: u64,
@@ -1775,12 +1764,13 @@ pub fn launch_grouped_glu(
     let tc = tensor_map(g.dtype, p.c, nh, g.m, nh, 1, 0, [64, 16], true)?;
     // The pre-activations as (column, half, row): half 0 the gate's columns, 1 the up's.
     let th = match h {
-        Some(ph) => tensor_map_3d(
+        Some(ph) => tensor_map_encode(
             g.dtype,
             ph,
             [nh as u64, 2, rows],
             [nh as u64 * es, g.n as u64 * es],
             [64, 1, 16],
+            true,
         )?,
         None => TmaDesc([0; 16]),
     };
