@@ -140,9 +140,9 @@ pub fn variants() -> Vec<VariantInfo> {
             constraints: "sm_80+; bf16/f16; at most 64 rows of X (decode; declined above, where \
                 the tiled variants run); any in, out and alignment. Chosen by default for at most 8 \
                 rows (matmul's skinny_by_default)",
-            summary: "the epilogue on matmul's `skinny` decode kernel: W streamed once at the \
-                copy rate (a warp per 16 outputs and a k-slice, mma.sync), bias, Z, activation \
-                and residual applied as the outputs are stored",
+            summary: "the epilogue on matmul's `skinny` decode kernel: W streamed once with \
+                every SM busy (a warp per 16 outputs and a k-slice, mma.sync), bias, Z, \
+                activation and residual applied as the outputs are stored",
             rank: 6,
         },
     ]

@@ -178,9 +178,9 @@ pub fn variants() -> Vec<VariantInfo> {
                 problems); A row-major and B transposed (both K-contiguous: linear's X and \
                 W [n, k]); any n, k, alignment, batches and broadcast. Chosen by default for m ≤ 8 \
                 (cuda::skinny_by_default)",
-            summary: "decode: streams B once at the copy rate — a warp per 16 columns and a k-slice, \
-                16-byte loads of B in flight, mma.sync with B as the A operand, k-slices summed \
-                in shared memory",
+            summary: "decode: streams B once with every SM busy — a warp per 16 columns and a \
+                k-slice, B by TMA boxes into per-warp rings (sm_90; 16-byte loads on sm_80), \
+                mma.sync with B as the A operand, k-slices summed in shared memory",
             rank: 11,
         },
     ]
