@@ -515,13 +515,7 @@ pub fn select(
                         .to_string(),
                 ),
                 "persistent" | "persistent_pairs" => cuda::persistent_declines(g?, arch, ptrs),
-                "skinny" => {
-                    let g = g?;
-                    if opts.variant.is_none() && !crate::ops::matmul::cuda::skinny_by_default(g) {
-                        return Some("is chosen by default for at most 8 rows of X only (matmul's skinny_by_default)".into());
-                    }
-                    crate::ops::matmul::cuda::skinny_declines(g)
-                }
+                "skinny" => crate::ops::matmul::cuda::skinny_refuses(g?, opts.variant.is_some()),
                 _ => None,
             }
         },

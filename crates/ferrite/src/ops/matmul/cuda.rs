@@ -452,11 +452,23 @@ pub fn skinny_by_default(g: &Gemm) -> bool {
     g.m <= SKINNY_DEFAULT_MAX_M
 }
 
+/// Why `skinny` does not run `g` in a selection (None: it does): it cannot (`skinny_declines`),
+/// or, unless asked for by name (`named`), the default leaves `g` to the tiled kernels.
+pub fn skinny_refuses(g: &Gemm, named: bool) -> Option<String> {
+    skinny_declines(g).or_else(|| {
+        (!named && !skinny_by_default(g)).then(|| {
+            format!(
+                "is chosen by default for m ≤ {SKINNY_DEFAULT_MAX_M} only (by name it takes up to {SKINNY_MAX_M})"
+            )
+        })
+    })
+}
+
 /// `skinny`'s k-slices per column group (1, 2, 4 or 8): doubled while the warps are fewer than
 /// SKINNY_WARPS_PER_SM per SM and every slice still gets a pass of k.
 fn skinny_slices(g: &Gemm, sms: usize, mt: u32) -> u32 {
     let groups = g.n.div_ceil(16) * g.batch.max(1);
-    let pass = 32 * if mt >= 8 { 4 } else { 8 };
+    let pass = skinny_pass(mt) as usize;
     let mut s = 1usize;
     while s < SKINNY_WARPS as usize && groups * s < sms * SKINNY_WARPS_PER_SM && g.k > s * pass {
         s *= 2;
@@ -1146,7 +1158,7 @@ pub fn dact_colsum_ok(l: &Launch, g: &Gemm, p: Ptrs, beta: f32, e: &EpiPtrs) -> 
 pub const EPILOGUE_VARIANTS: [&str; 4] = ["naive", "mma_pipelined", "wgmma", "skinny"];
 
 /// `plan` for a kernel with the fused epilogue (bias, `act`, Z, residual; see `epilogue.rs`):
-/// `naive`, `mma_pipelined` or `wgmma`. Launch it with `launch_with_epilogue`.
+/// `naive`, `mma_pipelined`, `wgmma` or `skinny`. Launch it with `launch_with_epilogue`.
 pub fn plan_epilogue(
     variant: &str,
     g: &Gemm,

@@ -554,13 +554,7 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         |v| {
             let tensor_core = v.backend == Backend::Cuda && cuda::tensor_core(v.name);
             if v.backend == Backend::Cuda && v.name == "skinny" {
-                if opts.variant.is_none() && !cuda::skinny_by_default(g) {
-                    return Some(format!(
-                        "is chosen by default for m ≤ {} only (cuda::skinny_by_default)",
-                        cuda::SKINNY_DEFAULT_MAX_M
-                    ));
-                }
-                return cuda::skinny_declines(g);
+                return cuda::skinny_refuses(g, opts.variant.is_some());
             }
             if v.backend == Backend::Cuda && v.name == "wgmma" {
                 if arch.is_some_and(|a| a.major != 9) {

@@ -330,4 +330,10 @@ fn skinny_takes_short_k_contiguous_halves() {
     assert!(cuda::skinny_by_default(&g(
         1, 128256, 4096, bf, false, true
     )));
+    // In a selection: by name up to 64 rows, by default up to 8, never where it declines.
+    let tall = g(33, 4096, 4096, bf, false, true);
+    assert!(cuda::skinny_refuses(&tall, true).is_none());
+    assert!(cuda::skinny_refuses(&tall, false).is_some());
+    assert!(cuda::skinny_refuses(&g(8, 4096, 4096, bf, false, true), false).is_none());
+    assert!(cuda::skinny_refuses(&g(1, 4096, 4096, bf, false, false), true).is_some());
 }

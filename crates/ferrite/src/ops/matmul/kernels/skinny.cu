@@ -73,8 +73,8 @@ __device__ __forceinline__ uint4 load8(const T* row, i64 kk, i64 k, bool vec) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Chunks of 32 k per pass: 8 (4 KiB of B per warp), 4 at MT = 8, where A's fragments take the
-// registers.
+// Chunks of 32 k per pass: 8 (16 rows × 512 bytes = 8 KiB of B per warp), 4 at MT = 8, where
+// A's fragments take the registers.
 template <int MT> struct Pass {
   static constexpr int U = MT >= 8 ? 4 : 8;
   static constexpr int K = CHUNK * U;  // k per pass
