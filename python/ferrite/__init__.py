@@ -16,11 +16,14 @@ from . import _native
 from ._attention import (
     append_kv,
     flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
     paged_decode,
     scaled_dot_product_attention,
 )
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
+from ._rotary import apply_rotary_emb
 from ._moe import grouped_mm, moe, moe_forward, moe_metrics
 from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, matmul, mlp, rms_norm
 from . import nn, optim
@@ -49,6 +52,9 @@ __all__ = [
     "moe_metrics",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "apply_rotary_emb",
     "scaled_dot_product_attention",
     "paged_decode",
     "append_kv",

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from . import _rotary as _rotary_mod
 from ._eager import eager
 from ._ops import _check_tensors, _describe, _fail, _native_call, _where
 
@@ -322,6 +323,293 @@ def scaled_dot_product_attention(
     return eager.attention(
         query, key, value, None, None, 0, 0, "bhsd", scale, bool(is_causal), -1, -1, 0.0, False
     )[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# packed q/k/v: the gradient written into one packed buffer
+
+
+def _native_forward(q, k, v, scale, causal, wl, wr, softcap):
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return o, lse
+    dev, stream = _where(q)
+    _native_call(
+        _native.attention_forward,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        **_attn_kwargs(None, None, 0, 0, "bshd", scale, causal, wl, wr, softcap),
+        device=dev,
+        stream=stream,
+    )
+    return o, lse
+
+
+def _native_backward(dout, q, k, v, o, lse, dq, dk, dv, scale, causal, wl, wr, softcap, deterministic):
+    """dq, dk, dv: views with q's, k's and v's strides (into packed gradient buffers)."""
+    if q.numel() == 0 or k.numel() == 0:
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
+    dev, stream = _where(q)
+    _native_call(
+        _native.attention_backward,
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        dq,
+        dk,
+        dv,
+        **_attn_kwargs(None, None, 0, 0, "bshd", scale, causal, wl, wr, softcap),
+        deterministic=deterministic,
+        device=dev,
+        stream=stream,
+    )
+
+
+def _packed_check(op: str, name: str, t: Tensor, n: int) -> None:
+    _check_tensors(op, [(name, t)])
+    if t.dim() != 5 or t.shape[2] != n:
+        want = "[B, S, 3, H, D]" if n == 3 else "[B, S, 2, H_kv, D]"
+        _fail(op, name, f"a 5-D tensor {want}", _describe(t))
+
+
+def _rotary_tables(op, q, cos, sin):
+    if (cos is None) != (sin is None):
+        _fail(op, "rotary_sin" if sin is None else "rotary_cos", "a tensor (both or neither)", "None")
+
+
+@torch.library.custom_op("ferrite::attention_qkvpacked", mutates_args=())
+def _attention_qkvpacked(
+    qkv: Tensor,
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    rotary_offset: int,
+    rotary_interleaved: bool,
+    scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    op = "ferrite.flash_attn_qkvpacked_func"
+    _packed_check(op, "qkv", qkv, 3)
+    _rotary_tables(op, qkv, rotary_cos, rotary_sin)
+    qkv = qkv.contiguous()
+    q, k, v = qkv.unbind(2)
+    qk = qkv.new_empty((0,))
+    if rotary_cos is not None:
+        # q and k rotated into a packed buffer of their own (the backward attends over them too).
+        b, s, _, h, d = qkv.shape
+        qk = torch.empty((b, s, 2, h, d), dtype=qkv.dtype, device=qkv.device)
+        for i, t in enumerate((q, k)):
+            _rotary_mod._run(t, rotary_cos, rotary_sin, qk[:, :, i], None, rotary_offset, None, rotary_interleaved, False)
+        q, k = qk.unbind(2)
+    o, lse = _native_forward(q, k, v, scale, causal, window_left, window_right, softcap)
+    return o, lse, qk
+
+
+@_attention_qkvpacked.register_fake
+def _(qkv, rotary_cos, rotary_sin, rotary_offset, rotary_interleaved, scale, causal, window_left, window_right, softcap, deterministic):
+    _packed_check("ferrite.flash_attn_qkvpacked_func", "qkv", qkv, 3)
+    b, s, _, h, d = qkv.shape
+    qk = qkv.new_empty((b, s, 2, h, d)) if rotary_cos is not None else qkv.new_empty((0,))
+    return qkv.new_empty((b, s, h, d)), qkv.new_empty((b, h, s), dtype=torch.float32), qk
+
+
+def _qkvpacked_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    qkv, cos, sin = inputs[:3]
+    ctx.rot = inputs[3:5]
+    ctx.args = inputs[5:]
+    ctx.save_for_backward(qkv, cos, sin, output[0], output[1], output[2])
+
+
+@torch.library.custom_op("ferrite::attention_qkvpacked_backward", mutates_args=())
+def _attention_qkvpacked_backward(
+    dout: Tensor,
+    qkv: Tensor,
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    o: Tensor,
+    lse: Tensor,
+    qk: Tensor,
+    rotary_offset: int,
+    rotary_interleaved: bool,
+    scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tensor:
+    args = (scale, causal, window_left, window_right, softcap, deterministic)
+    qkv = qkv.contiguous()
+    q, k, v = qkv.unbind(2)
+    dqkv = torch.empty_like(qkv)
+    dq, dk, dv = dqkv.unbind(2)
+    if rotary_cos is None:
+        _native_backward(dout, q, k, v, o, lse, dq, dk, dv, *args)
+        return dqkv
+    # Attention's gradient of the rotated q and k, then the rotation's gradient (the inverse
+    # rotation) written into their packed slots.
+    q, k = qk.unbind(2)
+    dqk = torch.empty_like(qk)
+    _native_backward(dout, q, k, v, o, lse, dqk[:, :, 0], dqk[:, :, 1], dv, *args)
+    for i in range(2):
+        _rotary_mod._run(dqk[:, :, i], rotary_cos, rotary_sin, dqkv[:, :, i], None, rotary_offset, None, rotary_interleaved, True)
+    return dqkv
+
+
+@_attention_qkvpacked_backward.register_fake
+def _(dout, qkv, rotary_cos, rotary_sin, o, lse, qk, rotary_offset, rotary_interleaved, scale, causal, window_left, window_right, softcap, deterministic):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _qkvpacked_bwd(ctx, dout, _dlse, _dqk):
+    if dout is None:
+        return (None,) * 11
+    qkv, cos, sin, o, lse, qk = ctx.saved_tensors
+    dqkv = eager.attention_qkvpacked_backward(dout, qkv, cos, sin, o, lse, qk, *ctx.rot, *ctx.args)
+    return (dqkv,) + (None,) * 10
+
+
+_attention_qkvpacked.register_autograd(_qkvpacked_bwd, setup_context=_qkvpacked_setup)
+
+
+@torch.library.custom_op("ferrite::attention_kvpacked", mutates_args=())
+def _attention_kvpacked(
+    q: Tensor,
+    kv: Tensor,
+    scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    op = "ferrite.flash_attn_kvpacked_func"
+    _check_tensors(op, [("q", q)])
+    if q.dim() != 4:
+        _fail(op, "q", "a 4-D tensor [B, S, H, D]", _describe(q))
+    _packed_check(op, "kv", kv, 2)
+    k, v = kv.contiguous().unbind(2)
+    return _native_forward(_last_contig(q), k, v, scale, causal, window_left, window_right, softcap)
+
+
+@_attention_kvpacked.register_fake
+def _(q, kv, scale, causal, window_left, window_right, softcap, deterministic):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+def _kvpacked_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.args = inputs[2:]
+    ctx.save_for_backward(inputs[0], inputs[1], output[0], output[1])
+
+
+@torch.library.custom_op("ferrite::attention_kvpacked_backward", mutates_args=())
+def _attention_kvpacked_backward(
+    dout: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    q, kv = q.contiguous(), kv.contiguous()
+    k, v = kv.unbind(2)
+    dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+    _native_backward(dout, q, k, v, o, lse, dq, dkv[:, :, 0], dkv[:, :, 1], scale, causal, window_left, window_right, softcap, deterministic)
+    return dq, dkv
+
+
+@_attention_kvpacked_backward.register_fake
+def _(dout, q, kv, o, lse, scale, causal, window_left, window_right, softcap, deterministic):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(kv, memory_format=torch.contiguous_format),
+    )
+
+
+def _kvpacked_bwd(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 8
+    q, kv, o, lse = ctx.saved_tensors
+    dq, dkv = eager.attention_kvpacked_backward(dout, q, kv, o, lse, *ctx.args)
+    return (dq, dkv) + (None,) * 6
+
+
+_attention_kvpacked.register_autograd(_kvpacked_bwd, setup_context=_kvpacked_setup)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    rotary_interleaved: bool = False,
+    rotary_offset: int = 0,
+):
+    """flash-attn's ``flash_attn_qkvpacked_func``: qkv ``[B, S, 3, H, D]`` (a fused QKV projection
+    viewed as such) → out ``[B, S, H, D]``. The backward writes one packed ``dqkv`` (no slicing
+    of q/k/v, no concatenation of their gradients). With ``rotary_cos``/``rotary_sin``
+    (``[S_ro, R/2]``, as for :func:`apply_rotary_emb`) q and k are rotated inside the op — the
+    Llama/GPT-NeoX attention's prologue — and the gradient rotated back into ``dqkv``.
+    ``return_attn_probs`` returns ``(out, lse)`` (the probabilities are never formed)."""
+    op = "ferrite.flash_attn_qkvpacked_func"
+    _no_dropout(op, dropout_p)
+    if alibi_slopes is not None:
+        _fail(op, "alibi_slopes", "None (ALiBi is not implemented)", _describe(alibi_slopes))
+    wl, wr = _window(op, window_size)
+    o, lse, _ = eager.attention_qkvpacked(
+        qkv, rotary_cos, rotary_sin, int(rotary_offset), bool(rotary_interleaved), softmax_scale, bool(causal), wl, wr, float(softcap), bool(deterministic)
+    )
+    return (o, lse) if return_attn_probs else o
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash-attn's ``flash_attn_kvpacked_func``: q ``[B, Sq, Hq, D]``, kv ``[B, Sk, 2, Hkv, D]``
+    (GQA/MQA when Hkv < Hq); the backward writes one packed ``dkv``."""
+    op = "ferrite.flash_attn_kvpacked_func"
+    _no_dropout(op, dropout_p)
+    if alibi_slopes is not None:
+        _fail(op, "alibi_slopes", "None (ALiBi is not implemented)", _describe(alibi_slopes))
+    wl, wr = _window(op, window_size)
+    o, lse = eager.attention_kvpacked(q, kv, softmax_scale, bool(causal), wl, wr, float(softcap), bool(deterministic))
+    return (o, lse) if return_attn_probs else o
 
 
 # ----------------------------------------------------------------------------------------------

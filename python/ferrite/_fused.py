@@ -432,6 +432,20 @@ def _(logits, target, ignore_index, label_smoothing, reduction, need_grad, check
     return loss, (logits.new_empty(logits.shape) if need_grad else _empty(logits))
 
 
+@torch.library.custom_op("ferrite::ce_scale_grad_", mutates_args=("grad",))
+def _ce_scale_grad_(grad: Tensor, dloss: Tensor) -> None:
+    if grad.numel() == 0:
+        return
+    dev, stream = _where(grad)
+    g = grad if grad.dim() <= 2 else grad.view(-1, grad.shape[-1])
+    _native_call(_native.cross_entropy_scale_grad, g, dloss.contiguous().view(-1), device=dev, stream=stream)
+
+
+@_ce_scale_grad_.register_fake
+def _(grad, dloss):
+    return None
+
+
 def _ce_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # outputs without a gradient: None, not filled zeros
     ctx.need_grad = inputs[5]
@@ -447,11 +461,18 @@ def _ce_bwd(ctx, grad_loss, _grad_dlogits):
             "ferrite.cross_entropy: backward needs the gradient computed in the forward, which ran "
             "with need_grad=False"
         )
+    if getattr(ctx, "grad_used", False):
+        raise RuntimeError(
+            "ferrite.cross_entropy: a second backward through the same loss (retain_graph=True) is "
+            "not supported: the first one scaled the saved gradient in place"
+        )
+    ctx.grad_used = True
     (dlogits,) = ctx.saved_tensors
-    g = grad_loss.to(dlogits.dtype)
-    if ctx.reduction == "none" and dlogits.dim() == 2:
-        g = g.unsqueeze(-1)
-    return dlogits * g, None, None, None, None, None, None
+    # The forward's dlogits already hold the gradient for dloss = 1; the incoming dloss is folded
+    # in place, on the device (dloss = 1, the usual `loss.backward()`, costs one tiny launch and
+    # no pass over the logits). No second logits-sized buffer, no multiply by a broadcast.
+    torch.ops.ferrite.ce_scale_grad_(dlogits, grad_loss.to(dlogits.dtype))
+    return dlogits, None, None, None, None, None, None
 
 
 _cross_entropy.register_autograd(_ce_bwd, setup_context=_ce_setup)

@@ -12,6 +12,7 @@ use ferrite::ops::adamw::{self as fadamw, AdamWHyper, AdamWOptions, AdamWTensor}
 use ferrite::ops::cross_entropy::{self as fce, CrossEntropyOptions, GradOut, Reduction};
 use ferrite::ops::linear::{self as flinear, LinearOptions};
 use ferrite::ops::matmul::epilogue::Activation as EpiActivation;
+use ferrite::ops::rotary::{self as frotary, RotaryOptions};
 use ferrite::ops::softmax::{self as fsoftmax, SoftmaxOptions};
 use ferrite::Error;
 use pyo3::prelude::*;
@@ -505,5 +506,77 @@ pub fn adamw_step(
             write_back_all(&[Some(p), Some(m), Some(v), master.as_ref()])?;
         }
         Ok(())
+    })
+}
+
+/// out = x with rotary position embeddings applied (out may be x: in place). x [B, S, H, D] (or
+/// [T, H, D] with cu_seqlens), cos/sin [S_ro, R/2]; `offsets` int32 [B] or one `offset`.
+#[pyfunction]
+#[pyo3(signature = (x, cos, sin, out, offset=0, offsets=None, cu_seqlens=None, interleaved=false, conjugate=false, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn rotary(
+    py: Python<'_>,
+    x: Desc,
+    cos: Desc,
+    sin: Desc,
+    out: Desc,
+    offset: i64,
+    offsets: Option<Desc>,
+    cu_seqlens: Option<Desc>,
+    interleaved: bool,
+    conjugate: bool,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<()> {
+    const OP: &str = "ferrite.apply_rotary_emb";
+    run(py, OP, move || {
+        if offset < 0 {
+            return Err(Error::bad_arg(
+                OP,
+                "seqlen_offsets",
+                "a non-negative offset",
+                offset,
+            ));
+        }
+        let tgt = target(OP, device, stream)?;
+        let x = wrap(OP, "x", &x, &tgt)?;
+        let cos = wrap(OP, "cos", &cos, &tgt)?;
+        let sin = wrap(OP, "sin", &sin, &tgt)?;
+        let out = wrap(OP, "out", &out, &tgt)?;
+        let offsets = wrap_opt(OP, "seqlen_offsets", &offsets, &tgt)?;
+        let cu = wrap_opt(OP, "cu_seqlens", &cu_seqlens, &tgt)?;
+        let opts = RotaryOptions {
+            variant,
+            interleaved,
+            conjugate,
+            offset: offset as usize,
+            offsets: offsets.map(|o| o.t),
+            cu_seqlens: cu.map(|c| c.t),
+            stream: tgt.stream(),
+        };
+        frotary::rotary_into(&x.t, &cos.t, &sin.t, &out.t, &opts)?;
+        out.write_back()
+    })
+}
+
+/// grad *= dloss in place (one element, or one per row): the loss's incoming gradient folded into
+/// the dlogits the forward computed; on CUDA a dloss of 1 costs no pass over grad.
+#[pyfunction]
+#[pyo3(signature = (grad, dloss, device=-1, stream=0))]
+pub fn cross_entropy_scale_grad(
+    py: Python<'_>,
+    grad: Desc,
+    dloss: Desc,
+    device: i64,
+    stream: u64,
+) -> PyResult<()> {
+    const OP: &str = "ferrite.cross_entropy";
+    run(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let g = wrap(OP, "grad", &grad, &tgt)?;
+        let d = wrap(OP, "dloss", &dloss, &tgt)?;
+        fce::scale_grad_in_place(&g.t, &d.t, tgt.stream())?;
+        g.write_back()
     })
 }

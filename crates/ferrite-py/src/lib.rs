@@ -209,11 +209,30 @@ impl Operand {
         if let Some(h) = &self.host {
             let bytes = h.base.to_bytes()?;
             debug_assert_eq!(bytes.len(), h.bytes);
-            if h.bytes > 0 {
+            if h.bytes == 0 {
+                return Ok(());
+            }
+            if self.t.is_contiguous() && self.t.nbytes() == h.bytes {
                 // SAFETY: `ptr..ptr+bytes` is the span of a live, writable torch CPU output
                 // tensor (allocated by the Python layer for this call; see `wrap`), and `bytes`
                 // is a separate Rust allocation, so the ranges do not overlap.
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h.ptr as *mut u8, h.bytes) };
+                return Ok(());
+            }
+            // A strided view (a gradient slot of a packed buffer): only its own elements go
+            // back — the span's other bytes may belong to another output of the same call.
+            let es = self.t.dtype().size_in_bytes();
+            for off in self.t.layout().offsets() {
+                let at = off * es;
+                // SAFETY: as above; `off` is an element of the view, so `at + es ≤ bytes`
+                // (the span ends at the view's largest offset).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr().add(at),
+                        (h.ptr as *mut u8).add(at),
+                        es,
+                    )
+                };
             }
         }
         Ok(())
@@ -503,11 +522,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::linear_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::softmax_forward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::softmax_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::rotary, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::glu_forward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::glu_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::cross_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::cross_entropy_scale_grad, m)?)?;
     m.add_function(wrap_pyfunction!(fused::adamw_step, m)?)?;
     m.add_function(wrap_pyfunction!(attn::attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attn::attention_backward, m)?)?;

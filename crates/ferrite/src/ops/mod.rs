@@ -11,6 +11,7 @@ pub mod linear;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+pub mod rotary;
 pub mod softmax;
 
 use crate::core::cuda::{self, jit};
@@ -29,6 +30,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &linear::Linear,
         &norm::Norm,
         &softmax::Softmax,
+        &rotary::Rotary,
         &activation::ActivationFamily,
         &cross_entropy::CrossEntropy,
         &adamw::AdamW,

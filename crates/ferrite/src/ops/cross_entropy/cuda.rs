@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("cross_entropy", "kernels/cross_entropy.cu");
 /// The functions of `program` (`ce_cluster` is in `cluster_program`'s modules only).
-const FUNCS: [&str; 7] = [
+const FUNCS: [&str; 8] = [
     "ce_targets",
     "ce_naive_logsoftmax",
     "ce_naive_loss",
@@ -22,6 +22,7 @@ const FUNCS: [&str; 7] = [
     "ce_fused",
     "ce_resident",
     "ce_reduce",
+    "ce_scale_grad",
 ];
 
 /// Bytes of the device status block (`struct Status` in the kernel).
@@ -472,4 +473,40 @@ pub(super) fn run(
         }
     }
     Ok(())
+}
+
+/// dlogits *= dloss in place on the device (see `ce_scale_grad`).
+pub fn scale_grad(
+    grad: &Tensor,
+    dloss: &Tensor,
+    rows: usize,
+    cols: usize,
+    stream: Option<Stream>,
+) -> Result<()> {
+    let dev = grad.cuda_device()?;
+    let stream = stream.unwrap_or_else(|| dev.stream().clone());
+    let k = dev.kernel(&program(grad.dtype(), DType::I64), "ce_scale_grad")?;
+    let gp = grad.device_ptr()?;
+    let es = grad.dtype().size_in_bytes();
+    let vec = gp.is_multiple_of(16) && (cols * es).is_multiple_of(16);
+    let per_row = dloss.numel() != 1;
+    let threads = 256usize;
+    let work = (rows * cols).div_ceil(if vec { 16 / es } else { 1 });
+    let blocks = work
+        .div_ceil(threads)
+        .clamp(1, dev.props().sm_count as usize * 8);
+    let mut a = KernelArgs::new();
+    a.push(gp)
+        .push(dloss.device_ptr()?)
+        .push(rows as i64)
+        .push(cols as i64)
+        .push(per_row as i32)
+        .push(vec as i32);
+    k.launch(
+        &stream,
+        (blocks as u32, 1, 1),
+        (threads as u32, 1, 1),
+        0,
+        &mut a,
+    )
 }

@@ -393,6 +393,63 @@ pub fn cross_entropy_into(
     }
 }
 
+/// `grad *= dloss` in place: the loss's incoming gradient folded into a dlogits computed by
+/// [`cross_entropy_into`] with `dloss = 1` before that gradient was known (autograd's order).
+/// grad: contiguous `[N, V]` (or `[V]`); dloss: one element (`mean`/`sum`) or `[N]` (`none`),
+/// in grad's dtype and on its device. On the GPU dloss is read by the kernel (no host sync) and
+/// a scalar 1 costs no pass over grad.
+pub fn scale_grad_in_place(grad: &Tensor, dloss: &Tensor, stream: Option<Stream>) -> Result<()> {
+    const OPN: &str = "cross_entropy_scale_grad";
+    if !FLOATS.contains(&grad.dtype())
+        || !grad.is_contiguous()
+        || grad.rank() == 0
+        || grad.rank() > 2
+    {
+        return Err(Error::bad_arg(
+            OPN,
+            "grad",
+            "a contiguous f32/f16/bf16 tensor [N, V] or [V]",
+            describe(grad),
+        ));
+    }
+    let cols = *grad.shape().last().unwrap();
+    let rows = if grad.rank() == 2 { grad.shape()[0] } else { 1 };
+    if dloss.dtype() != grad.dtype()
+        || dloss.device() != grad.device()
+        || !dloss.is_contiguous()
+        || (dloss.numel() != 1 && (grad.rank() != 2 || dloss.numel() != rows))
+    {
+        return Err(Error::bad_arg(
+            OPN,
+            "dloss",
+            format!(
+                "one {} element, or one per row ([{rows}]), on {}",
+                grad.dtype(),
+                grad.device()
+            ),
+            describe(dloss),
+        ));
+    }
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    match grad.device() {
+        Device::Cpu => {
+            let s = dloss.to_f32_vec()?;
+            if s.len() == 1 && s[0] == 1.0 {
+                return Ok(());
+            }
+            let mut g = grad.to_f32_vec()?;
+            for (r, row) in g.chunks_mut(cols).enumerate() {
+                let k = s[if s.len() == 1 { 0 } else { r }];
+                row.iter_mut().for_each(|v| *v *= k);
+            }
+            grad.write_f32(&g)
+        }
+        Device::Cuda(_) => cuda::scale_grad(grad, dloss, rows, cols, stream),
+    }
+}
+
 /// Allocating convenience: (per-row loss [N], scalar loss [1], dlogits like the logits).
 pub fn cross_entropy(
     logits: &Tensor,

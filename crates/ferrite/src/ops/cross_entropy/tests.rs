@@ -213,3 +213,46 @@ fn cluster_size_is_checked() {
         .to_string();
     assert!(e.contains("cluster") && e.contains('3'), "{e}");
 }
+
+#[test]
+fn scale_grad_folds_dloss_in_place_on_every_device() {
+    for dev in crate::core::harness::check::devices_present() {
+        for dtype in [DType::F32, DType::BF16] {
+            // 37 columns: not a whole number of 16-byte vectors (the scalar loop); 64: vectorized.
+            for cols in [37, 64] {
+                let g = Tensor::rand(&[5, cols], dtype, dev, 3, -1.0, 1.0).unwrap();
+                let before = g.to_f64_vec().unwrap();
+                let scalar = |v: f64| Tensor::full(&[1], dtype, dev, v).unwrap();
+                // dloss = 1: untouched (on the GPU: the kernel returns at once).
+                scale_grad_in_place(&g, &scalar(1.0), None).unwrap();
+                assert_eq!(g.to_f64_vec().unwrap(), before);
+                scale_grad_in_place(&g, &scalar(-0.25), None).unwrap();
+                for (a, b) in g.to_f64_vec().unwrap().iter().zip(&before) {
+                    assert_eq!(*a, -0.25 * b, "{dev} {dtype} {cols}");
+                }
+                // One per row (reduction "none").
+                let rows = Tensor::rand(&[5], dtype, dev, 9, 0.5, 2.0).unwrap();
+                let r = rows.to_f64_vec().unwrap();
+                let mid = g.to_f64_vec().unwrap();
+                scale_grad_in_place(&g, &rows, None).unwrap();
+                let got = g.to_f64_vec().unwrap();
+                for (i, (a, b)) in got.iter().zip(&mid).enumerate() {
+                    let want = b * r[i / cols];
+                    assert!(
+                        (a - want).abs() <= want.abs() * 8e-3,
+                        "{dev} {dtype} {i}: {a} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+    let g = Tensor::rand(&[5, 4], DType::F32, Device::Cpu, 3, -1.0, 1.0).unwrap();
+    let bad = Tensor::full(&[4], DType::F32, Device::Cpu, 1.0).unwrap();
+    let e = scale_grad_in_place(&g, &bad, None).unwrap_err().to_string();
+    assert!(e.contains("`dloss`") && e.contains("[5]"), "{e}");
+    let half = Tensor::full(&[1], DType::BF16, Device::Cpu, 1.0).unwrap();
+    let e = scale_grad_in_place(&g, &half, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`dloss`") && e.contains("f32"), "{e}");
+}
