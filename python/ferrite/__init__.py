@@ -6,7 +6,8 @@
     o = ferrite.flash_attn_func(q, k, v, causal=True)  # [B, S, H, D], GQA, window, varlen
     loss = ferrite.cross_entropy(logits, targets)      # fused loss + gradient
     out, aux = ferrite.moe(x, router, w_up, w_down, top_k=2)  # mixture of experts, grouped GEMMs
-    swapped = ferrite.optimize(model)                  # nn.Linear / norms / MHA -> ferrite
+    swapped = ferrite.optimize(model)                  # nn.Linear / norms / MHA / HF models -> ferrite
+    print(ferrite.validate(reference, model, (x,)))    # outputs and gradients compared
     opt = ferrite.optim.AdamW(model.parameters())      # one fused launch per step
 
 The ops are also reachable as ``torch.ops.ferrite.*`` once ``ferrite`` is imported.
@@ -28,6 +29,7 @@ from ._moe import grouped_mm, moe, moe_forward, moe_metrics
 from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, matmul, mlp, rms_norm
 from . import nn, optim
 from .nn import optimize
+from ._validate import validate
 
 __version__ = _native.__version__
 variants = _native.variants
@@ -59,6 +61,7 @@ __all__ = [
     "paged_decode",
     "append_kv",
     "optimize",
+    "validate",
     "nn",
     "optim",
     "cuda_status",

@@ -377,6 +377,7 @@ def _cross_entropy(
     reduction: str,
     need_grad: bool,
     check_targets: bool = False,
+    float_loss: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     op = "ferrite.cross_entropy"
     _ce_check(op, logits, target, reduction, label_smoothing)
@@ -416,19 +417,21 @@ def _cross_entropy(
         loss = rows[0] if squeeze else rows
     else:
         loss = total[0]
-    loss = loss.to(logits.dtype, copy=True)  # an output of its own, not a view of `rows`
+    # An output of its own, not a view of `rows`; in the logits' dtype as torch's, or float32.
+    loss = loss.to(torch.float32 if float_loss else logits.dtype, copy=True)
     if grad is None:
         return loss, _empty(logits)
     return loss, (grad.view(logits.shape) if squeeze else grad)
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction, need_grad, check_targets=False):
+def _(logits, target, ignore_index, label_smoothing, reduction, need_grad, check_targets=False, float_loss=False):
     _ce_check("ferrite.cross_entropy", logits, target, reduction, label_smoothing)
+    dt = torch.float32 if float_loss else logits.dtype
     if reduction == "none" and logits.dim() == 2:
-        loss = logits.new_empty((logits.shape[0],))
+        loss = logits.new_empty((logits.shape[0],), dtype=dt)
     else:
-        loss = logits.new_empty(())
+        loss = logits.new_empty((), dtype=dt)
     return loss, (logits.new_empty(logits.shape) if need_grad else _empty(logits))
 
 
@@ -455,7 +458,7 @@ def _ce_setup(ctx, inputs, output):
 
 def _ce_bwd(ctx, grad_loss, _grad_dlogits):
     if grad_loss is None:  # only an output without a gradient was used
-        return (None,) * 7
+        return (None,) * 8
     if not ctx.need_grad:
         raise RuntimeError(
             "ferrite.cross_entropy: backward needs the gradient computed in the forward, which ran "
@@ -468,11 +471,24 @@ def _ce_bwd(ctx, grad_loss, _grad_dlogits):
         )
     ctx.grad_used = True
     (dlogits,) = ctx.saved_tensors
+    g = grad_loss.to(dlogits.dtype)
+    traced = (
+        torch.compiler.is_compiling()
+        or type(dlogits) is not Tensor
+        or torch._C._len_torch_dispatch_stack() > 0
+    )
+    if traced:
+        # Traced (torch.compile, AOT autograd, fake tensors): the functional multiply, which the
+        # compiler fuses; a mutation of a saved forward output inside a traced backward is what
+        # its partitioner cannot place, so the in-place fold is for eager mode only.
+        if ctx.reduction == "none" and dlogits.dim() == 2:
+            g = g.unsqueeze(-1)
+        return dlogits * g, None, None, None, None, None, None, None
     # The forward's dlogits already hold the gradient for dloss = 1; the incoming dloss is folded
     # in place, on the device (dloss = 1, the usual `loss.backward()`, costs one tiny launch and
     # no pass over the logits). No second logits-sized buffer, no multiply by a broadcast.
-    torch.ops.ferrite.ce_scale_grad_(dlogits, grad_loss.to(dlogits.dtype))
-    return dlogits, None, None, None, None, None, None
+    torch.ops.ferrite.ce_scale_grad_(dlogits, g)
+    return dlogits, None, None, None, None, None, None, None
 
 
 _cross_entropy.register_autograd(_ce_bwd, setup_context=_ce_setup)
@@ -485,6 +501,7 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     check_targets: bool = False,
+    float_loss: bool = False,
 ) -> Tensor:
     """``torch.nn.functional.cross_entropy`` for logits ``[N, C]`` (or ``[C]``) and class indices,
     fused: the loss and dlogits come from one kernel, the probabilities are never stored. The
@@ -494,8 +511,11 @@ def cross_entropy(
     Targets outside ``[0, C)`` (other than ``ignore_index``): on the CPU always a ``ValueError``
     naming the row; on CUDA the row's loss is NaN (so is a mean), asynchronously — or, with
     ``check_targets=True``, the kernel's error flag is read back (a sync) and a ``ValueError``
-    names the row."""
+    names the row. The loss is in the logits' dtype (as torch's), or float32 with
+    ``float_loss=True`` (the kernel's own fp32 sum, as a language model's training loop reports it).
+    The backward folds the incoming gradient into the saved dlogits in place (on the device; a
+    gradient of 1 costs no pass over them): backward runs once per forward."""
     need = torch.is_grad_enabled() and input.requires_grad
     return eager.cross_entropy(
-        input, target, int(ignore_index), float(label_smoothing), reduction, need, bool(check_targets)
+        input, target, int(ignore_index), float(label_smoothing), reduction, need, bool(check_targets), bool(float_loss)
     )[0]

@@ -262,12 +262,20 @@ _SWAPS = {
 
 
 def optimize(
-    model: torch.nn.Module, *, linear: bool = True, norms: bool = True, attention: bool = True
+    model: torch.nn.Module,
+    *,
+    linear: bool = True,
+    norms: bool = True,
+    attention: bool = True,
+    loss: bool = True,
 ) -> List[Tuple[str, str, str]]:
     """Swaps matching modules of ``model`` (itself included) for ferrite's, in place.
 
     Returns ``[(qualified name, old class, new class), ...]`` for every module swapped, in
-    ``named_modules()`` order; everything else is untouched.
+    ``named_modules()`` order; everything else is untouched. A Hugging Face ``transformers`` model
+    is also patched by :func:`ferrite.hf.patch` (attention function, Llama-family attention with
+    rotary, RMSNorm, the causal-LM loss); its entries follow, with ``"kept: why"`` as the new
+    class of what it leaves to the model.
     """
     kinds = set()
     if linear:
@@ -283,4 +291,8 @@ def optimize(
             new = _SWAPS[cls]
             mod.__class__ = new
             swapped.append((name, f"{cls.__module__}.{cls.__qualname__}", f"ferrite.nn.{new.__name__}"))
+    from . import hf
+
+    if hf.is_hf_model(model):
+        swapped += hf.patch(model, norms=norms, attention=attention, loss=loss)
     return swapped

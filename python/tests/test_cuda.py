@@ -160,3 +160,19 @@ def test_opcheck_cuda():
     torch.library.opcheck(ops.rms_norm.default, (x, [256], w, 1e-6))
     torch.library.opcheck(ops.layer_norm.default, (x, [256], w, w.detach().clone().requires_grad_(), 1e-5))
     torch.library.opcheck(ops.linear.default, (x, r(64, 256, dtype=torch.bfloat16), None))
+
+
+@requires_cuda
+def test_unaligned_linear_gradient_is_padded_for_the_backward_gemms():
+    from ferrite import _ops
+
+    g = torch.randn(1024, 4097, device="cuda", dtype=torch.bfloat16)
+    p = _ops._aligned_rows(g, "none")
+    assert p.stride(0) % 8 == 0 and p.stride(0) >= 4097 and torch.equal(p, g)
+    assert _ops._aligned_rows(g[:, :4096], "none").is_contiguous()  # aligned rows: no copy
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(4097, 256, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    dx, dw = torch.autograd.grad(ferrite.linear(x, w), (x, w), g)
+    rx, rw = g.float() @ w.float(), g.float().t() @ x.float()
+    assert ((dx.float() - rx).norm() / rx.norm()).item() < 1e-2
+    assert ((dw.float() - rw).norm() / rw.norm()).item() < 1e-2

@@ -1,0 +1,185 @@
+"""Hugging Face ``transformers`` models on ferrite's kernels, patched in place by
+``ferrite.optimize(model)`` (this module is imported only when a model from ``transformers`` is
+given; ``transformers`` is not a dependency of ferrite).
+
+What is swapped, and when it runs ferrite (anything else runs the model's own code, per call):
+
+- **Attention** (every model that dispatches through ``ALL_ATTENTION_FUNCTIONS``: GPT-2, Llama,
+  Mistral, Qwen2, ...): ``config._attn_implementation = "ferrite"`` — ferrite's flash attention
+  (causal, GQA, sliding window) when the model's mask is purely causal (no padding: the mask
+  function, SDPA's, then returns None) and no attention dropout is active; otherwise SDPA with
+  the mask, exactly as ``"sdpa"`` would run.
+- **Llama-family attention modules** (Llama, Mistral, Qwen2): the forward runs q/k/v projections
+  in ``[B, S, H, D]``, ferrite's rotary on q and k (the model's own cos/sin tables: any rope
+  scaling the model computes is kept) and flash attention, without the transposes; with a KV
+  cache, a padding mask, per-sequence position ids or dropout it runs the original forward.
+- **RMSNorm** (Llama, Mistral, Qwen2): ``ferrite.rms_norm``.
+- **The causal-LM loss**: ``ferrite.cross_entropy`` on the logits in their own dtype (the model's
+  loss upcasts the whole logits tensor to float32 first), float32 loss, the labels shifted as the
+  model does, ``num_items_in_batch`` honoured.
+- ``torch.nn.Linear``/``LayerNorm`` inside the model: as for any model (``ferrite.nn``).
+
+Not swapped, reported: GPT-2's ``Conv1D`` projections (weights stored ``[in, out]``; torch's
+``addmm`` runs them), and attention modules of other families (they still get the attention
+function above).
+"""
+
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _attention, _fused, _ops, _rotary
+
+_REGISTERED = False
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+_ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention"}
+
+
+def is_hf_model(model: torch.nn.Module) -> bool:
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+
+
+def _sdpa_fallback():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _window(module) -> Tuple[int, int]:
+    w = getattr(module, "sliding_window", None)
+    return (int(w) - 1, 0) if w else (-1, -1)
+
+
+def ferrite_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The ``"ferrite"`` attention function: q/k/v ``[B, H, S, D]`` as HF passes them; returns
+    (``[B, S, H, D]``, None)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    sq, sk = query.shape[2], key.shape[2]
+    if attention_mask is not None or dropout > 0.0 or (causal and sq != sk and sq != 1) or query.dtype == torch.float64:
+        return _sdpa_fallback()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: [B, S, H, D]
+    wl, wr = _window(module)
+    o = _attention.flash_attn_func(q, k, v, softmax_scale=scaling, causal=bool(causal) and sq > 1, window_size=(wl, wr))
+    return o, None
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("ferrite", ferrite_attention_forward)
+    AttentionMaskInterface.register("ferrite", sdpa_mask)
+    _REGISTERED = True
+
+
+class _RMSNorm(torch.nn.Module):
+    """A Llama-family RMSNorm (``weight``, ``variance_epsilon``) on ``ferrite.rms_norm``."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        w = self.weight
+        if hidden_states.dtype != w.dtype or hidden_states.dtype == torch.float64:
+            return self._ferrite_base.forward(self, hidden_states)
+        return _ops.rms_norm(hidden_states, [hidden_states.shape[-1]], w, self.variance_epsilon)
+
+
+class _LlamaAttention(torch.nn.Module):
+    """Llama/Mistral/Qwen2 attention: projections, ferrite's rotary and flash attention in
+    ``[B, S, H, D]``; the original forward whenever its extras are in use."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        fast = (
+            attention_mask is None
+            and cache is None
+            and position_embeddings is not None
+            and position_embeddings[0].shape[0] == 1
+            and not (self.training and self.attention_dropout > 0.0)
+            and hidden_states.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        )
+        if not fast:
+            return self._ferrite_base.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        b, s, _ = hidden_states.shape
+        d = self.head_dim
+        q = self.q_proj(hidden_states).view(b, s, -1, d)
+        k = self.k_proj(hidden_states).view(b, s, -1, d)
+        v = self.v_proj(hidden_states).view(b, s, -1, d)
+        cos, sin = position_embeddings
+        # The model's tables repeat the R/2 angles twice (cat(freqs, freqs)): the first half is
+        # the [S, R/2] table rotary takes.
+        c = cos[0, :, : d // 2].to(q.dtype).contiguous()
+        sn = sin[0, :, : d // 2].to(q.dtype).contiguous()
+        q = _rotary.apply_rotary_emb(q, c, sn)
+        k = _rotary.apply_rotary_emb(k, c, sn)
+        o = _attention.flash_attn_func(q, k, v, softmax_scale=self.scaling, causal=True, window_size=_window(self))
+        return self.o_proj(o.reshape(b, s, -1)), None
+
+
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
+    """``transformers``' ``ForCausalLMLoss`` on ``ferrite.cross_entropy``: the logits stay in their
+    dtype (no float32 copy), the loss is float32."""
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    x = logits.reshape(-1, vocab_size)
+    t = shift_labels.reshape(-1).to(x.device)
+    if num_items_in_batch is None:
+        return _fused.cross_entropy(x, t, ignore_index=ignore_index, float_loss=True)
+    loss = _fused.cross_entropy(x, t, ignore_index=ignore_index, reduction="sum", float_loss=True)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+_CLASSES = {}
+
+
+def _swap(mod: torch.nn.Module, mixin: type) -> str:
+    """Changes mod's class to a subclass whose forward is the mixin's (parameters, buffers and
+    hooks stay the same objects)."""
+    base = type(mod)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type(f"Ferrite{base.__name__}", (mixin, base), {"_ferrite_base": base, "forward": mixin.forward})
+        _CLASSES[base] = cls
+    mod.__class__ = cls
+    return f"ferrite.hf.{cls.__name__}"
+
+
+def patch(model: torch.nn.Module, *, norms: bool = True, attention: bool = True, loss: bool = True) -> List[Tuple[str, str, str]]:
+    """The ``transformers`` part of ``ferrite.optimize``: returns (name, old, new) per change and
+    (name, class, "kept: why") for what it leaves to the model."""
+    _register()
+    out = []
+    for name, mod in model.named_modules():
+        cname = type(mod).__name__
+        qual = f"{type(mod).__module__}.{cname}"
+        if getattr(mod, "_ferrite_base", None) is not None:
+            continue
+        if norms and cname in _NORMS:
+            out.append((name, qual, _swap(mod, _RMSNorm)))
+        elif attention and cname in _ATTENTIONS:
+            out.append((name, qual, _swap(mod, _LlamaAttention)))
+        elif cname == "Conv1D" and type(mod).__module__.startswith("transformers."):
+            out.append((name, qual, "kept: Conv1D (weight [in, out]) runs torch's addmm"))
+    if attention:
+        configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+        seen = set()
+        for c in configs:
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            old = c._attn_implementation
+            if old != "ferrite":
+                c._attn_implementation = "ferrite"
+                out.append(("config", f"_attn_implementation={old}", "_attn_implementation=ferrite"))
+    lm = type(model).__name__
+    already = getattr(model, "_loss_function", None) is causal_lm_loss
+    if loss and not already and (lm.endswith("ForCausalLM") or lm == "GPT2LMHeadModel"):
+        model.loss_function = causal_lm_loss
+        out.append(("loss_function", "transformers ForCausalLMLoss", "ferrite.hf.causal_lm_loss"))
+    return out
