@@ -176,3 +176,26 @@ def test_unaligned_linear_gradient_is_padded_for_the_backward_gemms():
     rx, rw = g.float() @ w.float(), g.float().t() @ x.float()
     assert ((dx.float() - rx).norm() / rx.norm()).item() < 1e-2
     assert ((dw.float() - rw).norm() / rw.norm()).item() < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_unaligned_linear_output_runs_on_padded_rows_with_the_same_result(activation):
+    from ferrite import _ops
+
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(4097, 256, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    b = torch.randn(4097, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    assert _ops._padded_cols(x, 4097, 1024) == 4104
+    y = ferrite.linear(x, w, b, activation=activation)
+    assert y.is_contiguous() and y.shape == (1024, 4097)
+    z = x.float() @ w.float().t() + b.float()
+    ref = z if activation is None else torch.nn.functional.gelu(z, approximate="tanh")
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    g = torch.randn_like(y)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), g)
+    zz = z.detach().requires_grad_()
+    out = zz if activation is None else torch.nn.functional.gelu(zz, approximate="tanh")
+    (gz,) = torch.autograd.grad(out, zz, g.float())
+    for got, want in ((dx, gz @ w.float()), (dw, gz.t() @ x.float()), (db, gz.sum(0))):
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2

@@ -300,6 +300,9 @@ fn check(a: CheckArgs) -> Result<bool> {
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;
+    if let Some(p) = &a.common.json {
+        check_output_path("--json", p)?;
+    }
     if a.trace {
         ferrite::core::harness::check::trace_records();
     }
@@ -334,6 +337,89 @@ fn check(a: CheckArgs) -> Result<bool> {
     Ok(failed == 0)
 }
 
+/// An output file's folder must exist (and the path must not be a folder) before a run starts,
+/// not after it has spent its minutes.
+fn check_output_path(flag: &str, p: &std::path::Path) -> Result<()> {
+    if p.is_dir() {
+        return Err(Error::bad_arg(
+            "ferrite",
+            flag,
+            "a file path",
+            format!("{} (a folder)", p.display()),
+        ));
+    }
+    let parent = p
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !parent.is_dir() {
+        return Err(Error::bad_arg(
+            "ferrite",
+            flag,
+            "a path in an existing folder",
+            format!("{} (no folder {})", p.display(), parent.display()),
+        ));
+    }
+    Ok(())
+}
+
+/// The bench flags' values, checked before anything runs: sizes positive, `--size` only for
+/// families that read it, `--config` only with a GPU, output folders present.
+fn validate_bench_args(
+    a: &BenchArgs,
+    fams: &[&'static dyn ferrite::core::harness::OpFamily],
+    devices: &[Device],
+) -> Result<()> {
+    for (flag, v) in a.size.iter().map(|&s| ("--size", s)).chain(
+        [("--m", a.m), ("--n", a.n), ("--k", a.k)]
+            .into_iter()
+            .filter_map(|(f, v)| v.map(|v| (f, v))),
+    ) {
+        if v == 0 {
+            return Err(Error::bad_arg("ferrite", flag, "a positive size", v));
+        }
+    }
+    if !a.size.is_empty() || a.m.is_some() {
+        let fixed: Vec<&str> = fams
+            .iter()
+            .filter(|f| !f.bench_takes_size())
+            .map(|f| f.name())
+            .collect();
+        if !fixed.is_empty() && a.common.op != "all" {
+            return Err(Error::bad_arg(
+                "ferrite",
+                if a.size.is_empty() { "--m" } else { "--size" },
+                format!(
+                    "no size flag: the `{}` bench runs its own fixed shapes",
+                    fixed.join("`, `")
+                ),
+                a.size.first().copied().or(a.m).unwrap_or(0),
+            ));
+        }
+        if !fixed.is_empty() {
+            eprintln!(
+                "note: the size flags do not apply to {} (fixed shapes)",
+                fixed.join(", ")
+            );
+        }
+    }
+    if !a.configs.is_empty() && !devices.iter().any(|d| d.is_cuda()) {
+        return Err(Error::bad_arg(
+            "ferrite",
+            "--config",
+            "a CUDA device among --device (launch configurations are GPU kernels')",
+            a.common.device.as_str(),
+        ));
+    }
+    if let Some(p) = &a.common.json {
+        check_output_path("--json", p)?;
+    }
+    if let Some(p) = &a.plot {
+        check_output_path("--plot", p)?;
+    }
+    Ok(())
+}
+
 fn bench(a: BenchArgs) -> Result<()> {
     let mut shapes: Vec<Vec<usize>> = a.size.iter().map(|&s| vec![s]).collect();
     if let (Some(m), Some(n), Some(k)) = (a.m, a.n, a.k) {
@@ -350,6 +436,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;
+    validate_bench_args(&a, &fams, &cfg.devices)?;
     let pb = spinner();
     let mut progress = |m: &str| pb.set_message(m.to_string());
     let ceilings = ops::measure_ceilings(&cfg.devices, cfg.quick, &mut progress)?;
@@ -358,6 +445,12 @@ fn bench(a: BenchArgs) -> Result<()> {
         f.bench(&cfg, &ceilings, &mut progress, &mut recs)?;
     }
     pb.finish_and_clear();
+    if recs.is_empty() {
+        return Err(Error::Other(format!(
+            "no bench record matched op `{}`, device `{}`, variants {:?} and dtypes {:?} (e.g. a dtype the device's variants do not run)",
+            a.common.op, a.common.device, cfg.variants, a.common.dtypes
+        )));
+    }
     println!("ceilings measured in this run:");
     if let (Some(ghz), Some(peak)) = (ceilings.cpu_ghz, ceilings.cpu_core_peak_gflops) {
         println!("  cpu: {ghz:.2} GHz (measured), {}, nominal peak {peak:.0} GFLOP/s per core; {} threads", ceilings.cpu_isa, ceilings.cpu_threads);

@@ -235,3 +235,70 @@ fn data_pack_walks_subfolders_and_names_what_it_skips() {
     assert!(!ok && err.contains(".txt or .jsonl"), "{err}");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[test]
+fn bench_flags_are_checked_before_anything_runs() {
+    // Each of these used to bench an empty problem, ignore the flag, or fail only at the end.
+    let (ok, _, err) = ferrite(&["bench", "softmax", "--device", "cpu", "--size", "0"]);
+    assert!(
+        !ok && err.contains("--size") && err.contains("positive"),
+        "{err}"
+    );
+    let (ok, _, err) = ferrite(&[
+        "bench", "matmul", "--device", "cpu", "--m", "0", "--n", "8", "--k", "8",
+    ]);
+    assert!(
+        !ok && err.contains("--m") && err.contains("positive"),
+        "{err}"
+    );
+    for op in ["copy", "decode", "adamw"] {
+        let (ok, _, err) = ferrite(&["bench", op, "--device", "cpu", "--size", "64"]);
+        assert!(
+            !ok && err.contains("--size") && err.contains("fixed shapes"),
+            "{op}: {err}"
+        );
+    }
+    let (ok, _, err) = ferrite(&[
+        "bench", "matmul", "--device", "cpu", "--config", "c2g8", "--size", "64",
+    ]);
+    assert!(
+        !ok && err.contains("--config") && err.contains("CUDA"),
+        "{err}"
+    );
+    let (ok, _, err) = ferrite(&[
+        "bench",
+        "softmax",
+        "--device",
+        "cpu",
+        "--size",
+        "64",
+        "--json",
+        "/nonexistent-dir/x.json",
+    ]);
+    assert!(
+        !ok && err.contains("--json") && err.contains("/nonexistent-dir"),
+        "{err}"
+    );
+    let (ok, _, err) = ferrite(&[
+        "check",
+        "softmax",
+        "--device",
+        "cpu",
+        "--quick",
+        "--json",
+        "/nonexistent-dir/x.json",
+    ]);
+    assert!(!ok && err.contains("--json"), "{err}");
+    let (ok, _, err) = ferrite(&[
+        "bench", "softmax", "--device", "cpu", "--size", "64", "--plot", "/tmp",
+    ]);
+    assert!(
+        !ok && err.contains("--plot") && err.contains("folder"),
+        "{err}"
+    );
+    // A filter that leaves nothing to bench (f16 matmul on the CPU) is an error, not an empty table.
+    let (ok, _, err) = ferrite(&[
+        "bench", "matmul", "--device", "cpu", "--dtype", "f16", "--size", "64", "--quick",
+    ]);
+    assert!(!ok && err.contains("no bench record"), "{err}");
+}

@@ -139,4 +139,9 @@ pub trait OpFamily: Sync {
     fn peers(&self) -> Vec<&'static str> {
         Vec::new()
     }
+    /// Whether `bench` reads the command line's `--size` / `--m --n --k` (families with fixed,
+    /// multi-dimensional shapes do not: the CLI refuses those flags for them).
+    fn bench_takes_size(&self) -> bool {
+        true
+    }
 }

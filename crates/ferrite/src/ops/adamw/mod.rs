@@ -332,6 +332,9 @@ impl OpFamily for AdamW {
     ) -> Result<()> {
         bench::run(cfg, ceilings, progress, out)
     }
+    fn bench_takes_size(&self) -> bool {
+        false
+    }
     fn kernels(&self) -> Vec<KernelSpec> {
         cuda::kernel_specs()
     }

@@ -399,6 +399,9 @@ impl OpFamily for Copy {
     ) -> Result<()> {
         bench_run(cfg, ceilings, progress, out)
     }
+    fn bench_takes_size(&self) -> bool {
+        false
+    }
     fn kernels(&self) -> Vec<KernelSpec> {
         vec![KernelSpec {
             program: program(),

@@ -595,6 +595,9 @@ impl OpFamily for Decode {
     ) -> Result<()> {
         bench::run(cfg, ceilings, progress, out)
     }
+    fn bench_takes_size(&self) -> bool {
+        false
+    }
     fn kernels(&self) -> Vec<KernelSpec> {
         cuda::kernel_specs()
     }

@@ -942,6 +942,9 @@ impl OpFamily for Moe {
     ) -> Result<()> {
         bench::run(cfg, ceilings, progress, out)
     }
+    fn bench_takes_size(&self) -> bool {
+        false
+    }
     fn kernels(&self) -> Vec<KernelSpec> {
         cuda::kernel_specs()
     }
