@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The PyTorch front in CI (CPU): a venv with maturin, torch==2.11.0 (the GPU machine's version)
-# pytest and transformers (the Hugging Face parity tests) from PyPI; the abi3 wheel built by `maturin build --release` into its own target
+# pytest, transformers (the Hugging Face parity tests) and hypothesis (the property test) from PyPI; the abi3 wheel built by `maturin build --release` into its own target
 # dir; the wheel installed; pytest on python/tests. Exits non-zero on any failure, including
 # pytest's exit code 5 (no tests collected / run).
 #
@@ -21,7 +21,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-  "maturin>=1.9.4,<2" "torch==2.11.0" "pytest>=7" "transformers==5.24.0"
+  "maturin>=1.9.4,<2" "torch==2.11.0" "pytest>=7" "transformers==5.24.0" "hypothesis==6.170.17"
 "$venv/bin/python" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)'
 
 echo "== maturin build --release (CARGO_TARGET_DIR=$target)"

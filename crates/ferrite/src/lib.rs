@@ -25,6 +25,9 @@ pub mod data;
 pub mod ops;
 pub mod train;
 
+#[cfg(test)]
+mod fuzz_tests;
+
 pub use crate::core::device::{Arch, Device};
 pub use crate::core::dtype::{DType, Element};
 pub use crate::core::error::{Error, Result};

@@ -60,6 +60,9 @@ impl Layout {
                 format!("{strides:?}"),
             ));
         }
+        // A zero stride lets the extent stay small while the element count overflows: both
+        // are checked, so `numel` never overflows on a constructed layout.
+        checked_numel("Layout::new", &shape)?;
         let l = Layout {
             shape,
             strides,
@@ -153,7 +156,12 @@ impl Layout {
             ));
         }
         let mut l = self.clone();
-        l.offset += start * self.strides[dim];
+        // start ≤ size − len: inside the checked extent, except for an empty narrow at the end of
+        // a dim, whose offset may pass it (and then never addresses anything).
+        l.offset = start
+            .checked_mul(self.strides[dim])
+            .and_then(|d| self.offset.checked_add(d))
+            .unwrap_or(self.offset);
         l.shape[dim] = len;
         Ok(l)
     }

@@ -443,7 +443,16 @@ impl Index {
                 path.display()
             )));
         }
-        let sum: u64 = idx.shards.iter().map(|s| s.tokens).sum();
+        let sum = idx
+            .shards
+            .iter()
+            .try_fold(0u64, |a, s| a.checked_add(s.tokens))
+            .ok_or_else(|| {
+                Error::Other(format!(
+                    "index {}: the shards' token counts add up to more than 2^64",
+                    path.display()
+                ))
+            })?;
         if sum != idx.total_tokens {
             return Err(Error::Other(format!(
                 "index {}: total_tokens {} but the shards add up to {sum}",
