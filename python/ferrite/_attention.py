@@ -557,6 +557,14 @@ def _kvpacked_bwd(ctx, dout, _dlse):
 _attention_kvpacked.register_autograd(_kvpacked_bwd, setup_context=_kvpacked_setup)
 
 
+def _packed_args(op: str, dropout_p: float, alibi_slopes, window_size) -> Tuple[int, int]:
+    """The packed functions' checks of flash-attn's arguments ferrite does not implement; the window."""
+    _no_dropout(op, dropout_p)
+    if alibi_slopes is not None:
+        _fail(op, "alibi_slopes", "None (ALiBi is not implemented)", _describe(alibi_slopes))
+    return _window(op, window_size)
+
+
 def flash_attn_qkvpacked_func(
     qkv: Tensor,
     dropout_p: float = 0.0,
@@ -578,11 +586,7 @@ def flash_attn_qkvpacked_func(
     (``[S_ro, R/2]``, as for :func:`apply_rotary_emb`) q and k are rotated inside the op — the
     Llama/GPT-NeoX attention's prologue — and the gradient rotated back into ``dqkv``.
     ``return_attn_probs`` returns ``(out, lse)`` (the probabilities are never formed)."""
-    op = "ferrite.flash_attn_qkvpacked_func"
-    _no_dropout(op, dropout_p)
-    if alibi_slopes is not None:
-        _fail(op, "alibi_slopes", "None (ALiBi is not implemented)", _describe(alibi_slopes))
-    wl, wr = _window(op, window_size)
+    wl, wr = _packed_args("ferrite.flash_attn_qkvpacked_func", dropout_p, alibi_slopes, window_size)
     o, lse, _ = eager.attention_qkvpacked(
         qkv, rotary_cos, rotary_sin, int(rotary_offset), bool(rotary_interleaved), softmax_scale, bool(causal), wl, wr, float(softcap), bool(deterministic)
     )
@@ -603,11 +607,7 @@ def flash_attn_kvpacked_func(
 ):
     """flash-attn's ``flash_attn_kvpacked_func``: q ``[B, Sq, Hq, D]``, kv ``[B, Sk, 2, Hkv, D]``
     (GQA/MQA when Hkv < Hq); the backward writes one packed ``dkv``."""
-    op = "ferrite.flash_attn_kvpacked_func"
-    _no_dropout(op, dropout_p)
-    if alibi_slopes is not None:
-        _fail(op, "alibi_slopes", "None (ALiBi is not implemented)", _describe(alibi_slopes))
-    wl, wr = _window(op, window_size)
+    wl, wr = _packed_args("ferrite.flash_attn_kvpacked_func", dropout_p, alibi_slopes, window_size)
     o, lse = eager.attention_kvpacked(q, kv, softmax_scale, bool(causal), wl, wr, float(softcap), bool(deterministic))
     return (o, lse) if return_attn_probs else o
 
