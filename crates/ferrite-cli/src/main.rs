@@ -260,23 +260,7 @@ fn info() -> Result<()> {
                 v.min_arch
                     .map(|a| a.target().to_string())
                     .unwrap_or_else(|| "-".into()),
-                match ferrite::core::variant::PENDING_GPU_RUN
-                    .iter()
-                    .find(|&&(o, n, _)| {
-                        n == v.name && (o == f.name() || o == format!("{}_backward", f.name()))
-                    }) {
-                    Some((o, _, d)) => format!(
-                        "[{}not yet checked on a GPU{}: picked only by name] {}",
-                        if o.ends_with("_backward") {
-                            "backward "
-                        } else {
-                            ""
-                        },
-                        d.map(|d| format!(" for {d}")).unwrap_or_default(),
-                        v.summary
-                    ),
-                    None => v.summary.into(),
-                },
+                v.summary.into(),
             ]);
         }
     }

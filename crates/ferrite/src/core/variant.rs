@@ -70,24 +70,8 @@ impl VariantInfo {
     }
 }
 
-/// Variants (op, variant, dtype — None: every dtype) written in a session without a GPU: they
-/// compile for sm_80/sm_90a with no spills and their CPU-side logic is tested, but no GPU has
-/// passed their `ferrite check` yet. They run when asked for by name; the default selection passes over them (unless nothing else
-/// applies) until a GPU run promotes them off this list.
-pub const PENDING_GPU_RUN: &[(&str, &str, Option<DType>)] = &[
-    // Empty since 2026-11-24: the wgmma attention backward (attn_hopper_bwd) passed its GPU check
-    // and compute-sanitizer (bench/results/2026-11-24-h100-hopper-bwd).
-];
-
-/// Whether `variant` of `op` for `dtype` waits for its first GPU run (see [`PENDING_GPU_RUN`]).
-pub fn pending_gpu_run(op: &str, variant: &str, dtype: DType) -> bool {
-    PENDING_GPU_RUN
-        .iter()
-        .any(|&(o, v, d)| o == op && v == variant && d.is_none_or(|d| d == dtype))
-}
-
-/// Picks `requested` (checked) or the best-ranked applicable variant (passing over those in
-/// [`PENDING_GPU_RUN`] while another applies). `extra` lets the op add shape constraints: it
+/// Picks `requested` (checked) or the best-ranked applicable variant. `extra` lets the op add
+/// shape constraints: it
 /// returns Some(reason) when a variant cannot take this request.
 pub fn select<'a>(
     op: &str,
@@ -128,11 +112,10 @@ pub fn select<'a>(
         }
         return Ok(v);
     }
-    let fits = || variants.iter().filter(|v| why(v).is_none());
-    fits()
-        .filter(|v| !pending_gpu_run(op, v.name, dtype))
+    variants
+        .iter()
+        .filter(|v| why(v).is_none())
         .max_by_key(|v| v.rank)
-        .or_else(|| fits().max_by_key(|v| v.rank))
         .ok_or_else(|| {
             let reasons: Vec<String> = variants
                 .iter()

@@ -358,8 +358,7 @@ fn full_cpu_check() {
     assert!(recs.iter().all(|r| r.pass), "seed {}", cfg.seed);
 }
 
-/// On a Hopper GPU both directions default to `hopper` (the wgmma backward was promoted off
-/// PENDING_GPU_RUN after its GPU check); `flash` stays reachable by name.
+/// On a Hopper GPU both directions default to `hopper`; `flash` stays reachable by name.
 #[test]
 fn hopper_is_the_default_in_both_directions_on_sm90() {
     use crate::core::device::Arch;
