@@ -14,6 +14,7 @@ use super::{visible_keys, BwdTensors, Problem, Seqs};
 use crate::core::cpu::exp_in_place;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
+use crate::core::host;
 use crate::core::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -187,12 +188,12 @@ struct Compact {
 }
 
 impl Compact {
-    fn new(rows: usize, heads: usize, d: usize) -> Self {
-        Compact {
-            data: vec![0.0; rows * heads * d],
+    fn new(rows: usize, heads: usize, d: usize, what: &str) -> Result<Self> {
+        Ok(Compact {
+            data: host::zeroed(rows * heads * d, what)?,
             heads,
             d,
-        }
+        })
     }
     fn row_mut(&mut self, row: usize, h: usize) -> &mut [f32] {
         let o = (row * self.heads + h) * self.d;
@@ -231,10 +232,15 @@ pub fn forward(
     lse: &Tensor,
 ) -> Result<()> {
     let c = ctx(p, seqs, q, k, v)?;
-    let mut out = Compact::new(rows_of(&seqs.q), p.heads_q, p.head_dim);
-    let mut lse_v = vec![0f32; lse.numel()];
+    let mut out = Compact::new(
+        rows_of(&seqs.q),
+        p.heads_q,
+        p.head_dim,
+        "attention CPU output",
+    )?;
+    let mut lse_v = host::zeroed(lse.numel(), "attention CPU lse")?;
     if variant == "naive" {
-        forward_naive(&c, &mut out, &mut lse_v);
+        forward_naive(&c, &mut out, &mut lse_v)?;
     } else {
         forward_tiled(&c, &mut out, &mut lse_v);
     }
@@ -242,14 +248,17 @@ pub fn forward(
     lse.write_f32(&lse_v)
 }
 
-fn forward_naive(c: &Ctx, out: &mut Compact, lse: &mut [f32]) {
+fn forward_naive(c: &Ctx, out: &mut Compact, lse: &mut [f32]) -> Result<()> {
     let (p, d) = (c.p, c.p.head_dim);
+    // One sequence's S (then P) at a time: the largest Sq·Sk of the batch, allocated once.
+    let mut scratch = host::zeroed::<f32>(largest_scores(c), "attention CPU scores (naive)")?;
     for b in 0..p.batch {
         let ((qs, sq), (_, sk)) = (c.seqs.q[b], c.seqs.k[b]);
         for h in 0..p.heads_q {
             let hk = h / c.group();
             // S, then P in place.
-            let mut s = vec![f32::NEG_INFINITY; sq * sk];
+            let s = &mut scratch[..sq * sk];
+            s.fill(f32::NEG_INFINITY);
             for i in 0..sq {
                 let (lo, hi) = c.visible(b, i);
                 for j in lo..hi {
@@ -283,6 +292,18 @@ fn forward_naive(c: &Ctx, out: &mut Compact, lse: &mut [f32]) {
             }
         }
     }
+    Ok(())
+}
+
+/// The largest Sq·Sk over the batch's sequences (a naive rung's scores of one head).
+fn largest_scores(c: &Ctx) -> usize {
+    c.seqs
+        .q
+        .iter()
+        .zip(&c.seqs.k)
+        .map(|(&(_, sq), &(_, sk))| sq * sk)
+        .max()
+        .unwrap_or(0)
 }
 
 /// One block of query rows of one (sequence, head): (o rows, lse per row).
@@ -406,7 +427,7 @@ fn grad(c: &Ctx, t: &BwdTensors) -> Result<Grad> {
     let mut g = Grad {
         dout,
         lse: t.lse.to_f32_vec()?,
-        dsum: vec![0f32; t.lse.numel()],
+        dsum: host::zeroed(t.lse.numel(), "attention CPU backward row sums")?,
     };
     let d = c.p.head_dim;
     for (b, &(start, len)) in c.seqs.q.iter().enumerate() {
@@ -424,11 +445,11 @@ pub fn backward(variant: &str, p: &Problem, seqs: &Seqs, t: &BwdTensors) -> Resu
     let c = ctx(p, seqs, t.q, t.k, t.v)?;
     let g = grad(&c, t)?;
     let d = p.head_dim;
-    let mut dq = Compact::new(rows_of(&seqs.q), p.heads_q, d);
-    let mut dk = Compact::new(rows_of(&seqs.k), p.heads_kv, d);
-    let mut dv = Compact::new(rows_of(&seqs.k), p.heads_kv, d);
+    let mut dq = Compact::new(rows_of(&seqs.q), p.heads_q, d, "attention CPU dq")?;
+    let mut dk = Compact::new(rows_of(&seqs.k), p.heads_kv, d, "attention CPU dk")?;
+    let mut dv = Compact::new(rows_of(&seqs.k), p.heads_kv, d, "attention CPU dv")?;
     if variant == "naive" {
-        backward_naive(&c, &g, &mut dq, &mut dk, &mut dv);
+        backward_naive(&c, &g, &mut dq, &mut dk, &mut dv)?;
     } else {
         backward_tiled(&c, &g, &mut dq, &mut dk, &mut dv);
     }
@@ -454,15 +475,27 @@ fn p_ds(c: &Ctx, g: &Grad, b: usize, h: usize, i: usize, j: usize) -> (f32, f32)
     )
 }
 
-fn backward_naive(c: &Ctx, g: &Grad, dq: &mut Compact, dk: &mut Compact, dv: &mut Compact) {
+fn backward_naive(
+    c: &Ctx,
+    g: &Grad,
+    dq: &mut Compact,
+    dk: &mut Compact,
+    dv: &mut Compact,
+) -> Result<()> {
     let p = c.p;
+    let n = largest_scores(c);
+    let (mut pm_all, mut ds_all) = (
+        host::zeroed::<f32>(n, "attention CPU probabilities (naive backward)")?,
+        host::zeroed::<f32>(n, "attention CPU dS (naive backward)")?,
+    );
     for b in 0..p.batch {
         let ((qs, sq), (ks, sk)) = (c.seqs.q[b], c.seqs.k[b]);
         for h in 0..p.heads_q {
             let hk = h / c.group();
             // P and dS materialised (dP folded into dS as each entry is made).
-            let mut pm = vec![0f32; sq * sk];
-            let mut ds = vec![0f32; sq * sk];
+            let (pm, ds) = (&mut pm_all[..sq * sk], &mut ds_all[..sq * sk]);
+            pm.fill(0.0);
+            ds.fill(0.0);
             for i in 0..sq {
                 let (lo, hi) = c.visible(b, i);
                 for j in lo..hi {
@@ -487,6 +520,7 @@ fn backward_naive(c: &Ctx, g: &Grad, dq: &mut Compact, dk: &mut Compact, dv: &mu
             }
         }
     }
+    Ok(())
 }
 
 fn backward_tiled(c: &Ctx, g: &Grad, dq: &mut Compact, dk: &mut Compact, dv: &mut Compact) {

@@ -381,3 +381,22 @@ fn hopper_is_the_default_in_both_directions_on_sm90() {
     assert_eq!(pick(OP, None), "hopper");
     assert_eq!(pick(OP_BWD, Some("flash")), "flash");
 }
+
+/// The CPU `naive` rung materialises one head's Sq × Sk scores: a size the host cannot hold is an
+/// error naming that buffer, not an abort of the process.
+#[test]
+fn naive_scores_beyond_host_memory_are_an_error() {
+    let s = 400_000; // 400k × 400k f32 scores = 640 GB
+    let t = |seed| Tensor::rand(&[1, s, 1, 8], DType::F32, Device::Cpu, seed, -1.0, 1.0).unwrap();
+    let (q, k, v) = (t(1), t(2), t(3));
+    let opts = AttentionOptions {
+        variant: Some("naive".into()),
+        ..Default::default()
+    };
+    let e = attention(&q, &k, &v, &opts).unwrap_err();
+    assert!(
+        matches!(e, crate::core::error::Error::HostMemory { .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("scores"), "{e}");
+}

@@ -11,6 +11,7 @@
 use super::{PagedKv, Problem};
 use crate::core::cpu::{with_f32, with_f32_out};
 use crate::core::error::Result;
+use crate::core::host;
 use crate::core::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -52,7 +53,7 @@ pub fn decode(
 ) -> Result<()> {
     let table = kv.block_table.to_vec::<i32>()?;
     let lens = kv.seq_lens.to_vec::<i32>()?;
-    let mut lse_buf = vec![0f32; p.batch * p.heads_q];
+    let mut lse_buf = host::zeroed::<f32>(p.batch * p.heads_q, "paged decode CPU lse")?;
     with_f32(q, |q| {
         with_f32(kv.key_cache, |k| {
             with_f32(kv.value_cache, |v| {

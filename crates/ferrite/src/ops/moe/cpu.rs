@@ -414,8 +414,8 @@ pub fn backward(
     let mut dots = host::zeroed::<f32>(rows_cap, "moe: the CPU path's `dots` buffer")?;
     let mut dhpre = host::zeroed::<f32>(rows_cap * 2 * i, "moe: the CPU path's `dhpre` buffer")?;
     let mut dxp = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `dxp` buffer")?;
-    let mut dw_up = vec![0f32; e * h * 2 * i];
-    let mut dw_down = vec![0f32; e * i * h];
+    let mut dw_up = host::zeroed::<f32>(e * h * 2 * i, "moe: the CPU path's `dw_up` buffer")?;
+    let mut dw_down = host::zeroed::<f32>(e * i * h, "moe: the CPU path's `dw_down` buffer")?;
     for ex in 0..e {
         let (s, en) = seg(&ends, ex);
         let wd_e = &wd[ex * i * h..(ex + 1) * i * h];
