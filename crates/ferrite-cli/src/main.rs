@@ -546,3 +546,102 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// Property test of the argument parsing and the checks made before a run: any mix of known
+/// subcommands, flags and values parses to an error or to arguments whose checks end in a value
+/// or an error — never a panic. (Nothing runs: only `Cli::try_parse_from` and the checks.)
+#[cfg(test)]
+mod arg_fuzz {
+    use super::*;
+    use clap::Parser;
+    use proptest::prelude::*;
+
+    fn token() -> impl Strategy<Value = String> {
+        prop_oneof![
+            prop::sample::select(vec![
+                "check",
+                "bench",
+                "kernels",
+                "info",
+                "data",
+                "train",
+                "sample",
+                "all",
+                "matmul",
+                "softmax",
+                "copy",
+                "decode",
+                "moe",
+                "rotary",
+                "--size",
+                "--m",
+                "--n",
+                "--k",
+                "--device",
+                "--dtype",
+                "--variant",
+                "--config",
+                "--json",
+                "--plot",
+                "--quick",
+                "--timing",
+                "--seed",
+                "--arch",
+                "cpu",
+                "cuda",
+                "cuda:7",
+                "f16",
+                "bf16",
+                "f99",
+                "0",
+                "1",
+                "64",
+                "-3",
+                "18446744073709551615",
+                "99999999999999999999",
+                "nan",
+                "/nonexistent/x.json",
+                "/tmp",
+                "interleaved",
+                "sustained",
+                "c2g8",
+                "sm_80",
+            ])
+            .prop_map(str::to_string),
+            ".{0,12}",
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn arguments_parse_and_check_without_panicking(
+            cmd in prop::sample::select(vec!["check", "bench", "kernels"]),
+            args in prop::collection::vec(token(), 0..8),
+        ) {
+            let argv = ["ferrite".to_string(), cmd.to_string()].into_iter().chain(args);
+            if let Ok(cli) = Cli::try_parse_from(argv) {
+                match cli.cmd {
+                    Cmd::Bench(a) => {
+                        if let (Ok(fams), Ok(devs)) = (families(&a.common.op), devices(&a.common.device)) {
+                            let _ = validate_variants(&fams, &a.common.variants);
+                            let _ = validate_bench_args(&a, &fams, &devs);
+                            let _ = dtypes(&a.common.dtypes);
+                            let _ = a.timing.parse::<Timing>();
+                        }
+                    }
+                    Cmd::Check(a) => {
+                        if let Ok(fams) = families(&a.common.op) {
+                            let _ = validate_variants(&fams, &a.common.variants);
+                        }
+                        let _ = devices(&a.common.device);
+                        let _ = dtypes(&a.common.dtypes);
+                    }
+                    Cmd::Kernels(a) => {
+                        let _ = a.arch.iter().map(|s| Arch::parse_target(s)).collect::<Result<Vec<_>>>();
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
