@@ -8,7 +8,9 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
   Mistral, Qwen2, ...): ``config._attn_implementation = "ferrite"`` — ferrite's flash attention
   (causal, GQA, sliding window) when the model's mask is purely causal (no padding: the mask
   function, SDPA's, then returns None) and no attention dropout is active; otherwise SDPA with
-  the mask, exactly as ``"sdpa"`` would run.
+  the mask, exactly as ``"sdpa"`` would run. Under ``torch.compile`` with torch < 2.14,
+  ``transformers`` materialises even a purely causal mask while tracing, so a compiled patched
+  model's attention runs SDPA (as the README's "ferrite + compile" numbers were measured).
 - **Llama-family attention modules** (Llama, Mistral, Qwen2): the forward runs q/k/v projections
   in ``[B, S, H, D]``, ferrite's rotary on q and k (the model's own cos/sin tables: any rope
   scaling the model computes is kept) and flash attention, without the transposes; with a KV
