@@ -11,6 +11,7 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
   the mask, exactly as ``"sdpa"`` would run. Under ``torch.compile`` with torch < 2.14,
   ``transformers`` materialises even a purely causal mask while tracing, so a compiled patched
   model's attention runs SDPA (as the README's "ferrite + compile" numbers were measured).
+  Decode steps against the model's KV cache (one new token) run SDPA too.
 - **Llama-family attention modules** (Llama, Mistral, Qwen2): the forward runs q/k/v projections
   in ``[B, S, H, D]``, ferrite's rotary on q and k (the model's own cos/sin tables: any rope
   scaling the model computes is kept) and flash attention, without the transposes; with a KV
@@ -59,11 +60,15 @@ def ferrite_attention_forward(module, query, key, value, attention_mask, dropout
     (``[B, S, H, D]``, None)."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     sq, sk = query.shape[2], key.shape[2]
-    if attention_mask is not None or dropout > 0.0 or (causal and sq != sk and sq != 1) or query.dtype == torch.float64:
+    # One new token against the model's own KV cache (generate's decode steps): SDPA. ferrite's
+    # decode path is the paged cache (`ferrite.paged_decode`); through this function a token cost
+    # more host time than SDPA (GPT-2 716 vs 992 tokens/s, H100, README) and gains nothing.
+    decode = sq == 1 and sk > 1
+    if attention_mask is not None or dropout > 0.0 or decode or (causal and sq != sk) or query.dtype == torch.float64:
         return _sdpa_fallback()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: [B, S, H, D]
     wl, wr = _window(module)
-    o = _attention.flash_attn_func(q, k, v, softmax_scale=scaling, causal=bool(causal) and sq > 1, window_size=(wl, wr))
+    o = _attention.flash_attn_func(q, k, v, softmax_scale=scaling, causal=bool(causal), window_size=(wl, wr))
     return o, None
 
 
