@@ -111,22 +111,18 @@ def _attention(
 ) -> Tuple[Tensor, Tensor]:
     op = "ferrite.attention"
     lse_shape = _attn_check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, layout)
+    kw = _attn_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right, softcap)
+    return _forward(_last_contig(q), _last_contig(k), _last_contig(v), lse_shape, kw)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, lse_shape, kw: dict) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the native forward into new buffers; `kw` from _attn_kwargs."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return o, lse  # no query row (S = 0, a batch or a head count of 0): nothing to compute
     dev, stream = _where(q)
-    _native_call(
-        _native.attention_forward,
-        _last_contig(q),
-        _last_contig(k),
-        _last_contig(v),
-        o,
-        lse,
-        **_attn_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right, softcap),
-        device=dev,
-        stream=stream,
-    )
+    _native_call(_native.attention_forward, q, k, v, o, lse, **kw, device=dev, stream=stream)
     return o, lse
 
 
@@ -330,23 +326,9 @@ def scaled_dot_product_attention(
 
 
 def _native_forward(q, k, v, scale, causal, wl, wr, softcap):
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
-        return o, lse
-    dev, stream = _where(q)
-    _native_call(
-        _native.attention_forward,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        **_attn_kwargs(None, None, 0, 0, "bshd", scale, causal, wl, wr, softcap),
-        device=dev,
-        stream=stream,
-    )
-    return o, lse
+    """The bshd forward of q, k, v views (the packed ops)."""
+    kw = _attn_kwargs(None, None, 0, 0, "bshd", scale, causal, wl, wr, softcap)
+    return _forward(q, k, v, (q.shape[0], q.shape[2], q.shape[1]), kw)
 
 
 def _native_backward(dout, q, k, v, o, lse, dq, dk, dv, scale, causal, wl, wr, softcap, deterministic):

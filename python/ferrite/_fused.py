@@ -386,9 +386,7 @@ def _cross_entropy(
     if lg.stride() != (lg.shape[1], 1):
         # torch calls a tensor with size-1 dims contiguous whatever their strides; the kernel
         # reads the row stride, and dlogits must share it: standard strides.
-        lg = lg.clone(memory_format=torch.contiguous_format)
-        if lg.stride() != (lg.shape[1], 1):
-            lg = torch.empty(lg.shape, dtype=lg.dtype, device=lg.device).copy_(lg)
+        lg = torch.empty(lg.shape, dtype=lg.dtype, device=lg.device).copy_(lg)
     tg = target.contiguous().view(1) if squeeze else target.contiguous()
     n = lg.shape[0]
     rows = torch.empty((n,), dtype=torch.float32, device=logits.device)

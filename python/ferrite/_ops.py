@@ -380,81 +380,67 @@ def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, sav
             z.copy_(zz)
         return y, z
     dev, stream = _where(x)
-    npad = _padded_cols(x, n, rows)
+    w_op, b_op = _rows2(weight), None if bias is None else bias.contiguous()
+    y_op, z_op = y.view(rows, n), z.view(rows, n) if save_z else None
+    npad = _padded_width(x, rows, n)
     if npad != n:
         # Output rows that are not a multiple of 16 bytes keep the GEMM off its TMA-store path:
-        # run it on a weight (and bias) padded with zero rows into padded output rows, then copy
-        # the n columns out (see _aligned_rows).
-        wp = torch.zeros((npad, k), dtype=weight.dtype, device=weight.device)
-        wp[:n].copy_(weight)
-        bp = None
+        # it runs on a weight (and bias) padded with zero rows into padded output rows, and the
+        # n columns are copied out below.
+        w_op = torch.zeros((npad, k), dtype=weight.dtype, device=weight.device)
+        w_op[:n].copy_(weight)
         if bias is not None:
-            bp = torch.zeros((npad,), dtype=bias.dtype, device=bias.device)
-            bp[:n].copy_(bias)
-        yp = torch.empty((rows, npad), dtype=x.dtype, device=x.device)
-        zp = torch.empty((rows, npad), dtype=x.dtype, device=x.device) if save_z else None
-        _native_call(
-            _native.linear_forward,
-            _rows2(x.reshape(rows, k)),
-            wp,
-            yp,
-            bias=bp,
-            z=zp,
-            activation=act,
-            tf32=_tf32(x),
-            device=dev,
-            stream=stream,
-            variant=_CUDA_LINEAR_VARIANT,
-        )
-        y.view(rows, n).copy_(yp[:, :n])
-        if save_z:
-            z.view(rows, n).copy_(zp[:, :n])
-        return y, z
+            b_op = torch.zeros((npad,), dtype=bias.dtype, device=bias.device)
+            b_op[:n].copy_(bias)
+        y_op = torch.empty((rows, npad), dtype=x.dtype, device=x.device)
+        z_op = torch.empty((rows, npad), dtype=x.dtype, device=x.device) if save_z else None
     _native_call(
         _native.linear_forward,
         _rows2(x.reshape(rows, k)),
-        _rows2(weight),
-        y.view(rows, n),
-        bias=None if bias is None else bias.contiguous(),
-        z=z.view(rows, n) if save_z else None,
+        w_op,
+        y_op,
+        bias=b_op,
+        z=z_op,
         activation=act,
         tf32=_tf32(x),
         device=dev,
         stream=stream,
         variant=_CUDA_LINEAR_VARIANT if x.is_cuda else None,
     )
+    if npad != n:
+        y.view(rows, n).copy_(y_op[:, :n])
+        if save_z:
+            z.view(rows, n).copy_(z_op[:, :n])
     return y, z
 
 
-# Rows of a gradient this many elements or more, 16-byte-unaligned, are copied into a padded
-# buffer before the backward GEMMs (see _aligned_rows).
+# CUDA linear operands (outputs, gradients) this many elements or more with 16-byte-unaligned
+# rows run on padded rows (see _padded_width).
 _PAD_MIN_ELEMS = 1 << 22
 
 
-def _padded_cols(x: Tensor, n: int, rows: int) -> int:
-    """Columns of the output buffer `linear`'s forward GEMM writes: n, or n rounded up to 16
-    bytes for a large CUDA output whose rows are unaligned (GPT-2's 50257-wide logits: 8.5 → ~2
-    ms per forward on the H100, the GEMM on padded rows plus the copy out)."""
-    es = x.element_size()
-    if not x.is_cuda or (n * es) % 16 == 0 or rows * n < _PAD_MIN_ELEMS:
+def _padded_width(t: Tensor, rows: int, n: int) -> int:
+    """The row width `linear`'s GEMMs get for rows of n elements of t's dtype: n, or n rounded up
+    to 16 bytes for a large (≥ _PAD_MIN_ELEMS) CUDA operand whose rows are unaligned. Hopper's
+    TMA needs 16-byte row strides; without them a 50257-wide vocabulary sends the classifier's
+    GEMMs to slower paths. At GPT-2's classifier (8192×50257×768 bf16, H100) the padded rows,
+    with the copy in or out, take the forward from 4.30 to 2.68 ms and the backward from 22.42 to
+    4.94 ms (bench/results/2026-11-27-h100-models/pad-check-fwd-bwd.txt). A stopgap until the
+    GEMMs take unaligned rows themselves (issue 25)."""
+    es = t.element_size()
+    if not t.is_cuda or (n * es) % 16 == 0 or rows * n < _PAD_MIN_ELEMS:
         return n
     step = 16 // es
     return (n + step - 1) // step * step
 
 
 def _aligned_rows(g: Tensor, act: str) -> Tensor:
-    """dY for the backward GEMMs. Hopper's TMA needs 16-byte row strides: a vocabulary of 50257
-    (bf16 rows of 100514 bytes) sends dX = dY·W and dW = dYᵀ·X to the mma.sync path, ~15× slower
-    than wgmma at GPT-2's classifier (37 ms against ~2.5 ms per step on the H100). Copying dY
-    into rows padded to 16 bytes costs one pass over it (~1.4 ms for 8192 × 50257) and puts both
-    GEMMs on wgmma. Until the GEMMs take unaligned rows themselves (issue 25), large unaligned
-    gradients take the copy."""
+    """dY for the backward GEMMs: contiguous, or copied into padded rows (see _padded_width)."""
     rows, n = g.shape
-    es = g.element_size()
-    if not g.is_cuda or act != "none" or (n * es) % 16 == 0 or rows * n < _PAD_MIN_ELEMS:
+    npad = _padded_width(g, rows, n) if act == "none" else n
+    if npad == n:
         return g.contiguous()
-    step = 16 // es
-    padded = torch.empty((rows, (n + step - 1) // step * step), dtype=g.dtype, device=g.device)[:, :n]
+    padded = torch.empty((rows, npad), dtype=g.dtype, device=g.device)[:, :n]
     padded.copy_(g)
     return padded
 

@@ -186,7 +186,7 @@ def test_unaligned_linear_output_runs_on_padded_rows_with_the_same_result(activa
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(4097, 256, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
     b = torch.randn(4097, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    assert _ops._padded_cols(x, 4097, 1024) == 4104
+    assert _ops._padded_width(x, 1024, 4097) == 4104
     y = ferrite.linear(x, w, b, activation=activation)
     assert y.is_contiguous() and y.shape == (1024, 4097)
     z = x.float() @ w.float().t() + b.float()

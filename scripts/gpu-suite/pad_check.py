@@ -1,5 +1,5 @@
 """linear's forward and backward at GPT-2's classifier (8192×50257×768 bf16) with and without the
-padded rows (ferrite._ops._padded_cols for the output, _aligned_rows for the gradient): time and
+padded rows (ferrite._ops._padded_width for the output, _aligned_rows for the gradient): time and
 error against an fp32 reference."""
 import torch, time, ferrite
 torch.manual_seed(0)

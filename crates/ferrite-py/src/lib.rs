@@ -221,16 +221,28 @@ impl Operand {
             }
             // A strided view (a gradient slot of a packed buffer): only its own elements go
             // back — the span's other bytes may belong to another output of the same call.
+            // Runs of contiguous elements: whole rows when the last dim is unit-stride.
             let es = self.t.dtype().size_in_bytes();
-            for off in self.t.layout().offsets() {
+            let r = self.t.rank();
+            let rows = (r > 0 && self.t.strides()[r - 1] == 1)
+                .then(|| self.t.narrow(r - 1, 0, 1).ok())
+                .flatten();
+            let (starts, run) = match &rows {
+                Some(v) => (
+                    v.layout().offsets().collect::<Vec<_>>(),
+                    self.t.shape()[r - 1] * es,
+                ),
+                None => (self.t.layout().offsets().collect(), es),
+            };
+            for off in starts {
                 let at = off * es;
-                // SAFETY: as above; `off` is an element of the view, so `at + es ≤ bytes`
-                // (the span ends at the view's largest offset).
+                // SAFETY: as above; `off` starts a run of the view's own elements, so
+                // `at + run ≤ bytes` (the span ends at the view's largest offset).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         bytes.as_ptr().add(at),
                         (h.ptr as *mut u8).add(at),
-                        es,
+                        run,
                     )
                 };
             }

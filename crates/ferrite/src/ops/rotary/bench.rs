@@ -1,6 +1,7 @@
 //! `ferrite bench rotary`: q and k of a packed QKV projection rotated in place (what a Llama
 //! layer does), as GB/s against the device copy bandwidth measured in the same run.
 
+use super::check::tables;
 use super::cuda as rc;
 use super::{rotary_into, validate, variants, RotaryOptions, OP};
 use crate::core::cuda::{device, CudaDevice};
@@ -28,19 +29,6 @@ pub fn run(
         }
     }
     Ok(())
-}
-
-/// Angles of a 10000-base RoPE in `dtype`.
-fn tables(ro: usize, half: usize, dtype: DType, d: Device) -> Result<(Tensor, Tensor)> {
-    let ang: Vec<f32> = (0..ro * half)
-        .map(|i| (i / half) as f32 * 10000f32.powf(-((i % half) as f32) / half as f32))
-        .collect();
-    let mk = |f: fn(f32) -> f32| -> Result<Tensor> {
-        let t = Tensor::empty(&[ro, half], dtype, Device::Cpu)?;
-        t.write_f32(&ang.iter().map(|&a| f(a)).collect::<Vec<_>>())?;
-        t.to_device(d)
-    };
-    Ok((mk(f32::cos)?, mk(f32::sin)?))
 }
 
 fn bench_cpu(

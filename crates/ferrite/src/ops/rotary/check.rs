@@ -131,8 +131,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
     v
 }
 
-/// Tables of the usual RoPE angles, θ_j = pos · 10000^(−j/half).
-fn tables(ro_len: usize, half: usize, dtype: DType, dev: Device) -> Result<(Tensor, Tensor)> {
+/// Tables of the usual RoPE angles, θ_j = pos · 10000^(−j/half), in `dtype` on `dev`.
+pub fn tables(ro_len: usize, half: usize, dtype: DType, dev: Device) -> Result<(Tensor, Tensor)> {
     let mut c = Vec::with_capacity(ro_len * half);
     let mut s = Vec::with_capacity(ro_len * half);
     for p in 0..ro_len {
