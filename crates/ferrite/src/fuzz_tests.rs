@@ -167,3 +167,12 @@ fn an_index_whose_shard_counts_overflow_is_refused() {
     assert!(e.contains("more than 2^64"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn walking_a_view_whose_next_step_would_pass_usize_max_stays_inside() {
+    // Rows usize::MAX − 2 apart: the walk used to add the stride once more before wrapping.
+    let s = usize::MAX - 2;
+    let l = Layout::new(vec![2, 2], vec![1, s], 0).unwrap();
+    let offs: Vec<usize> = l.offsets().collect();
+    assert_eq!(offs, vec![0, s, 1, s + 1]);
+}

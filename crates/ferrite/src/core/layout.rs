@@ -200,13 +200,15 @@ impl Layout {
         let mut cur = self.offset;
         (0..n).map(move |k| {
             if k > 0 {
+                // Step back before wrapping a dim, never past it: every intermediate `cur` is an
+                // offset of the view (≤ its checked extent), so nothing can overflow.
                 for d in (0..rank).rev() {
-                    idx[d] += 1;
-                    cur += self.strides[d];
-                    if idx[d] < self.shape[d] {
+                    if idx[d] + 1 < self.shape[d] {
+                        idx[d] += 1;
+                        cur += self.strides[d];
                         break;
                     }
-                    cur -= self.strides[d] * self.shape[d];
+                    cur -= self.strides[d] * idx[d];
                     idx[d] = 0;
                 }
             }
