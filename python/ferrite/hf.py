@@ -20,11 +20,23 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
 - **The causal-LM loss**: ``ferrite.cross_entropy`` on the logits in their own dtype (the model's
   loss upcasts the whole logits tensor to float32 first), float32 loss, the labels shifted as the
   model does, ``num_items_in_batch`` honoured.
+- **GPT-2's ``Conv1D`` projections**: ``ferrite.linear``. A ``Conv1D`` weight is ``[in, out]``;
+  its storage is re-laid in place as ``[out, in]`` rows (the parameter object, its shape and
+  values stay; its strides become ``(1, in)``), so ``weight.t()`` is the row-major ``[out, in]``
+  operand ferrite's GEMMs take, with no copy per call, and the weight gradient arrives in the
+  parameter's own layout. ``save_pretrained`` writes contiguous tensors as before.
+- **GPT-2's MLP**: ``ferrite.mlp`` — bias and GELU (``gelu_new``'s tanh form; also exact GELU,
+  ReLU, SiLU) in the first GEMM's epilogue, the chain-form backward. The model's own ``gelu_new``
+  is a Python formula: seven elementwise passes forward over the ``[tokens, 4·hidden]`` tensor.
+  Other activations: the original forward.
+- **GPT-2's self-attention**: the QKV projection into one ``[B, S, 3, H, D]`` tensor,
+  ``flash_attn_qkvpacked_func`` on it (its backward writes one packed gradient: no
+  split/select gradients and zero fills), the output projection. With a KV cache, a mask,
+  cross-attention or active attention dropout it runs the original forward.
 - ``torch.nn.Linear``/``LayerNorm`` inside the model: as for any model (``ferrite.nn``).
 
-Not swapped, reported: GPT-2's ``Conv1D`` projections (weights stored ``[in, out]``; torch's
-``addmm`` runs them), and attention modules of other families (they still get the attention
-function above).
+Not swapped, reported: attention modules of other families (they still get the attention
+function above), and GPT-2 MLPs with other activations.
 """
 
 from typing import List, Tuple
@@ -37,6 +49,17 @@ from . import _attention, _fused, _ops, _rotary
 
 _REGISTERED = False
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+# transformers' activation modules by class name -> ferrite's epilogue activation.
+_ACTS = {
+    "NewGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu",
+    "ReLU": "relu",
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+}
 _ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention"}
 
 
@@ -126,6 +149,80 @@ class _LlamaAttention(torch.nn.Module):
         return self.o_proj(o.reshape(b, s, -1)), None
 
 
+def _is_conv1d(mod) -> bool:
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers.")
+
+
+def _rows_out_in(conv) -> None:
+    """Re-lays a ``Conv1D`` weight ``[in, out]`` in place so that ``weight.t()`` is a row-major
+    ``[out, in]`` tensor (strides ``(1, in)``); same parameter, shape and values."""
+    w = conv.weight
+    if w.dim() == 2 and w.shape[0] > 1 and w.shape[1] > 1 and w.stride() != (1, w.shape[0]):
+        with torch.no_grad():
+            w.data = w.data.t().contiguous().t()
+
+
+def _fast_dtype(x: Tensor, w: Tensor) -> bool:
+    return x.dtype == w.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.device == w.device
+
+
+class _Conv1D(torch.nn.Module):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight ``[in, out]``) on ``ferrite.linear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if not _fast_dtype(x, w) or w.stride() != (1, w.shape[0]):
+            return self._ferrite_base.forward(self, x)
+        return _ops.linear(x, w.t(), self.bias)
+
+
+class _GPT2MLP(torch.nn.Module):
+    """GPT-2's MLP on ``ferrite.mlp`` (bias + activation in the first GEMM's epilogue)."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        fc, proj = self.c_fc, self.c_proj
+        act = _ACTS.get(type(self.act).__name__)
+        laid = all(c.weight.stride() == (1, c.weight.shape[0]) for c in (fc, proj))
+        if act is None or not laid or not _fast_dtype(hidden_states, fc.weight):
+            return self._ferrite_base.forward(self, hidden_states)
+        h = _ops.mlp(hidden_states, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, activation=act)
+        return self.dropout(h)
+
+
+class _GPT2Attention(torch.nn.Module):
+    """GPT-2's self-attention: one QKV projection viewed ``[B, S, 3, H, D]``, packed flash
+    attention (one packed gradient), the output projection; the original forward otherwise."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        extras = (
+            args
+            or kwargs.get("attention_mask") is not None
+            or kwargs.get("encoder_hidden_states") is not None
+            or kwargs.get("cache") is not None
+            or kwargs.get("past_key_values") is not None
+            or kwargs.get("layer_past") is not None
+            or kwargs.get("output_attentions")
+        )
+        w = self.c_attn.weight
+        fast = (
+            not extras
+            and not self.is_cross_attention
+            and not (self.training and self.attn_dropout.p > 0.0)
+            and not (self.reorder_and_upcast_attn and self.config._attn_implementation == "eager")
+            and hidden_states.dim() == 3
+            and w.stride() == (1, w.shape[0])
+            and self.c_proj.weight.stride() == (1, self.c_proj.weight.shape[0])
+            and _fast_dtype(hidden_states, w)
+        )
+        if not fast:
+            return self._ferrite_base.forward(self, hidden_states, *args, **kwargs)
+        b, s, c = hidden_states.shape
+        qkv = _ops.linear(hidden_states, w.t(), self.c_attn.bias).view(b, s, 3, self.num_heads, self.head_dim)
+        o = _attention.flash_attn_qkvpacked_func(qkv, softmax_scale=self.scaling, causal=True)
+        o = _ops.linear(o.reshape(b, s, c), self.c_proj.weight.t(), self.c_proj.bias)
+        return self.resid_dropout(o), None
+
+
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     """``transformers``' ``ForCausalLMLoss`` on ``ferrite.cross_entropy``: the logits stay in their
     dtype (no float32 copy), the loss is float32."""
@@ -157,7 +254,9 @@ def _swap(mod: torch.nn.Module, mixin: type) -> str:
     return f"ferrite.hf.{cls.__name__}"
 
 
-def patch(model: torch.nn.Module, *, norms: bool = True, attention: bool = True, loss: bool = True) -> List[Tuple[str, str, str]]:
+def patch(
+    model: torch.nn.Module, *, linear: bool = True, norms: bool = True, attention: bool = True, loss: bool = True
+) -> List[Tuple[str, str, str]]:
     """The ``transformers`` part of ``ferrite.optimize``: returns (name, old, new) per change and
     (name, class, "kept: why") for what it leaves to the model."""
     _register()
@@ -171,8 +270,20 @@ def patch(model: torch.nn.Module, *, norms: bool = True, attention: bool = True,
             out.append((name, qual, _swap(mod, _RMSNorm)))
         elif attention and cname in _ATTENTIONS:
             out.append((name, qual, _swap(mod, _LlamaAttention)))
-        elif cname == "Conv1D" and type(mod).__module__.startswith("transformers."):
-            out.append((name, qual, "kept: Conv1D (weight [in, out]) runs torch's addmm"))
+        elif linear and _is_conv1d(mod):
+            _rows_out_in(mod)
+            out.append((name, qual, _swap(mod, _Conv1D)))
+        elif linear and cname == "GPT2MLP":
+            if type(mod.act).__name__ in _ACTS:
+                for c in (mod.c_fc, mod.c_proj):
+                    _rows_out_in(c)
+                out.append((name, qual, _swap(mod, _GPT2MLP)))
+            else:
+                out.append((name, qual, f"kept: activation {type(mod.act).__name__}"))
+        elif attention and cname == "GPT2Attention" and not mod.is_cross_attention:
+            for c in (mod.c_attn, mod.c_proj):
+                _rows_out_in(c)
+            out.append((name, qual, _swap(mod, _GPT2Attention)))
     if attention:
         configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
         seen = set()

@@ -294,5 +294,5 @@ def optimize(
     from . import hf
 
     if hf.is_hf_model(model):
-        swapped += hf.patch(model, norms=norms, attention=attention, loss=loss)
+        swapped += hf.patch(model, linear=linear, norms=norms, attention=attention, loss=loss)
     return swapped

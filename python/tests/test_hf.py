@@ -65,6 +65,9 @@ def test_patched_model_matches_outputs_and_gradients(device, name):
     assert "_attn_implementation=ferrite" in news and "ferrite.hf.causal_lm_loss" in news
     if name != "gpt2":
         assert any("RMSNorm" in n for n in news) and any(n.endswith("Attention") for n in news)
+    else:
+        for cls in ("FerriteConv1D", "FerriteGPT2MLP", "FerriteGPT2Attention"):
+            assert f"ferrite.hf.{cls}" in news, (cls, report)
     ids = torch.randint(0, V, (2, 37), device=device)  # 37: longer than Mistral's window of 8
     a, ga = step(ref, ids)
     b, gb = step(m, ids)
@@ -96,19 +99,55 @@ def test_padding_mask_and_generation_fall_back_to_the_models_own_path(name):
     assert torch.equal(ga, gb)
 
 
-def test_optimize_is_idempotent_and_keeps_parameters():
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_optimize_is_idempotent_and_keeps_parameters(name):
     torch.manual_seed(0)
-    m = llama()
+    m = MODELS[name]()
     params = {n: p for n, p in m.named_parameters()}
+    values = {n: p.detach().clone() for n, p in m.named_parameters()}
     first = ferrite.optimize(m)
     assert len(first) > 0
     again = ferrite.optimize(m)
     assert not [r for r in again if not r[2].startswith("kept")]
     assert all(p is params[n] for n, p in m.named_parameters())
+    assert all(torch.equal(p, values[n]) for n, p in m.named_parameters())
 
 
-def test_patched_model_compiles_without_graph_breaks():
-    ref, m, _ = pair(MODELS["llama"], "cpu", torch.float32)
+def test_gpt2_conv1d_weights_train_in_their_new_layout():
+    """The re-laid Conv1D weights: gradients arrive in the parameter's layout (no copy), an
+    optimizer steps the same values as on the unpatched model (SGD with momentum: Adam would
+    turn the key bias's rounding-noise gradient, zero in exact arithmetic, into ±lr steps), and
+    AdamW's state takes the parameter's layout."""
+    ref, m, _ = pair(MODELS["gpt2"], "cpu", torch.float32)
+    w = m.transformer.h[0].mlp.c_fc.weight
+    assert w.shape == ref.transformer.h[0].mlp.c_fc.weight.shape and w.stride() == (1, w.shape[0])
+    ids = torch.randint(0, V, (2, 19))
+    opts = [torch.optim.SGD(x.parameters(), lr=1e-1, momentum=0.9) for x in (ref, m)]
+    for _ in range(2):
+        for x, o in zip((ref, m), opts):
+            step(x, ids)
+            o.step()
+    assert w.grad.stride() == w.stride()
+    for (n, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3, msg=n)
+    adam = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    step(m, ids)
+    adam.step()
+    assert adam.state[w]["exp_avg"].stride() == w.stride() and torch.isfinite(w).all()
+
+
+def test_gpt2_unsupported_activation_is_kept_and_reported():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=1, n_head=2, n_positions=32, activation_function="quick_gelu")
+    m = transformers.GPT2LMHeadModel(cfg)
+    report = ferrite.optimize(m)
+    kept = [r for r in report if r[0].endswith("mlp")]
+    assert kept and kept[0][2].startswith("kept: activation"), report
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_patched_model_compiles_without_graph_breaks(name):
+    ref, m, _ = pair(MODELS[name], "cpu", torch.float32)
     ids = torch.randint(0, V, (2, 16))
     f = torch.compile(lambda ids: m(input_ids=ids, labels=ids).loss, fullgraph=True)
     torch.testing.assert_close(f(ids), ref(input_ids=ids, labels=ids).loss, atol=1e-4, rtol=1e-4)

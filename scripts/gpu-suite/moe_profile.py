@@ -5,6 +5,7 @@ and the host time per call (a host slower than the GPU leaves the GPU idle betwe
     python3 moe_profile.py [--shape T,H,I,E,k] [--out DIR]
 """
 import argparse
+import json
 import time
 
 import torch
@@ -39,6 +40,25 @@ def fwd_bwd():
         p.grad = None
 
 
+def gaps(path, name):
+    """The GPU timeline of the last profiled call: every kernel (and memset/memcpy) with its
+    duration and the idle time before it, so time between kernels shows up next to the kernels'."""
+    ev = json.load(open(path))["traceEvents"]
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    per = len(gpu) // 5
+    last = gpu[-per:]
+    busy = sum(e["dur"] for e in last)
+    span = last[-1]["ts"] + last[-1]["dur"] - last[0]["ts"]
+    print(f"== {name} timeline of one call: {per} GPU ops, span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms")
+    prev = None
+    for e in last:
+        gap = 0.0 if prev is None else e["ts"] - prev
+        print(f"  gap {gap:8.1f} us  dur {e['dur']:8.1f} us  {e['name'][:70]}")
+        prev = e["ts"] + e["dur"]
+    between = [gpu[j]["ts"] - (gpu[j - 1]["ts"] + gpu[j - 1]["dur"]) for j in range(1, len(gpu))]
+    print(f"  all calls: {len(gpu)} ops, idle between ops {sum(between) / 1e3:.3f} ms in all")
+
+
 for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
     for _ in range(3):
         fn()
@@ -57,4 +77,6 @@ for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     print(table)
-    prof.export_chrome_trace(f"{a.out}/moe-trace-{name.replace('+', '-')}.json")
+    trace = f"{a.out}/moe-trace-{name.replace('+', '-')}.json"
+    prof.export_chrome_trace(trace)
+    gaps(trace, name)
