@@ -117,8 +117,8 @@ def _attention(
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, lse_shape, kw: dict) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the native forward into new buffers; `kw` from _attn_kwargs."""
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    o = q.new_empty(q.shape)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     if q.numel() == 0:
         return o, lse  # no query row (S = 0, a batch or a head count of 0): nothing to compute
     dev, stream = _where(q)
@@ -391,7 +391,7 @@ def _attention_qkvpacked(
     if rotary_cos is not None:
         # q and k rotated into a packed buffer of their own (the backward attends over them too).
         b, s, _, h, d = qkv.shape
-        qk = torch.empty((b, s, 2, h, d), dtype=qkv.dtype, device=qkv.device)
+        qk = qkv.new_empty((b, s, 2, h, d))
         for i, t in enumerate((q, k)):
             _rotary_mod._run(t, rotary_cos, rotary_sin, qk[:, :, i], None, rotary_offset, None, rotary_interleaved, False)
         q, k = qk.unbind(2)
@@ -619,8 +619,8 @@ def _paged_decode(
 ) -> Tuple[Tensor, Tensor]:
     op = "ferrite.paged_decode"
     _decode_check(op, q, key_cache, value_cache, block_table, seq_lens)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    o = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32)
     dev, stream = _where(q)
     _native_call(
         _native.paged_decode,

@@ -126,6 +126,9 @@ class _Namespace:
     def __getattr__(self, name: str) -> _Op:
         if name.startswith("__"):
             raise AttributeError(name)
+        if torch.compiler.is_compiling():
+            # First use inside a trace: the op itself (building the _Op is not traceable).
+            return getattr(torch.ops.ferrite, name)
         op = _Op(name)
         setattr(self, name, op)
         return op

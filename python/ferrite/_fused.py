@@ -30,7 +30,7 @@ from ._ops import _activation, _check_tensors, _describe, _empty, _fail, _native
 
 def _softmax_run(x: Tensor, scale: float) -> Tensor:
     _check_tensors("ferrite.softmax", [("input", x)])
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = x.new_empty(x.shape)
     if x.numel() > 0:
         dev, stream = _where(x)
         xc = x.contiguous()
@@ -56,7 +56,7 @@ def _(x, scale):
 @torch.library.custom_op("ferrite::softmax_backward", mutates_args=())
 def _softmax_backward(grad: Tensor, y: Tensor, scale: float) -> Tensor:
     _check_tensors("ferrite.softmax_backward", [("grad", grad), ("output", y)])
-    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    dx = y.new_empty(y.shape)
     if y.numel() > 0:
         dev, stream = _where(y)
         shape = list(y.shape) if y.dim() > 0 else [1]
@@ -146,7 +146,7 @@ def _bias_act_dropout(x: Tensor, bias: Optional[Tensor], activation: str, p: flo
     _check_p(op, p)
     s, o = _check_seed(op, seed)
     act = _activation(op, activation)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = x.new_empty(x.shape)
     if x.numel() > 0:
         dev, stream = _where(x)
         _native_call(
@@ -182,8 +182,8 @@ def _bias_act_dropout_backward(
     _check_tensors(op, [("grad", grad), ("input", x), ("bias", bias)])
     s, o = _check_seed(op, seed)
     act = _activation(op, activation)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    db = torch.empty(bias.shape, dtype=x.dtype, device=x.device) if (need_bias and bias is not None) else None
+    dx = x.new_empty(x.shape)
+    db = x.new_empty(bias.shape) if (need_bias and bias is not None) else None
     if x.numel() > 0:
         dev, stream = _where(x)
         _native_call(
@@ -279,7 +279,7 @@ def _glu(x: Tensor, activation: str) -> Tensor:
     op = "ferrite.glu"
     shape = _glu_check(op, x)
     act = _activation(op, activation)
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out = x.new_empty(shape)
     if out.numel() > 0:
         dev, stream = _where(x)
         _native_call(_native.glu_forward, x.contiguous(), out, activation=act, device=dev, stream=stream)
@@ -299,7 +299,7 @@ def _glu_backward(grad: Tensor, x: Tensor, activation: str) -> Tensor:
     _glu_check(op, x)
     _check_tensors(op, [("input", x), ("grad", grad)])
     act = _activation(op, activation)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = x.new_empty(x.shape)
     if grad.numel() > 0:
         dev, stream = _where(x)
         _native_call(
@@ -386,12 +386,12 @@ def _cross_entropy(
     if lg.stride() != (lg.shape[1], 1):
         # torch calls a tensor with size-1 dims contiguous whatever their strides; the kernel
         # reads the row stride, and dlogits must share it: standard strides.
-        lg = torch.empty(lg.shape, dtype=lg.dtype, device=lg.device).copy_(lg)
+        lg = lg.new_empty(lg.shape).copy_(lg)
     tg = target.contiguous().view(1) if squeeze else target.contiguous()
     n = lg.shape[0]
-    rows = torch.empty((n,), dtype=torch.float32, device=logits.device)
-    total = torch.empty((1,), dtype=torch.float32, device=logits.device)
-    grad = torch.empty(lg.shape, dtype=logits.dtype, device=logits.device) if need_grad else None
+    rows = logits.new_empty((n,), dtype=torch.float32)
+    total = logits.new_empty((1,), dtype=torch.float32)
+    grad = logits.new_empty(lg.shape) if need_grad else None
     if n > 0 and lg.shape[1] > 0:
         dev, stream = _where(logits)
         # On CUDA the target check reads a device flag back (a sync): only when asked for, and

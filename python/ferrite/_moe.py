@@ -54,7 +54,7 @@ def _b_operand(b: Tensor) -> Tensor:
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     op = "ferrite.grouped_mm"
     shape = _grouped_check(op, a, b, offs)
-    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    out = a.new_empty(shape)
     dev, stream = _where(a)
     _native_call(_native.grouped_mm, a.contiguous(), _b_operand(b), offs.contiguous(), out, device=dev, stream=stream)
     return out
@@ -71,8 +71,8 @@ def _grouped_mm_backward(grad: Tensor, a: Tensor, b: Tensor, offs: Tensor, need_
     _grouped_check(op, a, b, offs)
     dev, stream = _where(a)
     g = grad.contiguous()
-    da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    da = a.new_empty(a.shape)
+    db = b.new_empty(b.shape)
     if need_a:
         _native_call(_native.grouped_mm, g, _b_operand(b).transpose(1, 2), offs.contiguous(), da, device=dev, stream=stream)
     else:
@@ -178,7 +178,7 @@ def _moe_backward(
     top_k: int, score: str, renormalize: bool, groups: int, topk_groups: int, routed_scale: float, capacity_factor: float,
     aux_loss_coef: float, z_loss_coef: float, activation: str,
 ) -> List[Tensor]:
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (x, router, w_up, w_down)]
+    grads = [t.new_empty(t.shape) for t in (x, router, w_up, w_down)]
     saved = [t.contiguous() for t in saved]
     dev, stream = _where(x)
     _native_call(

@@ -70,18 +70,21 @@ def _check_tensors(op: str, named: Sequence[Tuple[str, Optional[Tensor]]]) -> No
             continue
         if not isinstance(t, Tensor):
             _fail(op, name, "a torch.Tensor", type(t).__name__)
-        if t.device.type not in ("cpu", "cuda"):
-            _fail(op, name, "a CPU or CUDA tensor", _describe(t))
-        if t.dtype not in _DTYPE_NAMES:
-            _fail(op, name, f"dtype {_FLOATS}", _describe(t))
         if first is None:
-            first = (name, t)
+            if t.device.type not in ("cpu", "cuda"):
+                _fail(op, name, "a CPU or CUDA tensor", _describe(t))
+            if t.dtype not in _DTYPE_NAMES:
+                _fail(op, name, f"dtype {_FLOATS}", _describe(t))
+            first, fdev, fdt = name, t.device, t.dtype
             continue
-        fname, f = first
-        if t.device != f.device:
-            _fail(op, name, f"a tensor on {f.device} (like `{fname}`)", _describe(t))
-        if t.dtype != f.dtype:
-            _fail(op, name, f"dtype {str(f.dtype).replace('torch.', '')} (like `{fname}`)", _describe(t))
+        if t.dtype is not fdt:
+            if t.dtype not in _DTYPE_NAMES:
+                _fail(op, name, f"dtype {_FLOATS}", _describe(t))
+            _fail(op, name, f"dtype {str(fdt).replace('torch.', '')} (like `{first}`)", _describe(t))
+        if t.device != fdev:
+            if t.device.type not in ("cpu", "cuda"):
+                _fail(op, name, "a CPU or CUDA tensor", _describe(t))
+            _fail(op, name, f"a tensor on {fdev} (like `{first}`)", _describe(t))
 
 
 def _check_cpu_matmul_dtype(op: str, t: Tensor) -> None:
@@ -161,7 +164,7 @@ _DESC_NAMES = {**_DTYPE_NAMES, torch.int32: "int32", torch.int64: "int64"}
 
 
 def _desc(t: Tensor):
-    return (t.data_ptr(), list(t.shape), list(t.stride()), _DESC_NAMES[t.dtype])
+    return (t.data_ptr(), t.shape, t.stride(), _DESC_NAMES[t.dtype])
 
 
 def _native_call(fn, *args, **kwargs):
@@ -170,10 +173,13 @@ def _native_call(fn, *args, **kwargs):
     for temporaries such as ``t.contiguous()`` written in the call (a descriptor alone would not
     keep its tensor alive)."""
 
-    def conv(v):
-        return _desc(v) if isinstance(v, Tensor) else v
-
-    return fn(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    return fn(
+        *[(a.data_ptr(), a.shape, a.stride(), _DESC_NAMES[a.dtype]) if isinstance(a, Tensor) else a for a in args],
+        **{
+            k: (v.data_ptr(), v.shape, v.stride(), _DESC_NAMES[v.dtype]) if isinstance(v, Tensor) else v
+            for k, v in kwargs.items()
+        },
+    )
 
 
 # torch's raw current-stream getter (what inductor's generated code calls): an int, without
@@ -245,7 +251,7 @@ def _empty(t: Tensor) -> Tensor:
 @torch.library.custom_op("ferrite::matmul", mutates_args=())
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
     shape = _matmul_shape("ferrite.matmul", a, b)
-    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    out = a.new_empty(shape)
     _mm_into(a, b, out)
     return out
 
@@ -366,8 +372,8 @@ def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, sav
     """(y, z) of y = act(x·Wᵀ + b) with ferrite's linear (bias and activation in the GEMM's
     epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else an empty placeholder)."""
     shape = list(x.shape[:-1]) + [weight.shape[0]]
-    y = torch.empty(shape, dtype=x.dtype, device=x.device)
-    z = torch.empty(shape, dtype=x.dtype, device=x.device) if save_z else _empty(x)
+    y = x.new_empty(shape)
+    z = x.new_empty(shape) if save_z else _empty(x)
     rows, k, n = math.prod(x.shape[:-1]), x.shape[-1], weight.shape[0]
     if y.numel() == 0:
         return y, z
@@ -392,8 +398,8 @@ def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, sav
         if bias is not None:
             b_op = torch.zeros((npad,), dtype=bias.dtype, device=bias.device)
             b_op[:n].copy_(bias)
-        y_op = torch.empty((rows, npad), dtype=x.dtype, device=x.device)
-        z_op = torch.empty((rows, npad), dtype=x.dtype, device=x.device) if save_z else None
+        y_op = x.new_empty((rows, npad))
+        z_op = x.new_empty((rows, npad)) if save_z else None
     _native_call(
         _native.linear_forward,
         _rows2(x.reshape(rows, k)),
@@ -440,7 +446,7 @@ def _aligned_rows(g: Tensor, act: str) -> Tensor:
     npad = _padded_width(g, rows, n) if act == "none" else n
     if npad == n:
         return g.contiguous()
-    padded = torch.empty((rows, npad), dtype=g.dtype, device=g.device)[:, :n]
+    padded = g.new_empty((rows, npad))[:, :n]
     padded.copy_(g)
     return padded
 
@@ -448,9 +454,9 @@ def _aligned_rows(g: Tensor, act: str) -> Tensor:
 def _linear_grads(grad, x, weight, z, act, need_x, need_w, need_b):
     n, k = weight.shape
     rows = math.prod(x.shape[:-1])
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
-    db = torch.empty((n,), dtype=weight.dtype, device=weight.device) if need_b else None
+    dx = x.new_empty(x.shape) if need_x else None
+    dw = weight.new_empty(weight.shape) if need_w else None
+    db = weight.new_empty((n,)) if need_b else None
     if rows == 0 or k == 0 or n == 0:
         # nothing for the kernels to do; what remains is zeros (and db when k == 0)
         for t in (dx, dw, db):
@@ -647,9 +653,9 @@ def _mlp_grads(grad, x, w1, h, z, w2, act, need):
     nx, nw1, nb1, nw2, nb2 = need
     rows, k, hid, n = math.prod(x.shape[:-1]), x.shape[-1], w1.shape[0], w2.shape[0]
     out = [
-        torch.empty(x.shape, dtype=x.dtype, device=x.device) if nx else _empty(x),
-        torch.empty(w1.shape, dtype=w1.dtype, device=w1.device) if nw1 else _empty(w1),
-        torch.empty((hid,), dtype=w1.dtype, device=w1.device) if nb1 else _empty(w1),
+        x.new_empty(x.shape) if nx else _empty(x),
+        w1.new_empty(w1.shape) if nw1 else _empty(w1),
+        w1.new_empty((hid,)) if nb1 else _empty(w1),
     ]
     lower = nx or nw1 or nb1
     if min(rows, k, hid, n) == 0:
@@ -658,9 +664,9 @@ def _mlp_grads(grad, x, w1, h, z, w2, act, need):
         if lower:
             out[:3] = _linear_grads(dh[0], x, w1, z, act, nx, nw1, nb1)
         return (*out, dh[1], dh[2])
-    dw2 = torch.empty(w2.shape, dtype=w2.dtype, device=w2.device) if nw2 else None
-    db2 = torch.empty((n,), dtype=w2.dtype, device=w2.device) if nb2 else None
-    dz = torch.empty((rows, hid), dtype=x.dtype, device=x.device) if lower else None
+    dw2 = w2.new_empty(w2.shape) if nw2 else None
+    db2 = w2.new_empty((n,)) if nb2 else None
+    dz = x.new_empty((rows, hid)) if lower else None
     dev, stream = _where(x)
     tf32 = _tf32(x)
     if lower or nw2 or nb2:
@@ -766,10 +772,10 @@ def _norm_run(op, kind, x, ns, weight, bias, eps, residual=None):
     """(y, mean, rstd, h): the norm of x, or with `residual` of h = x + residual (written too)."""
     lead, cols = _norm_check(op, x, ns, weight, bias)
     xc = x.contiguous()  # the norm kernels need contiguous rows: copy if not
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(lead, dtype=torch.float32, device=x.device) if kind == "layer_norm" else None
-    rstd = torch.empty(lead, dtype=torch.float32, device=x.device)
+    y = x.new_empty(x.shape)
+    h = None if residual is None else x.new_empty(x.shape)
+    mean = x.new_empty(lead, dtype=torch.float32) if kind == "layer_norm" else None
+    rstd = x.new_empty(lead, dtype=torch.float32)
     if x.numel() > 0:
         shape2 = lead + [cols]
         dev, stream = _where(x)
@@ -795,9 +801,9 @@ def _norm_backward(kind, grad, x, ns, weight, mean, rstd, need_w, need_b):
     op = f"ferrite.{kind}_backward"
     lead, cols = _norm_check(op, x, ns, weight)
     _check_tensors(op, [("input", x), ("grad", grad)])
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw = torch.empty(ns, dtype=x.dtype, device=x.device) if need_w else None
-    db = torch.empty(ns, dtype=x.dtype, device=x.device) if need_b else None
+    dx = x.new_empty(x.shape)
+    dw = x.new_empty(ns) if need_w else None
+    db = x.new_empty(ns) if need_b else None
     if x.numel() > 0:
         shape2 = lead + [cols]
         dev, stream = _where(x)

@@ -63,7 +63,7 @@ def _rotary(
     conjugate: bool,
 ) -> Tensor:
     _rotary_check("ferrite.apply_rotary_emb", x, cos, sin, seqlen_offsets, cu_seqlens)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = x.new_empty(x.shape)
     _run(x, cos, sin, out, seqlen_offsets, offset, cu_seqlens, interleaved, conjugate)
     return out
 

@@ -1,6 +1,7 @@
 """Whole models: Hugging Face GPT-2 124M and a Llama-style ~1B, built from configs (no download),
 timed as a user would run them — eager PyTorch, ``torch.compile``, ``ferrite.optimize``, and
-``ferrite.optimize`` + ``torch.compile`` — in one process.
+``ferrite.optimize`` + ``torch.compile`` — in one process; with ``--variants`` also both compiled with
+``mode="reduce-overhead"`` (CUDA graphs: ``torch_compile_graphs``, ``ferrite_compile_graphs``).
 
     python -m ferrite.bench_model --json out.json              # CUDA; all models and modes
     python -m ferrite.bench_model --models gpt2-124m --modes train --steps 20
@@ -26,6 +27,14 @@ import torch
 import ferrite
 
 VARIANTS = ["torch_eager", "torch_compile", "ferrite", "ferrite_compile"]
+# torch.compile modes by variant suffix: "_compile" the default, "_compile_graphs" CUDA graphs.
+_MODES = {"compile": "default", "graphs": "reduce-overhead"}
+
+
+def compiled(fn, variant):
+    """fn, or fn under torch.compile in the variant's mode."""
+    mode = _MODES.get(variant.rsplit("_", 1)[-1])
+    return fn if mode is None else torch.compile(fn, mode=mode)
 
 
 def build(name):
@@ -73,19 +82,21 @@ def run_train(base, variant, b, t, steps, warmup, batches):
     m, report = variant_model(base, variant)
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    fwd = (lambda ids: m(input_ids=ids, labels=ids, use_cache=False).loss)
-    if variant.endswith("compile"):
-        fwd = torch.compile(fwd)
+    fwd = compiled(lambda ids: m(input_ids=ids, labels=ids, use_cache=False).loss, variant)
+    graphs = variant.endswith("_graphs")
     it = iter(range(10**9))
     loss_box = []
 
     def step():
         ids = batches[next(it) % len(batches)]
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = fwd(ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_box.append(loss.detach())
+        # a copy: a CUDA-graph replay writes over its previous outputs
+        loss_box.append(loss.detach().clone())
 
     torch.cuda.reset_peak_memory_stats()
     s = sync_time(step, steps, warmup)
@@ -98,9 +109,7 @@ def run_train(base, variant, b, t, steps, warmup, batches):
 def run_prefill(base, variant, b, t, steps, warmup, batches):
     m, report = variant_model(base, variant)
     m.eval()
-    fwd = (lambda ids: m(input_ids=ids, logits_to_keep=1, use_cache=False).logits)
-    if variant.endswith("compile"):
-        fwd = torch.compile(fwd)
+    fwd = compiled(lambda ids: m(input_ids=ids, logits_to_keep=1, use_cache=False).logits, variant)
 
     def step():
         with torch.no_grad():
@@ -114,7 +123,7 @@ def run_prefill(base, variant, b, t, steps, warmup, batches):
 
 
 def run_decode(base, variant, b, prompt, new, steps, warmup, batches):
-    if variant.endswith("compile"):
+    if "_compile" in variant:
         return None, None, None, []
     m, report = variant_model(base, variant)
     m.eval()
@@ -178,7 +187,7 @@ def main(argv=None):
                 fmt = "—" if tps is None else f"{tps:,.0f} tok/s, peak {peak:.2f} GiB" + (f", loss {loss:.4f}" if loss is not None else "")
                 print(f"{name:10s} {mode:8s} {v:16s} {fmt}", flush=True)
             tc = rec["tokens_per_s"].get("torch_compile")
-            for v in ("ferrite", "ferrite_compile"):
+            for v in ("ferrite", "ferrite_compile", "ferrite_compile_graphs"):
                 if tc and rec["tokens_per_s"].get(v):
                     rec.setdefault("ratio_to_torch_compile", {})[v] = rec["tokens_per_s"][v] / tc
             rows.append(rec)

@@ -33,6 +33,9 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
   ``flash_attn_qkvpacked_func`` on it (its backward writes one packed gradient: no
   split/select gradients and zero fills), the output projection. With a KV cache, a mask,
   cross-attention or active attention dropout it runs the original forward.
+- **GPT-2's blocks**: the attention's residual add and ``ln_2`` as one ``ferrite.add_layer_norm``
+  (one read of each stream, the normed output and the new residual written together); with
+  cross-attention inputs, the original forward.
 - ``torch.nn.Linear``/``LayerNorm`` inside the model: as for any model (``ferrite.nn``).
 
 Not swapped, reported: attention modules of other families (they still get the attention
@@ -193,19 +196,15 @@ class _GPT2Attention(torch.nn.Module):
     """GPT-2's self-attention: one QKV projection viewed ``[B, S, 3, H, D]``, packed flash
     attention (one packed gradient), the output projection; the original forward otherwise."""
 
-    def forward(self, hidden_states, *args, **kwargs):
-        extras = (
-            args
-            or kwargs.get("attention_mask") is not None
-            or kwargs.get("encoder_hidden_states") is not None
-            or kwargs.get("cache") is not None
-            or kwargs.get("past_key_values") is not None
-            or kwargs.get("layer_past") is not None
-            or kwargs.get("output_attentions")
-        )
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)  # the name before transformers 5.24
         w = self.c_attn.weight
         fast = (
-            not extras
+            cache is None
+            and attention_mask is None
+            and encoder_hidden_states is None
+            and not kwargs.get("output_attentions")
             and not self.is_cross_attention
             and not (self.training and self.attn_dropout.p > 0.0)
             and not (self.reorder_and_upcast_attn and self.config._attn_implementation == "eager")
@@ -215,12 +214,36 @@ class _GPT2Attention(torch.nn.Module):
             and _fast_dtype(hidden_states, w)
         )
         if not fast:
-            return self._ferrite_base.forward(self, hidden_states, *args, **kwargs)
+            return self._ferrite_base.forward(
+                self, hidden_states, cache, attention_mask, encoder_hidden_states, encoder_attention_mask, **kwargs
+            )
         b, s, c = hidden_states.shape
         qkv = _ops.linear(hidden_states, w.t(), self.c_attn.bias).view(b, s, 3, self.num_heads, self.head_dim)
         o = _attention.flash_attn_qkvpacked_func(qkv, softmax_scale=self.scaling, causal=True)
         o = _ops.linear(o.reshape(b, s, c), self.c_proj.weight.t(), self.c_proj.bias)
         return self.resid_dropout(o), None
+
+
+class _GPT2Block(torch.nn.Module):
+    """GPT-2's block with the attention's residual add fused into ``ln_2``."""
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, use_cache=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)  # the name before transformers 5.24
+        ln = self.ln_2
+        if (
+            encoder_hidden_states is not None
+            or ln.weight is None
+            or ln.bias is None
+            or not _fast_dtype(hidden_states, ln.weight)
+        ):
+            return self._ferrite_base.forward(
+                self, hidden_states, cache, attention_mask, encoder_hidden_states, encoder_attention_mask, use_cache,
+                **kwargs,
+            )
+        attn, _ = self.attn(self.ln_1(hidden_states), cache, attention_mask, use_cache=use_cache, **kwargs)
+        h, hidden = _ops.add_layer_norm(attn, hidden_states, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+        return hidden + self.mlp(h)
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
@@ -280,6 +303,8 @@ def patch(
                 out.append((name, qual, _swap(mod, _GPT2MLP)))
             else:
                 out.append((name, qual, f"kept: activation {type(mod.act).__name__}"))
+        elif norms and cname == "GPT2Block" and isinstance(mod.ln_2, torch.nn.LayerNorm):
+            out.append((name, qual, _swap(mod, _GPT2Block)))
         elif attention and cname == "GPT2Attention" and not mod.is_cross_attention:
             for c in (mod.c_attn, mod.c_proj):
                 _rows_out_in(c)

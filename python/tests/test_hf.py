@@ -66,7 +66,7 @@ def test_patched_model_matches_outputs_and_gradients(device, name):
     if name != "gpt2":
         assert any("RMSNorm" in n for n in news) and any(n.endswith("Attention") for n in news)
     else:
-        for cls in ("FerriteConv1D", "FerriteGPT2MLP", "FerriteGPT2Attention"):
+        for cls in ("FerriteConv1D", "FerriteGPT2MLP", "FerriteGPT2Attention", "FerriteGPT2Block"):
             assert f"ferrite.hf.{cls}" in news, (cls, report)
     ids = torch.randint(0, V, (2, 37), device=device)  # 37: longer than Mistral's window of 8
     a, ga = step(ref, ids)
@@ -151,3 +151,4 @@ def test_patched_model_compiles_without_graph_breaks(name):
     ids = torch.randint(0, V, (2, 16))
     f = torch.compile(lambda ids: m(input_ids=ids, labels=ids).loss, fullgraph=True)
     torch.testing.assert_close(f(ids), ref(input_ids=ids, labels=ids).loss, atol=1e-4, rtol=1e-4)
+

@@ -206,3 +206,16 @@ def test_compile_optimized_model():
     ferrite.optimize(m)
     cm = torch.compile(m, fullgraph=True)
     close(cm(x), ref)
+
+
+def test_first_use_of_an_op_inside_a_trace_compiles_fullgraph():
+    """ferrite's eager fast path builds an op's entry on first use; when that first use is inside
+    torch.compile's trace (a model compiled before any eager call), the trace takes the op
+    itself instead of building the entry there (which dynamo cannot trace: a graph break)."""
+    from ferrite._eager import _Namespace
+
+    ns = _Namespace()  # no entry built yet, as in a fresh process
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    y = torch.compile(lambda t: ns.rms_norm(t, [8], None, 1e-6)[0], fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(y, ferrite.rms_norm(x, 8, eps=1e-6))

@@ -3,7 +3,8 @@
 # (bundle.sh) plus the wheel and the pinned transformers wheels (python -m pip download
 # transformers==5.24.0 --only-binary :all: --python-version 3.12 into .gpu-bundle/pyw):
 #   bash .gpu-bundle/models.sh ops          rotary/cross-entropy checks, bench rotary, pytest
-#   bash .gpu-bundle/models.sh MODEL MODES  python -m ferrite.bench_model (e.g. gpt2-124m train,prefill,decode)
+#   bash .gpu-bundle/models.sh MODEL MODES [VARIANTS]
+#                                           python -m ferrite.bench_model (e.g. gpt2-124m train,prefill,decode)
 # Writes into $OUT: models-<model>.json/.txt, or ops.txt and bench-rotary.json.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,8 +30,9 @@ if [ "${1:-ops}" = ops ]; then
     (cd "$here/../python/tests" && python3 -m pytest -q -p no:cacheprovider -rs test_rotary_packed.py test_hf.py test_fused_ops.py) || status=1
   } > "$OUT/ops.txt" 2>&1
 else
-  python3 -m ferrite.bench_model --models "$1" --modes "${2:-train,prefill,decode}" --json "$OUT/models-$1.json" \
-    > "$OUT/models-$1.txt" 2>&1 || status=1
+  tag=$(echo "$1-${2:-all}" | tr , _)
+  python3 -m ferrite.bench_model --models "$1" --modes "${2:-train,prefill,decode}" \
+    ${3:+--variants "$3"} --json "$OUT/models-$tag.json" > "$OUT/models-$tag.txt" 2>&1 || status=1
 fi
 tail -40 "$OUT"/*.txt
 exit $status
