@@ -26,7 +26,7 @@ from ._attention import (
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
 from ._rotary import apply_rotary_emb
 from ._moe import grouped_mm, moe, moe_forward, moe_metrics
-from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, matmul, mlp, rms_norm
+from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, linear_rows, matmul, mlp, rms_norm
 from . import nn, optim
 from .nn import optimize
 from ._validate import validate
@@ -37,6 +37,7 @@ variants = _native.variants
 __all__ = [
     "matmul",
     "linear",
+    "linear_rows",
     "mlp",
     "rms_norm",
     "layer_norm",

@@ -368,6 +368,18 @@ def _ce_check(op: str, logits: Tensor, target: Tensor, reduction: str, label_smo
         _fail(op, "label_smoothing", "a value in [0, 1)", repr(label_smoothing))
 
 
+def _ce_rows_kept(logits: Tensor) -> bool:
+    """CUDA logits [N, V] in rows further apart than V (``ferrite.linear_rows``' padded output)
+    are read as they are, and dlogits takes the same row stride."""
+    return (
+        logits.dim() == 2
+        and logits.is_cuda
+        and logits.shape[0] > 1
+        and logits.stride(1) == 1
+        and logits.stride(0) > logits.shape[1]
+    )
+
+
 @torch.library.custom_op("ferrite::cross_entropy", mutates_args=())
 def _cross_entropy(
     logits: Tensor,
@@ -382,16 +394,19 @@ def _cross_entropy(
     op = "ferrite.cross_entropy"
     _ce_check(op, logits, target, reduction, label_smoothing)
     squeeze = logits.dim() == 1
-    lg = logits.contiguous().view(1, -1) if squeeze else logits.contiguous()
-    if lg.stride() != (lg.shape[1], 1):
-        # torch calls a tensor with size-1 dims contiguous whatever their strides; the kernel
-        # reads the row stride, and dlogits must share it: standard strides.
-        lg = lg.new_empty(lg.shape).copy_(lg)
+    if _ce_rows_kept(logits):
+        lg = logits
+    else:
+        lg = logits.contiguous().view(1, -1) if squeeze else logits.contiguous()
+        if lg.stride() != (lg.shape[1], 1):
+            # torch calls a tensor with size-1 dims contiguous whatever their strides; the kernel
+            # reads the row stride, and dlogits must share it: standard strides.
+            lg = lg.new_empty(lg.shape).copy_(lg)
     tg = target.contiguous().view(1) if squeeze else target.contiguous()
     n = lg.shape[0]
     rows = logits.new_empty((n,), dtype=torch.float32)
     total = logits.new_empty((1,), dtype=torch.float32)
-    grad = logits.new_empty(lg.shape) if need_grad else None
+    grad = logits.new_empty_strided(lg.shape, lg.stride()) if need_grad else None
     if n > 0 and lg.shape[1] > 0:
         dev, stream = _where(logits)
         # On CUDA the target check reads a device flag back (a sync): only when asked for, and
@@ -436,7 +451,10 @@ def _(logits, target, ignore_index, label_smoothing, reduction, need_grad, check
         loss = logits.new_empty((logits.shape[0],), dtype=dt)
     else:
         loss = logits.new_empty((), dtype=dt)
-    return loss, (logits.new_empty(logits.shape) if need_grad else _empty(logits))
+    if not need_grad:
+        return loss, _empty(logits)
+    kept = _ce_rows_kept(logits)
+    return loss, (logits.new_empty_strided(logits.shape, logits.stride()) if kept else logits.new_empty(logits.shape))
 
 
 @torch.library.custom_op("ferrite::ce_scale_grad_", mutates_args=("grad",))

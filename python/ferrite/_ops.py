@@ -368,9 +368,11 @@ def _rows2(t: Tensor) -> Tensor:
 _CUDA_LINEAR_VARIANT = None
 
 
-def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, save_z: bool):
+def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, save_z: bool, padded_out: bool = False):
     """(y, z) of y = act(x·Wᵀ + b) with ferrite's linear (bias and activation in the GEMM's
-    epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else an empty placeholder)."""
+    epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else an empty placeholder). With
+    ``padded_out``, a y the GEMM wrote into padded rows (see _padded_width) is returned as that
+    row-strided view instead of being copied out."""
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     y = x.new_empty(shape)
     z = x.new_empty(shape) if save_z else _empty(x)
@@ -414,6 +416,8 @@ def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, sav
         variant=_CUDA_LINEAR_VARIANT if x.is_cuda else None,
     )
     if npad != n:
+        if padded_out and not save_z:
+            return y_op[:, :n].view(shape), z
         y.view(rows, n).copy_(y_op[:, :n])
         if save_z:
             z.view(rows, n).copy_(z_op[:, :n])
@@ -441,11 +445,15 @@ def _padded_width(t: Tensor, rows: int, n: int) -> int:
 
 
 def _aligned_rows(g: Tensor, act: str) -> Tensor:
-    """dY for the backward GEMMs: contiguous, or copied into padded rows (see _padded_width)."""
+    """dY for the backward GEMMs: contiguous, or in padded rows (see _padded_width) — as it came
+    when its rows already are (the gradient of ``linear_rows``' output through cross-entropy),
+    else copied there."""
     rows, n = g.shape
     npad = _padded_width(g, rows, n) if act == "none" else n
     if npad == n:
         return g.contiguous()
+    if g.stride(1) == 1 and g.stride(0) >= n and (g.stride(0) * g.element_size()) % 16 == 0:
+        return g
     padded = g.new_empty((rows, npad))[:, :n]
     padded.copy_(g)
     return padded
@@ -503,6 +511,36 @@ def _(x, weight, bias):
     return x.new_empty(_linear_shape("ferrite.linear", x, weight, bias))
 
 
+# linear whose output may keep padded rows: for a classifier whose width is not a multiple of
+# 16 bytes (GPT-2's 50257), the GEMM writes padded rows (see _padded_width) and the output is that
+# row-strided view — no copy out, and cross-entropy then writes its gradient with the same row
+# stride, which the backward GEMMs take as it is (no copy in). Same values as `linear`.
+
+
+def _rows_strides(shape: List[int], ld: int) -> List[int]:
+    strides = [1] * len(shape)
+    if len(shape) >= 2:
+        strides[-2] = ld
+        for i in range(len(shape) - 3, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
+
+
+@torch.library.custom_op("ferrite::linear_rows", mutates_args=())
+def _linear_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    _linear_shape("ferrite.linear", x, weight, bias)
+    return _linear_run(x, weight, bias, "none", False, padded_out=True)[0]
+
+
+@_linear_rows.register_fake
+def _(x, weight, bias):
+    shape = _linear_shape("ferrite.linear", x, weight, bias)
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    npad = _padded_width(x, rows, n) if rows * n > 0 and x.shape[-1] > 0 else n
+    return x.new_empty_strided(shape, _rows_strides(shape, npad))
+
+
+
 @torch.library.custom_op("ferrite::linear_backward", mutates_args=())
 def _linear_backward(
     grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool
@@ -540,6 +578,7 @@ def _linear_bwd(ctx, grad):
 
 
 _linear.register_autograd(_linear_bwd, setup_context=_linear_setup)
+_linear_rows.register_autograd(_linear_bwd, setup_context=_linear_setup)
 
 
 # linear with a fused activation: y = act(x·Wᵀ + b); z (the pre-activation) kept for backward
@@ -1010,6 +1049,16 @@ _add_norm.register_autograd(_add_norm_bwd, setup_context=_add_norm_setup)
 
 # ----------------------------------------------------------------------------------------------
 # the public functions (torch / torch.nn.functional signatures)
+
+
+def linear_rows(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``linear`` for a classifier head: on CUDA, when the output rows are not a multiple of 16
+    bytes (a 50257-wide vocabulary) and the output is large, the result is a view with padded rows
+    (row stride rounded up to 16 bytes; ``.contiguous()`` packs it) instead of a packed copy, and
+    ``ferrite.cross_entropy`` on it writes its gradient in the same rows — the classifier's
+    forward and backward GEMMs then run without a copy of the logits either way. Otherwise the
+    same as ``linear``."""
+    return eager.linear_rows(input, weight, bias)
 
 
 def matmul(input: Tensor, other: Tensor) -> Tensor:

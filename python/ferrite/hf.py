@@ -36,6 +36,10 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
 - **GPT-2's blocks**: the attention's residual add and ``ln_2`` as one ``ferrite.add_layer_norm``
   (one read of each stream, the normed output and the new residual written together); with
   cross-attention inputs, the original forward.
+- **The causal LM's output projection**: ``ferrite.linear_rows`` — for a vocabulary whose rows are
+  not a multiple of 16 bytes (GPT-2's 50257), ``logits`` is a view with padded rows (values as
+  before; ``.contiguous()`` packs them), and the loss writes its gradient in the same rows: the
+  classifier's GEMMs run without copying the logits.
 - ``torch.nn.Linear``/``LayerNorm`` inside the model: as for any model (``ferrite.nn``).
 
 Not swapped, reported: attention modules of other families (they still get the attention
@@ -246,6 +250,19 @@ class _GPT2Block(torch.nn.Module):
         return hidden + self.mlp(h)
 
 
+class _LMHead(torch.nn.Module):
+    """A causal LM's output projection on ``ferrite.linear_rows``: a vocabulary whose rows are not
+    a multiple of 16 bytes (GPT-2's 50257) gives logits in padded rows (a row-strided view), which
+    the loss reads and writes its gradient into as they are — no copy of the logits out of the
+    forward GEMM's rows or into the backward's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if not _fast_dtype(x, w):
+            return self._ferrite_base.forward(self, x)
+        return _ops.linear_rows(x, w, self.bias)
+
+
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     """``transformers``' ``ForCausalLMLoss`` on ``ferrite.cross_entropy``: the logits stay in their
     dtype (no float32 copy), the loss is float32."""
@@ -265,14 +282,14 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
 _CLASSES = {}
 
 
-def _swap(mod: torch.nn.Module, mixin: type) -> str:
+def _swap(mod: torch.nn.Module, mixin: type, name: str = "") -> str:
     """Changes mod's class to a subclass whose forward is the mixin's (parameters, buffers and
     hooks stay the same objects)."""
     base = type(mod)
-    cls = _CLASSES.get(base)
+    cls = _CLASSES.get((base, mixin))
     if cls is None:
-        cls = type(f"Ferrite{base.__name__}", (mixin, base), {"_ferrite_base": base, "forward": mixin.forward})
-        _CLASSES[base] = cls
+        cls = type(f"Ferrite{name or base.__name__}", (mixin, base), {"_ferrite_base": base, "forward": mixin.forward})
+        _CLASSES[(base, mixin)] = cls
     mod.__class__ = cls
     return f"ferrite.hf.{cls.__name__}"
 
@@ -321,8 +338,13 @@ def patch(
                 c._attn_implementation = "ferrite"
                 out.append(("config", f"_attn_implementation={old}", "_attn_implementation=ferrite"))
     lm = type(model).__name__
+    causal_lm = lm.endswith("ForCausalLM") or lm == "GPT2LMHeadModel"
+    head = model.get_output_embeddings() if causal_lm and hasattr(model, "get_output_embeddings") else None
+    if linear and isinstance(head, torch.nn.Linear) and getattr(head, "_ferrite_base", None) is None:
+        name = next(n for n, m in model.named_modules() if m is head)
+        out.append((name, f"{type(head).__module__}.{type(head).__name__}", _swap(head, _LMHead, "LMHead")))
     already = getattr(model, "_loss_function", None) is causal_lm_loss
-    if loss and not already and (lm.endswith("ForCausalLM") or lm == "GPT2LMHeadModel"):
+    if loss and not already and causal_lm:
         model.loss_function = causal_lm_loss
         out.append(("loss_function", "transformers ForCausalLMLoss", "ferrite.hf.causal_lm_loss"))
     return out

@@ -199,3 +199,35 @@ def test_unaligned_linear_output_runs_on_padded_rows_with_the_same_result(activa
     (gz,) = torch.autograd.grad(out, zz, g.float())
     for got, want in ((dx, gz @ w.float()), (dw, gz.t() @ x.float()), (db, gz.sum(0))):
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@requires_cuda
+def test_classifier_logits_stay_in_padded_rows_through_cross_entropy():
+    """linear_rows on a 4097-wide classifier: the logits are the padded rows' view (no copy out),
+    cross-entropy writes dlogits with the same rows, the backward GEMMs take them as they are —
+    same loss and gradients as torch; also compiled (the fake output has the padded strides)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(4097, 256, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    t = torch.randint(0, 4097, (1024,), device="cuda")
+    torch.library.opcheck(torch.ops.ferrite.linear_rows.default, (x, w, None))
+    y = ferrite.linear_rows(x, w)
+    assert y.shape == (2, 512, 4097) and y.stride() == (512 * 4104, 4104, 1)
+    ref = x.float() @ w.float().t()
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    lr = F.cross_entropy((xr @ wr.t()).reshape(-1, 4097), t)
+    lr.backward()
+
+    def step(fn):
+        x.grad = w.grad = None
+        loss = fn(x, w)
+        loss.backward()
+        assert abs(loss.item() - lr.item()) < 2e-2 * abs(lr.item())
+        for got, want in ((x.grad, xr.grad), (w.grad, wr.grad)):
+            assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+
+    step(lambda x, w: ferrite.cross_entropy(ferrite.linear_rows(x, w).reshape(-1, 4097), t))
+    torch._dynamo.reset()
+    step(torch.compile(lambda x, w: ferrite.cross_entropy(ferrite.linear_rows(x, w).reshape(-1, 4097), t), fullgraph=True))

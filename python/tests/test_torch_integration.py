@@ -27,6 +27,7 @@ OPCHECK_CASES = [
     ("matmul", lambda: (r(5, 7), r(4, 7, 3))),
     ("linear", lambda: (r(3, 4, 9), r(5, 9), r(5))),
     ("linear", lambda: (r(4, 9), r(5, 9), None)),
+    ("linear_rows", lambda: (r(3, 4, 9), r(5, 9), r(5))),
     ("rms_norm", lambda: (r(4, 16), [16], r(16), 1e-6)),
     ("rms_norm", lambda: (r(2, 3, 4, 5), [4, 5], None, 1e-6)),
     ("layer_norm", lambda: (r(4, 16), [16], r(16), r(16), 1e-5)),

@@ -479,8 +479,7 @@ pub(super) fn run(
 pub fn scale_grad(
     grad: &Tensor,
     dloss: &Tensor,
-    rows: usize,
-    cols: usize,
+    (rows, cols, ld): (usize, usize, usize),
     stream: Option<Stream>,
 ) -> Result<()> {
     let dev = grad.cuda_device()?;
@@ -488,7 +487,8 @@ pub fn scale_grad(
     let k = dev.kernel(&program(grad.dtype(), DType::I64), "ce_scale_grad")?;
     let gp = grad.device_ptr()?;
     let es = grad.dtype().size_in_bytes();
-    let vec = gp.is_multiple_of(16) && (cols * es).is_multiple_of(16);
+    let vec =
+        gp.is_multiple_of(16) && (cols * es).is_multiple_of(16) && (ld * es).is_multiple_of(16);
     let per_row = dloss.numel() != 1;
     let threads = 256usize;
     let work = (rows * cols).div_ceil(if vec { 16 / es } else { 1 });
@@ -500,6 +500,7 @@ pub fn scale_grad(
         .push(dloss.device_ptr()?)
         .push(rows as i64)
         .push(cols as i64)
+        .push(ld as i64)
         .push(per_row as i32)
         .push(vec as i32);
     k.launch(

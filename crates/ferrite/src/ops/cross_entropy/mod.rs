@@ -400,15 +400,21 @@ pub fn cross_entropy_into(
 /// a scalar 1 costs no pass over grad.
 pub fn scale_grad_in_place(grad: &Tensor, dloss: &Tensor, stream: Option<Stream>) -> Result<()> {
     const OPN: &str = "cross_entropy_scale_grad";
+    // Contiguous, or on the GPU 2-D rows further apart than their length (dlogits in padded
+    // rows, as the logits of a classifier whose width is not a multiple of 16 bytes).
+    let rows_strided = grad.rank() == 2
+        && grad.device().is_cuda()
+        && grad.strides()[1] == 1
+        && grad.strides()[0] >= grad.shape()[1];
     if !FLOATS.contains(&grad.dtype())
-        || !grad.is_contiguous()
+        || !(grad.is_contiguous() || rows_strided)
         || grad.rank() == 0
         || grad.rank() > 2
     {
         return Err(Error::bad_arg(
             OPN,
             "grad",
-            "a contiguous f32/f16/bf16 tensor [N, V] or [V]",
+            "a contiguous f32/f16/bf16 tensor [N, V] or [V] (on the GPU also [N, V] with a row stride ≥ V)",
             describe(grad),
         ));
     }
@@ -446,7 +452,14 @@ pub fn scale_grad_in_place(grad: &Tensor, dloss: &Tensor, stream: Option<Stream>
             }
             grad.write_f32(&g)
         }
-        Device::Cuda(_) => cuda::scale_grad(grad, dloss, rows, cols, stream),
+        Device::Cuda(_) => {
+            let ld = if grad.rank() == 2 && rows > 1 {
+                grad.strides()[0]
+            } else {
+                cols
+            };
+            cuda::scale_grad(grad, dloss, (rows, cols, ld), stream)
+        }
     }
 }
 

@@ -246,6 +246,26 @@ fn scale_grad_folds_dloss_in_place_on_every_device() {
             }
         }
     }
+    // Rows further apart than their length (dlogits in padded rows): the GPU scales the row's
+    // elements and leaves the padding as it was; the CPU asks for a contiguous tensor.
+    for dev in crate::core::harness::check::devices_present() {
+        for (cols, ld) in [(37, 44), (32, 40)] {
+            let base = Tensor::rand(&[5, ld], DType::BF16, dev, 4, -1.0, 1.0).unwrap();
+            let before = base.to_f64_vec().unwrap();
+            let g = base.narrow(1, 0, cols).unwrap();
+            let s = Tensor::full(&[1], DType::BF16, dev, -0.5).unwrap();
+            if !dev.is_cuda() {
+                let e = scale_grad_in_place(&g, &s, None).unwrap_err().to_string();
+                assert!(e.contains("`grad`") && e.contains("contiguous"), "{e}");
+                continue;
+            }
+            scale_grad_in_place(&g, &s, None).unwrap();
+            for (i, (a, b)) in base.to_f64_vec().unwrap().iter().zip(&before).enumerate() {
+                let want = if i % ld < cols { -0.5 * b } else { *b };
+                assert_eq!(*a, want, "{cols}/{ld} element {i}");
+            }
+        }
+    }
     let g = Tensor::rand(&[5, 4], DType::F32, Device::Cpu, 3, -1.0, 1.0).unwrap();
     let bad = Tensor::full(&[4], DType::F32, Device::Cpu, 1.0).unwrap();
     let e = scale_grad_in_place(&g, &bad, None).unwrap_err().to_string();

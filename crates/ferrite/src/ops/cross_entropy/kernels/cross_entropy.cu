@@ -612,26 +612,32 @@ extern "C" __global__ void ce_reduce(float* __restrict__ loss, const float* __re
 // g[r, c] *= dloss[per_row ? r : 0], dloss in g's dtype on the device (so no host sync). The
 // forward computes dlogits before autograd knows dloss; `loss.backward()` on the loss as is
 // brings dloss = 1, and then every thread returns after one cached read: no pass over dlogits.
-// `vec`: rows a whole number of 16-byte vectors and g 16-byte aligned (16-byte loads/stores).
+// Rows are `ld` elements apart (ld ≥ cols: dlogits in padded rows). `vec`: cols and ld whole
+// numbers of 16-byte vectors and g 16-byte aligned (16-byte loads/stores).
 extern "C" __global__ void ce_scale_grad(T* __restrict__ g, const T* __restrict__ dloss, i64 rows,
-                                         i64 cols, int per_row, int vec) {
+                                         i64 cols, i64 ld, int per_row, int vec) {
   if (!per_row && to_float(dloss[0]) == 1.f) return;
   const i64 stride = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (vec) {
     typedef Vec16<T> V;
     constexpr int N = V::N;
-    const i64 nv = rows * cols / N, vrow = cols / N;
+    const i64 vrow = cols / N, vld = ld / N, nv = rows * vrow;
     V* gv = reinterpret_cast<V*>(g);
     for (i64 i = first; i < nv; i += stride) {
-      const float s = to_float(dloss[per_row ? i / vrow : 0]);
-      V a = gv[i];
+      const i64 r = i / vrow;
+      const float s = to_float(dloss[per_row ? r : 0]);
+      V* p = gv + r * vld + (i - r * vrow);
+      V a = *p;
 #pragma unroll
       for (int k = 0; k < N; ++k) a.v[k] = from_float<T>(to_float(a.v[k]) * s);
-      gv[i] = a;
+      *p = a;
     }
     return;
   }
-  for (i64 i = first; i < rows * cols; i += stride)
-    g[i] = from_float<T>(to_float(g[i]) * to_float(dloss[per_row ? i / cols : 0]));
+  for (i64 i = first; i < rows * cols; i += stride) {
+    const i64 r = i / cols;
+    T* p = g + r * ld + (i - r * cols);
+    *p = from_float<T>(to_float(*p) * to_float(dloss[per_row ? r : 0]));
+  }
 }
