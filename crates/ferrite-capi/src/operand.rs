@@ -7,6 +7,8 @@
 
 use crate::{FerriteDevice, FerriteDtype, FerriteTensor, FERRITE_DEVICE_CPU, FERRITE_DEVICE_CUDA};
 use cudarc::driver::sys;
+use ferrite::core::borrow::HostBorrows;
+pub(crate) use ferrite::core::borrow::{opt_ref, write_back_all, Borrowed as Operand};
 use ferrite::core::cuda::{self as fcuda, CudaDevice, Stream};
 use ferrite::{DType, Error, Result, Tensor};
 use std::ffi::c_void;
@@ -43,7 +45,7 @@ enum Target {
 pub(crate) struct Call {
     op: &'static str,
     target: Target,
-    borrowed: Vec<(u64, u64)>,
+    borrows: HostBorrows,
     // Dropped last: the calling thread's CUDA context as it was before the call.
     _restore: Option<CtxRestore>,
 }
@@ -71,22 +73,6 @@ impl Drop for CtxRestore {
         // thread as ferrite left it, which is no worse than not restoring.
         let _ = unsafe { sys::cuCtxSetCurrent(self.0) };
     }
-}
-
-/// A wrapped argument. `copy` holds the host copy made when the caller's memory could not be
-/// borrowed, so an output can be written back.
-pub(crate) struct Operand {
-    pub t: Tensor,
-    copy: Option<HostCopy>,
-}
-
-/// A host copy: the caller's address and span, the copy viewed whole (`base`, over `words`).
-struct HostCopy {
-    ptr: u64,
-    bytes: usize,
-    base: Tensor,
-    // Declared after the tensors that borrow it, so it is dropped after them.
-    _words: Vec<u64>,
 }
 
 /// A descriptor read and checked: its pointer, shape, strides, dtype and the bytes its view spans.
@@ -295,7 +281,7 @@ impl Call {
         Ok(Call {
             op,
             target,
-            borrowed: Vec::new(),
+            borrows: HostBorrows::new(),
             _restore: restore,
         })
     }
@@ -360,114 +346,17 @@ impl Call {
                 let t = unsafe {
                     Tensor::from_device_ptr(dev.clone(), d.ptr, &d.shape, &d.strides, d.dtype)?
                 };
-                Ok(Operand { t, copy: None })
+                Ok(Operand::direct(t))
             }
-            Target::Cpu => {
-                let (lo, hi) = (d.ptr, d.ptr + d.bytes as u64);
-                let shared = self.borrowed.iter().any(|&(a, b)| lo < b && a < hi);
-                if d.bytes == 0 || (d.ptr.is_multiple_of(8) && !shared) {
-                    self.borrowed.push((lo, hi));
-                    // SAFETY: by the caller's contract the view's `bytes` bytes from `ptr` are
-                    // host memory readable (and writable for outputs) for the whole call and
-                    // touched by nobody else meanwhile; no other argument of this call borrows
-                    // any of them (checked above: overlapping ones are copies). The tensor is
-                    // dropped before the call returns.
-                    let t = unsafe { Tensor::from_host_ptr(d.ptr, &d.shape, &d.strides, d.dtype)? };
-                    return Ok(Operand { t, copy: None });
-                }
-                let mut words = host_words(op, arg, d.bytes)?;
-                let at = words.as_mut_ptr();
-                // SAFETY: the caller's `bytes` bytes at `ptr` are readable (contract) and `words`
-                // is a separate allocation of at least `bytes` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(d.ptr as *const u8, at as *mut u8, d.bytes)
-                };
-                let span = d.bytes / d.dtype.size_in_bytes();
-                // SAFETY: `words` is 8-byte aligned, holds `span` elements of the dtype, lives in
-                // the `HostCopy` beside the tensors viewing it (dropped after them), and nothing
-                // else borrows it.
-                let base = unsafe { Tensor::from_host_ptr(at as u64, &[span], &[1], d.dtype)? };
-                let t = base.as_strided(&d.shape, &d.strides, 0)?;
-                Ok(Operand {
-                    t,
-                    copy: Some(HostCopy {
-                        ptr: d.ptr,
-                        bytes: d.bytes,
-                        base,
-                        _words: words,
-                    }),
-                })
-            }
+            // SAFETY: by the caller's contract the view's bytes from `ptr` are host memory
+            // readable (and writable for outputs) for the whole call and touched by nobody else
+            // meanwhile; every operand is dropped before the entry point returns.
+            Target::Cpu => unsafe {
+                self.borrows
+                    .wrap(op, arg, d.ptr, &d.shape, &d.strides, d.dtype)
+            },
         }
     }
-}
-
-/// A zeroed, 8-byte aligned host buffer of at least `bytes` bytes; an error (not an abort) when
-/// the host cannot give it.
-fn host_words(op: &str, arg: &str, bytes: usize) -> Result<Vec<u64>> {
-    let n = bytes.div_ceil(8);
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| Error::HostMemory {
-        what: format!("{op}: a host copy of `{arg}`"),
-        bytes: bytes as u128,
-    })?;
-    v.resize(n, 0);
-    Ok(v)
-}
-
-impl Operand {
-    /// Copies a CPU output held as a copy back into the caller's memory: the whole span when the
-    /// view covers it, otherwise only the view's own elements (the span's other bytes may belong
-    /// to another argument, e.g. the other slots of a packed gradient).
-    pub(crate) fn write_back(&self) -> Result<()> {
-        let Some(h) = &self.copy else {
-            return Ok(());
-        };
-        if h.bytes == 0 {
-            return Ok(());
-        }
-        let bytes = h.base.to_bytes()?;
-        if self.t.is_contiguous() && self.t.nbytes() == h.bytes {
-            // SAFETY: `ptr..ptr+bytes` is the caller's writable output span (contract) and
-            // `bytes` (a fresh Vec) does not overlap it.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h.ptr as *mut u8, h.bytes) };
-            return Ok(());
-        }
-        let es = self.t.dtype().size_in_bytes();
-        let r = self.t.rank();
-        // Runs of contiguous elements: whole rows when the last dim has stride 1.
-        let rows = (r > 0 && self.t.strides()[r - 1] == 1)
-            .then(|| self.t.narrow(r - 1, 0, 1).ok())
-            .flatten();
-        let (starts, run): (Vec<usize>, usize) = match &rows {
-            Some(v) => (v.layout().offsets().collect(), self.t.shape()[r - 1] * es),
-            None => (self.t.layout().offsets().collect(), es),
-        };
-        for off in starts {
-            let at = off * es;
-            debug_assert!(at + run <= h.bytes);
-            // SAFETY: `off` starts a run of the view's own elements, so `at + run ≤ bytes` (the
-            // span ends at the view's largest offset); the destination is the caller's writable
-            // output memory and the source a separate Vec.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    bytes.as_ptr().add(at),
-                    (h.ptr as *mut u8).add(at),
-                    run,
-                )
-            };
-        }
-        Ok(())
-    }
-}
-
-/// Writes every output back (see `Operand::write_back`).
-pub(crate) fn write_back_all(outs: &[Option<&Operand>]) -> Result<()> {
-    outs.iter().flatten().try_for_each(|o| o.write_back())
-}
-
-pub(crate) fn opt_ref(o: &Option<Operand>) -> Option<&Tensor> {
-    o.as_ref().map(|o| &o.t)
 }
 
 /// Wraps the caller's stream after checking that it belongs to `dev`'s primary context. NULL and

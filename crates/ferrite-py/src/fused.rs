@@ -3,7 +3,7 @@
 //! Same conventions as the crate root: descriptors in, outputs allocated by the Python layer,
 //! CUDA work on torch's stream, CPU operands copied in and outputs copied back.
 
-use crate::{opt_ref, run, target, wrap, wrap_opt, Desc, Operand};
+use crate::{opt_ref, run, target, wrap, wrap_opt, write_back_all, Desc};
 use ferrite::core::harness::Precision;
 use ferrite::ops::activation::{
     self as fact, ActOptions, Activation, Dropout as FDropout, GluOptions,
@@ -16,13 +16,6 @@ use ferrite::ops::rotary::{self as frotary, RotaryOptions};
 use ferrite::ops::softmax::{self as fsoftmax, SoftmaxOptions};
 use ferrite::Error;
 use pyo3::prelude::*;
-
-fn write_back_all(outs: &[Option<&Operand>]) -> ferrite::Result<()> {
-    for o in outs.iter().flatten() {
-        o.write_back()?;
-    }
-    Ok(())
-}
 
 fn activation(op: &str, name: &str) -> ferrite::Result<Activation> {
     Activation::parse(name).map_err(|_| {

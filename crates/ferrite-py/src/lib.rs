@@ -31,11 +31,12 @@ mod fused;
 mod moe;
 mod train;
 
+use ferrite::core::borrow::{opt_ref, write_back_all, Borrowed as Operand, HostBorrows};
 use ferrite::core::cuda::{self as fcuda, CudaDevice, Stream};
 use ferrite::core::harness::Precision;
 use ferrite::ops::matmul::{self as fmatmul, MatmulOptions};
 use ferrite::ops::norm::{self as fnorm, Bwd, BwdOut, Fwd, FwdOut, NormKind, NormOptions};
-use ferrite::{DType, Element, Error, Tensor};
+use ferrite::{DType, Error, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -48,7 +49,7 @@ type Desc = (u64, Vec<usize>, Vec<usize>, String);
 /// the stream to run on.
 #[derive(Clone)]
 enum Target {
-    Cpu(Arc<Mutex<Vec<(u64, u64)>>>),
+    Cpu(Arc<Mutex<HostBorrows>>),
     Cuda(Arc<CudaDevice>, Stream),
 }
 
@@ -91,34 +92,6 @@ fn parse_dtype(op: &str, arg: &str, name: &str) -> ferrite::Result<DType> {
     })
 }
 
-/// A wrapped operand. For CPU tensors, `host` keeps the contiguous copy of the operand's span
-/// and where it came from, so an output can be copied back.
-struct Operand {
-    t: Tensor,
-    host: Option<HostSpan>,
-}
-
-struct HostSpan {
-    base: Tensor,
-    ptr: u64,
-    bytes: usize,
-}
-
-/// A CPU tensor holding a copy of `bytes` bytes at `ptr` as `span` elements of `T`.
-///
-/// # Safety
-/// `ptr..ptr+bytes` must be readable host memory (when `bytes > 0`).
-unsafe fn host_copy<T: Element>(ptr: u64, bytes: usize, span: usize) -> ferrite::Result<Tensor> {
-    let mut v = vec![T::zeroed(); span];
-    if bytes > 0 {
-        // SAFETY: forwarded to the caller's contract; `v` owns exactly `bytes` bytes
-        // (span · size_of::<T>()), and reading through u8 needs no alignment.
-        let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) };
-        bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(src);
-    }
-    Tensor::from_vec(v, &[span])
-}
-
 /// Wraps a descriptor on `tgt`. `op`/`arg` name it in errors.
 fn wrap(op: &str, arg: &str, d: &Desc, tgt: &Target) -> ferrite::Result<Operand> {
     let (ptr, shape, strides, dtype) = d;
@@ -131,8 +104,7 @@ fn wrap(op: &str, arg: &str, d: &Desc, tgt: &Target) -> ferrite::Result<Operand>
             format!("strides {strides:?}"),
         ));
     }
-    let nonempty = !shape.contains(&0);
-    if nonempty && *ptr == 0 {
+    if !shape.contains(&0) && *ptr == 0 {
         return Err(Error::bad_arg(
             op,
             arg,
@@ -146,50 +118,16 @@ fn wrap(op: &str, arg: &str, d: &Desc, tgt: &Target) -> ferrite::Result<Operand>
             // this device (checked there: same device index as every other operand), kept alive
             // by the caller for the whole call; its shape and strides address only its storage.
             let t = unsafe { Tensor::from_device_ptr(dev.clone(), *ptr, shape, strides, dtype)? };
-            Ok(Operand { t, host: None })
+            Ok(Operand::direct(t))
         }
-        Target::Cpu(spans) => {
-            let layout = ferrite::core::layout::Layout::new(shape.clone(), strides.clone(), 0)?;
-            let span = layout.max_offset(op)?;
-            let bytes = ferrite::core::layout::checked_bytes(op, span, dtype.size_in_bytes())?;
-            let (lo, hi) = (*ptr, ptr.saturating_add(bytes as u64));
-            let mut spans = spans
+        Target::Cpu(borrows) => {
+            let mut borrows = borrows
                 .lock()
                 .map_err(|_| Error::Other(format!("{op}: operand list lock poisoned")))?;
-            let shared = spans.iter().any(|&(a, b)| lo < b && a < hi);
-            if bytes == 0 || (ptr.is_multiple_of(8) && !shared) {
-                spans.push((lo, hi));
-                // SAFETY: the Python layer built this descriptor from a live torch CPU tensor,
-                // kept alive (and not touched by Python) for the whole call, whose layout
-                // addresses `bytes` bytes from `ptr`; the tensor is dropped before the call
-                // returns. No other operand of this call borrows any of those bytes (checked
-                // just above; operands that overlap a borrowed one are copies, below).
-                let t = unsafe { Tensor::from_host_ptr(*ptr, shape, strides, dtype)? };
-                return Ok(Operand { t, host: None });
-            }
-            // SAFETY: as for CUDA: a live torch CPU tensor whose layout addresses `span`
-            // elements from its data pointer, so `bytes` bytes from `ptr` are readable.
-            let base = unsafe {
-                match dtype {
-                    DType::F32 => host_copy::<f32>(*ptr, bytes, span),
-                    DType::F16 => host_copy::<half::f16>(*ptr, bytes, span),
-                    DType::BF16 => host_copy::<half::bf16>(*ptr, bytes, span),
-                    DType::I32 => host_copy::<i32>(*ptr, bytes, span),
-                    DType::U32 => host_copy::<u32>(*ptr, bytes, span),
-                    DType::U16 => host_copy::<u16>(*ptr, bytes, span),
-                    DType::U8 => host_copy::<u8>(*ptr, bytes, span),
-                    DType::I64 => host_copy::<i64>(*ptr, bytes, span),
-                }?
-            };
-            let t = base.as_strided(shape, strides, 0)?;
-            Ok(Operand {
-                t,
-                host: Some(HostSpan {
-                    base,
-                    ptr: *ptr,
-                    bytes,
-                }),
-            })
+            // SAFETY: the Python layer built this descriptor from a live torch CPU tensor, kept
+            // alive (and not touched by Python) for the whole call, whose layout addresses the
+            // bytes the view spans from `ptr`; every operand is dropped before the call returns.
+            unsafe { borrows.wrap(op, arg, *ptr, shape, strides, dtype) }
         }
     }
 }
@@ -201,58 +139,6 @@ fn wrap_opt(
     tgt: &Target,
 ) -> ferrite::Result<Option<Operand>> {
     d.as_ref().map(|d| wrap(op, arg, d, tgt)).transpose()
-}
-
-impl Operand {
-    /// Copies a CPU output back into the caller's memory (nothing to do on CUDA).
-    fn write_back(&self) -> ferrite::Result<()> {
-        if let Some(h) = &self.host {
-            let bytes = h.base.to_bytes()?;
-            debug_assert_eq!(bytes.len(), h.bytes);
-            if h.bytes == 0 {
-                return Ok(());
-            }
-            if self.t.is_contiguous() && self.t.nbytes() == h.bytes {
-                // SAFETY: `ptr..ptr+bytes` is the span of a live, writable torch CPU output
-                // tensor (allocated by the Python layer for this call; see `wrap`), and `bytes`
-                // is a separate Rust allocation, so the ranges do not overlap.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h.ptr as *mut u8, h.bytes) };
-                return Ok(());
-            }
-            // A strided view (a gradient slot of a packed buffer): only its own elements go
-            // back — the span's other bytes may belong to another output of the same call.
-            // Runs of contiguous elements: whole rows when the last dim is unit-stride.
-            let es = self.t.dtype().size_in_bytes();
-            let r = self.t.rank();
-            let rows = (r > 0 && self.t.strides()[r - 1] == 1)
-                .then(|| self.t.narrow(r - 1, 0, 1).ok())
-                .flatten();
-            let (starts, run) = match &rows {
-                Some(v) => (
-                    v.layout().offsets().collect::<Vec<_>>(),
-                    self.t.shape()[r - 1] * es,
-                ),
-                None => (self.t.layout().offsets().collect(), es),
-            };
-            for off in starts {
-                let at = off * es;
-                // SAFETY: as above; `off` starts a run of the view's own elements, so
-                // `at + run ≤ bytes` (the span ends at the view's largest offset).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr().add(at),
-                        (h.ptr as *mut u8).add(at),
-                        run,
-                    )
-                };
-            }
-        }
-        Ok(())
-    }
-}
-
-fn opt_ref(o: &Option<Operand>) -> Option<&Tensor> {
-    o.as_ref().map(|o| &o.t)
 }
 
 /// Runs `f` without the GIL, turning a ferrite error into `ValueError` (a bad argument) or
