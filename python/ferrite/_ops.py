@@ -362,20 +362,20 @@ def _rows2(t: Tensor) -> Tensor:
 
 
 # On CUDA the linear forward takes ferrite's default selection: `persistent_pairs` (the Hopper
-# wgmma GEMM with its epilogue fused, checked on the H100 on 2026-11-23: 0.87–1.03× the bare GEMM
-# at the LLM shapes), `fused_pairs` before sm_90. Until then it ran `naive` (the plain GEMM, then
-# bias/activation kernels: 0.57–0.78× the bare GEMM), faster than the earlier epilogue rungs.
+# wgmma GEMM with its epilogue fused, checked on the H100: 0.87–1.03× the bare GEMM at the LLM
+# shapes), `fused_pairs` before sm_90. `naive` (the plain GEMM, then bias/activation kernels) ran
+# at 0.57–0.78× the bare GEMM, faster than the element-wise epilogue rungs (docs/linear.md).
 _CUDA_LINEAR_VARIANT = None
 
 
 def _linear_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], act: str, save_z: bool, padded_out: bool = False):
     """(y, z) of y = act(x·Wᵀ + b) with ferrite's linear (bias and activation in the GEMM's
-    epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else an empty placeholder). With
+    epilogue); z = x·Wᵀ + b is written only when ``save_z`` (else None). With
     ``padded_out``, a y the GEMM wrote into padded rows (see _padded_width) is returned as that
     row-strided view instead of being copied out."""
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     y = x.new_empty(shape)
-    z = x.new_empty(shape) if save_z else _empty(x)
+    z = x.new_empty(shape) if save_z else None
     rows, k, n = math.prod(x.shape[:-1]), x.shape[-1], weight.shape[0]
     if y.numel() == 0:
         return y, z
@@ -590,7 +590,8 @@ def _linear_act(
 ) -> Tuple[Tensor, Tensor]:
     _linear_shape("ferrite.linear", x, weight, bias)
     act = _activation("ferrite.linear", activation)
-    return _linear_run(x, weight, bias, act, save_preact and act != "none")
+    y, z = _linear_run(x, weight, bias, act, save_preact and act != "none")
+    return y, (_empty(x) if z is None else z)
 
 
 @_linear_act.register_fake
@@ -677,6 +678,7 @@ def _mlp(
     act = _activation("ferrite.mlp", activation)
     h, z = _linear_run(x, w1, b1, act, save_preact)
     y, _ = _linear_run(h, w2, b2, "none", False)
+    z = _empty(x) if z is None else z
     return y, h, z
 
 
