@@ -211,7 +211,7 @@ mod tests {
         let mut b = HostBorrows::new();
         let mut bytes = [0u8; 12];
         let p = bytes.as_mut_ptr() as u64;
-        let odd = if p % 8 == 0 { p + 4 } else { p };
+        let odd = if p.is_multiple_of(8) { p + 4 } else { p };
         // SAFETY: 2 f32 (8 bytes) from `odd` lie inside `bytes`.
         let u = unsafe { b.wrap("t", "c", odd, &[2], &[1], DType::F32) }.unwrap();
         assert!(u.copy.is_some());

@@ -3,17 +3,22 @@
 use super::error::{Error, Result};
 use std::fmt;
 
+/// Where a tensor's memory lives and where an op on it runs: ops run on their inputs' device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {
+    /// Host memory; the CPU variants of each op.
     Cpu,
+    /// The CUDA GPU of this ordinal (as the driver numbers them, `CUDA_VISIBLE_DEVICES` applied).
     Cuda(usize),
 }
 
 impl Device {
+    /// Whether this is a GPU.
     pub fn is_cuda(self) -> bool {
         matches!(self, Device::Cuda(_))
     }
 
+    /// Reads `cpu`, `cuda` / `gpu` (GPU 0) or `cuda:N`, as the CLI's `--device` takes them.
     pub fn parse(s: &str) -> Result<Device> {
         let s = s.trim().to_ascii_lowercase();
         if s == "cpu" {
@@ -48,14 +53,20 @@ impl fmt::Display for Device {
 /// A GPU architecture ferrite compiles for. Hopper gets the `a` target (wgmma, setmaxnreg).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Arch {
+    /// Compute capability, major part (8 = Ampere/Ada, 9 = Hopper).
     pub major: i32,
+    /// Compute capability, minor part.
     pub minor: i32,
 }
 
 impl Arch {
+    /// Ampere (A100): the oldest architecture ferrite builds for.
     pub const SM80: Arch = Arch { major: 8, minor: 0 };
+    /// Ampere consumer and workstation parts (RTX 30xx, A10, A40).
     pub const SM86: Arch = Arch { major: 8, minor: 6 };
+    /// Ada (L4, L40, RTX 40xx).
     pub const SM89: Arch = Arch { major: 8, minor: 9 };
+    /// Hopper (H100, H200): built as `sm_90a` for wgmma, TMA multicast and setmaxnreg.
     pub const SM90: Arch = Arch { major: 9, minor: 0 };
 
     /// The compute capability as one number: 80, 86, 89, 90, ...
@@ -98,6 +109,8 @@ impl Arch {
             .starts_with(&format!("sm_{}{}", self.major, self.minor))
     }
 
+    /// Reads an NVRTC target as `--arch` takes it (`sm_80`, `sm_90a`, `90`); older than sm_80 is
+    /// an error.
     pub fn parse_target(s: &str) -> Result<Arch> {
         let t = s.trim().trim_start_matches("sm_").trim_end_matches('a');
         let v: i32 = t

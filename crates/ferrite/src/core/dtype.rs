@@ -3,21 +3,31 @@
 use half::{bf16, f16};
 use std::fmt;
 
+/// The element type of a tensor. The ops compute in f32, f16 and bf16 (accumulating in f32); the
+/// integer types carry token ids, class indices, offsets and block tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
+    /// IEEE single precision.
     F32,
+    /// IEEE half precision (5-bit exponent): tensor-core input, narrower range than bf16.
     F16,
+    /// bfloat16 (f32's 8-bit exponent, 7-bit mantissa): the usual training dtype on the GPU.
     BF16,
+    /// Signed 32-bit integers: token ids, offsets, block tables, targets.
     I32,
+    /// Unsigned 32-bit integers: tokens of vocabularies above 65 536 (`.bin` v7 shards).
     U32,
+    /// Unsigned 16-bit integers: GPT-2 tokens as llm.c's v1 shards store them.
     U16,
+    /// Bytes.
     U8,
     /// Class indices as PyTorch stores them (cross-entropy targets).
     I64,
 }
 
 impl DType {
+    /// Every dtype, in declaration order.
     pub const ALL: [DType; 8] = [
         DType::F32,
         DType::F16,
@@ -29,6 +39,7 @@ impl DType {
         DType::I64,
     ];
 
+    /// Bytes per element.
     pub fn size_in_bytes(self) -> usize {
         match self {
             DType::F32 | DType::I32 | DType::U32 => 4,
@@ -38,10 +49,12 @@ impl DType {
         }
     }
 
+    /// f32, f16 or bf16: the dtypes the ops compute in.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 
+    /// The short lowercase name (`f32`, `bf16`, `i64`, ...) used in messages, flags and JSON.
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -69,6 +82,8 @@ impl DType {
         }
     }
 
+    /// Reads a dtype from its [`name`](DType::name) (any case) or a common alias (`float32`,
+    /// `fp16`, `bfloat16`, `int64`, ...); None for anything else.
     pub fn parse(s: &str) -> Option<DType> {
         DType::ALL
             .into_iter()
@@ -97,7 +112,9 @@ impl fmt::Display for DType {
 pub trait Element:
     bytemuck::Pod + cudarc::driver::DeviceRepr + Send + Sync + Copy + PartialEq + fmt::Debug + 'static
 {
+    /// The dtype tag of tensors holding this type.
     const DTYPE: DType;
+    /// The value as f64 (exact for every element type but i64 beyond 2^53).
     fn to_f64(self) -> f64;
     /// Rounds (floats, to nearest) or saturates and truncates (integers).
     fn from_f64(v: f64) -> Self;

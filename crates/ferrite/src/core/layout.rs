@@ -3,6 +3,9 @@
 
 use super::error::{Error, Result};
 
+/// How a tensor view maps indices to element offsets in its storage: `offset + Σ index[d] ·
+/// strides[d]`. Strides are in elements and never negative; a layout can only be built when its
+/// element count and extent fit in 64 bits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
     shape: Vec<usize>,
@@ -32,6 +35,8 @@ pub fn checked_bytes(op: &str, numel: usize, elem_size: usize) -> Result<usize> 
         })
 }
 
+/// Row-major strides for `shape` (last dim stride 1), saturating rather than overflowing: pair it
+/// with [`checked_numel`] when the shape comes from outside.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![0; shape.len()];
     let mut acc = 1usize;
@@ -43,6 +48,8 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 }
 
 impl Layout {
+    /// A row-major layout of `shape` from offset 0. The shape is not checked here (tensor
+    /// constructors check it first); use [`Layout::new`] for shapes from outside.
     pub fn contiguous(shape: &[usize]) -> Self {
         Layout {
             shape: shape.to_vec(),
@@ -51,6 +58,8 @@ impl Layout {
         }
     }
 
+    /// A view with explicit strides and offset (in elements), refused when the ranks differ or
+    /// the element count or extent would overflow.
     pub fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize) -> Result<Self> {
         if shape.len() != strides.len() {
             return Err(Error::bad_arg(
@@ -72,15 +81,19 @@ impl Layout {
         Ok(l)
     }
 
+    /// Size of each dim.
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// Distance in elements between neighbours along each dim.
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
+    /// Offset of the first element in the storage, in elements.
     pub fn offset(&self) -> usize {
         self.offset
     }
+    /// Number of dims.
     pub fn rank(&self) -> usize {
         self.shape.len()
     }

@@ -12,10 +12,13 @@
 //! bandwidth the RNG was the kernels' limit (docs/activation.md). One call over `n` elements
 //! consumes `blocks_used(n) = ⌈n/8⌉` counters: the next call continues at `offset + blocks_used(n)`.
 
-/// Multipliers and Weyl key increments of Philox4x32 (Random123's constants).
+/// The first round multiplier of Philox4x32 (Random123's constants, as the four below).
 pub const M0: u32 = 0xD251_1F53;
+/// The second round multiplier.
 pub const M1: u32 = 0xCD9E_8D57;
+/// The Weyl increment of key word 0 (the golden ratio's bits).
 pub const W0: u32 = 0x9E37_79B9;
+/// The Weyl increment of key word 1 (√3 − 1's bits).
 pub const W1: u32 = 0xBB67_AE85;
 
 #[inline(always)]

@@ -1,9 +1,11 @@
 //! A small, fast, seedable generator for test and bench inputs (SplitMix64). Not for cryptography.
 
+/// SplitMix64 state: the same seed gives the same sequence on every machine.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
         Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
     }
@@ -24,6 +26,7 @@ impl Rng {
                 .wrapping_mul(0xD1B5_4A32_D192_ED03)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -66,6 +66,7 @@ impl HostBytes {
         matches!(self.mem, HostMem::Borrowed(_))
     }
 
+    /// The bytes, read-only.
     pub fn as_bytes(&self) -> &[u8] {
         match &self.mem {
             HostMem::Owned(w) => &bytemuck::cast_slice(w)[..self.len],
@@ -74,6 +75,7 @@ impl HostBytes {
             HostMem::Borrowed(p) => unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len) },
         }
     }
+    /// The bytes, writable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         match &mut self.mem {
             HostMem::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..self.len],
@@ -82,19 +84,41 @@ impl HostBytes {
             HostMem::Borrowed(p) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), self.len) },
         }
     }
+    /// The bytes viewed as elements of `T` (the 8-byte alignment makes every dtype fit).
     pub fn as_slice<T: Element>(&self) -> &[T] {
         bytemuck::cast_slice(self.as_bytes())
     }
+    /// The bytes viewed as writable elements of `T`.
     pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
         bytemuck::cast_slice_mut(self.as_bytes_mut())
     }
 }
 
+/// The memory behind a tensor, shared by all its views.
 pub enum Storage {
+    /// Host memory.
     Cpu(HostBytes),
+    /// GPU memory (from ferrite's stream-ordered pool, or borrowed).
     Cuda(DeviceBuffer),
 }
 
+/// An n-dimensional view (shape, strides and offset in elements: a [`Layout`]) over CPU or GPU
+/// storage of one [`DType`].
+///
+/// Cloning a tensor or taking a view ([`t`](Tensor::t), [`narrow`](Tensor::narrow),
+/// [`reshape`](Tensor::reshape), [`as_strided`](Tensor::as_strided)) shares the storage; ops
+/// write outputs through it, so a caller keeps its own output buffers (`*_into` functions).
+/// Storage may belong to someone else ([`Tensor::from_device_ptr`], [`Tensor::from_host_ptr`]):
+/// that is how PyTorch's and C callers' memory reaches the ops without a copy.
+///
+/// ```rust
+/// use ferrite::{Device, DType, Tensor};
+/// let x = Tensor::from_vec((0..6).map(|v| v as f32).collect(), &[2, 3])?;
+/// let xt = x.t()?; // [3, 2], strides [1, 3]: a view, no copy
+/// assert_eq!(xt.to_vec::<f32>()?, vec![0., 3., 1., 4., 2., 5.]);
+/// assert_eq!(Tensor::full(&[2], DType::BF16, Device::Cpu, 1.5)?.to_f32_vec()?, vec![1.5, 1.5]);
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Tensor {
     storage: Arc<RwLock<Storage>>,
@@ -291,27 +315,35 @@ impl Tensor {
         })
     }
 
+    /// Size of each dim.
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
+    /// Element strides of each dim.
     pub fn strides(&self) -> &[usize] {
         self.layout.strides()
     }
+    /// Shape, strides and offset together.
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// Where the storage lives.
     pub fn device(&self) -> Device {
         self.device
     }
+    /// Number of elements the view covers.
     pub fn numel(&self) -> usize {
         self.layout.numel()
     }
+    /// Number of dims.
     pub fn rank(&self) -> usize {
         self.layout.rank()
     }
+    /// Row-major contiguous (size-1 dims may carry any stride).
     pub fn is_contiguous(&self) -> bool {
         self.layout.is_contiguous()
     }
@@ -332,9 +364,12 @@ impl Tensor {
             device: self.device,
         }
     }
+    /// The same elements under a new shape: a view of a contiguous tensor, an error otherwise
+    /// (call [`contiguous`](Tensor::contiguous) first).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         Ok(self.with_layout(self.layout.reshape(shape)?))
     }
+    /// Dims `a` and `b` swapped: a view, no copy.
     pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
         Ok(self.with_layout(self.layout.transpose(a, b)?))
     }
@@ -373,6 +408,7 @@ impl Tensor {
         Ok(bytes / self.dtype.size_in_bytes())
     }
 
+    /// `dim` narrowed to `start..start + len`: a view, no copy.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
         Ok(self.with_layout(self.layout.narrow(dim, start, len)?))
     }
@@ -431,6 +467,8 @@ impl Tensor {
         }
     }
 
+    /// [`with_cpu`](Tensor::with_cpu) with write access, under the storage's write lock (an
+    /// error while another view of the same storage is being read or written).
     pub fn with_cpu_mut<T: Element, R>(&self, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
         self.expect_dtype("with_cpu_mut", "self", T::DTYPE)?;
         match &mut *self.write_storage()? {
@@ -444,6 +482,7 @@ impl Tensor {
         }
     }
 
+    /// An [`Error::BadArg`] for `op`'s argument `arg` unless the tensor is of `dtype`.
     pub fn expect_dtype(&self, op: &str, arg: &str, dtype: DType) -> Result<()> {
         if self.dtype != dtype {
             return Err(Error::bad_arg(

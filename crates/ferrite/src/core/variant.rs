@@ -5,14 +5,18 @@ use super::device::{Arch, Device};
 use super::dtype::DType;
 use super::error::{Error, Result};
 
+/// Which kind of device a variant runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
+    /// Host code (Rust, SIMD, rayon).
     Cpu,
+    /// A CUDA kernel (or a vendor library call).
     Cuda,
 }
 
 impl Backend {
+    /// The backend that runs ops on `device`.
     pub fn of(device: Device) -> Backend {
         match device {
             Device::Cpu => Backend::Cpu,
@@ -24,7 +28,9 @@ impl Backend {
 /// One rung of an op's ladder.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct VariantInfo {
+    /// The name callers pick it by (`MatmulOptions::variant`, `--variant`); unique per backend.
     pub name: &'static str,
+    /// Where it runs.
     pub backend: Backend,
     /// Input dtypes it accepts.
     pub dtypes: &'static [DType],

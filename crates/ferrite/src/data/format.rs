@@ -21,15 +21,23 @@ use serde::{Deserialize, Serialize};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+/// Magic of llm.c's version-1 shards (u16 tokens).
 pub const LLMC_MAGIC_V1: i32 = 20240520;
+/// Magic of llm.c's version-7 shards (u32 tokens).
 pub const LLMC_MAGIC_V7: i32 = 20240801;
+/// llm.c's header size: 256 i32 fields.
 pub const LLMC_HEADER_BYTES: u64 = 1024;
+/// The first eight bytes of a `.ftok` shard.
 pub const FTOK_MAGIC: &[u8; 8] = b"FERRTOK\0";
+/// The `.ftok` version this code reads and writes.
 pub const FTOK_VERSION: u32 = 1;
+/// `.ftok` header size: one O_DIRECT block, so the payload starts aligned.
 pub const FTOK_HEADER_BYTES: u64 = 4096;
 /// The index file a packed directory carries.
 pub const INDEX_FILE: &str = "index.json";
+/// The `format` field of `index.json`.
 pub const INDEX_FORMAT: &str = "ferrite-token-index";
+/// The index version this code reads and writes.
 pub const INDEX_VERSION: u32 = 1;
 /// Payload checksum granularity: every read of a chunk can be verified on its own, so the loader
 /// checks each byte it reads without reading whole shards. A multiple of 4096 (O_DIRECT). Small
@@ -49,6 +57,7 @@ pub(crate) fn io_error(path: &Path, offset: u64, what: &str, e: std::io::Error) 
     )
 }
 
+/// The file format of one shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ShardFormat {
@@ -61,6 +70,7 @@ pub enum ShardFormat {
 }
 
 impl ShardFormat {
+    /// `llmc-v1`, `llmc-v7` or `ferrite`, as `data inspect` prints it.
     pub fn name(self) -> &'static str {
         match self {
             ShardFormat::LlmcV1 => "llmc-v1",
@@ -68,6 +78,7 @@ impl ShardFormat {
             ShardFormat::Ferrite => "ferrite",
         }
     }
+    /// Bytes before the first token.
     pub fn header_bytes(self) -> u64 {
         match self {
             ShardFormat::Ferrite => FTOK_HEADER_BYTES,
@@ -88,17 +99,24 @@ pub fn token_dtype(bytes_per_token: u64) -> Option<DType> {
 /// What a shard's header says, validated against the file's size.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShardHeader {
+    /// The file's format.
     pub format: ShardFormat,
+    /// The token type: u16 or u32.
     pub dtype: DType,
+    /// Tokens in the payload (≥ 1).
     pub tokens: u64,
+    /// Byte offset of the first token.
     pub payload_offset: u64,
-    /// ferrite only: CRC-32 of the payload and the vocabulary size (0 = unknown).
+    /// ferrite only: CRC-32 of the payload.
     pub payload_crc32: Option<u32>,
+    /// ferrite only: the vocabulary size (0 = unknown or llm.c).
     pub vocab_size: u32,
+    /// ferrite only: the checksum chunk size the shard was written with (0 for llm.c).
     pub chunk_bytes: u64,
 }
 
 impl ShardHeader {
+    /// Bytes of token data.
     pub fn payload_bytes(&self) -> u64 {
         self.tokens * self.dtype.size_in_bytes() as u64
     }
@@ -382,11 +400,15 @@ pub fn encode_ftok_header(
 pub struct IndexEntry {
     /// File name relative to the index's folder.
     pub file: String,
+    /// The shard's format.
     pub format: ShardFormat,
     /// "u16" or "u32".
     pub dtype: String,
+    /// Tokens in the shard.
     pub tokens: u64,
+    /// The file's size.
     pub bytes: u64,
+    /// Byte offset of the first token.
     pub payload_offset: u64,
     /// CRC-32 (IEEE) of the whole payload.
     pub crc32: u32,
@@ -400,17 +422,27 @@ pub struct IndexEntry {
 /// `index.json`: the shards of a packed corpus, in order, with what is needed to verify them.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Index {
+    /// Always [`INDEX_FORMAT`].
     pub format: String,
+    /// Always [`INDEX_VERSION`] for files this code writes.
     pub version: u32,
+    /// The tokenizer that produced the tokens, in words (`gpt2 (tiktoken r50k_base)`).
     pub tokenizer: String,
+    /// Token ids are below this.
     pub vocab_size: u32,
+    /// The end-of-text token separating documents, if the packer inserted one.
     pub eot_token: Option<u32>,
+    /// Payload bytes per checksum chunk.
     pub chunk_bytes: u64,
+    /// Tokens over all shards.
     pub total_tokens: u64,
+    /// The shards, in order.
     pub shards: Vec<IndexEntry>,
 }
 
 impl Index {
+    /// Reads and checks an index (format, version, totals): an error names the file and what
+    /// is wrong.
     pub fn read(path: &Path) -> Result<Index> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::io(format!("index {}: cannot read", path.display()), e))?;
@@ -463,6 +495,7 @@ impl Index {
         Ok(idx)
     }
 
+    /// Writes the index as pretty JSON, atomically (temporary file, then rename).
     pub fn write(&self, path: &Path) -> Result<()> {
         let s = serde_json::to_string_pretty(self).map_err(|e| Error::Other(e.to_string()))?;
         write_atomic(path, s.as_bytes())
@@ -517,10 +550,13 @@ pub struct ShardWriter {
     in_chunk: u64,
     chunk_crcs: Vec<u32>,
     scratch: Vec<u8>,
+    /// Documents started in this shard (the packer counts them; recorded in the index).
     pub documents: u64,
 }
 
 impl ShardWriter {
+    /// Starts `path` (written as `path.tmp` until [`finish`](ShardWriter::finish)): the token
+    /// dtype must be the format's (u16 for llm.c v1, u32 for v7, either for ferrite).
     pub fn create(
         path: &Path,
         format: ShardFormat,
@@ -573,6 +609,7 @@ impl ShardWriter {
         })
     }
 
+    /// Tokens written so far.
     pub fn tokens(&self) -> u64 {
         self.tokens
     }

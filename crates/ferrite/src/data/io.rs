@@ -142,8 +142,11 @@ pub enum EngineKind {
     Pread,
 }
 
+/// How the loader reads. `Default`: io_uring with O_DIRECT where allowed, 32 reads of up to
+/// 1 MiB in flight; a pread pool of 8 threads as the fallback.
 #[derive(Clone, Debug)]
 pub struct IoConfig {
+    /// Which engine to use.
     pub engine: EngineKind,
     /// Reads in flight (io_uring queue depth).
     pub queue_depth: u32,

@@ -41,8 +41,11 @@ use std::time::{Duration, Instant};
 /// One opened, validated shard.
 #[derive(Clone, Debug)]
 pub struct ShardMeta {
+    /// The shard's file.
     pub path: PathBuf,
+    /// Its validated header.
     pub header: ShardHeader,
+    /// The file's size (header plus payload).
     pub file_bytes: u64,
     /// Per-chunk CRC-32 from the index (None: no index, payload not verifiable).
     pub chunk_crc32: Option<Vec<u32>>,
@@ -51,9 +54,11 @@ pub struct ShardMeta {
 /// A set of shards, in order.
 #[derive(Clone, Debug)]
 pub struct Dataset {
+    /// The shards, in sample-numbering order.
     pub shards: Vec<ShardMeta>,
     /// Chunk size of the checksums (0 when there is no index).
     pub chunk_bytes: u64,
+    /// The index the dataset was opened from, if any.
     pub index: Option<Index>,
 }
 
@@ -126,6 +131,7 @@ impl Dataset {
         })
     }
 
+    /// The shards an `index.json` lists, each header checked against its entry.
     pub fn from_index(index_path: &Path) -> Result<Dataset> {
         let idx = Index::read(index_path)?;
         let dir = index_path.parent().unwrap_or(Path::new("."));
@@ -149,12 +155,15 @@ impl Dataset {
         })
     }
 
+    /// Tokens over all shards.
     pub fn total_tokens(&self) -> u64 {
         self.shards.iter().map(|s| s.header.tokens).sum()
     }
+    /// File bytes over all shards.
     pub fn total_bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.file_bytes).sum()
     }
+    /// Whether reads can be verified (an index with chunk checksums).
     pub fn checksummed(&self) -> bool {
         self.chunk_bytes > 0
     }
@@ -224,7 +233,9 @@ impl Dataset {
 /// Where a run is: resume from it with `Loader::new(.., Some(state))`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoaderState {
+    /// The order's seed.
     pub seed: u64,
+    /// The epoch the next step belongs to.
     pub epoch: u64,
     /// The next global step's first position in the epoch's order.
     pub position: u64,
@@ -233,16 +244,24 @@ pub struct LoaderState {
     pub fingerprint: u64,
 }
 
+/// What a loader delivers and how it reads. `Default`: B 8, T 1024, one rank, seed 0,
+/// shuffled, the remainder dropped, forever, host tensors, 4 MiB blocks in 16-block windows,
+/// reads verified, io_uring with O_DIRECT where the system allows.
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
     /// B: rows per batch (per rank).
     pub batch: usize,
     /// T: sequence length (rows hold T+1 tokens).
     pub seq: usize,
+    /// This process's rank among `world` (it reads only its own rows).
     pub rank: usize,
+    /// W: ranks sharing the order.
     pub world: usize,
+    /// Seed of the order (with the epoch).
     pub seed: u64,
+    /// Shuffle (two-level: blocks, then samples within windows); false reads in file order.
     pub shuffle: bool,
+    /// What happens to the last `samples mod W·B` positions of an epoch.
     pub remainder: Remainder,
     /// Token that fills padding rows (Remainder::Pad). GPT-2's end of text by default.
     pub pad_token: u32,
@@ -261,6 +280,7 @@ pub struct LoaderConfig {
     pub window_blocks: usize,
     /// Check each chunk read against the index's checksum.
     pub verify: bool,
+    /// The read engine and its depth.
     pub io: IoConfig,
     /// Token dtype delivered: None = the dataset's; U16, U32 or I32 (widening only).
     pub out_dtype: Option<DType>,
@@ -295,6 +315,7 @@ impl Default for LoaderConfig {
 pub struct Batch {
     /// [B, T+1] tokens, on the loader's device.
     pub tokens: Tensor,
+    /// The epoch it belongs to.
     pub epoch: u64,
     /// Position (in the epoch's order) of this rank's first row.
     pub position: u64,
@@ -308,6 +329,7 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// T: tokens per input row.
     pub fn seq(&self) -> usize {
         self.tokens.shape()[1] - 1
     }
@@ -344,6 +366,7 @@ impl Drop for Batch {
 /// Counters of a loader's work so far.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct LoaderStats {
+    /// Batches delivered.
     pub batches: u64,
     /// Seconds the consumer spent blocked in `next_batch`.
     pub wait_s: f64,
@@ -353,13 +376,17 @@ pub struct LoaderStats {
     pub bytes_delivered: u64,
     /// Which read engine runs, and why it fell back if it did.
     pub io: String,
+    /// Why the fast path was not used, if it was not.
     pub fallback: Option<String>,
     /// CPU seconds used so far by each stage's thread: the planner (sample order, read plans),
     /// the I/O thread (queueing reads, handling completions), the verifier (chunk checksums)
     /// and the assembler (gathering rows into batches, queueing GPU copies).
     pub plan_s: f64,
+    /// The I/O thread's CPU seconds.
     pub io_s: f64,
+    /// The verifier's CPU seconds.
     pub verify_s: f64,
+    /// The assembler's CPU seconds.
     pub assemble_s: f64,
     /// Window buffers allocated (the rest were reused).
     pub buffers: u64,
@@ -389,6 +416,9 @@ struct Shared {
     cpu_ns: [AtomicU64; 4],
 }
 
+/// Batches from a [`Dataset`] in the order of (seed, epoch), each sample once per epoch over
+/// all ranks, prepared ahead by a pipeline of threads (plan, read, verify, assemble; see the
+/// module doc). Dropping it stops the threads.
 pub struct Loader {
     cfg: LoaderConfig,
     fingerprint: u64,
@@ -432,6 +462,9 @@ impl Geometry {
 }
 
 impl Loader {
+    /// Starts the pipeline over `dataset`, from `resume` (a state saved from a loader with the
+    /// same order) or from the start of epoch 0. The configuration is checked first: an error
+    /// names the field.
     pub fn new(
         dataset: &Dataset,
         cfg: LoaderConfig,
@@ -795,9 +828,11 @@ impl Loader {
     pub fn state(&self) -> LoaderState {
         self.state
     }
+    /// The hash of what defines the order (see [`LoaderState::fingerprint`]).
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
     }
+    /// The counters so far.
     pub fn stats(&self) -> LoaderStats {
         let mut s = self.stats.clone();
         let sh = &self.shared;

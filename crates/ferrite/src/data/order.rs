@@ -26,6 +26,7 @@ pub struct Perm {
 }
 
 impl Perm {
+    /// The permutation of `0..n` keyed by `key`.
     pub fn new(n: u64, key: u64) -> Perm {
         // The smallest even-width power of two covering n, so cycle walking takes < 4 steps on
         // average.
@@ -77,12 +78,15 @@ impl Perm {
 /// What defines the order (everything else — ranks, batch size, workers — does not).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OrderSpec {
+    /// Samples in the dataset.
     pub samples: u64,
     /// K: samples per block (a block is read as one run of bytes).
     pub block_samples: u64,
     /// M: blocks per window (the shuffle's reach within an epoch is a window).
     pub window_blocks: u64,
+    /// Permute (blocks, then samples in windows); false keeps file order.
     pub shuffle: bool,
+    /// The order's seed.
     pub seed: u64,
 }
 
@@ -90,6 +94,7 @@ pub struct OrderSpec {
 #[derive(Clone, Debug)]
 pub struct EpochOrder {
     spec: OrderSpec,
+    /// The epoch this order is for.
     pub epoch: u64,
     blocks: u64,
     block_perm: Perm,
@@ -111,6 +116,7 @@ pub struct WindowSampler<'a> {
 }
 
 impl EpochOrder {
+    /// The order of `epoch` under `spec`.
     pub fn new(spec: OrderSpec, epoch: u64) -> EpochOrder {
         let k = spec.block_samples.max(1);
         let m = spec.window_blocks.max(1);
@@ -158,6 +164,7 @@ impl EpochOrder {
         }
     }
 
+    /// Windows in the epoch.
     pub fn windows(&self) -> usize {
         self.win_start.len() - 1
     }
@@ -172,6 +179,7 @@ impl EpochOrder {
         self.win_start.partition_point(|&s| s <= pos) - 1
     }
 
+    /// The sampler of window `w` (its permutation set up once for many positions).
     pub fn sampler(&self, w: usize) -> WindowSampler<'_> {
         let (a, b) = self.window_range(w);
         let perm = self.spec.shuffle.then(|| {
@@ -205,6 +213,7 @@ impl EpochOrder {
 }
 
 impl WindowSampler<'_> {
+    /// The sample delivered at `pos` (a position inside this window).
     pub fn sample_at(&self, pos: u64) -> u64 {
         let eo = self.eo;
         let (k, m) = (eo.spec.block_samples, eo.spec.window_blocks);
@@ -247,6 +256,7 @@ pub enum Remainder {
 /// One global step, as seen by one rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Step {
+    /// The epoch the step belongs to.
     pub epoch: u64,
     /// Position of the global step's first row.
     pub base: u64,
@@ -261,10 +271,15 @@ pub struct Step {
 /// The steps a rank takes from a start state, epoch after epoch.
 #[derive(Clone, Debug)]
 pub struct Schedule {
+    /// Samples per epoch.
     pub samples: u64,
+    /// W: ranks.
     pub world: u64,
+    /// This rank.
     pub rank: u64,
+    /// B: rows per rank and step.
     pub batch: u64,
+    /// The policy for an epoch's last partial global batch.
     pub remainder: Remainder,
     /// Stop before this epoch (None: never stop).
     pub end_epoch: Option<u64>,
@@ -273,6 +288,7 @@ pub struct Schedule {
 }
 
 impl Schedule {
+    /// The steps from `start` = (epoch, position).
     pub fn new(
         samples: u64,
         world: u64,

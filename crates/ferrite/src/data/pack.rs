@@ -6,24 +6,34 @@
 //! `"text"` field). Shards are filled to `shard_tokens` and written in order; an `index.json` with
 //! every shard's dtype, count and checksums is written last (atomically).
 
-use super::format::{
-    Index, IndexEntry, ShardFormat, ShardWriter, INDEX_FILE, INDEX_FORMAT, INDEX_VERSION,
-};
+#[cfg(feature = "pack")]
+use super::format::IndexEntry;
+use super::format::{Index, ShardFormat, ShardWriter, INDEX_FILE, INDEX_FORMAT, INDEX_VERSION};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
+#[cfg(feature = "pack")]
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
+/// GPT-2's `<|endoftext|>`, written before every document.
 pub const GPT2_EOT: u32 = 50256;
+/// GPT-2's vocabulary size.
 pub const GPT2_VOCAB: u32 = 50257;
 
+/// Where and how to write shards. `Default`: `.ftok` shards of 100 M u16 tokens in `data/`,
+/// 64 KiB checksum chunks.
 #[derive(Clone, Debug)]
 pub struct PackConfig {
+    /// The folder the shards and `index.json` go to (its previous corpus replaced only once
+    /// every input has packed).
     pub out_dir: PathBuf,
+    /// The shard format.
     pub format: ShardFormat,
     /// U16 (GPT-2 fits) or U32.
     pub dtype: DType,
+    /// Tokens per shard (the last one holds the rest).
     pub shard_tokens: u64,
+    /// Payload bytes per checksum chunk (a multiple of 4096).
     pub chunk_bytes: u64,
     /// Shard file name prefix: `{prefix}_{NNNNNN}.{ftok|bin}`.
     pub prefix: String,
@@ -42,26 +52,36 @@ impl Default for PackConfig {
     }
 }
 
+/// What a pack did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PackSummary {
+    /// Input files read.
     pub files: usize,
+    /// Documents tokenized.
     pub documents: u64,
+    /// Bytes of input text.
     pub input_bytes: u64,
+    /// Tokens written (end-of-text tokens included).
     pub tokens: u64,
+    /// Shards written.
     pub shards: usize,
+    /// Wall time.
     pub seconds: f64,
+    /// The index written.
     pub index: PathBuf,
 }
 
 /// Progress: (input bytes done, input bytes total, tokens so far).
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64, u64);
 
-/// The GPT-2 tokenizer (built once per call; ~0.2 s).
+/// The GPT-2 tokenizer (built once per call; ~0.2 s). Feature `pack`.
+#[cfg(feature = "pack")]
 pub fn gpt2() -> Result<tiktoken_rs::CoreBPE> {
     tiktoken_rs::r50k_base().map_err(|e| Error::Other(format!("loading the GPT-2 BPE: {e}")))
 }
 
 /// The documents of one input file.
+#[cfg(feature = "pack")]
 fn documents(path: &Path) -> Result<Vec<String>> {
     let bytes = std::fs::read(path)
         .map_err(|e| Error::io(format!("input {}: cannot read", path.display()), e))?;
@@ -105,7 +125,8 @@ fn documents(path: &Path) -> Result<Vec<String>> {
 /// Tokenizes `files` (in order) into shards under `cfg.out_dir`. The shards are written into a
 /// staging folder inside it and moved in only when every input has been packed, then the index
 /// is replaced and the previous corpus's shards that the new one did not overwrite are removed:
-/// a pack that fails midway leaves the folder as it was.
+/// a pack that fails midway leaves the folder as it was. Feature `pack`.
+#[cfg(feature = "pack")]
 pub fn pack_files(files: &[PathBuf], cfg: &PackConfig, progress: Progress) -> Result<PackSummary> {
     std::fs::create_dir_all(&cfg.out_dir)
         .map_err(|e| Error::io(format!("creating {}", cfg.out_dir.display()), e))?;
@@ -121,6 +142,7 @@ pub fn pack_files(files: &[PathBuf], cfg: &PackConfig, progress: Progress) -> Re
 
 /// Moves the staged shards into the output folder, writes the new index over the old one and
 /// removes the old corpus's shards the new one did not replace.
+#[cfg(feature = "pack")]
 fn commit(
     cfg: &PackConfig,
     stage: &Path,
@@ -148,6 +170,7 @@ fn commit(
     Ok(summary)
 }
 
+#[cfg(feature = "pack")]
 fn pack_into(
     files: &[PathBuf],
     cfg: &PackConfig,

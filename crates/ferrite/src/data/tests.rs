@@ -4,7 +4,9 @@ use super::format::{self, read_header, verify_shard, Index, ShardFormat, INDEX_F
 use super::io::{EngineKind, IoConfig};
 use super::loader::{Dataset, Loader, LoaderConfig, LoaderState};
 use super::order::{mix64, Remainder};
-use super::pack::{self, write_shards, PackConfig};
+use super::pack::write_shards;
+#[cfg(feature = "pack")]
+use super::pack::{self, PackConfig};
 use crate::core::dtype::DType;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -691,6 +693,7 @@ fn loader_refuses_bad_configs() {
 }
 
 #[test]
+#[cfg(feature = "pack")]
 fn pack_round_trips_text_through_gpt2() {
     let dir = TmpDir::new("pack");
     let inputs = dir.0.join("in");
@@ -914,6 +917,7 @@ fn a_standalone_shard_with_a_flipped_payload_byte_is_refused_at_open() {
 }
 
 #[test]
+#[cfg(feature = "pack")]
 fn a_pack_that_fails_midway_leaves_the_previous_corpus_intact() {
     let dir = TmpDir::new("pack-fail");
     let good: Vec<PathBuf> = (0..3)

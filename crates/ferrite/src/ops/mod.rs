@@ -18,7 +18,7 @@ use crate::core::cuda::{self, jit};
 use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
-use crate::core::harness::bench::{time_cpu, time_gpu, Budget};
+use crate::core::harness::bench::{time_gpu, Budget};
 use crate::core::harness::{Ceilings, KernelSpec, OpFamily, Precision};
 use crate::core::tensor::Tensor;
 
@@ -113,33 +113,10 @@ pub fn measure_ceilings(
                 c.cpu_isa = isa.into();
                 // GHz × lanes × 2 flops per FMA × 2 FMA pipes.
                 c.cpu_core_peak_gflops = Some(ghz * lanes as f64 * 2.0 * 2.0);
-                progress("ceilings: cpu peer gemm");
-                let n = if quick { 512 } else { 1024 };
-                let a = Tensor::rand(&[n, n], DType::F32, Device::Cpu, 1, -1.0, 1.0)?;
-                let mut out = vec![0f32; n * n];
-                let s = a.with_cpu::<f32, _>(|a_s| {
-                    time_cpu(Budget::cpu(), || {
-                        matmul::cpu::peer(
-                            matmul::cpu::Sgemm {
-                                m: n,
-                                n,
-                                k: n,
-                                alpha: 1.0,
-                                beta: 0.0,
-                                a: a_s,
-                                lda: n,
-                                a_trans: false,
-                                b: a_s,
-                                ldb: n,
-                                b_trans: false,
-                                c: &mut out,
-                                ldc: n,
-                            },
-                            0,
-                        )
-                    })
-                })?;
-                c.cpu_peer_gflops = Some(2.0 * (n as f64).powi(3) / (s.median_ms * 1e-3) / 1e9);
+                if cfg!(feature = "bench") {
+                    progress("ceilings: cpu peer gemm");
+                }
+                c.cpu_peer_gflops = cpu_peer_gflops(quick)?;
             }
             Device::Cuda(i) => {
                 let dev = cuda::device(i)?;
@@ -163,6 +140,43 @@ pub fn measure_ceilings(
         }
     }
     Ok(c)
+}
+
+/// The CPU peer's (the `gemm` crate's) multi-threaded rate on an n³ f32 GEMM, GFLOP/s.
+#[cfg(feature = "bench")]
+fn cpu_peer_gflops(quick: bool) -> Result<Option<f64>> {
+    let n = if quick { 512 } else { 1024 };
+    let a = Tensor::rand(&[n, n], DType::F32, Device::Cpu, 1, -1.0, 1.0)?;
+    let mut out = vec![0f32; n * n];
+    let s = a.with_cpu::<f32, _>(|a_s| {
+        crate::core::harness::bench::time_cpu(Budget::cpu(), || {
+            matmul::cpu::peer(
+                matmul::cpu::Sgemm {
+                    m: n,
+                    n,
+                    k: n,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    a: a_s,
+                    lda: n,
+                    a_trans: false,
+                    b: a_s,
+                    ldb: n,
+                    b_trans: false,
+                    c: &mut out,
+                    ldc: n,
+                },
+                0,
+            )
+        })
+    })?;
+    Ok(Some(2.0 * (n as f64).powi(3) / (s.median_ms * 1e-3) / 1e9))
+}
+
+/// Without the `bench` feature there is no CPU peer to measure.
+#[cfg(not(feature = "bench"))]
+fn cpu_peer_gflops(_quick: bool) -> Result<Option<f64>> {
+    Ok(None)
 }
 
 /// cuBLAS's rate (GFLOP/s, median of timed runs) for an n³ GEMM of `dtype` at `prec` on GPU `i`:
@@ -189,14 +203,23 @@ pub fn cublas_gflops(i: usize, dtype: DType, prec: Precision, n: usize) -> Resul
 /// One compiled kernel's resource report from ptxas.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct KernelBuild {
+    /// The module's label (family, file and specialisation).
     pub module: String,
+    /// The entry point.
     pub function: String,
+    /// The target it was built for.
     pub arch: String,
+    /// The PTX came from the disk cache.
     pub from_cache: bool,
+    /// Registers per thread (with ptxas).
     pub registers: Option<u32>,
+    /// Static shared memory, bytes (with ptxas).
     pub smem_bytes: Option<u32>,
+    /// Stack frame per thread, bytes (with ptxas).
     pub stack_bytes: Option<u32>,
+    /// Bytes spilled to local memory (with ptxas; CI refuses any).
     pub spill_stores: Option<u32>,
+    /// Bytes loaded back from spills (with ptxas).
     pub spill_loads: Option<u32>,
 }
 

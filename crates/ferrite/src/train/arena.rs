@@ -28,6 +28,7 @@ pub struct Arena {
 }
 
 impl Arena {
+    /// `len` zeroed elements of `dtype` on `device`.
     pub fn new(len: usize, dtype: DType, device: Device) -> Result<Arena> {
         let owner = Tensor::empty(&[len.max(1)], dtype, device)?;
         if let Device::Cuda(_) = device {
@@ -38,15 +39,19 @@ impl Arena {
         Ok(Arena { owner, len })
     }
 
+    /// Elements in the arena.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Whether it holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.owner.dtype()
     }
+    /// Where it lives.
     pub fn device(&self) -> Device {
         self.owner.device()
     }
@@ -130,7 +135,9 @@ impl Arena {
 /// Hands out aligned offsets for named slots.
 #[derive(Default, Clone, Debug)]
 pub struct Layout {
+    /// (name, offset, shape) of each slot, in push order.
     pub slots: Vec<(String, usize, Vec<usize>)>,
+    /// Elements up to the end of the last slot (or the last alignment).
     pub len: usize,
 }
 

@@ -25,7 +25,9 @@ const OP: &str = "train checkpoint";
 /// What `state.safetensors` records besides the buffers.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Meta {
+    /// The model's shape.
     pub model: ModelConfig,
+    /// The run's settings (a resumed run continues the same schedule).
     pub train: TrainConfig,
     /// Optimizer steps done.
     pub step: usize,

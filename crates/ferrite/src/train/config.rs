@@ -17,16 +17,21 @@ pub enum Family {
 /// A decoder-only transformer's shape.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelConfig {
+    /// The preset's name (or a caller's label), shown in logs and checkpoints.
     pub name: String,
+    /// GPT-2 or Llama.
     pub family: Family,
+    /// Token ids are below this.
     pub vocab: usize,
     /// The longest sequence the model takes (GPT-2: rows of the position table).
     pub max_seq: usize,
+    /// Transformer blocks.
     pub layers: usize,
     /// Query heads.
     pub heads: usize,
     /// Key/value heads (= heads for GPT-2; a divisor of heads for Llama's grouped-query attention).
     pub kv_heads: usize,
+    /// The residual stream's width (heads · head_dim).
     pub dim: usize,
     /// The MLP's hidden width (GPT-2: 4·dim; Llama: SwiGLU's, e.g. 5632 at dim 2048).
     pub ffn: usize,
@@ -116,6 +121,7 @@ impl ModelConfig {
         self.vocab.div_ceil(128) * 128
     }
 
+    /// dim / heads.
     pub fn head_dim(&self) -> usize {
         self.dim / self.heads.max(1)
     }
@@ -239,12 +245,15 @@ pub enum Schedule {
     /// Warm-up, stable at lr, then a linear decay to lr·min_lr_frac over the last `decay_frac`
     /// of the steps (WSD).
     Wsd {
+        /// The share of the steps spent decaying, in (0, 1].
         decay_frac: f64,
     },
+    /// lr after warm-up, to the end.
     Constant,
 }
 
 impl Schedule {
+    /// `cosine`, `wsd` (decaying over the last 20 %) or `constant`.
     pub fn parse(s: &str) -> Result<Schedule> {
         match s {
             "cosine" => Ok(Schedule::Cosine),
@@ -264,20 +273,31 @@ pub struct TrainConfig {
     pub seq: usize,
     /// Micro-batches per optimizer step (gradient accumulation).
     pub grad_accum: usize,
+    /// Optimizer steps of the run.
     pub steps: usize,
+    /// Peak learning rate.
     pub lr: f64,
+    /// The schedule's floor as a fraction of `lr`.
     pub min_lr_frac: f64,
+    /// Steps of linear warm-up from 0 to `lr`.
     pub warmup: usize,
+    /// The shape of the learning rate after warm-up.
     pub schedule: Schedule,
+    /// AdamW's decoupled weight decay (on matrices and embeddings, not on norms and biases).
     pub weight_decay: f64,
+    /// AdamW's β1.
     pub beta1: f64,
+    /// AdamW's β2.
     pub beta2: f64,
+    /// AdamW's eps.
     pub eps: f64,
     /// Global gradient-norm clip (0: off).
     pub clip: f64,
+    /// Seed of the initial weights and of the data order.
     pub seed: u64,
     /// Validation every this many steps (0: never), over `val_batches` batches.
     pub val_every: usize,
+    /// Batches per validation.
     pub val_batches: usize,
     /// Skip the update of a step whose loss or gradient is not finite (else stop with an error).
     pub skip_nonfinite: bool,
@@ -308,6 +328,8 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// Checks the settings (sizes ≥ 1, rates and coefficients in range): an error names the
+    /// field.
     pub fn validate(&self) -> Result<()> {
         let bad = |arg: &str, exp: &str, got: String| Err(Error::bad_arg(OP, arg, exp, got));
         if self.batch == 0 || self.seq == 0 || self.grad_accum == 0 {

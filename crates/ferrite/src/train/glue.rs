@@ -29,6 +29,7 @@ fn program(t: DType, g: DType) -> Program {
         .define("FE_SORT_N", SORT_N)
 }
 
+/// Every glue kernel with its specialisations, for the kernel build check.
 pub fn kernel_specs() -> Vec<KernelSpec> {
     let all = [
         "split_tokens",
@@ -150,7 +151,7 @@ fn check_table(name: &str, w: &Tensor, like: &Tensor, channels: usize) -> Result
     )
 }
 
-/// out [N, C] = wte[inputs] + wpe[position] with position = i mod `seq`. A token outside
+/// out `[N, C]` = `wte[inputs] + wpe[position]` with position = i mod `seq`. A token outside
 /// [0, vocab) (vocab ≤ wte's rows) gives a NaN row (the loss then says so) instead of reading out
 /// of bounds.
 pub fn embed_forward(
@@ -244,8 +245,8 @@ pub fn embed_forward(
     }
 }
 
-/// dwte[inputs[i]] += dout[i] (summed per token in position order, fp32, no atomics: the same
-/// bits every run) and, when given, dwpe[t] = Σ_b dout[b, t] for t < seq (rows ≥ seq untouched).
+/// `dwte[inputs[i]] += dout[i]` (summed per token in position order, fp32, no atomics: the same
+/// bits every run) and, when given, `dwpe[t] = Σ_b dout[b, t]` for t < seq (rows ≥ seq untouched).
 /// Tokens outside [0, vocab) contribute nothing. `keys`: a u64-sized scratch of ≥ min(N, SORT_N)
 /// elements as i32 pairs (`[2·SORT_N]` i32).
 pub fn embed_backward(
@@ -439,7 +440,7 @@ pub fn accumulate(acc: &Tensor, g: &Tensor, first: bool) -> Result<()> {
     }
 }
 
-/// out[0] (f32) = Σ g² in a fixed order; `parts`: f32 scratch of ≥ SUMSQ_PARTS (GPU).
+/// `out[0]` (f32) = Σ g² in a fixed order; `parts`: f32 scratch of ≥ SUMSQ_PARTS (GPU).
 pub fn sumsq(g: &Tensor, parts: Option<&Tensor>, out: &Tensor) -> Result<()> {
     expect(g.is_contiguous(), "g", "a contiguous tensor", g)?;
     expect(

@@ -41,10 +41,15 @@ pub struct RunOptions {
     pub data: PathBuf,
     /// Validation shards (evaluated every `TrainConfig::val_every` steps).
     pub val_data: Option<PathBuf>,
+    /// Where to train.
     pub device: Device,
+    /// Parameters' and activations' dtype (bf16 on the GPU, f32 on the CPU by default).
     pub dtype: DType,
+    /// The model's shape.
     pub model: ModelConfig,
+    /// The run's settings.
     pub train: TrainConfig,
+    /// Same bits every run (the attention backward without atomics).
     pub deterministic: bool,
     /// Dense bf16 peak in TFLOP/s that MFU is measured against.
     pub peak_tflops: f64,
@@ -54,6 +59,7 @@ pub struct RunOptions {
     pub graph: bool,
     /// Save a checkpoint to `save/step-NNNNNN` every `save_every` steps and after the last.
     pub save: Option<PathBuf>,
+    /// Steps between checkpoints (0: only after the last step).
     pub save_every: usize,
     /// Continue the run saved in this checkpoint folder (exactly: weights, AdamW state, step,
     /// loader position).
@@ -103,15 +109,23 @@ impl RunOptions {
 /// One optimizer step as the log shows it.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StepLog {
+    /// The step's number, from 0.
     pub step: usize,
+    /// Mean training loss over the step's micro-batches.
     pub loss: f64,
+    /// The learning rate used.
     pub lr: f64,
+    /// The global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Wall time of the step, ms.
     pub ms: f64,
+    /// Training tokens per second.
     pub tokens_per_s: f64,
+    /// Model FLOP utilisation against `RunOptions::peak_tflops`.
     pub mfu: f64,
     /// Share of the step spent waiting for the loader.
     pub data_wait: f64,
+    /// The validation loss, on steps that evaluate.
     pub val_loss: Option<f64>,
     /// Device memory in use by ferrite's pool (GPU), GiB.
     pub mem_gib: f64,
@@ -124,18 +138,29 @@ pub struct StepLog {
 /// The end of a run.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Summary {
+    /// The model's name.
     pub model: String,
+    /// The device's name.
     pub device: String,
+    /// Parameter count.
     pub params: usize,
+    /// B.
     pub batch: usize,
+    /// T.
     pub seq: usize,
+    /// Micro-batches per step.
     pub grad_accum: usize,
+    /// Steps configured.
     pub steps: usize,
+    /// The first step's loss.
     pub first_loss: f64,
+    /// The last step's loss.
     pub last_loss: f64,
+    /// The last validation loss, if any.
     pub last_val_loss: Option<f64>,
     /// Median over the steps after the first few (warm-up: compilation, tuning).
     pub tokens_per_s: f64,
+    /// Median step time over the same steps, ms.
     pub step_ms: f64,
     /// Median host time per step queuing work (see `StepLog::host_ms`).
     pub host_ms: f64,
@@ -143,11 +168,15 @@ pub struct Summary {
     pub graph: bool,
     /// Why the step could not be captured (it then ran op by op).
     pub graph_error: Option<String>,
+    /// MFU at the median throughput.
     pub mfu: f64,
+    /// Median share of a step spent waiting for data.
     pub data_wait: f64,
+    /// Peak device memory of ferrite's pool, GiB (GPU).
     pub peak_gib: f64,
     /// The profiled step's ops (empty unless asked for).
     pub profile: Vec<ProfileRow>,
+    /// Every step's log.
     pub log: Vec<StepLog>,
 }
 

@@ -26,9 +26,13 @@ struct Mark {
 /// One line of a step's profile.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ProfileRow {
+    /// The op or pass (`embed`, `norm`, `qkv`, `attention`, ...).
     pub label: String,
+    /// Times it ran in the step.
     pub calls: usize,
+    /// GPU time over those calls (CUDA events), ms.
     pub gpu_ms: f64,
+    /// Host time spent issuing them, ms.
     pub host_ms: f64,
 }
 
@@ -48,12 +52,18 @@ pub struct Model {
     /// The captured forward + backward (CUDA), replayed by `train_step`; dropped first.
     graph: Option<(cudarc::driver::CudaGraph, f32)>,
     graph_error: Option<String>,
+    /// The model's shape.
     pub cfg: ModelConfig,
+    /// The dtype of parameters and activations (bf16 on the GPU, f32 on the CPU).
     pub dtype: DType,
+    /// Where everything lives.
     pub device: Device,
+    /// Where each parameter sits in the flat buffers.
     pub layout: ParamLayout,
     pub(crate) opts: ModelOptions,
+    /// The parameters, as views of one flat buffer.
     pub params: Params,
+    /// Their gradients, laid out the same.
     pub grads: Params,
     acts: Option<Acts>,
     /// (param, grad, m, v, master) of the decayed and the other group.
@@ -474,9 +484,11 @@ impl Model {
         Ok(())
     }
 
+    /// The last forward's mean loss (f32, one element, on the device).
     pub fn loss_tensor(&self) -> Result<&Tensor> {
         Ok(&self.acts()?.loss)
     }
+    /// The gradients' sum of squares from `grad_sumsq` (f32, one element, on the device).
     pub fn sumsq_tensor(&self) -> Result<&Tensor> {
         Ok(&self.acts()?.sumsq)
     }

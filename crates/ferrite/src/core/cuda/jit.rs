@@ -46,17 +46,21 @@ const HEADERS: &[(&str, &str)] = &[
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).
 #[derive(Clone, Debug)]
 pub struct Program {
+    /// The `.cu` module.
     pub source: KernelSource,
+    /// `-D` definitions, in order: `(name, value)`.
     pub defines: Vec<(String, String)>,
 }
 
 impl Program {
+    /// `source` with no definitions.
     pub fn new(source: KernelSource) -> Self {
         Program {
             source,
             defines: Vec::new(),
         }
     }
+    /// Adds `-Dname=value`.
     pub fn define(mut self, name: &str, value: impl ToString) -> Self {
         self.defines.push((name.to_string(), value.to_string()));
         self
@@ -157,14 +161,19 @@ pub fn cache_dir() -> PathBuf {
 /// The PTX of a program for one architecture, and whether it came from the disk cache.
 #[derive(Clone, Debug)]
 pub struct CompiledPtx {
+    /// The program's label ([`Program::label`]).
     pub label: String,
+    /// The cache key: SHA-256 (hex) of the expanded source, name, options and NVRTC version.
     pub key: String,
+    /// The PTX text.
     pub ptx: String,
     /// The SASS NVRTC assembled for `arch` (real `sm_` targets only). Loading it skips the
     /// driver's PTX JIT, which for the big wgmma modules costs seconds per module in every fresh
     /// process — more than NVRTC's own compile once the disk cache is warm.
     pub cubin: Option<Vec<u8>>,
+    /// Read from the disk cache rather than compiled now.
     pub from_cache: bool,
+    /// The architecture it was compiled for.
     pub arch: Arch,
 }
 
@@ -186,7 +195,7 @@ fn options_for(program: &Program, arch: Arch, includes: &[String]) -> Vec<String
 
 /// The environment variable naming a folder of replacement kernel sources (a developer's knob):
 /// `$FERRITE_KERNEL_DIR/matmul/warptile.cu` replaces the embedded `matmul/warptile` module. It
-/// lets one GPU session compare edited kernels with the built ones without rebuilding the binary;
+/// lets one GPU run compare edited kernels with the built ones without rebuilding the binary;
 /// the cache key hashes the text, so an edit never reuses stale PTX.
 pub const KERNEL_DIR_VAR: &str = "FERRITE_KERNEL_DIR";
 

@@ -7,8 +7,12 @@
 //! who passes another stream (PyTorch's current stream, a CUDA-graph capture stream) orders that
 //! stream against ferrite's own, exactly as with two PyTorch streams.
 
+// cuBLAS handles (the benches' vendor peers) and the launch geometry of row-wise kernels: used by
+// the op families' CUDA host code and benches, not an interface of their own.
+#[doc(hidden)]
 pub mod blas;
 pub mod jit;
+#[doc(hidden)]
 pub mod rows;
 
 use super::device::Arch;
@@ -18,6 +22,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// cudarc's stream type, which [`Stream`] wraps (for callers that create streams with cudarc).
 pub use cudarc::driver::CudaStream as RawStream;
 
 /// A stream ops can run on: ferrite's own or one borrowed from a caller.
@@ -111,18 +116,31 @@ pub fn nvrtc_available() -> Result<()> {
 /// Properties read once from the device.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceProps {
+    /// The device's name (`NVIDIA H100 80GB HBM3`, ...).
     pub name: String,
+    /// Its ordinal, as in [`Device::Cuda`](crate::Device::Cuda).
     pub ordinal: usize,
+    /// Streaming multiprocessors.
     pub sm_count: u32,
+    /// L2 cache, bytes.
     pub l2_bytes: u64,
+    /// Device memory, bytes.
     pub total_mem: u64,
+    /// The most shared memory one block may opt into, bytes.
     pub smem_per_block_optin: u32,
+    /// Shared memory per SM, bytes.
     pub smem_per_sm: u32,
+    /// Resident threads per SM at most.
     pub max_threads_per_sm: u32,
+    /// 32-bit registers per SM.
     pub regs_per_sm: u32,
+    /// Peak SM clock, kHz.
     pub clock_khz: u32,
+    /// Peak memory clock, kHz.
     pub mem_clock_khz: u32,
+    /// Memory bus width, bits.
     pub mem_bus_bits: u32,
+    /// The NVRTC target kernels are built for (`sm_90a`, ...).
     pub target: String,
 }
 
@@ -209,15 +227,19 @@ impl CudaDevice {
         })
     }
 
+    /// The architecture kernels are compiled for on this device.
     pub fn arch(&self) -> Arch {
         self.arch
     }
+    /// Name, SM count, memory and limits, read when the device was opened.
     pub fn props(&self) -> &DeviceProps {
         &self.props
     }
+    /// The device's ordinal.
     pub fn ordinal(&self) -> usize {
         self.props.ordinal
     }
+    /// The primary context (the one the CUDA runtime and PyTorch use), for calls into cudarc.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -226,6 +248,8 @@ impl CudaDevice {
         &self.stream
     }
 
+    /// Makes the device's context current on the calling thread (ops do this themselves; driver
+    /// calls made outside ferrite may need it).
     pub fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()
@@ -249,6 +273,8 @@ impl CudaDevice {
         Ok(unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) })
     }
 
+    /// Waits until `stream` has finished its work; a failure is reported as happening after
+    /// `after` (the op or step that queued the work).
     pub fn synchronize(&self, stream: &Stream, after: &str) -> Result<()> {
         stream
             .synchronize()
@@ -382,6 +408,8 @@ impl CudaDevice {
             .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
     }
 
+    /// Copies device memory at `src` into host bytes, ordered on `stream`.
+    ///
     /// # Safety
     /// `src..src+dst.len()` must be device memory of this device; `dst` must stay alive until the
     /// stream has passed this copy.
@@ -395,6 +423,8 @@ impl CudaDevice {
             .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))
     }
 
+    /// Copies `bytes` between two device addresses, ordered on `stream`.
+    ///
     /// # Safety
     /// Both ranges must be device memory of this device, `bytes` long.
     pub unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
@@ -407,6 +437,8 @@ impl CudaDevice {
             .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
     }
 
+    /// Sets `bytes` of device memory at `dst` to `byte`, ordered on `stream`.
+    ///
     /// # Safety
     /// `dst..dst+bytes` must be device memory of this device.
     pub unsafe fn memset(&self, dst: u64, byte: u8, bytes: usize, stream: &Stream) -> Result<()> {
@@ -443,12 +475,15 @@ impl DeviceBuffer {
             free_on: None,
         }
     }
+    /// Device address of the first byte.
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
+    /// Size in bytes.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+    /// The device the memory belongs to.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.dev
     }
@@ -477,17 +512,21 @@ unsafe impl Send for PinnedBuffer {}
 unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
+    /// The bytes, read-only.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr is a live allocation of `bytes` (at least 1) bytes owned by self.
         unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
     }
+    /// The bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and &mut self gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
     }
+    /// Size in bytes.
     pub fn len(&self) -> usize {
         self.bytes
     }
+    /// Whether the buffer holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.bytes == 0
     }
@@ -509,6 +548,7 @@ pub struct GpuTimer {
 }
 
 impl GpuTimer {
+    /// Two events on `dev`'s context.
     pub fn new(dev: &CudaDevice) -> Result<Self> {
         dev.bind()?;
         let f = sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -520,11 +560,13 @@ impl GpuTimer {
             ctx: dev.ctx.clone(),
         })
     }
+    /// Records the start event on `stream`.
     pub fn start(&self, stream: &Stream) -> Result<()> {
         // SAFETY: both handles are live events of this context.
         unsafe { drv::event::record(self.start, stream.cu_stream()) }
             .map_err(|e| Error::cuda("cuEventRecord", e))
     }
+    /// Records the stop event on `stream`.
     pub fn stop(&self, stream: &Stream) -> Result<()> {
         // SAFETY: as above.
         unsafe { drv::event::record(self.stop, stream.cu_stream()) }
@@ -572,6 +614,7 @@ pub struct KernelArgs {
 }
 
 impl KernelArgs {
+    /// An empty parameter list.
     pub fn new() -> Self {
         Self::default()
     }
@@ -596,8 +639,11 @@ impl KernelArgs {
 /// A kernel loaded into a device, with its name for error messages and reports.
 #[derive(Clone)]
 pub struct Kernel {
+    /// The kernel's function name.
     pub name: String,
+    /// The loaded function.
     pub func: CudaFunction,
+    /// The device it is loaded into.
     pub dev: Arc<CudaDevice>,
     /// Bytes of static shared memory (read once at load: `allow_dynamic_smem` runs per launch).
     pub static_smem: u32,
@@ -606,13 +652,18 @@ pub struct Kernel {
 /// Static resource use of a kernel, as the driver reports it.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct KernelResources {
+    /// Registers per thread.
     pub registers: i32,
+    /// Static shared memory per block, bytes.
     pub static_smem: i32,
+    /// Local memory per thread (spills and stack), bytes.
     pub local_bytes: i32,
+    /// The largest block it can launch with.
     pub max_threads: i32,
 }
 
 impl Kernel {
+    /// Registers, shared and local memory and the block limit, from the driver.
     pub fn resources(&self) -> Result<KernelResources> {
         let e = |x| Error::cuda(format!("cuFuncGetAttribute({})", self.name), x);
         Ok(KernelResources {

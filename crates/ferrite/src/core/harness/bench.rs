@@ -7,15 +7,21 @@ use crate::core::dtype::DType;
 use crate::core::error::Result;
 use std::time::{Duration, Instant};
 
+/// Summary of timed repeats.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct Stats {
+    /// Median time of one repeat, ms.
     pub median_ms: f64,
+    /// Fastest repeat, ms.
     pub min_ms: f64,
+    /// Slowest repeat, ms.
     pub max_ms: f64,
+    /// Repeats timed.
     pub reps: usize,
 }
 
 impl Stats {
+    /// Median, min and max of `ms` (all zero when empty).
     pub fn from_samples(mut ms: Vec<f64>) -> Stats {
         ms.sort_by(|a, b| a.total_cmp(b));
         let n = ms.len();
@@ -39,14 +45,18 @@ impl Stats {
 /// How long and how often to measure.
 #[derive(Clone, Copy, Debug)]
 pub struct Budget {
+    /// Untimed runs first (compilation, tuning, caches, clocks).
     pub warmup: usize,
+    /// Repeats timed at least.
     pub min_reps: usize,
+    /// Repeats timed at most.
     pub max_reps: usize,
     /// Stop adding repeats once this much time was measured (after `min_reps`).
     pub target: Duration,
 }
 
 impl Budget {
+    /// CPU work: few repeats of long runs.
     pub fn cpu() -> Self {
         Budget {
             warmup: 1,
@@ -55,6 +65,7 @@ impl Budget {
             target: Duration::from_millis(1500),
         }
     }
+    /// GPU work: many repeats of short kernels.
     pub fn gpu() -> Self {
         Budget {
             warmup: 5,
@@ -151,8 +162,8 @@ pub fn time_gpu_alternating(
 /// to a few milliseconds and none always follows the same neighbour. Block rounds
 /// (`time_gpu_alternating`) left ~270 ms between a peer's samples and ours: on the H100 at its
 /// 700 W limit, the same two GEMMs' ratio to cuBLAS's then moved by 0.926–0.997 between calls
-/// of one binary (bench/results/2026-11-26-h100-session15/pending-15.1). Cycles: enough to
-/// spend the budget's target per closure, within its repeat bounds.
+/// of one binary (bench/results/2026-11-26-h100-linear-bench-timing-last-tile/dact-group-height).
+/// Cycles: enough to spend the budget's target per closure, within its repeat bounds.
 pub fn time_gpu_interleaved(
     dev: &CudaDevice,
     stream: &Stream,
@@ -308,32 +319,57 @@ pub fn rotation_sets(bytes_per_set: usize, l2_bytes: u64, free_bytes: u64) -> us
 /// One line of a bench report. `ratio_to_peer` > 1 means faster than the peer.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct BenchRecord {
+    /// The device and its name (`cuda:0 (NVIDIA H100 80GB HBM3)`).
     pub device: String,
+    /// The family.
     pub op: String,
+    /// The variant or peer timed.
     pub variant: String,
+    /// The input dtype.
     pub dtype: String,
+    /// The case, in the family's words.
     pub shape: String,
+    /// Median time of one call, ms.
     pub median_ms: f64,
+    /// Fastest call, ms.
     pub min_ms: f64,
+    /// Slowest call, ms.
     pub max_ms: f64,
+    /// Calls timed.
     pub reps: usize,
+    /// Floating-point operations of one call (the op's nominal count).
     pub flops: f64,
+    /// Bytes one call must move at least (inputs read once, outputs written once).
     pub bytes: f64,
+    /// `flops` at the median time, TFLOP/s.
     pub tflops: f64,
+    /// `bytes` at the median time, GB/s.
     pub gbps: f64,
     /// Percent of the relevant ceiling (vendor rate for compute-bound, copy bandwidth otherwise).
     pub pct_of_ceiling: Option<f64>,
+    /// Which ceiling `pct_of_ceiling` is against.
     pub ceiling: String,
+    /// The baseline's median over this one's (> 1: faster than the baseline).
     pub speedup_vs_baseline: Option<f64>,
+    /// The variant the speedup is over (the ladder's first rung on this device).
     pub baseline: String,
+    /// The peer's median over this one's (> 1: faster than the vendor library).
     pub ratio_to_peer: Option<f64>,
+    /// The peer the ratio is against.
     pub peer: String,
+    /// This record times the peer itself.
     pub is_peer: bool,
+    /// Registers per thread of the main kernel (GPU).
     pub registers: Option<i32>,
+    /// Shared memory per block of the main kernel, static plus dynamic, bytes.
     pub smem_bytes: Option<u32>,
+    /// Local memory per thread of the main kernel (spills), bytes.
     pub spill_bytes: Option<i32>,
+    /// Theoretical occupancy of the main kernel, 0..1.
     pub occupancy: Option<f64>,
+    /// The launch configuration or thread count that ran.
     pub config: String,
+    /// Anything special about the case.
     pub note: String,
     /// Peak device memory one call needed (inputs, outputs and workspaces), from the
     /// stream-ordered pool's high-water mark; ops that measure it set it.
@@ -342,6 +378,7 @@ pub struct BenchRecord {
 }
 
 impl BenchRecord {
+    /// A record of `stats` for one case, with the rates derived from `flops` and `bytes`.
     pub fn new(
         device: Device,
         device_name: &str,

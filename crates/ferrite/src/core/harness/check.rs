@@ -12,13 +12,16 @@ pub enum Precision {
     F32,
     /// fp32 inputs through tensor cores (10-bit mantissa products).
     Tf32,
+    /// bf16 inputs and outputs, f32 accumulation.
     Bf16,
+    /// f16 inputs and outputs, f32 accumulation.
     F16,
     /// Bit-exact results (copies, gathers, integer ops).
     Exact,
 }
 
 impl Precision {
+    /// The contract of an op computing in `dtype` (f32 means true fp32, never tf32).
     pub fn of(dtype: DType) -> Precision {
         match dtype {
             DType::BF16 => Precision::Bf16,
@@ -38,6 +41,7 @@ impl Precision {
         }
     }
 
+    /// The lowercase name used in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "f32",
@@ -86,6 +90,7 @@ pub fn rel_error_scaled(out: &[f64], reference: &[f64], scale: f64) -> f64 {
 /// What `ferrite check` runs.
 #[derive(Clone, Debug)]
 pub struct CheckConfig {
+    /// Devices to run on.
     pub devices: Vec<Device>,
     /// Only these variants (all when empty).
     pub variants: Vec<String>,
@@ -98,9 +103,11 @@ pub struct CheckConfig {
 }
 
 impl CheckConfig {
+    /// Whether the variant (or peer) called `name` is selected.
     pub fn wants_variant(&self, name: &str) -> bool {
         self.variants.is_empty() || self.variants.iter().any(|v| v == name)
     }
+    /// Whether `d` is selected.
     pub fn wants_dtype(&self, d: DType) -> bool {
         self.dtypes.is_empty() || self.dtypes.contains(&d)
     }
@@ -109,14 +116,23 @@ impl CheckConfig {
 /// One line of the check table.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CheckRecord {
+    /// The family.
     pub op: String,
+    /// The variant (or peer) checked.
     pub variant: String,
+    /// The device it ran on.
     pub device: String,
+    /// The input dtype.
     pub dtype: String,
+    /// The contract the error is held to.
     pub precision: Precision,
+    /// The case: shape and layout, in the family's words.
     pub shape: String,
+    /// Relative error against the f64 reference (+Inf for NaN/Inf or an unwritten element).
     pub error: f64,
+    /// The largest error that passes.
     pub tolerance: f64,
+    /// `error <= tolerance`, and the case ran.
     pub pass: bool,
     /// Why a case failed to run, or what was special about it.
     pub note: String,

@@ -1,8 +1,13 @@
 //! The check and bench harness: what an op family implements to take part in `ferrite check`,
 //! `ferrite bench` and `ferrite kernels`, and the shared machinery they use. Knows no op.
 
+// Timing, reference comparison and the tables/JSON/SVG of `ferrite check` and `ferrite bench`:
+// pub for the op families' check.rs/bench.rs and the CLI, not an interface for library users.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod report;
 
 use crate::core::cuda::jit::Program;
@@ -16,9 +21,11 @@ pub use check::{CheckConfig, CheckRecord, Precision};
 /// What `ferrite bench` runs.
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
+    /// Devices to run on (the CPU, GPUs).
     pub devices: Vec<Device>,
     /// Only these variants (all when empty).
     pub variants: Vec<String>,
+    /// Only these dtypes (each family's defaults when empty).
     pub dtypes: Vec<DType>,
     /// Explicit problem shapes (op-specific meaning, e.g. [m, n, k]); the op's defaults when empty.
     pub shapes: Vec<Vec<usize>>,
@@ -61,9 +68,11 @@ impl std::str::FromStr for Timing {
 }
 
 impl BenchConfig {
+    /// Whether the variant (or peer) called `name` is selected.
     pub fn wants_variant(&self, name: &str) -> bool {
         self.variants.is_empty() || self.variants.iter().any(|v| v == name)
     }
+    /// Whether `d` is selected.
     pub fn wants_dtype(&self, d: DType) -> bool {
         self.dtypes.is_empty() || self.dtypes.contains(&d)
     }
@@ -96,12 +105,16 @@ pub struct Ceilings {
     pub cpu_peer_gflops: Option<f64>,
     /// Nominal single-core f32 peak: GHz × SIMD lanes × 2 (FMA) × 2 (FMA units).
     pub cpu_core_peak_gflops: Option<f64>,
+    /// One core's measured clock, GHz.
     pub cpu_ghz: Option<f64>,
+    /// The widest f32 SIMD the CPU runs (`avx512f`, `avx2+fma`, ...).
     pub cpu_isa: String,
+    /// Threads of the CPU variants' pool.
     pub cpu_threads: usize,
 }
 
 impl Ceilings {
+    /// The vendor GEMM rate measured for `dtype` (`f32`, `tf32`, `bf16`, `f16`), GFLOP/s.
     pub fn gpu_gemm(&self, dtype: &str) -> Option<f64> {
         self.gpu_gemm_gflops
             .iter()
@@ -113,14 +126,19 @@ impl Ceilings {
 /// A kernel module and the functions in it, for the build check (`ferrite kernels`).
 #[derive(Clone)]
 pub struct KernelSpec {
+    /// The source and its `-D` specialisation.
     pub program: Program,
+    /// The `extern "C"` entry points the PTX must contain.
     pub functions: Vec<String>,
+    /// The oldest architecture the module is built for.
     pub min_arch: Arch,
 }
 
 /// An op family as the harness sees it.
 pub trait OpFamily: Sync {
+    /// The family's name on the command line (`matmul`, `attention`, ...).
     fn name(&self) -> &'static str;
+    /// The ladder: every variant with what it supports and what it changes.
     fn variants(&self) -> Vec<VariantInfo>;
     /// Runs the checks in `cfg`, appending one record per (variant, device, dtype, shape).
     fn check(&self, cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()>;

@@ -25,9 +25,15 @@
 //! (unfused: one kernel per op with intermediate tensors, as an eager framework runs it) →
 //! `fused` (one pass, 16-byte loads and stores). See kernels/activation.cu.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::{rows, Stream};
@@ -41,9 +47,11 @@ use crate::core::philox;
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "activation";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread, one pass per element", rank: 1 },
@@ -64,8 +72,10 @@ pub fn variants() -> Vec<VariantInfo> {
 /// The activation applied (after the bias, before dropout; or to the GLU's gate).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Activation {
+    /// The identity.
     #[default]
     None,
+    /// max(h, 0); NaN stays NaN.
     Relu,
     /// 0.5·h·(1 + tanh(√(2/π)·(h + 0.044715·h³))) (GPT-2's GELU).
     GeluTanh,
@@ -76,6 +86,7 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// Every activation, in code order.
     pub const ALL: [Activation; 5] = [
         Activation::None,
         Activation::Relu,
@@ -84,6 +95,7 @@ impl Activation {
         Activation::Silu,
     ];
 
+    /// The name [`parse`](Activation::parse) reads and errors print.
     pub fn name(self) -> &'static str {
         match self {
             Activation::None => "none",
@@ -94,6 +106,7 @@ impl Activation {
         }
     }
 
+    /// The activation called `s`, or an error listing the names.
     pub fn parse(s: &str) -> Result<Activation> {
         Activation::ALL
             .into_iter()
@@ -112,8 +125,12 @@ impl Activation {
 /// Dropout's parameters: drop probability and the stream handle `(seed, offset)`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Dropout {
+    /// Drop probability in [0, 1); 0 draws nothing.
     pub p: f32,
+    /// The Philox key.
     pub seed: u64,
+    /// The first Philox counter this call uses; the next call passes `offset +
+    /// philox::blocks_used(numel)`.
     pub offset: u64,
 }
 
@@ -124,17 +141,27 @@ impl Dropout {
     }
 }
 
+/// Options of a bias + activation + dropout call. `Default`: best variant, the device's own
+/// stream, no activation, no dropout.
 #[derive(Clone, Debug, Default)]
 pub struct ActOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
+    /// The activation after the bias.
     pub act: Activation,
+    /// Dropout after the activation.
     pub dropout: Dropout,
 }
 
+/// Options of a GLU call. `Default`: best variant, the device's own stream, and no activation
+/// (a plain bilinear gate: set `act` for SwiGLU or GEGLU).
 #[derive(Clone, Debug, Default)]
 pub struct GluOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
     /// silu: SwiGLU; gelu_tanh / gelu_erf: GEGLU.
     pub act: Activation,
@@ -143,11 +170,17 @@ pub struct GluOptions {
 /// A validated problem: `rows` × `cols` elementwise (for the GLU, `cols` = n, the output width).
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// Rows: every dim but the last folded.
     pub rows: usize,
+    /// Elements per output row.
     pub cols: usize,
+    /// The shared dtype.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
+    /// The activation.
     pub act: Activation,
+    /// A GLU call (input rows `2·cols` wide).
     pub glu: bool,
 }
 
@@ -484,6 +517,7 @@ pub fn geglu(input: &Tensor) -> Result<Tensor> {
     glu(input, Activation::GeluTanh)
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct ActivationFamily;
 
 impl OpFamily for ActivationFamily {

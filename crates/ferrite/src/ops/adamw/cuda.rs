@@ -154,6 +154,7 @@ impl AdamWPlan {
         })
     }
 
+    /// The list's dtypes, device and sizes.
     pub fn problem(&self) -> &Problem {
         &self.problem
     }

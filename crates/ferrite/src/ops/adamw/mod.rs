@@ -17,13 +17,21 @@
 //! CUDA: `naive` (one launch per tensor, scalar loads) → `multi_tensor` (one launch for the whole
 //! list: a device table of tensors and a block → (tensor, chunk) map built on the host, 4-wide
 //! vector loads). The table upload costs a host→device copy and a stream synchronisation per
-//! call; a training loop builds an [`cuda::AdamWPlan`] once and steps it asynchronously (also
+//! call; a training loop builds an [`AdamWPlan`] once and steps it asynchronously (also
 //! under CUDA-graph capture). See kernels/adamw.cu.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
+
+pub use cuda::AdamWPlan;
 
 use crate::core::cuda::Stream;
 use crate::core::device::{Arch, Device};
@@ -35,9 +43,11 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "adamw";
 const PARAMS: &[DType] = &[DType::F32, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: PARAMS, min_arch: None, constraints: "any", summary: "one thread, element by element", rank: 1 },
@@ -58,9 +68,13 @@ pub fn variants() -> Vec<VariantInfo> {
 /// One parameter tensor and its state. All contiguous, the same number of elements.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWTensor<'a> {
+    /// The parameter, updated in place (f32, or bf16 with `master`).
     pub param: &'a Tensor,
+    /// Its gradient (the param's dtype or f32), read only.
     pub grad: &'a Tensor,
+    /// The first moment m (f32), updated in place.
     pub exp_avg: &'a Tensor,
+    /// The second moment v (f32), updated in place.
     pub exp_avg_sq: &'a Tensor,
     /// f32 master weights: required for bf16 params, refused for f32 params.
     pub master: Option<&'a Tensor>,
@@ -69,10 +83,15 @@ pub struct AdamWTensor<'a> {
 /// The step's hyperparameters (torch's names and defaults, lr aside).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWHyper {
+    /// Learning rate (≥ 0: warm-up schedules start at 0, and the moments still move).
     pub lr: f64,
+    /// Decay of the first moment, in [0, 1).
     pub beta1: f64,
+    /// Decay of the second moment, in [0, 1).
     pub beta2: f64,
+    /// Added to √v̂ in the denominator (> 0).
     pub eps: f64,
+    /// Decoupled weight decay: p shrinks by lr·weight_decay each step (≥ 0).
     pub weight_decay: f64,
     /// This step's number, from 1 (bias correction).
     pub step: u64,
@@ -98,11 +117,15 @@ impl Default for AdamWHyper {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Hyper {
+    /// β1, rounded to f32.
     pub beta1: f32,
+    /// β2, rounded to f32.
     pub beta2: f32,
     /// 1 − β1 and 1 − β2 from f64 (1 − f32(0.999) is 1.3e-5 off, relatively, as torch avoids).
     pub one_minus_beta1: f32,
+    /// 1 − β2 (see `one_minus_beta1`).
     pub one_minus_beta2: f32,
+    /// eps, rounded to f32.
     pub eps: f32,
     /// 1 − lr·wd
     pub decay: f32,
@@ -110,10 +133,13 @@ pub struct Hyper {
     pub step_size: f32,
     /// 1 / √(1 − β2^t)
     pub inv_bc2_sqrt: f32,
+    /// grad_scale, rounded to f32.
     pub grad_scale: f32,
 }
 
 impl AdamWHyper {
+    /// Checks the ranges (an error names the first value out of range) and computes the
+    /// kernels' constants for this step.
     pub fn validate(&self) -> Result<Hyper> {
         let pos = |name: &str, v: f64| {
             if v.is_finite() && v > 0.0 {
@@ -164,19 +190,27 @@ impl AdamWHyper {
     }
 }
 
+/// Options of one step. `Default`: best variant, the device's own stream.
 #[derive(Clone, Debug, Default)]
 pub struct AdamWOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
 }
 
 /// What one call updates: the shared dtypes and device.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// The params' dtype.
     pub param: DType,
+    /// The grads' dtype.
     pub grad: DType,
+    /// The shared device.
     pub device: Device,
+    /// Tensors in the list.
     pub tensors: usize,
+    /// Elements over all of them.
     pub numel: usize,
 }
 
@@ -311,6 +345,7 @@ pub fn adamw_step(tensors: &[AdamWTensor], hp: &AdamWHyper, opts: &AdamWOptions)
     }
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct AdamW;
 
 impl OpFamily for AdamW {

@@ -20,11 +20,19 @@
 //! `naive` (S and P in global f32 workspaces of B·Hq·Sq·Sk floats: O(n²) memory) → `flash`
 //! (sm_80, mma.sync) → `hopper` (sm_90a, wgmma). See cpu.rs and kernels/naive.cu.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
+#[doc(hidden)]
 pub mod flash;
+#[doc(hidden)]
 pub mod hopper;
 
 use crate::core::cuda::Stream;
@@ -37,12 +45,15 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "attention";
+/// The backward's name in errors.
 pub const OP_BWD: &str = "attention_backward";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
 const HALVES: &[DType] = &[DType::F16, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any head dim", summary: "S and P materialised per (batch, head), one thread", rank: 1 },
@@ -69,20 +80,28 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
+/// Dim order of padded q, k, v and o (the head dim is always last and contiguous).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
+    /// `[batch, seq, heads, head_dim]`: flash-attn's order.
     Bshd,
+    /// `[batch, heads, seq, head_dim]`: `scaled_dot_product_attention`'s order.
     Bhsd,
 }
 
+/// Options of one call (forward and backward take the same). `Default`: best variant, the
+/// device's own stream, `Bshd`, scale 1/√D, no mask, no soft-cap, the fast backward.
 #[derive(Clone, Debug)]
 pub struct AttentionOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
     /// Default Bshd (ignored when varlen: packed [total, H, D]).
     pub layout: Layout,
     /// None = 1/sqrt(D).
     pub scale: Option<f32>,
+    /// Each query sees only keys at or before its position (bottom-right aligned).
     pub causal: bool,
     /// (left, right), −1 = unbounded; causal forces right = 0.
     pub window: (i64, i64),
@@ -113,35 +132,53 @@ impl Default for AttentionOptions {
 /// the maximum lengths (host values, used for grid sizes).
 #[derive(Clone, Copy, Debug)]
 pub struct Varlen<'a> {
+    /// Sequence b's queries are rows `cu[b]..cu[b+1]` of q.
     pub cu_seqlens_q: &'a Tensor,
+    /// Sequence b's keys are rows `cu[b]..cu[b+1]` of k and v.
     pub cu_seqlens_k: &'a Tensor,
+    /// The longest query sequence.
     pub max_seqlen_q: usize,
+    /// The longest key sequence.
     pub max_seqlen_k: usize,
 }
 
 /// Everything a kernel needs, after validation: sizes and element strides of each tensor.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// B: sequences.
     pub batch: usize,
+    /// Hq: query heads.
     pub heads_q: usize,
+    /// Hkv: key/value heads (divides Hq).
     pub heads_kv: usize,
-    /// Max lengths when varlen.
+    /// Sq: queries per sequence (the longest when varlen).
     pub seqlen_q: usize,
+    /// Sk: keys per sequence (the longest when varlen).
     pub seqlen_k: usize,
+    /// D: the head dim.
     pub head_dim: usize,
+    /// The shared dtype of q, k, v, o.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
+    /// Packed sequences with cumulative lengths.
     pub varlen: bool,
+    /// The score scale.
     pub scale: f32,
+    /// The soft-cap c (0: off).
     pub softcap: f32,
-    /// After folding `causal` in.
+    /// Keys visible before the query's position (−1: all), after folding `causal` in.
     pub window_left: i64,
+    /// Keys visible after the query's position (−1: all; 0 when causal).
     pub window_right: i64,
     /// Element strides (batch, seq, head) of q, k, v, o (and dO/dq/dk/dv share their partner's
     /// strides: they must have the same layout as q/k/v/o); the last dim is contiguous.
     pub q_stride: [i64; 3],
+    /// k's (batch, seq, head) strides.
     pub k_stride: [i64; 3],
+    /// v's (batch, seq, head) strides.
     pub v_stride: [i64; 3],
+    /// o's (batch, seq, head) strides.
     pub o_stride: [i64; 3],
 }
 
@@ -207,7 +244,9 @@ impl Problem {
 /// b·S + i (sequence b starts at b·S and has the full length).
 #[derive(Clone, Debug)]
 pub struct Seqs {
+    /// (first row, length) of each sequence's queries.
     pub q: Vec<(usize, usize)>,
+    /// (first row, length) of each sequence's keys.
     pub k: Vec<(usize, usize)>,
     /// Rows of packed q (varlen: lse's row length); B·Sq when padded.
     pub total_q: usize,
@@ -411,7 +450,9 @@ fn read_cu(
 
 /// The checked problem and the host copy of its sequence table.
 pub struct Checked {
+    /// Sizes, strides and options.
     pub p: Problem,
+    /// The sequence table.
     pub seqs: Seqs,
 }
 
@@ -724,18 +765,46 @@ pub fn attention_backward_into(
 
 /// The tensors of a backward call, validated.
 pub struct BwdTensors<'a> {
+    /// dO, like o.
     pub dout: &'a Tensor,
+    /// The forward's queries.
     pub q: &'a Tensor,
+    /// The forward's keys.
     pub k: &'a Tensor,
+    /// The forward's values.
     pub v: &'a Tensor,
+    /// The forward's output.
     pub o: &'a Tensor,
+    /// The forward's log-sum-exp.
     pub lse: &'a Tensor,
+    /// Receives dQ, like q.
     pub dq: &'a Tensor,
+    /// Receives dK, like k.
     pub dk: &'a Tensor,
+    /// Receives dV, like v.
     pub dv: &'a Tensor,
 }
 
 /// Allocating forward of a padded batch: (o, lse).
+///
+/// Causal grouped-query attention on the CPU (on a GPU the same call runs `flash` or `hopper`
+/// for bf16/f16):
+///
+/// ```rust
+/// use ferrite::ops::attention::{attention, AttentionOptions};
+/// use ferrite::{DType, Device, Tensor};
+/// let (b, s, d) = (2, 16, 32);
+/// let q = Tensor::rand(&[b, s, 8, d], DType::F32, Device::Cpu, 1, -1.0, 1.0)?; // 8 query heads
+/// let k = Tensor::rand(&[b, s, 2, d], DType::F32, Device::Cpu, 2, -1.0, 1.0)?; // 2 kv heads
+/// let v = Tensor::rand(&[b, s, 2, d], DType::F32, Device::Cpu, 3, -1.0, 1.0)?;
+/// let opts = AttentionOptions { causal: true, ..Default::default() };
+/// let (o, lse) = attention(&q, &k, &v, &opts)?;
+/// assert_eq!((o.shape(), lse.shape()), (&[b, s, 8, d][..], &[b, 8, s][..]));
+/// // The first query sees only the first key: its output is that key's value row.
+/// let (o, v) = (o.to_vec::<f32>()?, v.to_vec::<f32>()?);
+/// assert!((0..d).all(|i| (o[i] - v[i]).abs() < 1e-6));
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -781,6 +850,7 @@ pub fn attention_backward(
     Ok((dq, dk, dv))
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Attention;
 
 impl OpFamily for Attention {

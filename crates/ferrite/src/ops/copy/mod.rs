@@ -21,6 +21,7 @@ use crate::core::variant::{self, Backend, VariantInfo};
 use crate::kernel_source;
 use std::sync::Arc;
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "copy";
 const SRC: KernelSource = kernel_source!("copy", "kernels/copy.cu");
 const ANY: &[DType] = &[
@@ -33,6 +34,7 @@ const ANY: &[DType] = &[
     DType::U8,
 ];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo {
@@ -65,9 +67,12 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
+/// Options of one call. `Default`: best variant, the device's own stream.
 #[derive(Clone, Debug, Default)]
 pub struct CopyOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
 }
 
@@ -378,6 +383,7 @@ fn bench_run(
     Ok(())
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Copy;
 
 impl OpFamily for Copy {

@@ -36,9 +36,15 @@
 //! CUDA-graph capture); a bad target then shows only as NaN in that row's loss and gradient (and
 //! so in the scalar loss).
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::Stream;
@@ -51,9 +57,11 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "cross_entropy";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread, f64 sums, a row at a time", rank: 1 },
@@ -103,12 +111,14 @@ pub fn variants() -> Vec<VariantInfo> {
 pub enum Reduction {
     /// Σ loss_i / #non-ignored rows (NaN when every row is ignored, as torch).
     Mean,
+    /// Σ loss_i.
     Sum,
     /// No reduction: the per-row losses are the result (the scalar output, if asked, is the sum).
     None,
 }
 
 impl Reduction {
+    /// torch's name for it (`mean`, `sum`, `none`).
     pub fn name(self) -> &'static str {
         match self {
             Reduction::Mean => "mean",
@@ -129,14 +139,19 @@ pub enum GradOut<'a> {
     InPlace,
 }
 
+/// Options of one call. `Default`: best variant, the device's own stream, torch's defaults
+/// (`ignore_index` −100, no smoothing, mean), dloss 1, targets checked.
 #[derive(Clone, Debug)]
 pub struct CrossEntropyOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
     /// Rows whose target equals this contribute no loss and get a zero gradient.
     pub ignore_index: i64,
     /// ε ∈ [0, 1): the target distribution is (1−ε)·one-hot + ε/V.
     pub label_smoothing: f32,
+    /// How the scalar loss combines the rows, and so how the gradient is scaled.
     pub reduction: Reduction,
     /// Incoming gradient of the scalar loss; scales dlogits.
     pub dloss: f32,
@@ -163,14 +178,20 @@ impl Default for CrossEntropyOptions {
     }
 }
 
+/// A validated problem.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// N: rows of logits.
     pub rows: usize,
+    /// V: classes per row.
     pub vocab: usize,
     /// Elements from one row of the logits to the next (≥ vocab).
     pub ld: usize,
+    /// The logits' (and gradient's) dtype.
     pub dtype: DType,
+    /// The targets' dtype (i64 or i32).
     pub target_dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
@@ -337,8 +358,8 @@ fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static
     )?;
     if requested.is_none() && v.name == "cluster" {
         if let Device::Cuda(i) = p.device {
-            // `resident` wherever one block keeps at least 7/8 of a row. H100, 2026-11-25, both
-            // with pass 1 by cp.async: V = 50257 bf16 (whole row) 94.1% of copy against
+            // `resident` wherever one block keeps at least 7/8 of a row. H100, both with pass 1
+            // by cp.async: V = 50257 bf16 (whole row) 94.1% of copy against
             // cluster's 90.4%; V = 128256 (88% of the row kept, the rest read twice) 90.5%
             // against cluster's 87.0-88.0%. Longer rows go to `cluster`, which keeps them whole
             // (before the cp.async pass 1, V = 128256 was 73.6% on resident, 78.8% on cluster).
@@ -463,7 +484,18 @@ pub fn scale_grad_in_place(grad: &Tensor, dloss: &Tensor, stream: Option<Stream>
     }
 }
 
-/// Allocating convenience: (per-row loss [N], scalar loss [1], dlogits like the logits).
+/// Allocating convenience: (per-row loss `[N]`, scalar loss `[1]`, dlogits like the logits).
+///
+/// ```rust
+/// use ferrite::ops::cross_entropy::{cross_entropy, CrossEntropyOptions};
+/// use ferrite::Tensor;
+/// let logits = Tensor::from_vec(vec![0.0f32; 8], &[2, 4])?; // uniform over 4 classes
+/// let targets = Tensor::from_vec(vec![1i64, -100], &[2])?; // the second row is ignored
+/// let (_rows, loss, dlogits) = cross_entropy(&logits, &targets, &CrossEntropyOptions::default())?;
+/// assert!((loss.to_vec::<f32>()?[0] - 4f32.ln()).abs() < 1e-6);
+/// assert_eq!(dlogits.to_vec::<f32>()?[..4], [0.25, -0.75, 0.25, 0.25]);
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
@@ -485,6 +517,7 @@ pub fn cross_entropy(
     Ok((loss_rows, loss, g))
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct CrossEntropy;
 
 impl OpFamily for CrossEntropy {

@@ -30,9 +30,15 @@
 //! an out-of-range slot is not written — and set bits of a device error flag that the host reads
 //! back after the launch (one 4-byte copy + stream sync) and turns into an [`Error`].
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::Stream;
@@ -45,7 +51,9 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "decode";
+/// `append_kv`'s name in errors.
 pub const APPEND_OP: &str = "append_kv";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 const HALVES: &[DType] = &[DType::F16, DType::BF16];
@@ -58,13 +66,17 @@ pub const GPU_MAX_HEAD_DIM: usize = 256;
 /// key indices never overflow while stepping past the end.
 pub const MAX_CAPACITY: usize = (i32::MAX as usize) - 65536;
 
-/// Bits of the device error flag (mirrored in kernels/decode.cu and kernels/append.cu).
+/// Bits of the device error flag (mirrored in kernels/decode.cu and kernels/append.cu): a
+/// seq_len outside `0..=max_blocks_per_seq·block_size`.
 pub const ERR_SEQ_LEN: i32 = 1;
+/// A block-table entry a query reads outside `0..num_blocks`.
 pub const ERR_BLOCK: i32 = 2;
+/// A slot outside the caches (and not −1).
 pub const ERR_SLOT: i32 = 4;
 /// A pipelined kernel was launched with less shared memory than it needs (a host bug).
 pub const ERR_LAUNCH: i32 = 8;
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any head dim", summary: "one thread; each sequence's context gathered contiguous, then plain attention", rank: 1 },
@@ -90,9 +102,13 @@ pub struct PagedKv<'a> {
     pub seq_lens: &'a Tensor,
 }
 
+/// Options of one decode step. `Default`: best variant, the device's own stream, scale 1/√D,
+/// no soft-cap, no window, the partition count from the SM count.
 #[derive(Clone, Debug)]
 pub struct DecodeOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
     /// None = 1/√D.
     pub scale: Option<f32>,
@@ -120,17 +136,29 @@ impl Default for DecodeOptions {
 /// A validated decode problem.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// B: sequences (one query token each).
     pub batch: usize,
+    /// Hq: query heads.
     pub heads_q: usize,
+    /// Hkv: kv heads in the cache (divides Hq).
     pub heads_kv: usize,
+    /// D: the head dim.
     pub head_dim: usize,
+    /// Blocks in the cache.
     pub num_blocks: usize,
+    /// Tokens per block.
     pub block_size: usize,
+    /// Columns of the block table: the most blocks a sequence may use.
     pub max_blocks: usize,
+    /// The shared dtype of q, o and the caches.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
+    /// The score scale.
     pub scale: f32,
+    /// The soft-cap (0: off).
     pub softcap: f32,
+    /// Keys visible before the query's position (−1: all).
     pub window_left: i64,
 }
 
@@ -478,21 +506,30 @@ pub fn decode(q: &Tensor, kv: &PagedKv, opts: &DecodeOptions) -> Result<(Tensor,
     Ok((o, lse))
 }
 
+/// Options of one append. `Default`: the device's own stream.
 #[derive(Clone, Debug, Default)]
 pub struct AppendOptions {
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
 }
 
 /// A validated append: tokens and the bytes of one token's row (Hkv·D elements).
 #[derive(Clone, Copy, Debug)]
 pub struct AppendProblem {
+    /// T: tokens to write.
     pub tokens: usize,
+    /// Hkv·D: elements of one token's row.
     pub row_elems: usize,
+    /// num_blocks·block_size: slots in each cache.
     pub slots: usize,
+    /// The shared dtype.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
+/// Checks an append's tensors (shapes, dtypes, devices, contiguity; on the CPU every slot) and
+/// returns the problem.
 pub fn validate_append(
     k: &Tensor,
     v: &Tensor,
@@ -574,6 +611,7 @@ pub fn append_kv(
     }
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Decode;
 
 impl OpFamily for Decode {

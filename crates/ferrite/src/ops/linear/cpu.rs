@@ -146,7 +146,7 @@ fn dz_in_place(dz: &mut [f32], z: Option<&[f32]>, act: Activation, n: usize, par
     }
 }
 
-/// db[j] = Σ_i dz[i][j]: f64 partial sums over fixed chunks of DB_CHUNK rows, then the partials
+/// `db[j] = Σ_i dz[i][j]`: f64 partial sums over fixed chunks of DB_CHUNK rows, then the partials
 /// in chunk order. The chunks, not the threads, fix the order: same bits on every run.
 pub fn column_sums(dz: &[f32], m: usize, n: usize, parallel: bool) -> Vec<f32> {
     if n == 0 {

@@ -30,9 +30,15 @@
 //! **QKV**: [`linear_qkv`] runs one GEMM with W `[3·H·D, in]` into a `[..., 3, H, D]` buffer and
 //! returns q, k, v as strided views of it (no copy; last dim contiguous).
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 pub use crate::ops::matmul::epilogue::Activation;
@@ -48,10 +54,12 @@ use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 use crate::ops::matmul;
 
+/// The forward's name in errors and tables.
 pub const OP: &str = "linear";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 const HALVES: &[DType] = &[DType::F16, DType::BF16];
 
+/// The ladder, in order (forward; the backward shares the CPU names).
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo {
@@ -152,10 +160,13 @@ pub fn variants() -> Vec<VariantInfo> {
 /// device's own stream, all CPU cores.
 #[derive(Clone, Debug)]
 pub struct LinearOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// The activation after the bias (forward), whose derivative the backward applies.
     pub activation: Activation,
     /// For f32 inputs on the GPU: `F32` (true fp32) or `Tf32` (tensor cores). Ignored otherwise.
     pub precision: Precision,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
     /// CPU threads for `parallel` (0 = all cores).
     pub threads: usize,
@@ -187,25 +198,35 @@ impl LinearOptions {
 /// Forward inputs.
 #[derive(Clone, Copy)]
 pub struct Fwd<'a> {
+    /// The input `[..., in]`.
     pub x: &'a Tensor,
+    /// The weight `[out, in]`.
     pub w: &'a Tensor,
+    /// The bias `[out]`, added before the activation.
     pub bias: Option<&'a Tensor>,
+    /// Added after the activation, Y's shape.
     pub residual: Option<&'a Tensor>,
 }
 
 /// Forward outputs (caller-provided): Y and, when wanted, the pre-activation Z.
 #[derive(Clone, Copy)]
 pub struct FwdOut<'a> {
+    /// The output `[..., out]`, contiguous.
     pub y: &'a Tensor,
+    /// The pre-activation X·Wᵀ + b, Y's shape: the backward of an activation needs it.
     pub z: Option<&'a Tensor>,
 }
 
 /// Backward inputs: Z is required unless the activation is none.
 #[derive(Clone, Copy)]
 pub struct Bwd<'a> {
+    /// The gradient of Y, Y's shape.
     pub dy: &'a Tensor,
+    /// The forward's input.
     pub x: &'a Tensor,
+    /// The forward's weight.
     pub w: &'a Tensor,
+    /// The forward's pre-activation (required when `LinearOptions::activation` is not none).
     pub z: Option<&'a Tensor>,
     /// The input's own pre-activation when X = act_in(Z_in) (the output of the layer below):
     /// the `dx` output then receives dZ_in = dX ⊙ act_in'(Z_in), the layer below's dZ, formed in
@@ -218,8 +239,11 @@ pub struct Bwd<'a> {
 /// Backward outputs; any may be left out.
 #[derive(Clone, Copy)]
 pub struct BwdOut<'a> {
+    /// The gradient of X, X's shape.
     pub dx: Option<&'a Tensor>,
+    /// The gradient of W, `[out, in]`.
     pub dw: Option<&'a Tensor>,
+    /// The gradient of the bias, `[out]`.
     pub db: Option<&'a Tensor>,
     /// With `Bwd::x_pre` and `dx`: the layer below's bias gradient `[in]`, the column sums of
     /// the dZ_in that `dx` receives. On the GPU the dX GEMM's activation-backward epilogue writes
@@ -232,17 +256,24 @@ pub struct BwdOut<'a> {
 /// A validated problem: m rows (tokens), n = out, k = in.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// Rows of X and Y: every leading dim folded (tokens).
     pub m: usize,
+    /// Output features.
     pub n: usize,
+    /// Input features.
     pub k: usize,
+    /// The shared dtype.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
 impl Problem {
+    /// `m×n←k`, as the tables show it.
     pub fn label(&self) -> String {
         format!("{}×{}←{}", self.m, self.n, self.k)
     }
+    /// The forward GEMM's 2·m·n·k.
     pub fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
     }
@@ -349,6 +380,8 @@ fn xw(op: &str, x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize, Vec<usiz
     Ok((m, n, k, out))
 }
 
+/// Checks a forward's tensors against each other (shapes, dtypes, devices, layouts, no output
+/// aliasing an input) and returns the problem.
 pub fn validate_fwd(i: &Fwd, o: &FwdOut) -> Result<Problem> {
     let (m, n, k, out_shape) = xw(OP, i.x, i.w)?;
     rows_view(OP, "x", i.x)?;
@@ -385,8 +418,10 @@ pub fn validate_fwd(i: &Fwd, o: &FwdOut) -> Result<Problem> {
     })
 }
 
+/// The backward's name in errors.
 pub const OP_BWD: &str = "linear_backward";
 
+/// Checks a backward's tensors as [`validate_fwd`] does, and that Z is given when `act` needs it.
 pub fn validate_bwd(i: &Bwd, o: &BwdOut, act: Activation) -> Result<Problem> {
     let op = OP_BWD;
     let (m, n, k, out_shape) = xw(op, i.x, i.w)?;
@@ -547,6 +582,32 @@ pub fn forward_into(i: &Fwd, o: &FwdOut, opts: &LinearOptions) -> Result<()> {
 /// dX, dW, db from dY (and Z for an activation), into caller-provided outputs. The variant in
 /// `opts` names the CPU path (`naive` or `parallel`); on the GPU every variant shares one backward
 /// (the dZ + db kernel, then matmul's best GEMMs).
+///
+/// A forward that keeps Z, then the backward, on the CPU:
+///
+/// ```rust
+/// use ferrite::ops::linear::{self, Activation, Bwd, BwdOut, Fwd, FwdOut, LinearOptions};
+/// use ferrite::{DType, Device, Tensor};
+/// let cpu = Device::Cpu;
+/// let x = Tensor::rand(&[8, 32], DType::F32, cpu, 1, -1.0, 1.0)?;
+/// let w = Tensor::rand(&[16, 32], DType::F32, cpu, 2, -0.2, 0.2)?; // [out, in]
+/// let b = Tensor::rand(&[16], DType::F32, cpu, 3, -0.1, 0.1)?;
+/// let opts = LinearOptions { activation: Activation::GeluTanh, ..Default::default() };
+/// let y = Tensor::empty(&[8, 16], DType::F32, cpu)?;
+/// let z = Tensor::empty(&[8, 16], DType::F32, cpu)?; // the pre-activation, for the backward
+/// let fwd = Fwd { x: &x, w: &w, bias: Some(&b), residual: None };
+/// linear::forward_into(&fwd, &FwdOut { y: &y, z: Some(&z) }, &opts)?;
+///
+/// let dy = Tensor::full(&[8, 16], DType::F32, cpu, 1.0)?;
+/// let dx = Tensor::empty(&[8, 32], DType::F32, cpu)?;
+/// let dw = Tensor::empty(&[16, 32], DType::F32, cpu)?;
+/// let db = Tensor::empty(&[16], DType::F32, cpu)?;
+/// let bwd = Bwd { dy: &dy, x: &x, w: &w, z: Some(&z), x_pre: None };
+/// let out = BwdOut { dx: Some(&dx), dw: Some(&dw), db: Some(&db), db_pre: None };
+/// linear::backward_into(&bwd, &out, &opts)?;
+/// assert!(db.to_vec::<f32>()?.iter().all(|g| g.is_finite()));
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 pub fn backward_into(i: &Bwd, o: &BwdOut, opts: &LinearOptions) -> Result<()> {
     let act = opts.activation;
     let p = validate_bwd(i, o, act)?;
@@ -593,6 +654,16 @@ pub fn linear_with(
 }
 
 /// X·Wᵀ + b with the best variant.
+///
+/// ```rust
+/// use ferrite::{DType, Device, Tensor};
+/// let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+/// let w = Tensor::from_vec(vec![1.0f32, 0.0, 1.0, 1.0, 0.0, -1.0], &[3, 2])?; // [out, in]
+/// let b = Tensor::full(&[3], DType::F32, Device::Cpu, 0.5)?;
+/// let y = ferrite::ops::linear::linear(&x, &w, Some(&b))?;
+/// assert_eq!(y.to_vec::<f32>()?, vec![1.5, 3.5, -1.5, 3.5, 7.5, -3.5]);
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     linear_with(x, w, bias, &LinearOptions::default())
 }
@@ -654,6 +725,7 @@ pub fn linear_qkv(
     Ok((view(0)?, view(1)?, view(2)?))
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Linear;
 
 impl OpFamily for Linear {

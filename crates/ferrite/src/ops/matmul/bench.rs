@@ -81,13 +81,13 @@ fn bench_cpu(
         let c = Tensor::empty(&[m, n], DType::F32, Device::Cpu)?;
         let g = validate(&a, &b, &c)?;
         let mut group: Vec<BenchRecord> = Vec::new();
-        let mut runs: Vec<(&str, bool)> = variants()
+        let runs: Vec<(&str, bool)> = variants()
             .iter()
             .filter(|v| v.backend == Backend::Cpu && cfg.wants_variant(v.name))
             .map(|v| (v.name, false))
+            // The peer always runs when built in (feature `bench`): every ratio is to it.
+            .chain(cfg!(feature = "bench").then_some(("gemm-crate", true)))
             .collect();
-        // The peer always runs: every ratio is to it.
-        runs.push(("gemm-crate", true));
         for (vname, is_peer) in runs {
             // The triple loop takes seconds per repeat beyond 512³: run it there only on request.
             if vname == "naive" && !explicit && m * n * k > 512 * 512 * 512 {
@@ -123,7 +123,9 @@ fn bench_cpu(
                                 "blocked" => cpu::blocked(s),
                                 "simd" => cpu::simd(s),
                                 "parallel" => cpu::parallel(s, 0),
-                                _ => cpu::peer(s, 0),
+                                #[cfg(feature = "bench")]
+                                "gemm-crate" => cpu::peer(s, 0),
+                                other => unreachable!("matmul bench: no CPU run `{other}`"),
                             }
                         })
                     })

@@ -127,9 +127,10 @@ const WG_STAGES: u32 = 4;
 /// to make room for the consumers' whole C slices (`WG_STAGING`). Sustained on the H100
 /// (8192×14336×4096 bf16) the 2-buffer staging beside 4 stages cost ~2% (each warp waited for
 /// the TMA unit twice per tile); the 4th stage's lookahead measured nothing
-/// (bench/results/2026-11-26-h100-session14, pending-14.10/14.11; session 13, pending-T). The
-/// pair epilogue keeps 4 stages and 2 buffers per warp (`WG_PAIR_STAGING`): its forward ran up
-/// to 8% slower the other way (pending-14.11).
+/// (bench/results/2026-11-26-h100-gemm-sustained-linear-bwd: whole-slice-staging,
+/// whole-slice-all-builds; bench/results/2026-11-25-h100-linear-dact-helpers/helpers-first-version).
+/// The pair epilogue keeps 4 stages and 2 buffers per warp (`WG_PAIR_STAGING`): its forward ran
+/// up to 8% slower the other way (whole-slice-all-builds).
 const WG_STORE_STAGES: u32 = 3;
 const WG_THREADS: u32 = 384;
 /// Cluster sizes `wgmma` is compiled for, and the one it runs with: pairs of blocks along m
@@ -203,8 +204,8 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
     },
 ];
 
-/// Whether `matmul_into` tunes `wgmma` at a shape's first use. On since the H100 run of
-/// 2026-11-23 (bench/results/2026-11-23-h100-pending2): every configuration passed `check matmul`
+/// Whether `matmul_into` tunes `wgmma` at a shape's first use. On: on the H100
+/// (bench/results/2026-11-23-h100-wgmma-tuner) every configuration passed `check matmul`
 /// (283 cases) and bench's tuned picks ran at 0.89–0.98× cuBLAS. False would keep `WG_DEFAULT`
 /// on the default path (bench still tunes, check still runs every configuration).
 pub const WG_TUNE_BY_DEFAULT: bool = true;
@@ -274,7 +275,7 @@ const _: () = assert!(
 /// The activation-backward kernel's launch: no cluster. With its 3-stage ring a stage that also
 /// waits on the peer block's consumers left the producer too little lookahead (H100, 8192×4096
 /// ←4096: 0.452 ms against 0.470 for 2-block clusters in the same rounds, two alternations;
-/// bench/results/2026-11-25-h100-session13/pending-X).
+/// bench/results/2026-11-25-h100-linear-dact-helpers/ring-prefetch-no-cluster).
 pub const WG_DACT: WgConfig = WgConfig {
     cluster: 1,
     group_m: WG_GROUP_M,

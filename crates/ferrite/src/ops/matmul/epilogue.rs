@@ -20,8 +20,10 @@ use rayon::prelude::*;
 /// The pointwise function of the epilogue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Activation {
+    /// The identity: bias (and residual) only.
     #[default]
     None,
+    /// max(v, 0); NaN stays NaN, as torch's.
     Relu,
     /// GELU, tanh approximation: ½v(1 + tanh(√(2/π)(v + 0.044715v³))).
     GeluTanh,
@@ -48,6 +50,7 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_A: f64 = 0.044715;
 
 impl Activation {
+    /// Every activation, in code order.
     pub const ALL: [Activation; 5] = [
         Activation::None,
         Activation::Relu,
@@ -56,6 +59,7 @@ impl Activation {
         Activation::Silu,
     ];
 
+    /// The name as the CLI, the bench tables and [`parse`](Activation::parse) spell it.
     pub fn name(self) -> &'static str {
         match self {
             Activation::None => "none",
@@ -66,6 +70,7 @@ impl Activation {
         }
     }
 
+    /// The activation [`name`](Activation::name) names, if any.
     pub fn parse(s: &str) -> Option<Activation> {
         Activation::ALL.into_iter().find(|a| a.name() == s)
     }
@@ -172,12 +177,19 @@ impl std::fmt::Display for Activation {
 /// C: element (batch b, row i, column j) at `b·stride + i·ld + j`; the bias at `j` for every batch.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct EpiPtrs {
+    /// The bias, one value per output column.
     pub bias: u64,
+    /// Where the pre-activation Z goes.
     pub z: u64,
+    /// Z's row stride, elements.
     pub ldz: usize,
+    /// Z's batch stride, elements.
     pub stride_z: usize,
+    /// The residual R added after the activation.
     pub r: u64,
+    /// R's row stride, elements.
     pub ldr: usize,
+    /// R's batch stride, elements.
     pub stride_r: usize,
     /// The activation-backward epilogue only (`Epi::dact`): f32 column sums of C per 16-row
     /// group, `part[i / 16][j]` with rows n floats apart (0 = not wanted). Only for launches

@@ -29,9 +29,15 @@
 //!     layout): a bandwidth-bound read of B, streamed once by TMA; chosen by default for
 //!     m ≤ 8.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 pub mod epilogue;
 
@@ -45,6 +51,7 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "matmul";
 
 const F32: &[DType] = &[DType::F32];
@@ -223,8 +230,13 @@ fn cuda_rung(
 /// own stream.
 #[derive(Clone, Debug)]
 pub struct MatmulOptions {
+    /// Run this variant by name ([`variants`] lists them); None picks the best that takes the
+    /// request. A named variant that cannot take it is an error saying why, never a silent
+    /// fallback.
     pub variant: Option<String>,
+    /// Scale of the product.
     pub alpha: f32,
+    /// Scale of the output's previous contents (0: the output is only written, never read).
     pub beta: f32,
     /// For f32 inputs: `F32` (exact fp32) or `Tf32` (tensor cores). Ignored for f16/bf16.
     pub precision: Precision,
@@ -256,8 +268,11 @@ impl Default for MatmulOptions {
 /// (0 = broadcast), all in elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Operand {
+    /// Leading dimension: elements between consecutive rows (columns when `trans`).
     pub ld: usize,
+    /// Stored column-major (a transposed view of a row-major tensor).
     pub trans: bool,
+    /// Elements between consecutive batches; 0 when one matrix serves every batch.
     pub batch_stride: usize,
 }
 
@@ -301,19 +316,28 @@ impl Operand {
 /// A validated problem: sizes and layouts the variants work from.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemm {
+    /// Independent products (1 for 2-D operands).
     pub batch: usize,
+    /// Rows of A and C.
     pub m: usize,
+    /// Columns of B and C.
     pub n: usize,
+    /// The reduction length: columns of A, rows of B.
     pub k: usize,
+    /// A's layout.
     pub a: Operand,
+    /// B's layout.
     pub b: Operand,
     /// `trans` is always false for C.
     pub c: Operand,
+    /// The shared dtype of A, B and C.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
 impl Gemm {
+    /// 2·batch·m·n·k: a multiply and an add per term.
     pub fn flops(&self) -> f64 {
         2.0 * self.batch as f64 * self.m as f64 * self.n as f64 * self.k as f64
     }
@@ -323,6 +347,7 @@ impl Gemm {
         let c = self.m as f64 * self.n as f64 * if beta != 0.0 { 2.0 } else { 1.0 };
         self.batch as f64 * es * (self.m as f64 * self.k as f64 + self.k as f64 * self.n as f64 + c)
     }
+    /// The problem as the tables show it: `[batch×]m×n×k` and the operand layouts (`NT`, ...).
     pub fn label(&self) -> String {
         let t = |o: &Operand| if o.trans { 'T' } else { 'N' };
         let b = if self.batch != 1 {
@@ -577,7 +602,7 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
         },
     )?;
     if opts.variant.is_none() && v.name == "warptile" && !warptile_fills(g) {
-        // `warptile` leads where measured (H100, 2026-11-24: 0.81× / 0.82× cuBLAS fp32 at 4096³ /
+        // `warptile` leads where measured (H100: 0.81× / 0.82× cuBLAS fp32 at 4096³ /
         // 8192³ against `vectorized`'s 0.74×; docs/matmul.md), but its 256×128 tiles, one block
         // per SM, fill the GPU only from large outputs: below that the default stays on
         // `vectorized` (128×128 tiles, two blocks per SM).
@@ -663,6 +688,7 @@ fn run_cpu(
         "blocked" => |s, _| cpu::blocked(s),
         "simd" => |s, _| cpu::simd(s),
         "parallel" => cpu::parallel,
+        #[cfg(feature = "bench")]
         "peer" => cpu::peer,
         other => {
             return Err(Error::NoVariant {

@@ -816,9 +816,9 @@ pub fn grouped_mm(
     })
 }
 
-/// db[g] = a[rows of g]ᵀ·dout[rows of g] (grouped_mm's weight gradient, a K-grouped GEMM): `wgmma`
-/// when every boundary is a multiple of 64 rows (whole TMA k slices), else the mma.sync kernel,
-/// which predicates k against each group's own length.
+/// `db[g] = a[rows of g]ᵀ·dout[rows of g]` (grouped_mm's weight gradient, a K-grouped GEMM):
+/// `wgmma` when every boundary is a multiple of 64 rows (whole TMA k slices), else the mma.sync
+/// kernel, which predicates k against each group's own length.
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_mm_weight_grad(
     a: &Tensor,

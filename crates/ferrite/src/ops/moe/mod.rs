@@ -11,7 +11,7 @@
 //!    scores, renormalised to sum 1 when `renormalize`, times `routed_scale`;
 //! 3. with a capacity factor, expert e keeps its first `capacity = ceil(T·k/E · factor)` pairs in
 //!    token order and drops the rest (a dropped pair adds nothing to its token's output);
-//! 4. out[t] = Σ_j w[t,j] · (act(x[t]·W_up,gate) ⊙ x[t]·W_up,up)·W_down for e = idx[t,j].
+//! 4. `out[t] = Σ_j w[t,j] · (act(x[t]·W_up,gate) ⊙ x[t]·W_up,up)·W_down` for `e = idx[t,j]`.
 //!
 //! Losses (reported in `MoeMetrics`, and their gradients added by `moe_backward`): the Switch
 //! auxiliary loss `aux_loss_coef·E·Σ_e f_e·P_e` (f_e = pairs routed to e / (T·k), P_e = mean
@@ -33,9 +33,15 @@
 //! projection's epilogue: no GLU pass). Routing, permutation and combine kernels are shared
 //! by the CUDA variants (kernels/moe.cu).
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::Stream;
@@ -49,6 +55,7 @@ use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 pub use crate::ops::activation::Activation;
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "moe";
 /// Rows each expert's segment of the permuted layout is padded to.
 pub const ALIGN: usize = 128;
@@ -59,6 +66,7 @@ pub const MAX_TOP_K: usize = 32;
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 const HALFS: &[DType] = &[DType::F16, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread: router, layout, then each expert's GEMMs in turn", rank: 1 },
@@ -73,18 +81,22 @@ pub fn variants() -> Vec<VariantInfo> {
 /// How the router scores experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Score {
+    /// Softmax over the experts (Mixtral, Qwen3-MoE).
     #[default]
     Softmax,
+    /// An independent sigmoid per expert (DeepSeek-V3).
     Sigmoid,
 }
 
 impl Score {
+    /// The kernels' code (0 softmax, 1 sigmoid).
     pub fn code(self) -> i32 {
         match self {
             Score::Softmax => 0,
             Score::Sigmoid => 1,
         }
     }
+    /// `softmax` or `sigmoid`.
     pub fn parse(s: &str) -> Result<Score> {
         match s {
             "softmax" => Ok(Score::Softmax),
@@ -97,18 +109,25 @@ impl Score {
 /// A layer's routing and expert configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
+    /// E: experts in the layer.
     pub experts: usize,
+    /// k: experts each token is routed to.
     pub top_k: usize,
+    /// How the router scores experts.
     pub score: Score,
+    /// Scale the chosen experts' weights to sum to 1.
     pub renormalize: bool,
     /// Expert groups for group-limited routing (1: none).
     pub groups: usize,
     /// Groups a token may use (= groups: no limit).
     pub topk_groups: usize,
+    /// Multiplies every routing weight (DeepSeek-V3's 2.5).
     pub routed_scale: f32,
     /// None: dropless; Some(f): each expert keeps at most ceil(T·k/E·f) pairs.
     pub capacity_factor: Option<f32>,
+    /// Weight of the Switch auxiliary load-balancing loss (0: off).
     pub aux_loss_coef: f32,
+    /// Weight of the router z-loss (0: off).
     pub z_loss_coef: f32,
     /// The experts' GLU activation: silu (SwiGLU) or gelu_tanh / gelu_erf (GEGLU).
     pub act: Activation,
@@ -230,9 +249,13 @@ impl MoeConfig {
     }
 }
 
+/// Options of one layer call. `Default`: best variant, the device's own stream, a forward
+/// whose backward may follow.
 #[derive(Clone, Debug, Default)]
 pub struct MoeOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
     /// A forward no backward will follow (inference): `fused` then stores only the GLU output,
     /// not the pre-activations `hpre` the backward reads (a third of its epilogue's stores), and
@@ -254,12 +277,19 @@ pub struct MoeWeights<'a> {
 /// A validated layer call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Problem {
+    /// T: tokens.
     pub tokens: usize,
+    /// H: the model dim.
     pub hidden: usize,
+    /// I: each expert's intermediate dim.
     pub inter: usize,
+    /// E: experts.
     pub experts: usize,
+    /// k: experts per token.
     pub top_k: usize,
+    /// The shared dtype of x and the weights.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
@@ -273,6 +303,7 @@ impl Problem {
     pub fn expert_flops(&self, rows: usize) -> f64 {
         6.0 * rows as f64 * self.hidden as f64 * self.inter as f64
     }
+    /// `T… H… I… E… k…`, as the tables show it.
     pub fn label(&self) -> String {
         format!(
             "T{} H{} I{} E{} k{}",
@@ -338,6 +369,7 @@ pub const FORWARD_BUFFERS: usize = 14;
 /// Everything a forward produced and its backward reads: the output, the routing, the layout and
 /// the expert activations (all on the layer's device).
 pub struct MoeForward {
+    /// The validated call.
     pub problem: Problem,
     /// `[T, H]`.
     pub out: Tensor,
@@ -349,6 +381,7 @@ pub struct MoeForward {
     pub lse: Tensor,
     /// `[T, k]` i32 / f32: chosen experts (best first) and their weights.
     pub idx: Tensor,
+    /// `[T, k]` f32: the chosen experts' routing weights.
     pub weights: Tensor,
     /// `[T·k]` i32: each pair's row in the layout (-1: dropped).
     pub pos: Tensor,
@@ -367,6 +400,7 @@ pub struct MoeForward {
     /// (the backward recomputes the GLU from `hpre` and takes the gates' gradient from its own
     /// down-projection GEMM).
     pub xp: Tensor,
+    /// The up projection's output `[rows_cap, 2I]` (gate | up), before the GLU.
     pub hpre: Tensor,
     /// Whether the last forward into these buffers kept what the backward reads (not
     /// `forward_only`).
@@ -376,14 +410,21 @@ pub struct MoeForward {
 /// What a step's routing did (read back from the device on request).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct MoeMetrics {
+    /// Pairs routed to each expert (before any drop).
     pub tokens_per_expert: Vec<usize>,
+    /// Pairs dropped by the capacity limit.
     pub dropped: usize,
+    /// Rows of the layout in use (kept pairs plus padding).
     pub rows_used: usize,
+    /// The auxiliary loss, times its coefficient.
     pub aux_loss: f32,
+    /// The z-loss, times its coefficient.
     pub z_loss: f32,
     /// Fraction of experts that received at least one pair.
     pub experts_used: f64,
+    /// The most pairs any expert received.
     pub max_load: usize,
+    /// Pairs per expert on average.
     pub mean_load: f64,
     /// mean_load / max_load (1 = perfectly balanced).
     pub balance: f64,
@@ -549,9 +590,13 @@ impl MoeForward {
 
 /// Gradients of a layer call.
 pub struct MoeGrads {
+    /// `[T, H]`.
     pub dx: Tensor,
+    /// `[E, H]`.
     pub d_router: Tensor,
+    /// `[E, H, 2I]`.
     pub dw_up: Tensor,
+    /// `[E, I, H]`.
     pub dw_down: Tensor,
 }
 
@@ -843,7 +888,7 @@ fn validate_grouped(
     Ok((m, k, n, g, b_trans))
 }
 
-/// out[rows of g] = a[rows of g]·b[g] (`torch._grouped_mm` for 2-D a and 3-D b): a `[M, K]`,
+/// `out[rows of g] = a[rows of g]·b[g]` (`torch._grouped_mm` for 2-D a and 3-D b): a `[M, K]`,
 /// b `[G, K, N]` (or the transpose of a contiguous `[G, N, K]`), offs int32 `[G]` cumulative
 /// row ends (nondecreasing, the last = M; read on the host to check them).
 pub fn grouped_mm(
@@ -860,7 +905,7 @@ pub fn grouped_mm(
     }
 }
 
-/// grouped_mm's gradient with respect to b: db[g] = a[rows of g]ᵀ·dout[rows of g] (a `[M, K]`,
+/// grouped_mm's gradient with respect to b: `db[g] = a[rows of g]ᵀ·dout[rows of g]` (a `[M, K]`,
 /// dout `[M, N]`, db `[G, K, N]` contiguous; offs as for `grouped_mm`, read on the host).
 pub fn grouped_mm_weight_grad(
     a: &Tensor,
@@ -921,6 +966,7 @@ pub fn grouped_mm_weight_grad(
     }
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Moe;
 
 impl OpFamily for Moe {

@@ -218,7 +218,7 @@ pub fn plan_bwd(g: Geometry, p: &Problem, dev: &Arc<CudaDevice>) -> Result<BwdLa
             kernel.allow_dynamic_smem(smem)?;
             // No more blocks per SM than can be resident at once: a grid past that ran its extra
             // blocks as a second, partial wave (LayerNorm bf16 at chunks = 4, 153 registers: 3 fit,
-            // so "4 per SM" lost to 2; Nsight Compute, 2026-11-23). A fixed grid (a function of
+            // so "4 per SM" lost to 2; Nsight Compute on the H100). A fixed grid (a function of
             // the device and the tuned configuration only) keeps the reduction order, and so the
             // bits, the same on every run.
             let resident = kernel.max_active_blocks(g.threads(p), smem)?.max(1);

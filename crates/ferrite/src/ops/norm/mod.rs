@@ -13,9 +13,15 @@
 //! into a row buffer). CUDA: `naive` (a block per row, three passes over global memory, scalar
 //! loads) → `vectorized` (the row in registers after one 16-byte-load read). See kernels/norm.cu.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::Stream;
@@ -28,16 +34,21 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name on the command line and in tables.
 pub const OP: &str = "norm";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
+/// Which normalisation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormKind {
+    /// LayerNorm: subtract the row mean, divide by the row's standard deviation, then w and b.
     Layer,
+    /// RMSNorm: divide by the row's root mean square, then w (no mean, no bias).
     Rms,
 }
 
 impl NormKind {
+    /// `layer_norm` or `rms_norm`: the op's name in errors.
     pub fn name(self) -> &'static str {
         match self {
             NormKind::Layer => "layer_norm",
@@ -46,6 +57,7 @@ impl NormKind {
     }
 }
 
+/// The ladder, in order (the same names for forward and backward).
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread, three passes over each row", rank: 1 },
@@ -63,10 +75,15 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
+/// Options of one call. `Default`: best variant, eps = 1e-5 (torch's LayerNorm default), the
+/// device's own stream.
 #[derive(Clone, Debug)]
 pub struct NormOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
+    /// Added to the variance (mean square) before the reciprocal square root; finite and > 0.
     pub eps: f32,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
 }
 
@@ -83,49 +100,73 @@ impl Default for NormOptions {
 /// Forward inputs.
 #[derive(Clone, Copy)]
 pub struct Fwd<'a> {
+    /// The input `[..., cols]`, contiguous.
     pub x: &'a Tensor,
+    /// Added to x before the norm (the pre-norm transformer's residual stream).
     pub residual: Option<&'a Tensor>,
+    /// The scale `[cols]` (all ones when None).
     pub weight: Option<&'a Tensor>,
+    /// The shift `[cols]` (LayerNorm only).
     pub bias: Option<&'a Tensor>,
 }
 
 /// Forward outputs (caller-provided). `h` receives x + residual when a residual is given.
 #[derive(Clone, Copy)]
 pub struct FwdOut<'a> {
+    /// The normalised output, x's shape.
     pub y: &'a Tensor,
+    /// x + residual, x's shape (only with a residual: what the next residual add and the
+    /// backward read).
     pub h: Option<&'a Tensor>,
+    /// f32 `[rows]`: each row's mean (LayerNorm), for the backward.
     pub mean: Option<&'a Tensor>,
+    /// f32 `[rows]`: each row's 1/√(var + eps), for the backward.
     pub rstd: Option<&'a Tensor>,
 }
 
 /// Backward inputs: `x` is the tensor that was normalised (h when the residual was fused).
 #[derive(Clone, Copy)]
 pub struct Bwd<'a> {
+    /// The gradient of y.
     pub dy: &'a Tensor,
+    /// The normalised input.
     pub x: &'a Tensor,
+    /// The forward's weight.
     pub weight: Option<&'a Tensor>,
+    /// The forward's saved means (LayerNorm).
     pub mean: Option<&'a Tensor>,
+    /// The forward's saved reciprocal standard deviations.
     pub rstd: &'a Tensor,
 }
 
+/// Backward outputs (caller-provided).
 #[derive(Clone, Copy)]
 pub struct BwdOut<'a> {
+    /// The gradient of x (and of the residual, which is the same).
     pub dx: &'a Tensor,
+    /// The weight's gradient `[cols]`; only when the forward had a weight.
     pub dweight: Option<&'a Tensor>,
+    /// The bias's gradient `[cols]` (LayerNorm).
     pub dbias: Option<&'a Tensor>,
 }
 
 /// A validated problem.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// LayerNorm or RMSNorm.
     pub kind: NormKind,
+    /// Rows: every dim but the last folded.
     pub rows: usize,
+    /// The normalised (last) dim.
     pub cols: usize,
+    /// The shared dtype.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
 impl Problem {
+    /// `layer_norm rows×cols`, as the tables show it.
     pub fn label(&self) -> String {
         format!("{} {}×{}", self.kind.name(), self.rows, self.cols)
     }
@@ -215,6 +256,8 @@ fn problem(op: &str, kind: NormKind, x: &Tensor, eps: Option<f32>) -> Result<Pro
     })
 }
 
+/// Checks a forward's tensors (shapes, dtypes, devices, contiguity, what `kind` allows, no
+/// output aliasing an input) and returns the problem.
 pub fn validate_fwd(kind: NormKind, i: &Fwd, o: &FwdOut, eps: f32) -> Result<Problem> {
     let op = kind.name();
     let p = problem(op, kind, i.x, Some(eps))?;
@@ -277,6 +320,7 @@ pub fn validate_fwd(kind: NormKind, i: &Fwd, o: &FwdOut, eps: f32) -> Result<Pro
     Ok(p)
 }
 
+/// Checks a backward's tensors as [`validate_fwd`] does.
 pub fn validate_bwd(kind: NormKind, i: &Bwd, o: &BwdOut) -> Result<Problem> {
     let op = if kind == NormKind::Layer {
         "layer_norm_backward"
@@ -439,7 +483,18 @@ pub fn backward_into(kind: NormKind, i: &Bwd, o: &BwdOut, opts: &NormOptions) ->
     }
 }
 
-/// RMSNorm: returns (y, rstd).
+/// RMSNorm over the last dim: returns (y, rstd).
+///
+/// ```rust
+/// use ferrite::Tensor;
+/// let x = Tensor::from_vec(vec![3.0f32, 4.0, -3.0, -4.0], &[2, 2])?;
+/// let (y, rstd) = ferrite::ops::norm::rms_norm(&x, None, 1e-6)?;
+/// let y = y.to_vec::<f32>()?; // each row's root mean square is √12.5
+/// let rms = 12.5f32.sqrt();
+/// assert!((y[0] - 3.0 / rms).abs() < 1e-5 && (y[3] + 4.0 / rms).abs() < 1e-5);
+/// assert_eq!(rstd.shape(), &[2]);
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<(Tensor, Tensor)> {
     let p = problem("rms_norm", NormKind::Rms, x, Some(eps))?;
     let y = Tensor::empty(x.shape(), x.dtype(), x.device())?;
@@ -467,7 +522,7 @@ pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<(Tensor
     Ok((y, rstd))
 }
 
-/// LayerNorm: returns (y, mean, rstd).
+/// LayerNorm over the last dim: returns (y, mean, rstd).
 pub fn layer_norm(
     x: &Tensor,
     weight: Option<&Tensor>,
@@ -501,6 +556,7 @@ pub fn layer_norm(
     Ok((y, mean, rstd))
 }
 
+/// The family as the harness sees it.
 pub struct Norm;
 
 impl OpFamily for Norm {

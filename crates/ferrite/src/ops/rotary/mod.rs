@@ -18,9 +18,15 @@
 //! thread per pair, scalar loads) → `vectorized` (16-byte loads and stores). See
 //! kernels/rotary.cu.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::Stream;
@@ -33,9 +39,11 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "rotary";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread, a pair at a time", rank: 1 },
@@ -53,8 +61,11 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
+/// Options of one call. `Default`: best variant, rotate-half pairs, forward rotation, offset 0,
+/// padded `[B, S, H, D]` input, the device's own stream.
 #[derive(Clone, Debug, Default)]
 pub struct RotaryOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
     /// Pairs `(2i, 2i + 1)` (GPT-J) instead of `(i, i + R/2)`.
     pub interleaved: bool,
@@ -66,13 +77,16 @@ pub struct RotaryOptions {
     pub offsets: Option<Tensor>,
     /// int32 `[B+1]`: x is `[T, H, D]` with sequence b's tokens at rows `cu[b]..cu[b+1]`.
     pub cu_seqlens: Option<Tensor>,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
 }
 
 /// A rotary call's sizes and strides (elements).
 #[derive(Clone, Debug)]
 pub struct Problem {
+    /// The dtype of x and out.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
     /// Token rows: B·S, or T when packed.
     pub tokens: usize,
@@ -80,7 +94,9 @@ pub struct Problem {
     pub batch: usize,
     /// S (padded), or T (packed).
     pub seqlen: usize,
+    /// H: heads per token.
     pub heads: usize,
+    /// D: the head dim.
     pub dim: usize,
     /// R/2: the pairs per head.
     pub half: usize,
@@ -90,7 +106,9 @@ pub struct Problem {
     pub xs: [usize; 3],
     /// out's.
     pub os: [usize; 3],
+    /// out is x itself.
     pub in_place: bool,
+    /// x is `[T, H, D]` with `cu_seqlens`.
     pub packed: bool,
 }
 
@@ -351,6 +369,7 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor, opts: &RotaryOptions) -> R
     Ok(out)
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Rotary;
 
 impl OpFamily for Rotary {

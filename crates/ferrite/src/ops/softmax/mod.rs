@@ -7,9 +7,15 @@
 //! per row, three passes over global memory) → `vectorized` (the row in registers after one
 //! 16-byte-load read). See kernels/softmax.cu.
 
+// The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
+// the CLI and the families that reuse each other's rungs; the API is this module's items.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
 pub mod cpu;
+#[doc(hidden)]
 pub mod cuda;
 
 use crate::core::cuda::{rows, Stream};
@@ -22,9 +28,11 @@ use crate::core::harness::{
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
 
+/// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "softmax";
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
+/// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread, three passes per row", rank: 1 },
@@ -43,11 +51,14 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
+/// Options of one call. `Default`: best variant, scale 1, the device's own stream.
 #[derive(Clone, Debug)]
 pub struct SoftmaxOptions {
+    /// Run this variant by name; None picks the best that takes the request.
     pub variant: Option<String>,
     /// Multiplies x before the softmax (attention's 1/√d).
     pub scale: f32,
+    /// Stream to run on (GPU); the device's own stream when None.
     pub stream: Option<Stream>,
 }
 
@@ -61,11 +72,16 @@ impl Default for SoftmaxOptions {
     }
 }
 
+/// A validated problem.
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// Rows: every dim but the last folded.
     pub rows: usize,
+    /// The softmax (last) dim.
     pub cols: usize,
+    /// The shared dtype.
     pub dtype: DType,
+    /// The shared device.
     pub device: Device,
 }
 
@@ -204,6 +220,14 @@ pub fn softmax_backward_into(
     }
 }
 
+/// softmax(scale·x) over the last dim into a new tensor, with the best variant.
+///
+/// ```rust
+/// use ferrite::Tensor;
+/// let x = Tensor::from_vec(vec![0.0f32, 0.0, 1.0, 1.0], &[2, 2])?;
+/// assert_eq!(ferrite::ops::softmax::softmax(&x, 1.0)?.to_vec::<f32>()?, vec![0.5; 4]);
+/// # Ok::<(), ferrite::Error>(())
+/// ```
 pub fn softmax(x: &Tensor, scale: f32) -> Result<Tensor> {
     let y = Tensor::empty(x.shape(), x.dtype(), x.device())?;
     softmax_into(
@@ -217,6 +241,7 @@ pub fn softmax(x: &Tensor, scale: f32) -> Result<Tensor> {
     Ok(y)
 }
 
+/// The family as the harness sees it (check, bench, kernels).
 pub struct Softmax;
 
 impl OpFamily for Softmax {

@@ -256,8 +256,8 @@ __device__ __forceinline__ void copy_tile(unsigned s, const T* __restrict__ g, i
 // re-read from shared memory per k-step instead of being held (registers go to the accumulators).
 // FE_FWD_MT = 1 keeps the earlier shape (8 warps × 16 rows) for comparison. Keys come in tiles of
 // 64 (FE_FWD_BN; FA2's shape): at head dim 128 the two accumulator sets, 64 scores per lane and
-// the loop fit in 255 registers only since the block's geometry moved to shared memory and the
-// loop to 32-bit values (32-key tiles before: 0.93× FA2 at S16384 D128; 1.08× since, pending-w).
+// the loop fit in 255 registers only with the block's geometry in shared memory and the loop in
+// 32-bit values (32-key tiles: 0.93× FA2 at S16384 D128; 64-key tiles 1.08×; docs/attention.md).
 #ifndef FE_FWD_MT
 #define FE_FWD_MT 2
 #endif

@@ -34,10 +34,10 @@
 //   extra barrier. Also fewer instructions per element (ce_fused counted ~30 of a ~38-slot budget
 //   at bf16, 3 TB/s): the max is taken on x per vector and log2(e) folded into one FFMA before a
 //   bare ex2.approx; pass 2 is ex2(x·log2e − M)·(scale/S) − scale·(ε/V + (1−ε)[j = t]) with the
-//   target compared as a 32-bit lane index per vector. Since 2026-11-25 pass 1 brings the kept
-//   vectors in by cp.async (the thread's whole share of the row in flight at once, no
-//   registers held), then reads them from shared memory; it used to load them into registers
-//   (~2 in flight per thread under the 32-register cap) and store them.
+//   target compared as a 32-bit lane index per vector. Pass 1 brings the kept vectors in by
+//   cp.async (the thread's whole share of the row in flight at once, no registers held), then
+//   reads them from shared memory; loading them into registers and storing them kept only ~2 in
+//   flight per thread under the 32-register cap.
 // ce_reduce — one block: the scalar loss, Σ loss_i (÷ count for mean) in a fixed order.
 //
 // A target outside [0, V) (and ≠ ignore_index) is never used as an index: the row's loss and
@@ -383,8 +383,9 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     // thread's vectors of the row issued at once, and are read back from shared memory once
     // landed (each thread reads only what it copied: no barrier). Loaded into registers, at most
     // ~2 were in flight per thread under the 32-register cap, and pass 1 waited on them: in the
-    // per-SASS profile (2026-11-25, pending-L) 45% of the kernel's stall samples were the bf16
-    // unpacking right after those loads, 16% the reduction barrier behind the slowest thread.
+    // per-SASS profile (docs/cross_entropy.md, "Pass 1 by cp.async") 45% of the kernel's stall
+    // samples were the bf16 unpacking right after those loads, 16% the reduction barrier behind
+    // the slowest thread.
     const i64 lim = cap < nvec ? cap : nvec;
     i64 i = threadIdx.x;
 #pragma unroll 4

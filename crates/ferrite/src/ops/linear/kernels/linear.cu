@@ -127,9 +127,9 @@ extern "C" __global__ void linear_bwd_dz(const T* __restrict__ dy, i64 lddy, con
 
 // db[j] = Σ_c partial[c][j] in a fixed order (col_sum_fixed_order: 16 chunk slices per column
 // in flight, then added in slice order; the same bits every run), the helper the norm backward
-// uses. Before: one thread per column walking all its chunks (~128 dependent loads at 8192 rows);
-// a suspect for the backward's non-GEMM time, but the H100 timed no difference (pending-J of
-// 2026-11-25). Launch with blockDim (32, 16), gridDim.x = ⌈n / 32⌉.
+// uses. An earlier version ran one thread per column walking all its chunks (~128 dependent loads
+// at 8192 rows); a suspect for the backward's non-GEMM time, but the H100 timed no difference
+// (docs/linear.md, "Backward"). Launch with blockDim (32, 16), gridDim.x = ⌈n / 32⌉.
 extern "C" __global__ void linear_db(const float* __restrict__ partial, i64 chunks, i64 n,
                                      T* __restrict__ db) {
   col_sum_fixed_order(db, partial, chunks, n);

@@ -2,15 +2,15 @@
 //!
 //! Each step keeps the previous one's arithmetic and changes one thing about how the data moves:
 //!
-//! 1. [`naive`] — the textbook triple loop. Correct, readable, and starved for memory bandwidth.
-//! 2. [`blocked`] — cache tiles and the i-p-j loop order, so the inner loop streams contiguous
+//! 1. `naive` — the textbook triple loop. Correct, readable, and starved for memory bandwidth.
+//! 2. `blocked` — cache tiles and the i-p-j loop order, so the inner loop streams contiguous
 //!    rows that the compiler vectorises and the tiles are reused from L1/L2.
-//! 3. [`simd`] — BLIS-style packing into contiguous panels plus a register-blocked micro-kernel
+//! 3. `simd` — BLIS-style packing into contiguous panels plus a register-blocked micro-kernel
 //!    written with explicit AVX-512 / AVX2+FMA intrinsics, picked at run time.
-//! 4. [`parallel`] — the same packing and macro-kernel spread over cores with rayon.
+//! 4. `parallel` — the same packing and macro-kernel spread over cores with rayon.
 //!
-//! [`peer`] runs the `gemm` crate on the same arguments, the yardstick the ladder is measured
-//! against.
+//! `peer` (feature `bench`) runs the `gemm` crate on the same arguments, the yardstick the
+//! ladder is measured against.
 
 mod blocked;
 mod naive;
@@ -114,7 +114,8 @@ impl Sgemm<'_> {
 }
 
 /// The same product through the `gemm` crate (the peer the ladder is measured against),
-/// with `threads` workers (0 = all cores, 1 = no threading).
+/// with `threads` workers (0 = all cores, 1 = no threading). Feature `bench`.
+#[cfg(feature = "bench")]
 pub fn peer(g: Sgemm, threads: usize) {
     g.debug_check();
     if g.m == 0 || g.n == 0 {

@@ -49,9 +49,12 @@ fn runners() -> Vec<Runner> {
         ("parallel(2)".into(), Box::new(|g| parallel(g, 2))),
         ("parallel(3)".into(), Box::new(|g| parallel(g, 3))),
         ("parallel(0)".into(), Box::new(|g| parallel(g, 0))),
-        ("peer(1)".into(), Box::new(|g| peer(g, 1))),
-        ("peer(2)".into(), Box::new(|g| peer(g, 2))),
     ];
+    #[cfg(feature = "bench")]
+    {
+        v.push(("peer(1)".into(), Box::new(|g| peer(g, 1))));
+        v.push(("peer(2)".into(), Box::new(|g| peer(g, 2))));
+    }
     for k in kernels() {
         v.push((
             format!("simd[{}]", k.name),

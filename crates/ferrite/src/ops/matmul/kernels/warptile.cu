@@ -10,15 +10,15 @@
 // - Copies without registers: each k-slice goes global → shared with `cp.async` into a ring of
 //   W_STAGES buffers, issued W_STAGES − 1 slices ahead, one barrier per slice.
 // - k-slices of 16 (was 8): half the barriers and ring waits per FMA. Measured +6 % at 4096³
-//   (38.5 → 40.9 TFLOP/s, pending-u), the static ring at 3 × 25 KiB.
+//   (38.5 → 40.9 TFLOP/s), the static ring at 3 × 25 KiB.
 // - Transposing copies (A stored row-major, k contiguous, into sA[k][i]; B stored transposed
 //   into sB[k][j]) are 4-byte cp.async arranged so that one warp instruction covers 4 lines × 8
 //   consecutive k: 4 global sectors and, with the padded rows (≡ 4 mod 32 floats), 32 distinct
 //   banks. The earlier map (each thread a 4-vector along k) touched 16 sectors per instruction:
 //   Nsight Compute counted 2.9e8 L1 wavefronts for these copies against an ideal 2.5e7 — more
 //   than all the fragment loads together — and the ring's wait was the top stall (8 %). With
-//   both changes: 41.8 TFLOP/s = 0.81× cuBLAS fp32 at 4096³, 0.82× at 8192³ (pending-v, -y, -A).
-// History: the first warptile (2026-11-22; 128×128×16, one buffer, register prefetch, 179
+//   both changes: 41.8 TFLOP/s = 0.81× cuBLAS fp32 at 4096³, 0.82× at 8192³ (docs/matmul.md).
+// Earlier versions: the first warptile (128×128×16, one buffer, register prefetch, 179
 // registers) measured 0.67× cuBLAS fp32, slower than vectorized (0.74×); a 128×128×8 cp.async
 // version at two blocks per SM 0.68×; this shape with 8-deep slices 0.75×. See docs/matmul.md.
 

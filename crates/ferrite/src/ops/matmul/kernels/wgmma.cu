@@ -45,25 +45,24 @@
 // contiguous or not 16-byte aligned (a K-major tf32-rounded copy in scratch). Operands read in
 // place are not rounded: the tensor core uses the top 19 bits of each f32 (truncation).
 // Prediction (H100, 4096³ bf16): ≈ 2.5–3.5× mma_pipelined, 0.7–0.9× cuBLAS. Measured there
-// (2026-11-22): 3.2× mma_pipelined, 0.89–1.0× cuBLAS at 4096³ and 0.81–0.96× at 8192³ (medians
-// vary between runs; minimums match cuBLAS). With -DFE_EPI the consumers' stores apply the fused
-// epilogue of common.cuh (bias per column, pre-activation Z, activation, residual), its seven
-// parameters after group_m, element by element in the store loop; with -DFE_EPI_PAIRS=1
-// (`persistent_pairs`) interior tiles go through wg_epilogue_tma instead (bias pairs loaded into
-// registers before the tile's mainloop, Z and Y staged and TMA-stored like the plain C). Same
-// configuration as the plain kernel either way (tile, stages, cluster, grid, 168 registers, no
-// spills).
-// The TMA-store epilogue (-DFE_TMA_STORE=1, 16-bit C; 2026-11-25): the consumers used to store
-// C from registers, 64 4-byte stores per thread per tile, each warp instruction touching 8 rows
-// (8 half-filled sectors), while the tensor cores waited. Now each warp writes its 16 × 256 slice
-// into a staging area with stmatrix (4 instructions per 16 × 64 box), one lane hands each box
-// to the TMA unit, and the warp starts the next tile while the stores drain (since 2026-11-26
-// the plain build stages the whole slice at once, beside a 3-stage ring: see SBUF). Measured
-// on the H100 in the same alternating rounds: 4096³ bf16/f16 0.86–0.88× → 0.98–0.99× cuBLAS,
-// 8192³ 0.92–0.95 → 0.96–1.04× (bench/results/2026-11-25-h100-session11/pending-C; `c2g8d`
-// names the same launch with direct stores). Not done yet: last-wave balancing, other tile
-// shapes.
-// The activation-backward build (-DFE_EPI_DACT, `matmul_wgmma_dact`; 2026-11-25): 3 stages, a
+// (first version, direct stores): 3.2× mma_pipelined, 0.89–1.0× cuBLAS at 4096³ and 0.81–0.96×
+// at 8192³ (medians vary between runs; minimums match cuBLAS). With -DFE_EPI the consumers'
+// stores apply the fused epilogue of common.cuh (bias per column, pre-activation Z, activation,
+// residual), its seven parameters after group_m, element by element in the store loop; with
+// -DFE_EPI_PAIRS=1 (`persistent_pairs`) interior tiles go through wg_epilogue_tma instead (bias
+// pairs loaded into registers before the tile's mainloop, Z and Y staged and TMA-stored like the
+// plain C). Same configuration as the plain kernel either way (tile, stages, cluster, grid, 168
+// registers, no spills).
+// The TMA-store epilogue (-DFE_TMA_STORE=1, 16-bit C): direct stores from registers take 64
+// 4-byte stores per thread per tile, each warp instruction touching 8 rows (8 half-filled
+// sectors), while the tensor cores wait. Instead each warp writes its 16 × 256 slice into a
+// staging area with stmatrix (4 instructions per 16 × 64 box), one lane hands each box to the
+// TMA unit, and the warp starts the next tile while the stores drain (the plain build stages the
+// whole slice at once, beside a 3-stage ring: see SBUF). Measured on the H100 in the same
+// alternating rounds: 4096³ bf16/f16 0.86–0.88× → 0.98–0.99× cuBLAS, 8192³ 0.92–0.95 →
+// 0.96–1.04× (bench/results/2026-11-25-h100-wgmma-tma-store/wgmma-tma-store-vs-direct; `c2g8d`
+// names the same launch with direct stores). Not done: last-wave balancing, other tile shapes.
+// The activation-backward build (-DFE_EPI_DACT, `matmul_wgmma_dact`): 3 stages, a
 // whole-tile staging area, no cluster; the producer warpgroup's warps 1–3 run its epilogue (see
 // dact_helper_tile).
 
@@ -169,15 +168,16 @@ static_assert(FE_GROUPED == 1 && FE_TMA_STORE && !FE_EPI && !FE_B_TRANS,
 // 128-byte swizzled, the layout the TMA store reads), after the ring.
 // - Plain C and the activation backward (FE_EPI_DACT): SBUF = 4, the warp's whole 16 × 256 slice
 //   (64 KiB for the block) beside a 3-stage ring (144 KiB; the host compiles these builds with 3
-//   stages). Until 2026-11-26 the plain build had 2 buffers beside 4 stages: each warp waited
-//   twice per tile for the TMA unit to finish reading a buffer, with the tensor cores idle.
-//   Sustained on the H100 at the 700 W limit (bench/results/2026-11-26-h100-session14,
-//   pending-14.9 to 14.11): with no store at all the GEMM ran 1.429 ms against 1.481 at
-//   8192×14336×4096 — the epilogue cost ~3.5% — and whole-slice staging took it to 1.446–1.467
-//   (0.936–0.940 → 0.955–0.956× cuBLAS; 8192×4096×14336 0.972 → 0.979×, 8192×4096×4096 0.942 →
-//   0.949×); one stage less of lookahead cost nothing measurable (session 13, pending-T).
-// - The pair epilogue (bias, activation, Z): SBUF = 2 (32 KiB) beside 4 stages, as before: with
-//   3 stages and whole slices its forward ran up to 8% slower at 8192×4096←4096 (pending-14.11).
+//   stages). With 2 buffers beside 4 stages (an earlier layout) each warp waited twice per tile
+//   for the TMA unit to finish reading a buffer, with the tensor cores idle. Sustained on the
+//   H100 at the 700 W limit (bench/results/2026-11-26-h100-gemm-sustained-linear-bwd:
+//   no-store-ablation, whole-slice-staging, whole-slice-all-builds): with no store at all the GEMM
+//   ran 1.429 ms against 1.481 at 8192×14336×4096 — the epilogue cost ~3.5% — and whole-slice
+//   staging took it to 1.446–1.467 (0.936–0.940 → 0.955–0.956× cuBLAS; 8192×4096×14336 0.972 →
+//   0.979×, 8192×4096×4096 0.942 → 0.949×); one stage less of lookahead cost nothing measurable
+//   (bench/results/2026-11-25-h100-linear-dact-helpers/helpers-first-version).
+// - The pair epilogue (bias, activation, Z): SBUF = 2 (32 KiB) beside 4 stages: with 3 stages
+//   and whole slices its forward ran up to 8% slower at 8192×4096←4096 (whole-slice-all-builds).
 #if FE_EPI && !FE_EPI_DACT
 constexpr int SBUF = 2;
 #else
@@ -539,9 +539,9 @@ constexpr int R_PREFETCH_AHEAD = 8;
 // The warp's 16 rows × BN columns of R into L2 (r at the warp's first row and the tile's first
 // column; interior tiles only, so every line is inside R): lane → row lane/2, half lane%2 of the
 // row's BN·ES bytes, the lines at its first, middle and last byte (a row need not start on a
-// 128-byte line). Measured without it (2026-11-25, pending-L): the activation-backward epilogue
-// cost ~60 µs per 8192×4096 output (~7 µs per tile) — each box's R loads waited on DRAM with only
-// one box of lookahead while the tensor cores idled.
+// 128-byte line). Measured without it (docs/linear.md, "The chain form"): the
+// activation-backward epilogue cost ~60 µs per 8192×4096 output (~7 µs per tile) — each box's R
+// loads waited on DRAM with only one box of lookahead while the tensor cores idled.
 __device__ __forceinline__ void prefetch_r_l2(const T* r, i64 ldr, int lane) {
   constexpr int HALF = BN * ES / 2;
   static_assert(HALF == 256, "three prefetches cover a 256-byte half row");
@@ -554,28 +554,31 @@ __device__ __forceinline__ void prefetch_r_l2(const T* r, i64 ldr, int lane) {
 
 #if FE_EPI_DACT
 // ---- the activation-backward epilogue: consumers stage, helpers finish ----
-// The epilogue C = act'(R) ⊙ (alpha·acc) used to run in the consumer warps with the tensor cores
+// Run in the consumer warps, the epilogue C = act'(R) ⊙ (alpha·acc) keeps the tensor cores
 // idle: ~15% of the consumers' stall samples against ~6% for the plain store (Nsight Compute on
-// the H100, bench/results/2026-11-25-h100-session13/pending-S) — R's loads, act' (a tanh and
-// ~10 FMAs per element), the column sums; leaving out any one of them changed nothing (pending-Q).
-// Now the consumers only round alpha·acc to 16 bits and stmatrix their whole 16 × 256 slices
-// into a tile-sized staging area (SBUF = 4 boxes per warp; the ring has 3 stages to make room),
-// arrive on `stg_full` and start the next tile's mainloop. Warps 1–3 of the producer warpgroup (idle until now) wait on it; for
-// each box they read R (16-byte loads, prefetched into L2 a tile ahead), multiply in place, add
-// the column sums and hand the box to the TMA store; once the stores have read the area they
-// arrive on `stg_empty`, which the consumers wait on before staging the next tile. The helpers'
-// work for tile t runs under the mainloop of tile t + 1. The product is rounded twice (alpha·acc
-// to 16 bits, then the product), as the unfused path (GEMM, then linear_dact) rounds it.
-// What it costs (pending-W, per SASS): the consumers' epilogue fell to a third of the plain
-// kernel's, the helpers mostly wait for work, but the mainloop waits on its `full` barrier ~9×
-// as often as the 4-stage plain kernel's: with 3 stages the producer has one stage of lookahead
-// (the consumers hold two). Asking L2 for the boxes a ring ahead (cp.async.bulk.prefetch.tensor)
-// made it slower still (pending-X); a launch without a cluster (a stage no longer waits on the
-// peer block's consumers) made it faster, and is what the host runs (matmul::cuda::WG_DACT).
-// Over the plain dX GEMM of the same rounds (pending-Y): +17–36 µs at k = 14336, +29–55 µs at
-// 8192×4096←4096, +72–128 µs at 8192×14336 output with k = 4096 (was ~+45 µs at 8192×4096←4096
-// with the epilogue in the consumers). Timed repeat by repeat beside it (the linear bench since
-// 2026-11-26, bench/results/2026-11-26-h100-session15/pending-15.3): +37–40, +39–40, +65 µs.
+// the H100, bench/results/2026-11-25-h100-linear-dact-helpers/dact-sass-profile) — R's loads,
+// act' (a tanh and ~10 FMAs per element), the column sums; leaving out any one of them changed
+// nothing (dact-ablations, same folder). So the consumers only round alpha·acc to 16 bits and
+// stmatrix their whole 16 × 256 slices into a tile-sized staging area (SBUF = 4 boxes per warp;
+// the ring has 3 stages to make room), arrive on `stg_full` and start the next tile's mainloop.
+// Warps 1–3 of the producer warpgroup (otherwise idle) wait on it; for each box they read R
+// (16-byte loads, prefetched into L2 a tile ahead), multiply in place, add the column sums and
+// hand the box to the TMA store; once the stores have read the area they arrive on `stg_empty`,
+// which the consumers wait on before staging the next tile. The helpers' work for tile t runs
+// under the mainloop of tile t + 1. The product is rounded twice (alpha·acc to 16 bits, then the
+// product), as the unfused path (GEMM, then linear_dact) rounds it.
+// What it costs (helpers-sass-profile, per SASS): the consumers' epilogue fell to a third of the
+// plain kernel's, the helpers mostly wait for work, but the mainloop waits on its `full` barrier
+// ~9× as often as the 4-stage plain kernel's: with 3 stages the producer has one stage of
+// lookahead (the consumers hold two). Asking L2 for the boxes a ring ahead
+// (cp.async.bulk.prefetch.tensor) made it slower still (ring-prefetch-no-cluster); a launch
+// without a cluster (a stage no longer waits on the peer block's consumers) made it faster, and
+// is what the host runs (matmul::cuda::WG_DACT).
+// Over the plain dX GEMM of the same rounds (dact-no-cluster): +17–36 µs at k = 14336, +29–55 µs
+// at 8192×4096←4096, +72–128 µs at 8192×14336 output with k = 4096 (~+45 µs at 8192×4096←4096
+// with the epilogue in the consumers). Timed repeat by repeat beside it (the linear bench's
+// interleaved timing): +37–40, +39–40, +65 µs
+// (bench/results/2026-11-26-h100-linear-bench-timing-last-tile/sustained-timing).
 // A block's last tile has no mainloop after it to hide the helpers' ~15–20 µs under: there the
 // 8 consumer warps, done with their mainloop, wait on `stg_full` too and the 11 warps share the
 // 32 boxes (`joined`; the boxes' column sums are the same bits whichever warp adds them).
@@ -789,7 +792,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // Every thread of the handoff arrives (not one per warp after a __syncwarp): each thread's
     // staging accesses are then released by its own arrival, which is what racecheck follows —
     // with the boxes changing hands on a block's last tile (joined), one-lane arrivals showed
-    // as hazards there (bench/results/2026-11-26-h100-session15/pending-15.5).
+    // as hazards there
+    // (bench/results/2026-11-26-h100-linear-bench-timing-last-tile/racecheck-reports).
     mbar_init(stg_full, 256);  // each consumer thread, once per tile
     mbar_init(stg_empty, 96);  // each helper thread, once per tile
 #endif
