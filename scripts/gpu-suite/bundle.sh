@@ -23,9 +23,15 @@ for line in sys.stdin:
 ' | while IFS=$'\t' read -r name exe; do cp "$exe" "$out/tests/$name"; done
 rm -f "$out"/tests/*-cli  # drives the CLI by its build path; covered by CI
 cp scripts/gpu-suite/run.sh scripts/gpu-suite/train.sh scripts/gpu-suite/train_peers.py scripts/gpu-suite/train_table.py scripts/gpu-suite/torch_peers.py scripts/gpu-suite/attention_peers.py scripts/gpu-suite/bench-families.sh scripts/gpu-suite/moe_peers.py scripts/gpu-suite/moe.sh scripts/gpu-suite/moe_profile.py scripts/gpu-suite/decode_linear.py scripts/gpu-suite/models.sh scripts/gpu-suite/models_profile.py scripts/gpu-suite/pad_check.py "$out/"
+# The C API: its library, header, C test program and runner (capi.sh run, called by run.sh).
+cargo build --release -p ferrite-capi
+mkdir -p "$out/capi/lib" "$out/capi/include"
+cp target/release/libferrite_capi.so "$out/capi/lib/"
+cp crates/ferrite-capi/include/ferrite.h "$out/capi/include/"
+cp crates/ferrite-capi/examples/c/test_capi.c scripts/gpu-suite/capi.sh "$out/capi/"
 # Token shards for the trainer runs, when packed here (scripts/fetch-shakespeare.sh).
 if [ -d target/data/shakespeare ]; then mkdir -p "$out/data" && cp -r target/data/shakespeare "$out/data/"; fi
-strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
+strip "$out"/bin/* "$out"/tests/* "$out"/capi/lib/* 2>/dev/null || true
 size=$(du -sm "$out" | cut -f1)
 echo "bundle: $out (${size} MiB): $(ls "$out/bin" "$out/tests" | tr '\n' ' ')"
 [ "$size" -le 64 ] || { echo "bundle exceeds 64 MiB" >&2; exit 1; }

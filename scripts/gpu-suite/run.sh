@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite runner: on any CUDA machine, from the bundle made by bundle.sh, runs the GPU tests,
 # `ferrite check all` and `ferrite bench all` (and PyTorch peers where torch is installed), and
-# writes into $OUT: suite.log, check.txt, bench.txt and results.tgz (check.json, bench.{json,svg},
+# writes into $OUT: suite.log, check.txt, bench.txt, capi.log and results.tgz (check.json, bench.{json,svg},
 # data-bench.json, torch_peers.json, attention_peers.json) — few files, as the device tool returns ≤ 8.
 #   bash .gpu-bundle/run.sh [quick|full] [extra ferrite bench args...]
 # FERRITE_SANITIZE=1 adds a compute-sanitizer memcheck pass; FERRITE_SKIP_DATA=1 and
@@ -33,6 +33,12 @@ for t in "$here"/tests/*; do
   # tests marked #[ignore = "needs a CUDA GPU"] (named gpu_*): skipped, not passed, elsewhere
   "$t" --ignored gpu_ --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test result|FAILED|panicked" ; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+
+step "C API on device pointers (capi.sh)"
+if [ -d "$here/capi" ]; then
+  OUT="$OUT" bash "$here/capi/capi.sh" run > /dev/null 2>&1 || status=1
+  tail -n 2 "$OUT/capi.log" | tee -a "$log"
+fi
 
 step "check all"
 "$here/bin/ferrite" check all "${quick[@]}" --device cuda --json "$OUT/check.json" > "$OUT/check.txt" 2>&1 || status=1
