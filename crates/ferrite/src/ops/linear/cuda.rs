@@ -214,7 +214,7 @@ fn forward_unfused(
 
 /// The dX GEMM with the activation-backward epilogue (`wgmma`, bf16/f16, Hopper, TMA-aligned
 /// operands), or None where it cannot run (the caller then runs the plain GEMM and
-/// `linear_dact`). A bad `FERRITE_WGMMA_DACT_GROUP` is an error, not a silent fallback.
+/// `linear_dact`).
 fn plan_dact(
     g: &Gemm,
     ptrs: Ptrs,

@@ -204,12 +204,6 @@ pub const WG_CONFIGS: [WgConfig; 6] = [
     },
 ];
 
-/// Whether `matmul_into` tunes `wgmma` at a shape's first use. On: on the H100
-/// (bench/results/2026-11-23-h100-wgmma-tuner) every configuration passed `check matmul`
-/// (283 cases) and bench's tuned picks ran at 0.89–0.98× cuBLAS. False would keep `WG_DEFAULT`
-/// on the default path (bench still tunes, check still runs every configuration).
-pub const WG_TUNE_BY_DEFAULT: bool = true;
-
 /// The environment variable that forces one `wgmma` launch configuration (`c2g8`, `c1g16`, ...)
 /// on every matmul call that names none, in place of the tuner's pick: a developer's knob, for
 /// timing configurations through a front that cannot pass one (scripts/gpu-suite/power_clocks.py).
@@ -1104,37 +1098,7 @@ pub fn plan_epilogue_dact(g: &Gemm, dev: &Arc<CudaDevice>, act: Activation) -> R
         pairs: true,
         dact: true,
     };
-    let wg = match dact_group_forced()? {
-        Some(group_m) => WgConfig { group_m, ..WG_DACT },
-        None => WG_DACT,
-    };
-    plan_inner("wgmma", g, dev, Some(epi), wg)
-}
-
-/// The environment variable that forces the activation-backward kernel's group height (cluster
-/// rows per group of the tile order, 1–64) in place of `WG_DACT`'s: a developer's knob, for
-/// timing the tile order through the linear bench (the kernel is compiled for one cluster size,
-/// so only the order can change).
-pub const WG_DACT_GROUP_VAR: &str = "FERRITE_WGMMA_DACT_GROUP";
-
-fn dact_group_forced() -> Result<Option<u32>> {
-    match std::env::var_os(WG_DACT_GROUP_VAR).filter(|s| !s.is_empty()) {
-        Some(v) => dact_group_named(&v.to_string_lossy()).map(Some),
-        None => Ok(None),
-    }
-}
-
-/// The group height `WG_DACT_GROUP_VAR`'s value `v` names: 1 to 64.
-pub fn dact_group_named(v: &str) -> Result<u32> {
-    match v.trim().parse::<u32>() {
-        Ok(g) if (1..=64).contains(&g) => Ok(g),
-        _ => Err(Error::bad_arg(
-            OP,
-            WG_DACT_GROUP_VAR,
-            "a group height from 1 to 64",
-            v,
-        )),
-    }
+    plan_inner("wgmma", g, dev, Some(epi), WG_DACT)
 }
 
 /// Whether launch `l` of the activation-backward epilogue can also write the column sums
@@ -2002,9 +1966,9 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
         (Some(name), "wgmma") => wg_config_named(name)?,
         (None, "wgmma") => match forced_wg_config()? {
             Some(cfg) => cfg,
-            None if WG_TUNE_BY_DEFAULT && g.k > 0 && g.batch * g.m * g.n > 0 => {
-                wg_tuned(g, p, &dev, &stream)?
-            }
+            // Tuned at a shape's first use: on the H100 every configuration passed `check matmul`
+            // and the tuned picks ran at 0.89–0.98× cuBLAS (bench/results/2026-11-23-h100-wgmma-tuner).
+            None if g.k > 0 && g.batch * g.m * g.n > 0 => wg_tuned(g, p, &dev, &stream)?,
             None => WG_DEFAULT,
         },
         _ => WG_DEFAULT,

@@ -688,8 +688,6 @@ fn run_cpu(
         "blocked" => |s, _| cpu::blocked(s),
         "simd" => |s, _| cpu::simd(s),
         "parallel" => cpu::parallel,
-        #[cfg(feature = "bench")]
-        "peer" => cpu::peer,
         other => {
             return Err(Error::NoVariant {
                 op: OP.into(),

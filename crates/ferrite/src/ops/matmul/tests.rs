@@ -180,21 +180,6 @@ fn wgmma_tuner_configs() {
 
 /// The developer knob forcing the activation-backward kernel's group height: 1–64 accepted, the
 /// rest a clear error naming the variable.
-#[test]
-fn dact_group_knob_values() {
-    use cuda::{dact_group_named, WG_DACT_GROUP_VAR};
-    assert_eq!(dact_group_named("16").unwrap(), 16);
-    assert_eq!(dact_group_named(" 1 ").unwrap(), 1);
-    assert_eq!(dact_group_named("64").unwrap(), 64);
-    for bad in ["0", "65", "-8", "g16", ""] {
-        let e = dact_group_named(bad).unwrap_err().to_string();
-        assert!(
-            e.contains(WG_DACT_GROUP_VAR) && e.contains("1 to 64"),
-            "{bad}: {e}"
-        );
-    }
-}
-
 /// Where element (r, c) of an operand lies, in elements from its start.
 fn offset(o: &Operand, r: usize, c: usize) -> usize {
     if o.trans {
