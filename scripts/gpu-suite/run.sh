@@ -29,7 +29,8 @@ ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
 step "tests"
 for t in "$here"/tests/*; do
   echo "-- $(basename "$t")" | tee -a "$log"
-  "$t" --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test result|FAILED|panicked" ; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # header_is_current compares the C header with the source tree, which the bundle does not hold
+  "$t" --test-threads=1 --skip header_is_current 2>&1 | tee -a "$log" | grep -E "^test result|FAILED|panicked" ; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # tests marked #[ignore = "needs a CUDA GPU"] (named gpu_*): skipped, not passed, elsewhere
   "$t" --ignored gpu_ --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test result|FAILED|panicked" ; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
