@@ -97,6 +97,89 @@ pub struct TrainArgs {
     /// Print one line every N steps (the first and last always).
     #[arg(long, default_value_t = 1)]
     print_every: usize,
+    /// Data-parallel training over N processes on this machine, one per GPU (or N CPU
+    /// workers): B sequences per process and step, gradients summed over the processes (NCCL on
+    /// the GPU). Any launcher that sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    /// MASTER_ADDR, MASTER_PORT) works too, without this flag.
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+}
+
+/// `--nproc N`: starts N copies of this command as ranks 0..N (torchrun's variables, a free
+/// port on 127.0.0.1) and waits for them; the first rank to fail stops the others, and the error
+/// names it.
+fn launch(n: usize, device: Option<&str>) -> Result<bool> {
+    let wants_gpu = !matches!(device, Some("cpu"));
+    if wants_gpu {
+        if let Some(d) = device.filter(|d| *d != "cuda") {
+            return Err(Error::bad_arg(
+                "train",
+                "--device",
+                "cuda or cpu with --nproc (rank r takes cuda:r)",
+                d,
+            ));
+        }
+        let gpus = cuda::availability().unwrap_or(0);
+        if gpus > 0 && gpus < n {
+            return Err(Error::bad_arg(
+                "train",
+                "--nproc",
+                format!("at most the {gpus} visible GPUs (one process per GPU)"),
+                n,
+            ));
+        }
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::io("finding this executable", e))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| Error::io("picking a free port for the ranks' rendezvous", e))?
+        .port();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let mut kids = Vec::with_capacity(n);
+    for r in 0..n {
+        let child = std::process::Command::new(&exe)
+            .args(&args)
+            .env("RANK", r.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn()
+            .map_err(|e| Error::io(format!("starting rank {r}"), e))?;
+        kids.push(Some(child));
+    }
+    let mut failed: Option<String> = None;
+    while kids.iter().any(Option::is_some) {
+        for (r, k) in kids.iter_mut().enumerate() {
+            let Some(c) = k else { continue };
+            match c.try_wait() {
+                Ok(Some(st)) => {
+                    *k = None;
+                    if !st.success() && failed.is_none() {
+                        failed = Some(format!("rank {r} exited with {st}"));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => return Err(Error::io(format!("waiting for rank {r}"), e)),
+            }
+        }
+        if failed.is_some() {
+            // A rank that failed leaves the others waiting on it (in NCCL, which has no timeout).
+            for c in kids.iter_mut().flatten() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    match failed {
+        Some(f) => Err(Error::Other(format!(
+            "train --nproc {n}: {f}; the other ranks were stopped"
+        ))),
+        None => Ok(true),
+    }
 }
 
 fn device_of(spec: Option<&str>) -> Result<Device> {
@@ -214,7 +297,43 @@ fn loss_svg(log: &[StepLog], title: &str) -> String {
 }
 
 pub fn run(a: TrainArgs) -> Result<bool> {
-    let device = device_of(a.device.as_deref())?;
+    if a.nproc == 0 {
+        return Err(Error::bad_arg("train", "--nproc", "≥ 1", 0));
+    }
+    let dist = ferrite::dist::DistEnv::from_env()?;
+    if dist.is_none() && a.nproc > 1 {
+        return launch(a.nproc, a.device.as_deref());
+    }
+    if let Some(d) = &dist {
+        if a.nproc > 1 && a.nproc != d.world {
+            return Err(Error::bad_arg(
+                "train",
+                "--nproc",
+                format!("WORLD_SIZE ({}) under a launcher", d.world),
+                a.nproc,
+            ));
+        }
+    }
+    let device = match &dist {
+        // Rank r trains on cuda:LOCAL_RANK.
+        Some(d) => match a.device.as_deref() {
+            Some("cpu") => Device::Cpu,
+            None | Some("cuda") => match device_of(None)? {
+                Device::Cpu if a.device.is_none() => Device::Cpu,
+                _ => device_of(Some(&format!("cuda:{}", d.local_rank)))?,
+            },
+            Some(other) => {
+                return Err(Error::bad_arg(
+                    "train",
+                    "--device",
+                    "cuda or cpu when several processes train (rank r takes cuda:LOCAL_RANK)",
+                    other,
+                ))
+            }
+        },
+        None => device_of(a.device.as_deref())?,
+    };
+    let lead = dist.as_ref().is_none_or(|d| d.rank == 0);
     let model = ModelConfig::preset(&a.model)?;
     let dtype = if device.is_cuda() {
         DType::BF16
@@ -264,26 +383,45 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         recompute: a.recompute,
         dump_batches: a.dump_batches.clone(),
     };
-    eprintln!(
-        "training {} ({:.1} M parameters) on {device} in {dtype}: B {} × T {} × accumulation {} = {} tokens per step, {} steps",
-        model.name,
-        model.num_params() as f64 / 1e6,
-        cfg.batch,
-        cfg.seq,
-        cfg.grad_accum,
-        cfg.batch * cfg.seq * cfg.grad_accum,
-        cfg.steps
-    );
+    let world = dist.as_ref().map_or(1, |d| d.world);
+    if lead {
+        eprintln!(
+            "training {} ({:.1} M parameters) on {}{device} in {dtype}: B {} × T {} × accumulation {}{} = {} tokens per step, {} steps",
+            model.name,
+            model.num_params() as f64 / 1e6,
+            if world > 1 { format!("{world} ranks, rank 0 on ") } else { String::new() },
+            cfg.batch,
+            cfg.seq,
+            cfg.grad_accum,
+            if world > 1 { format!(" × {world} ranks") } else { String::new() },
+            cfg.batch * cfg.seq * cfg.grad_accum * world,
+            cfg.steps
+        );
+    }
     let steps = cfg.steps;
     let every = a.print_every;
-    let s = train::run(&o, &mut |l| {
-        if l.step % every == 0 || l.step + 1 == steps || l.val_loss.is_some() || l.skipped {
+    let mut on_step = |l: &StepLog| {
+        if lead && (l.step % every == 0 || l.step + 1 == steps || l.val_loss.is_some() || l.skipped)
+        {
             println!("{}", line(l, steps));
         }
-    })?;
+    };
+    let s = match dist {
+        Some(d) => {
+            let rank = d.rank;
+            let mut pg = ferrite::dist::ProcessGroup::new(d)?;
+            train::run_dist(&o, &mut pg, &mut on_step)
+                .map_err(|e| Error::Other(format!("rank {rank}: {e}")))?
+        }
+        None => train::run(&o, &mut on_step)?,
+    };
+    if !lead {
+        return Ok(true);
+    }
     println!(
-        "done: {} steps, loss {:.4} → {:.4}{} | median {:.0} tok/s ({:.1} ms/step, host {:.2} ms{}), MFU {:.1}% of {peak:.0} TFLOP/s, data wait {:.2}%{}",
+        "done: {} steps{}, loss {:.4} → {:.4}{} | median {:.0} tok/s ({:.1} ms/step, host {:.2} ms{}), MFU {:.1}% of {peak:.0} TFLOP/s, data wait {:.2}%{}",
         s.steps,
+        if s.world > 1 { format!(" on {} ranks", s.world) } else { String::new() },
         s.first_loss,
         s.last_loss,
         s.last_val_loss.map_or(String::new(), |v| format!(" (val {v:.4})")),

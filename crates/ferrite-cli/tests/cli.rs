@@ -302,3 +302,137 @@ fn bench_flags_are_checked_before_anything_runs() {
     ]);
     assert!(!ok && err.contains("no bench record"), "{err}");
 }
+
+/// A corpus the tiny model can train on: GPT-2 tokens of a repeated passage.
+fn tiny_corpus(root: &std::path::Path) -> std::path::PathBuf {
+    let src = root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let text = "It is a truth universally acknowledged, that a single man in possession of a good \
+                fortune, must be in want of a wife. "
+        .repeat(60);
+    std::fs::write(src.join("a.txt"), text).unwrap();
+    let out = root.join("shards");
+    let (ok, _, err) = ferrite(&[
+        "data",
+        "pack",
+        src.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    out
+}
+
+fn losses(json: &std::path::Path) -> (usize, Vec<f64>) {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let s = &v["summary"];
+    let l = s["log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["loss"].as_f64().unwrap())
+        .collect();
+    (s["world"].as_u64().unwrap() as usize, l)
+}
+
+/// `train --nproc 2` on the CPU: two processes of B 2 train as one of B 4 (the same losses);
+/// ranks started by hand with different settings, or a rank that never starts, are errors that
+/// name the rank.
+#[test]
+fn train_nproc_runs_data_parallel_processes() {
+    let root = std::env::temp_dir().join(format!("ferrite-cli-dp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let data = tiny_corpus(&root);
+    let d = data.to_str().unwrap();
+    let common = [
+        "train",
+        "--data",
+        d,
+        "--model",
+        "gpt2-tiny",
+        "--device",
+        "cpu",
+        "-t",
+        "32",
+        "--steps",
+        "3",
+    ];
+    let j1 = root.join("one.json");
+    let mut a: Vec<&str> = common.to_vec();
+    a.extend(["-b", "4", "--json", j1.to_str().unwrap()]);
+    let (ok, out, err) = ferrite(&a);
+    assert!(ok, "{out}\n{err}");
+    let j2 = root.join("two.json");
+    let mut a: Vec<&str> = common.to_vec();
+    a.extend(["-b", "2", "--nproc", "2", "--json", j2.to_str().unwrap()]);
+    let (ok, out, err) = ferrite(&a);
+    assert!(ok, "{out}\n{err}");
+    assert!(
+        out.contains("on 2 ranks") && out.matches("step ").count() == 3,
+        "{out}"
+    );
+    let (w1, l1) = losses(&j1);
+    let (w2, l2) = losses(&j2);
+    assert_eq!((w1, w2), (1, 2));
+    assert_eq!(l1.len(), 3);
+    for (x, y) in l1.iter().zip(&l2) {
+        assert!(
+            (x - y).abs() < 1e-4 * x.abs(),
+            "one process {l1:?}, two {l2:?}"
+        );
+    }
+
+    // Hand-started ranks (torchrun's variables) that disagree on the learning rate.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let rank = |r: usize, lr: &str, world: &str| {
+        let mut a: Vec<&str> = common.to_vec();
+        a.extend(["-b", "2", "--lr", lr]);
+        Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(&a)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", world)
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("FERRITE_DIST_TIMEOUT", "20")
+            .output()
+            .unwrap()
+    };
+    let (o0, o1) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| rank(1, "0.001", "2"));
+        (rank(0, "0.0006", "2"), h.join().unwrap())
+    });
+    for o in [&o0, &o1] {
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success()
+                && e.contains("ranks disagree on the run's settings")
+                && e.contains("rank 1 has"),
+            "{e}"
+        );
+    }
+    // Rank 0 of 3 alone: the others never join.
+    let mut a: Vec<&str> = common.to_vec();
+    a.extend(["-b", "2"]);
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(&a)
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_PORT", port.to_string())
+        .env("FERRITE_DIST_TIMEOUT", "1")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("ranks [1, 2] never joined"),
+        "{e}"
+    );
+    let (ok, _, e) = ferrite(&["train", "--data", d, "--nproc", "0"]);
+    assert!(!ok && e.contains("--nproc"), "{e}");
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -73,6 +73,7 @@
 
 pub mod core;
 pub mod data;
+pub mod dist;
 pub mod ops;
 pub mod train;
 

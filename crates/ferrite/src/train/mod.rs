@@ -144,8 +144,10 @@ pub struct Summary {
     pub device: String,
     /// Parameter count.
     pub params: usize,
-    /// B.
+    /// B (per rank).
     pub batch: usize,
+    /// Ranks (processes) that trained together; tokens/s counts all of them.
+    pub world: usize,
     /// T.
     pub seq: usize,
     /// Micro-batches per step.
@@ -192,13 +194,15 @@ fn scalar(t: &crate::core::tensor::Tensor) -> Result<f64> {
     Ok(t.to_f32_vec()?[0] as f64)
 }
 
-/// The loader for a run (tokens as i32 on the run's device).
+/// The loader for a run (tokens as i32 on the run's device); `shard` = (rank, world) reads
+/// this rank's rows of each global batch.
 fn loader(
     ds: &Dataset,
     o: &RunOptions,
     shuffle: bool,
     epochs: Option<u64>,
     resume: Option<crate::data::LoaderState>,
+    shard: (usize, usize),
 ) -> Result<Loader> {
     let cfg = LoaderConfig {
         batch: o.train.batch,
@@ -208,6 +212,8 @@ fn loader(
         epochs,
         device: o.device,
         out_dtype: Some(DType::I32),
+        rank: shard.0,
+        world: shard.1,
         ..Default::default()
     };
     Loader::new(ds, cfg, resume)
@@ -215,7 +221,7 @@ fn loader(
 
 /// Mean loss over the first `batches` batches of the validation set.
 fn evaluate(model: &Model, ds: &Dataset, o: &RunOptions) -> Result<f64> {
-    let mut l = loader(ds, o, false, Some(1), None)?;
+    let mut l = loader(ds, o, false, Some(1), None, (0, 1))?;
     let (mut sum, mut n) = (0.0, 0);
     while n < o.train.val_batches {
         let Some(b) = l.next_batch()? else { break };
@@ -242,6 +248,44 @@ fn evaluate(model: &Model, ds: &Dataset, o: &RunOptions) -> Result<f64> {
 
 /// Trains `o.model` on `o.data` for `o.train.steps` steps; `on_step` sees every step's log.
 pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary> {
+    run_in(o, None, on_step)
+}
+
+/// Data-parallel training: this process is one rank of `pg` (every rank calls this with the
+/// same options, each on its own device). Each rank reads its `B` rows of every global batch of
+/// `world · B`, runs forward and backward on them, and the gradients are summed over the ranks
+/// before the norm, the clipping and the update, which every rank then does alike: the weights
+/// stay identical, and the run equals one process training on the global batch. Rank 0 writes
+/// the checkpoints; a checkpoint resumes on any number of ranks. Losses and throughput in the
+/// log and the summary are global.
+pub fn run_dist(
+    o: &RunOptions,
+    pg: &mut crate::dist::ProcessGroup,
+    on_step: &mut dyn FnMut(&StepLog),
+) -> Result<Summary> {
+    pg.attach(o.device)?;
+    // Everything that shapes the numbers must agree (paths and the device index may differ).
+    let shape = serde_json::json!({
+        "model": &o.model,
+        "train": &o.train,
+        "dtype": o.dtype.name(),
+        "deterministic": o.deterministic,
+        "recompute": o.recompute,
+        "resume": o.resume.as_ref().map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
+        "init_hf": o.init_hf.is_some(),
+        "val": o.val_data.is_some(),
+    });
+    pg.check_same("the run's settings", &shape.to_string())?;
+    run_in(o, Some(pg), on_step)
+}
+
+fn run_in(
+    o: &RunOptions,
+    pg: Option<&mut crate::dist::ProcessGroup>,
+    on_step: &mut dyn FnMut(&StepLog),
+) -> Result<Summary> {
+    let pg = pg.map(|p| &*p);
+    let (rank, world) = pg.map_or((0, 1), |p| (p.rank(), p.world()));
     let t = &o.train;
     t.validate()?;
     o.model.validate(Some(t.seq))?;
@@ -294,18 +338,34 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         }
         None => (0, None),
     };
-    let mut data = loader(&ds, o, true, None, resume_at)?;
+    let mut data = loader(&ds, o, true, None, resume_at, (rank, world))?;
+    if let Some(pg) = pg {
+        // The same shards, sequence length and order on every rank (its fingerprint).
+        pg.check_same(
+            "the training data (shards, T, order)",
+            &format!("{:016x}", data.state().fingerprint),
+        )?;
+    }
     let mut dump = match &o.dump_batches {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p)
-                .map_err(|e| Error::io(format!("creating {}", p.display()), e))?,
-        )),
+        Some(p) => {
+            let p = if world > 1 {
+                let mut n = p.as_os_str().to_owned();
+                n.push(format!(".rank{rank}"));
+                PathBuf::from(n)
+            } else {
+                p.clone()
+            };
+            Some(std::io::BufWriter::new(std::fs::File::create(&p).map_err(
+                |e| Error::io(format!("creating {}", p.display()), e),
+            )?))
+        }
         None => None,
     };
-    let tokens_per_step = (t.batch * t.seq * t.grad_accum) as f64;
+    let tokens_per_step = (t.batch * t.seq * t.grad_accum * world) as f64;
     let flops_per_step = o.model.flops_per_token(t.seq) * tokens_per_step;
     let mut log: Vec<StepLog> = Vec::with_capacity(t.steps);
-    let dloss = 1.0 / t.grad_accum as f32;
+    // Each rank's share of the mean over the global batch.
+    let dloss = 1.0 / (t.grad_accum * world) as f32;
     let mut profile = Vec::new();
     for step in start..t.steps {
         let profiling = o.profile_step == Some(step);
@@ -336,10 +396,18 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
                 model.accumulate(micro == 0)?;
             }
             if micro + 1 == t.grad_accum {
+                if let Some(pg) = pg {
+                    model.all_reduce_grads(pg)?;
+                }
                 model.grad_sumsq()?;
             }
             host += h0.elapsed().as_secs_f64();
             loss += scalar(model.loss_tensor()?)? / t.grad_accum as f64;
+        }
+        if let Some(pg) = pg {
+            let mut v = [loss as f32];
+            pg.all_reduce_host(&mut v)?;
+            loss = v[0] as f64 / world as f64;
         }
         let norm = scalar(model.sumsq_tensor()?)?.sqrt();
         let finite = loss.is_finite() && norm.is_finite();
@@ -399,7 +467,7 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
             grad_norm: norm,
             ms: secs * 1e3,
             tokens_per_s: tokens_per_step / secs,
-            mfu: flops_per_step / secs / (o.peak_tflops * 1e12),
+            mfu: flops_per_step / secs / (o.peak_tflops * 1e12 * world as f64),
             data_wait: wait / secs,
             val_loss,
             mem_gib,
@@ -418,7 +486,13 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
                     loader: Some(data.state()),
                     dtype: o.dtype.name().to_string(),
                 };
-                checkpoint::save(&model, &dir.join(format!("step-{:06}", step + 1)), &meta)?;
+                // The replicas are identical: rank 0 writes, the others wait for it.
+                if rank == 0 {
+                    checkpoint::save(&model, &dir.join(format!("step-{:06}", step + 1)), &meta)?;
+                }
+                if let Some(pg) = pg {
+                    pg.barrier("checkpoint")?;
+                }
             }
         }
     }
@@ -453,7 +527,10 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
         host_ms: median(&mut host),
         graph: o.graph && o.device.is_cuda() && model.graph_error().is_none(),
         graph_error: model.graph_error().map(str::to_string),
-        mfu: flops_per_step / (tokens_per_step / tokens_per_s) / (o.peak_tflops * 1e12),
+        mfu: flops_per_step
+            / (tokens_per_step / tokens_per_s)
+            / (o.peak_tflops * 1e12 * world as f64),
+        world,
         data_wait: median(&mut wait),
         peak_gib,
         profile,

@@ -381,6 +381,14 @@ impl Model {
         self.mark("accumulate")
     }
 
+    /// Data parallelism: the step's gradient (accumulated if enabled) summed over every rank of
+    /// `pg`, in place (NCCL on the GPU). Each rank's backward is scaled by 1/world, so the sum
+    /// is the mean over the global batch.
+    pub fn all_reduce_grads(&self, pg: &crate::dist::ProcessGroup) -> Result<()> {
+        pg.all_reduce_sum(self.acc_whole.as_ref().unwrap_or(&self.grads_whole))?;
+        self.mark("all-reduce")
+    }
+
     /// Σ g² of the step's gradient (accumulated if enabled) into `sumsq_tensor()`.
     pub fn grad_sumsq(&self) -> Result<()> {
         let a = self.acts()?;

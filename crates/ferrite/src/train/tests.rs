@@ -652,3 +652,115 @@ fn the_first_non_finite_tensor_is_named() {
         Some("activation h1.mlp up")
     );
 }
+
+/// Runs `o_of(rank)` as `world` data-parallel ranks (threads of this test, each its own process
+/// group over TCP); every rank's result in rank order.
+fn run_ranks(
+    world: usize,
+    o_of: impl Fn(usize) -> RunOptions + Send + Sync + 'static,
+) -> Vec<Result<Summary>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let o_of = std::sync::Arc::new(o_of);
+    let hs: Vec<_> = (0..world)
+        .map(|rank| {
+            let o_of = o_of.clone();
+            std::thread::spawn(move || {
+                let env = crate::dist::DistEnv {
+                    rank,
+                    world,
+                    local_rank: rank,
+                    addr: "127.0.0.1".into(),
+                    port,
+                };
+                let mut pg = crate::dist::ProcessGroup::with_timeout(
+                    env,
+                    std::time::Duration::from_secs(60),
+                )?;
+                run_dist(&o_of(rank), &mut pg, &mut |_| {})
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= tol * y.abs().max(1.0))
+}
+
+/// Two ranks of B 2 are one process of B 4: the loader gives rank r rows [2r, 2r+2) of each
+/// global batch of 4, the gradients are summed over the ranks, and every rank applies the same
+/// update. A checkpoint written by the ranks resumes in one process.
+#[test]
+fn data_parallel_equals_one_process_on_the_global_batch() {
+    let dir = std::env::temp_dir().join(format!("ferrite-train-dp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    structured_shards(&dir, 128, 20_000);
+    let mut one = opts(&dir, small(128), 6);
+    one.profile_step = None;
+    let straight = run(&one, &mut |_| {}).unwrap();
+    let want: Vec<f64> = straight.log.iter().map(|l| l.loss).collect();
+    let want_norm: Vec<f64> = straight.log.iter().map(|l| l.grad_norm).collect();
+
+    let ck = dir.join("ckpt");
+    let base = one.clone();
+    let ck2 = ck.clone();
+    let runs = run_ranks(2, move |_| {
+        let mut o = base.clone();
+        o.train.batch = 2;
+        o.train.steps = 3;
+        o.save = Some(ck2.clone());
+        o
+    });
+    let mut losses = vec![];
+    for (r, s) in runs.into_iter().enumerate() {
+        let s = s.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(s.world, 2);
+        let l: Vec<f64> = s.log.iter().map(|l| l.loss).collect();
+        let n: Vec<f64> = s.log.iter().map(|l| l.grad_norm).collect();
+        assert!(
+            close(&l, &want[..3], 1e-5),
+            "rank {r}: losses {l:?}, one process {want:?}"
+        );
+        assert!(
+            close(&n, &want_norm[..3], 1e-4),
+            "rank {r}: norms {n:?}, one process {want_norm:?}"
+        );
+        losses.push(l);
+    }
+    assert_eq!(losses[0], losses[1], "the ranks log different losses");
+    // Rank 0's checkpoint, resumed by one process of B 4: the straight run's last 3 steps.
+    let mut rest = one.clone();
+    rest.resume = Some(ck.join("step-000003"));
+    let b = run(&rest, &mut |_| {}).unwrap();
+    let got: Vec<f64> = b.log.iter().map(|l| l.loss).collect();
+    assert!(
+        close(&got, &want[3..], 1e-5),
+        "resumed {got:?}, straight {:?}",
+        &want[3..]
+    );
+
+    // Ranks that disagree on a setting fail at start, naming the rank.
+    let base = one.clone();
+    let runs = run_ranks(2, move |rank| {
+        let mut o = base.clone();
+        if rank == 1 {
+            o.train.lr *= 2.0;
+        }
+        o
+    });
+    for s in runs {
+        let e = s.unwrap_err().to_string();
+        assert!(
+            e.contains("ranks disagree on the run's settings") && e.contains("rank 1 has"),
+            "{e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,398 @@
+//! # dist — several processes, one model: the process group the trainer's data parallelism runs on
+//!
+//! One process per GPU (or per CPU worker), started by `ferrite train --nproc N` or by any
+//! launcher that sets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`). Two layers, as in torch.distributed:
+//!
+//! - a **rendezvous** over TCP (`store`): rank 0 listens, the others connect; it checks at start
+//!   that every rank runs the same configuration, hands out NCCL's unique id, and carries small
+//!   host values (a step's loss) — and, on the CPU, the gradients themselves (a sum in rank order,
+//!   so a CPU run is deterministic and needs nothing installed);
+//! - **NCCL** (`nccl`) on the GPU: all-reduce, reduce-scatter and all-gather queued on ferrite's
+//!   stream, in place on ferrite tensors.
+//!
+//! Failures name the rank: a rank that does not join, exits, or stays silent past
+//! `FERRITE_DIST_TIMEOUT` seconds (default 600) is an error on every other rank, not a hang.
+
+mod nccl;
+mod store;
+
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::tensor::Tensor;
+use std::time::Duration;
+
+/// Where this process stands among the ranks of a run (torchrun's variables).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistEnv {
+    /// This process's rank, `0..world`.
+    pub rank: usize,
+    /// Processes in the run.
+    pub world: usize,
+    /// This process's rank on its machine (its GPU's ordinal).
+    pub local_rank: usize,
+    /// Rank 0's host.
+    pub addr: String,
+    /// Rank 0's port.
+    pub port: u16,
+}
+
+fn env_num(name: &str) -> Result<Option<usize>> {
+    match std::env::var(name) {
+        Ok(v) => {
+            v.trim().parse::<usize>().map(Some).map_err(|_| {
+                Error::bad_arg("dist", name, "a non-negative integer", format!("{v:?}"))
+            })
+        }
+        Err(_) => Ok(None),
+    }
+}
+
+impl DistEnv {
+    /// The run's ranks from the environment; `None` when `WORLD_SIZE` is unset or 1 (one process).
+    pub fn from_env() -> Result<Option<DistEnv>> {
+        let world = match env_num("WORLD_SIZE")? {
+            None | Some(1) => return Ok(None),
+            Some(0) => return Err(Error::bad_arg("dist", "WORLD_SIZE", "≥ 1", 0)),
+            Some(w) => w,
+        };
+        let rank = env_num("RANK")?.ok_or_else(|| {
+            Error::bad_arg(
+                "dist",
+                "RANK",
+                format!("set (0..{world}) when WORLD_SIZE is {world}"),
+                "unset",
+            )
+        })?;
+        let local_rank = env_num("LOCAL_RANK")?.unwrap_or(rank);
+        let port = env_num("MASTER_PORT")?
+            .ok_or_else(|| Error::bad_arg("dist", "MASTER_PORT", "rank 0's port", "unset"))?;
+        let port = u16::try_from(port)
+            .map_err(|_| Error::bad_arg("dist", "MASTER_PORT", "a port ≤ 65535", port))?;
+        let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+        let e = DistEnv {
+            rank,
+            world,
+            local_rank,
+            addr,
+            port,
+        };
+        e.validate()?;
+        Ok(Some(e))
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.world > i32::MAX as usize {
+            return Err(Error::bad_arg("dist", "WORLD_SIZE", "< 2³¹", self.world));
+        }
+        if self.rank >= self.world {
+            return Err(Error::bad_arg(
+                "dist",
+                "RANK",
+                format!("0..{} (WORLD_SIZE {})", self.world, self.world),
+                self.rank,
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The wait before a silent rank is an error (`FERRITE_DIST_TIMEOUT`, seconds, default 600).
+pub fn timeout() -> Result<Duration> {
+    match std::env::var("FERRITE_DIST_TIMEOUT") {
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+            _ => Err(Error::bad_arg(
+                "dist",
+                "FERRITE_DIST_TIMEOUT",
+                "seconds, a number > 0",
+                format!("{v:?}"),
+            )),
+        },
+        Err(_) => Ok(Duration::from_secs(600)),
+    }
+}
+
+/// This process's membership in a run of several: collectives over every rank.
+pub struct ProcessGroup {
+    env: DistEnv,
+    store: store::Store,
+    nccl: Option<nccl::NcclComm>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ProcessGroup(rank {} of {}, {})",
+            self.env.rank,
+            self.env.world,
+            if self.nccl.is_some() { "NCCL" } else { "host" }
+        )
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn sum_f32(all: &[Vec<u8>]) -> std::result::Result<Vec<u8>, String> {
+    let n = all[0].len();
+    if let Some((r, p)) = all.iter().enumerate().find(|(_, p)| p.len() != n) {
+        return Err(format!(
+            "ranks disagree on the all-reduce's size: rank 0 sent {} values, rank {r} {}",
+            n / 4,
+            p.len() / 4
+        ));
+    }
+    let mut acc: Vec<f32> = all[0]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    for p in &all[1..] {
+        for (a, c) in acc.iter_mut().zip(p.chunks_exact(4)) {
+            *a += f32::from_le_bytes(c.try_into().unwrap());
+        }
+    }
+    Ok(f32_bytes(&acc))
+}
+
+impl ProcessGroup {
+    /// Joins the run described by `env` (every rank calls this; it returns once all have joined).
+    pub fn new(env: DistEnv) -> Result<ProcessGroup> {
+        Self::with_timeout(env, timeout()?)
+    }
+
+    /// As [`ProcessGroup::new`], waiting `timeout` for a silent rank instead of
+    /// `FERRITE_DIST_TIMEOUT`.
+    pub fn with_timeout(env: DistEnv, timeout: Duration) -> Result<ProcessGroup> {
+        env.validate()?;
+        let store = store::Store::connect(env.rank, env.world, &env.addr, env.port, timeout)?;
+        Ok(ProcessGroup {
+            env,
+            store,
+            nccl: None,
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+    /// Ranks in the run.
+    pub fn world(&self) -> usize {
+        self.env.world
+    }
+    /// This process's rank on its machine.
+    pub fn local_rank(&self) -> usize {
+        self.env.local_rank
+    }
+    /// Whether tensors on the GPU travel by NCCL (after [`ProcessGroup::attach`] to a GPU).
+    pub fn uses_nccl(&self) -> bool {
+        self.nccl.is_some()
+    }
+
+    /// Every rank must pass the same `value` (a configuration, serialised); otherwise every
+    /// rank fails with the first rank that differs and both values.
+    pub fn check_same(&self, what: &str, value: &str) -> Result<()> {
+        self.store
+            .exchange(&format!("check {what}"), value.as_bytes(), |all| match all
+                .iter()
+                .position(|v| v != &all[0])
+            {
+                None => Ok(vec![]),
+                Some(r) => Err(format!(
+                    "ranks disagree on {what}: rank 0 has {}, rank {r} has {}",
+                    String::from_utf8_lossy(&all[0]),
+                    String::from_utf8_lossy(&all[r])
+                )),
+            })
+            .map(|_| ())
+    }
+
+    /// Waits until every rank gets here.
+    pub fn barrier(&self, what: &str) -> Result<()> {
+        self.store
+            .exchange(&format!("barrier {what}"), &[], |_| Ok(vec![]))
+            .map(|_| ())
+    }
+
+    /// `v ← Σ_ranks v` for a few host values (summed in rank order: the same on every rank).
+    pub fn all_reduce_host(&self, v: &mut [f32]) -> Result<()> {
+        let out = self
+            .store
+            .exchange("all_reduce_host", &f32_bytes(v), sum_f32)?;
+        for (x, c) in v.iter_mut().zip(out.chunks_exact(4)) {
+            *x = f32::from_le_bytes(c.try_into().unwrap());
+        }
+        Ok(())
+    }
+
+    /// Makes collectives on tensors of `device` run there: on a GPU an NCCL communicator over
+    /// every rank on ferrite's stream (every rank must attach, each to its own device). On the
+    /// CPU, tensor collectives travel through the rendezvous.
+    pub fn attach(&mut self, device: Device) -> Result<()> {
+        let local = self.env.local_rank;
+        let flags = format!(
+            "{}",
+            match device {
+                Device::Cpu => "cpu",
+                Device::Cuda(_) => "cuda",
+            }
+        );
+        self.check_same("the device kind", &flags)?;
+        let Device::Cuda(i) = device else {
+            return Ok(());
+        };
+        let dev = crate::core::cuda::device(i)?;
+        let ok = nccl::available();
+        let all_ok = {
+            let mut v = [if ok { 0.0 } else { 1.0 }];
+            self.all_reduce_host(&mut v)?;
+            v[0] == 0.0
+        };
+        if !all_ok {
+            return Err(Error::Other(format!(
+                "dist: rank {} (cuda:{i}, local rank {local}): NCCL is not loadable on every rank \
+                 (this one: {}). ferrite loads libnccl.so at run time: put a folder holding \
+                 libnccl.so (NCCL's packages ship libnccl.so.2; a link named libnccl.so to it will \
+                 do) on LD_LIBRARY_PATH",
+                self.env.rank,
+                if ok { "found" } else { "not found" }
+            )));
+        }
+        let id_bytes = if self.env.rank == 0 {
+            nccl::unique_id()?.to_vec()
+        } else {
+            vec![]
+        };
+        let id = self
+            .store
+            .exchange("nccl id", &id_bytes, |all| Ok(all[0].clone()))?;
+        let id: [u8; 128] = id
+            .try_into()
+            .map_err(|_| Error::Other("dist: NCCL's unique id is not 128 bytes".into()))?;
+        self.nccl = Some(nccl::NcclComm::new(dev, self.env.rank, self.env.world, id)?);
+        Ok(())
+    }
+
+    fn tensor_f32_host(t: &Tensor, op: &str) -> Result<()> {
+        if t.dtype() != DType::F32 || !t.is_contiguous() {
+            return Err(Error::bad_arg(
+                op,
+                "tensor",
+                "a contiguous f32 tensor (CPU collectives)",
+                format!(
+                    "{} {}",
+                    t.dtype(),
+                    if t.is_contiguous() {
+                        "contiguous"
+                    } else {
+                        "strided"
+                    }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `t ← Σ_ranks t`, in place: NCCL on the GPU (queued on ferrite's stream), the rendezvous on
+    /// the CPU (f32, summed in rank order).
+    pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
+        match (t.device(), &self.nccl) {
+            (Device::Cuda(_), Some(c)) => c.all_reduce_sum(t),
+            (Device::Cuda(_), None) => Err(Error::Other(
+                "dist::all_reduce: a GPU tensor, but the process group is not attached to a GPU"
+                    .into(),
+            )),
+            (Device::Cpu, _) => {
+                Self::tensor_f32_host(t, "dist::all_reduce")?;
+                let bytes = t.with_cpu::<f32, _>(f32_bytes)?;
+                let out = self.store.exchange("all_reduce", &bytes, sum_f32)?;
+                t.with_cpu_mut::<f32, _>(|s| {
+                    for (x, c) in s.iter_mut().zip(out.chunks_exact(4)) {
+                        *x = f32::from_le_bytes(c.try_into().unwrap());
+                    }
+                })
+            }
+        }
+    }
+
+    /// `out ← this rank's slice of Σ_ranks input`, where `input` holds `world` slices of
+    /// `out.numel()` elements in rank order.
+    pub fn reduce_scatter_sum(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+        let w = self.env.world;
+        if input.numel() != w * out.numel() {
+            return Err(Error::bad_arg(
+                "dist::reduce_scatter",
+                "input",
+                format!("world {w} × out's {} elements", out.numel()),
+                input.numel(),
+            ));
+        }
+        match (input.device(), &self.nccl) {
+            (Device::Cuda(_), Some(c)) => c.reduce_scatter_sum(input, out),
+            (Device::Cuda(_), None) => Err(Error::Other(
+                "dist::reduce_scatter: a GPU tensor, but the process group is not attached to a GPU"
+                    .into(),
+            )),
+            (Device::Cpu, _) => {
+                Self::tensor_f32_host(input, "dist::reduce_scatter")?;
+                Self::tensor_f32_host(out, "dist::reduce_scatter")?;
+                let bytes = input.with_cpu::<f32, _>(f32_bytes)?;
+                let sum = self.store.exchange("reduce_scatter", &bytes, sum_f32)?;
+                let n = out.numel() * 4;
+                let mine = &sum[self.env.rank * n..(self.env.rank + 1) * n];
+                out.with_cpu_mut::<f32, _>(|s| {
+                    for (x, c) in s.iter_mut().zip(mine.chunks_exact(4)) {
+                        *x = f32::from_le_bytes(c.try_into().unwrap());
+                    }
+                })
+            }
+        }
+    }
+
+    /// `out ← every rank's `input` in rank order` (`out` holds `world · input.numel()`).
+    pub fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+        let w = self.env.world;
+        if out.numel() != w * input.numel() || out.dtype() != input.dtype() {
+            return Err(Error::bad_arg(
+                "dist::all_gather",
+                "out",
+                format!("{} × {} {} elements", w, input.numel(), input.dtype()),
+                format!("{} {}", out.numel(), out.dtype()),
+            ));
+        }
+        match (input.device(), &self.nccl) {
+            (Device::Cuda(_), Some(c)) => c.all_gather(input, out),
+            (Device::Cuda(_), None) => Err(Error::Other(
+                "dist::all_gather: a GPU tensor, but the process group is not attached to a GPU"
+                    .into(),
+            )),
+            (Device::Cpu, _) => {
+                Self::tensor_f32_host(input, "dist::all_gather")?;
+                Self::tensor_f32_host(out, "dist::all_gather")?;
+                let bytes = input.with_cpu::<f32, _>(f32_bytes)?;
+                let all = self.store.exchange("all_gather", &bytes, |all| {
+                    if let Some(r) = all.iter().position(|p| p.len() != all[0].len()) {
+                        return Err(format!(
+                            "ranks disagree on the all-gather's size: rank 0 sent {} values, rank {r} {}",
+                            all[0].len() / 4,
+                            all[r].len() / 4
+                        ));
+                    }
+                    Ok(all.concat())
+                })?;
+                out.with_cpu_mut::<f32, _>(|s| {
+                    for (x, c) in s.iter_mut().zip(all.chunks_exact(4)) {
+                        *x = f32::from_le_bytes(c.try_into().unwrap());
+                    }
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,194 @@
+//! The process group's rendezvous and host collectives, ranks as threads of one test.
+
+use super::*;
+use std::net::TcpListener;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn env(rank: usize, world: usize, port: u16) -> DistEnv {
+    DistEnv {
+        rank,
+        world,
+        local_rank: rank,
+        addr: "127.0.0.1".into(),
+        port,
+    }
+}
+
+/// Runs `f(rank's group)` on `world` threads; returns each rank's result in rank order.
+fn ranks<T: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(Result<ProcessGroup>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let port = free_port();
+    let f = std::sync::Arc::new(f);
+    let hs: Vec<_> = (0..world)
+        .map(|r| {
+            let f = f.clone();
+            std::thread::spawn(move || f(ProcessGroup::with_timeout(env(r, world, port), timeout)))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+const T: Duration = Duration::from_secs(20);
+
+#[test]
+fn host_collectives_sum_gather_and_scatter_in_rank_order() {
+    let out = ranks(3, T, |pg| {
+        let pg = pg.unwrap();
+        let r = pg.rank() as f32;
+        let mut v = [r + 0.5, -r, 1e-3 * r];
+        pg.all_reduce_host(&mut v).unwrap();
+        // a tensor all-reduce: 37 values, rank-dependent
+        let t = Tensor::from_vec((0..37).map(|i| i as f32 * (r + 1.0)).collect(), &[37]).unwrap();
+        pg.all_reduce_sum(&t).unwrap();
+        let sum = t.to_f32_vec().unwrap();
+        // reduce-scatter of 3 × 5, then all-gather it back
+        let inp = Tensor::from_vec(
+            (0..15).map(|i| (i as f32 + 1.0) * (r + 2.0)).collect(),
+            &[15],
+        )
+        .unwrap();
+        let mine = Tensor::from_vec(vec![f32::NAN; 5], &[5]).unwrap();
+        pg.reduce_scatter_sum(&inp, &mine).unwrap();
+        let all = Tensor::from_vec(vec![f32::NAN; 15], &[15]).unwrap();
+        pg.all_gather(&mine, &all).unwrap();
+        pg.barrier("end").unwrap();
+        (
+            v,
+            sum,
+            mine.to_f32_vec().unwrap(),
+            all.to_f32_vec().unwrap(),
+        )
+    });
+    for (r, (v, sum, mine, all)) in out.iter().enumerate() {
+        assert_eq!(
+            v,
+            &[0.5 + 1.5 + 2.5, -3.0, 1e-3 * 0.0 + 1e-3 + 2e-3],
+            "rank {r}"
+        );
+        for (i, x) in sum.iter().enumerate() {
+            assert_eq!(*x, i as f32 * 6.0, "rank {r} element {i}");
+        }
+        // Σ_r (i+1)(r+2) = 9 (i+1)
+        for (j, x) in mine.iter().enumerate() {
+            assert_eq!(
+                *x,
+                9.0 * (r * 5 + j + 1) as f32,
+                "rank {r} slice element {j}"
+            );
+        }
+        for (i, x) in all.iter().enumerate() {
+            assert_eq!(*x, 9.0 * (i + 1) as f32, "rank {r} gathered element {i}");
+        }
+    }
+}
+
+#[test]
+fn a_different_configuration_fails_every_rank_naming_the_rank() {
+    let out = ranks(3, T, |pg| {
+        let pg = pg.unwrap();
+        let cfg = if pg.rank() == 2 { "B 8" } else { "B 16" };
+        pg.check_same("the training settings", cfg)
+            .unwrap_err()
+            .to_string()
+    });
+    for m in out {
+        assert!(
+            m.contains("rank 2 has B 8") && m.contains("rank 0 has B 16"),
+            "{m}"
+        );
+    }
+}
+
+#[test]
+fn ranks_in_different_collectives_are_an_error_not_a_mixup() {
+    let out = ranks(2, T, |pg| {
+        let pg = pg.unwrap();
+        if pg.rank() == 0 {
+            pg.barrier("step").unwrap_err().to_string()
+        } else {
+            let mut v = [1.0];
+            pg.all_reduce_host(&mut v).unwrap_err().to_string()
+        }
+    });
+    for m in out {
+        assert!(
+            m.contains("rank 0 is in 'barrier step'") && m.contains("rank 1 in 'all_reduce_host'"),
+            "{m}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_exits_or_never_joins_is_named() {
+    // rank 1 leaves after joining: rank 0's next collective names it
+    let out = ranks(2, T, |pg| {
+        let pg = pg.unwrap();
+        if pg.rank() == 1 {
+            drop(pg);
+            return String::new();
+        }
+        pg.barrier("step").unwrap_err().to_string()
+    });
+    assert!(
+        out[0].contains("rank 1 closed its connection"),
+        "{}",
+        out[0]
+    );
+
+    // rank 2 of 3 never starts: rank 0 and rank 1 time out, rank 0 naming it
+    let port = free_port();
+    let short = Duration::from_millis(600);
+    let h = std::thread::spawn(move || ProcessGroup::with_timeout(env(1, 3, port), short));
+    let e0 = ProcessGroup::with_timeout(env(0, 3, port), short)
+        .unwrap_err()
+        .to_string();
+    assert!(e0.contains("ranks [2] never joined"), "{e0}");
+    let e1 = h.join().unwrap().unwrap_err().to_string();
+    assert!(e1.contains("rank 1"), "{e1}");
+}
+
+#[test]
+fn a_silent_rank_times_out_with_its_name() {
+    let out = ranks(2, Duration::from_millis(500), |pg| {
+        let pg = pg.unwrap();
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return String::new();
+        }
+        pg.barrier("step").unwrap_err().to_string()
+    });
+    assert!(out[0].contains("nothing from rank 1 within"), "{}", out[0]);
+}
+
+#[test]
+fn bad_environment_and_world_mismatch_are_clear_errors() {
+    let port = free_port();
+    let h = std::thread::spawn(move || {
+        ProcessGroup::with_timeout(env(1, 3, port), Duration::from_secs(5))
+    });
+    let e0 = ProcessGroup::with_timeout(env(0, 2, port), Duration::from_secs(5))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e0.contains("rank 1 was started with WORLD_SIZE 3, rank 0 with 2"),
+        "{e0}"
+    );
+    let e1 = h.join().unwrap().unwrap_err().to_string();
+    assert!(e1.contains("WORLD_SIZE 3"), "{e1}");
+    let bad = DistEnv {
+        rank: 4,
+        ..env(0, 2, port)
+    };
+    let e = ProcessGroup::with_timeout(bad, T).unwrap_err().to_string();
+    assert!(e.contains("RANK") && e.contains('4'), "{e}");
+}
