@@ -8,6 +8,8 @@ embeddings), global-norm clipping at 1.0, linear warm-up then cosine. Batches ar
 T+1 tokens from the shards (the order differs from ferrite's loader; the data are the same).
 
 usage: python3 train_peers.py SHARDS --model gpt2-124m -b 16 -t 1024 --steps 30 --mode eager|compile --json out.json
+Under torchrun (WORLD_SIZE > 1) it trains data-parallel with DistributedDataParallel over NCCL, B rows
+per rank (`--fsdp`: FSDP2's fully_shard per block instead), and reports global tokens/s from rank 0.
 """
 import argparse
 import glob
@@ -206,11 +208,21 @@ def main():
                     "layout, f32 safetensors) to this file and exit: `ferrite train --init-hf` starts from them")
     ap.add_argument("--batches", help="train on these batches (i32 [steps, B, T+1], from `ferrite train "
                     "--dump-batches`) instead of random windows: the same data in the same order")
+    ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 (fully_shard) instead of DDP")
     a = ap.parse_args()
 
     torch.manual_seed(a.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
     dev = "cuda"
+    if world > 1:
+        import torch.distributed as dist
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        rank = dist.get_rank()
+        dev = f"cuda:{local}"
     tokens = torch.from_numpy(load_tokens(a.shards))
     if a.model in LLAMA:
         layers, heads, kv, dim, ffn, max_seq = LLAMA[a.model]
@@ -223,6 +235,15 @@ def main():
         return
     if a.params == "bf16":
         model = model.to(torch.bfloat16)
+    if world > 1 and a.fsdp:
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if a.params == "fp32" else None
+        for blk in model.blocks:
+            fully_shard(blk, **({"mp_policy": mp} if mp else {}))
+        fully_shard(model, **({"mp_policy": mp} if mp else {}))
+    elif world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -238,7 +259,7 @@ def main():
         return loss, norm
 
     fn = torch.compile(step_fn) if a.mode == "compile" else step_fn
-    gen = torch.Generator().manual_seed(a.seed)
+    gen = torch.Generator().manual_seed(a.seed + rank)
     n = tokens.numel() - a.seq - 1
 
     fixed = None
@@ -275,11 +296,13 @@ def main():
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         log.append({"step": step, "loss": loss_v, "grad_norm": float(norm), "ms": dt * 1e3,
-                    "tokens_per_s": a.batch * a.seq / dt})
-        if step % 10 == 0 or step + 1 == a.steps:
+                    "tokens_per_s": world * a.batch * a.seq / dt})
+        if rank == 0 and (step % 10 == 0 or step + 1 == a.steps):
             print(f"[torch {a.mode} {a.params}] step {step + 1}/{a.steps} loss {loss_v:.4f} {dt * 1e3:.1f} ms "
-                  f"{a.batch * a.seq / dt:.0f} tok/s", flush=True)
+                  f"{world * a.batch * a.seq / dt:.0f} tok/s", flush=True)
     val_loss = None
+    if a.val and world > 1:
+        a.val = None  # the validation pass compares single-GPU runs only
     if a.val:
         v = torch.from_numpy(load_tokens_file(a.val))
         rows = v[: (v.numel() // (a.seq + 1)) * (a.seq + 1)].view(-1, a.seq + 1)
@@ -295,16 +318,19 @@ def main():
     warm = 3 if len(log) > 4 else 0
     out = {
         "mode": a.mode, "params": a.params, "pad_vocab": a.pad_vocab, "model": a.model, "device": torch.cuda.get_device_name(), "batch": a.batch,
-        "seq": a.seq, "steps": a.steps,
+        "seq": a.seq, "steps": a.steps, "world_size": world, "fsdp": bool(a.fsdp and world > 1),
         "tokens_per_s": statistics.median(l["tokens_per_s"] for l in log[warm:]),
         "step_ms": statistics.median(l["ms"] for l in log[warm:]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"], "val_loss": val_loss, "log": log,
     }
-    print(f"[torch {a.mode} {a.params}] median {out['tokens_per_s']:.0f} tok/s, {out['step_ms']:.1f} ms/step, "
-          f"peak {out['peak_gib']:.2f} GiB, loss {out['first_loss']:.4f} -> {out['last_loss']:.4f}")
-    if a.json:
-        json.dump(out, open(a.json, "w"), indent=1)
+    if rank == 0:
+        print(f"[torch {a.mode} {a.params} world {world}] median {out['tokens_per_s']:.0f} tok/s, {out['step_ms']:.1f} ms/step, "
+              f"peak {out['peak_gib']:.2f} GiB, loss {out['first_loss']:.4f} -> {out['last_loss']:.4f}")
+        if a.json:
+            json.dump(out, open(a.json, "w"), indent=1)
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

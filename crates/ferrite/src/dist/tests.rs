@@ -192,3 +192,74 @@ fn bad_environment_and_world_mismatch_are_clear_errors() {
     let e = ProcessGroup::with_timeout(bad, T).unwrap_err().to_string();
     assert!(e.contains("RANK") && e.contains('4'), "{e}");
 }
+
+/// NCCL on two GPUs (ranks as threads, each with its own device): all-reduce in bf16 and f32,
+/// reduce-scatter and all-gather in place, against sums computed here. Skips with a note on a
+/// machine with fewer than two GPUs.
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL (libnccl.so on the loader's path)"]
+fn gpu_nccl_collectives_on_two_gpus() {
+    let gpus = crate::core::cuda::availability().unwrap_or(0);
+    if gpus < 2 {
+        eprintln!("skipped: {gpus} GPU(s) visible, NCCL's test needs 2");
+        return;
+    }
+    let out = ranks(2, T, |pg| {
+        let mut pg = pg.unwrap();
+        let r = pg.rank();
+        let dev = Device::Cuda(r);
+        pg.attach(dev).unwrap();
+        assert!(pg.uses_nccl());
+        let n = 1000 + 37; // not a multiple of anything NCCL likes
+        let host = |v: Vec<f32>, dt: DType| {
+            let t = match dt {
+                DType::BF16 => Tensor::from_vec(v.into_iter().map(half::bf16::from_f32).collect::<Vec<_>>(), &[n]),
+                _ => Tensor::from_vec(v, &[n]),
+            };
+            t.unwrap().to_device(dev).unwrap()
+        };
+        let vals = |dt: DType, scale: f32| {
+            let v: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) * scale * (r as f32 + 1.0)).collect();
+            host(v, dt)
+        };
+        let b = vals(DType::BF16, 0.25);
+        pg.all_reduce_sum(&b).unwrap();
+        let f = vals(DType::F32, 0.1);
+        pg.all_reduce_sum(&f).unwrap();
+        // reduce-scatter in place: each rank's half of the sum lands in its half of the input
+        let half = n.div_ceil(2);
+        let mut v: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) * (r as f32 + 1.0)).collect();
+        v.resize(2 * half, 3.0);
+        let rs = Tensor::from_vec(v, &[2 * half]).unwrap().to_device(dev).unwrap();
+        let mine = rs.narrow(0, r * half, half).unwrap();
+        pg.reduce_scatter_sum(&rs, &mine).unwrap();
+        let gathered = Tensor::from_vec(vec![f32::NAN; 2 * half], &[2 * half])
+            .unwrap()
+            .to_device(dev)
+            .unwrap();
+        pg.all_gather(&mine, &gathered).unwrap();
+        // a CPU tensor on an attached group still travels by the rendezvous
+        let c = Tensor::from_vec(vec![r as f32 + 1.0; 5], &[5]).unwrap();
+        pg.all_reduce_sum(&c).unwrap();
+        (
+            b.to_f32_vec().unwrap(),
+            f.to_f32_vec().unwrap(),
+            gathered.to_f32_vec().unwrap(),
+            c.to_f32_vec().unwrap(),
+        )
+    });
+    for (r, (b, f, g, c)) in out.iter().enumerate() {
+        for i in 0..1037 {
+            let base = (i % 17) as f32 - 8.0;
+            assert_eq!(b[i], base * 0.25 * 3.0, "rank {r} bf16 element {i}");
+            assert!(
+                (f[i] - base * 0.1 * 3.0).abs() < 1e-6,
+                "rank {r} f32 element {i}: {}",
+                f[i]
+            );
+            assert_eq!(g[i], base * 3.0, "rank {r} gathered element {i}");
+        }
+        assert_eq!(g[1037], 3.0 + 3.0, "rank {r}: the padding element");
+        assert_eq!(c, &vec![3.0; 5]);
+    }
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On a machine with 2 GPUs, from the bundle (scripts/gpu-suite/bundle.sh, with the Shakespeare
+# shards in .gpu-bundle/data): NCCL's test, `ferrite train` on one GPU and data-parallel on two
+# (--nproc 2, then ZeRO-1 with --zero), torch.compile on one GPU and DDP + torch.compile on two,
+# NCCL's own bandwidth through torch.distributed, all in one call. Results under $OUT.
+#   usage: OUT=results bash .gpu-bundle/dist.sh [MODEL] [B] [T] [STEPS]
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-results}"
+mkdir -p "$out"
+model="${1:-gpt2-124m}"; b="${2:-16}"; t="${3:-1024}"; steps="${4:-30}"
+data="$here/data/shakespeare"
+export PYTHONUNBUFFERED=1
+# ferrite loads NCCL as libnccl.so (cudarc's loader); torch's wheels ship libnccl.so.2: link it.
+lib=$(python3 -c '
+import glob, os, site
+for d in site.getsitepackages():
+    for f in sorted(glob.glob(os.path.join(d, "nvidia", "**", "libnccl.so*"), recursive=True)):
+        print(f); raise SystemExit' 2>/dev/null)
+mkdir -p /tmp/ferrite-nccl && [ -n "$lib" ] && ln -sf "$lib" /tmp/ferrite-nccl/libnccl.so
+echo "NCCL library: ${lib:-not found}" | tee "$out/nccl-lib.txt"
+export LD_LIBRARY_PATH="/tmp/ferrite-nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
+nvidia-smi topo -m | tee "$out/topo.txt"
+echo "== NCCL collectives test (two ranks, one per GPU)"
+"$here/tests/ferrite-ferrite" --include-ignored gpu_nccl 2>&1 | tail -4 | tee "$out/nccl-test.txt"
+common=(train --data "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --print-every 10)
+echo "== ferrite train, 1 GPU"
+"$here/bin/ferrite" "${common[@]}" --json "$out/ferrite-1gpu.json" 2>&1 | tee "$out/ferrite-1gpu.txt"
+echo "== ferrite train --nproc 2"
+"$here/bin/ferrite" "${common[@]}" --nproc 2 --profile-step 10 --json "$out/ferrite-2gpu.json" 2>&1 | tee "$out/ferrite-2gpu.txt"
+if "$here/bin/ferrite" train --help | grep -q -- --zero; then
+  echo "== ferrite train --nproc 2 --zero"
+  "$here/bin/ferrite" "${common[@]}" --nproc 2 --zero --json "$out/ferrite-2gpu-zero.json" 2>&1 | tee "$out/ferrite-2gpu-zero.txt"
+fi
+echo "== torch.compile, 1 GPU"
+python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps "$steps" --mode compile \
+  --json "$out/torch-compile-1gpu.json" 2>&1 | grep -v Warning | tail -2
+echo "== torch DDP + torch.compile, 2 GPUs"
+torchrun --standalone --nproc_per_node 2 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" \
+  --steps "$steps" --mode compile --json "$out/torch-ddp-compile-2gpu.json" 2>&1 | grep -v Warning | tail -2
+echo "== NCCL through torch.distributed"
+torchrun --standalone --nproc_per_node 2 "$here/nccl_bw.py" --json "$out/nccl-bw.json" 2>&1 | grep -v Warning | tail -12
+python3 "$here/dist_table.py" "$out" | tee "$out/table.txt"
