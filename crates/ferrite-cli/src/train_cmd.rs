@@ -103,6 +103,10 @@ pub struct TrainArgs {
     /// MASTER_ADDR, MASTER_PORT) works too, without this flag.
     #[arg(long, default_value_t = 1)]
     nproc: usize,
+    /// With several processes: ZeRO-1 — each keeps 1/N of the f32 master weights and AdamW
+    /// moments (gradients reduce-scattered, weights all-gathered after the update).
+    #[arg(long)]
+    zero: bool,
 }
 
 /// `--nproc N`: starts N copies of this command as ranks 0..N (torchrun's variables, a free
@@ -334,6 +338,14 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         None => device_of(a.device.as_deref())?,
     };
     let lead = dist.as_ref().is_none_or(|d| d.rank == 0);
+    if a.zero && dist.is_none() {
+        return Err(Error::bad_arg(
+            "train",
+            "--zero",
+            "several processes (--nproc N with N ≥ 2, or a launcher's WORLD_SIZE ≥ 2)",
+            "one process",
+        ));
+    }
     let model = ModelConfig::preset(&a.model)?;
     let dtype = if device.is_cuda() {
         DType::BF16
@@ -382,6 +394,7 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         init_hf: a.init_hf.clone(),
         recompute: a.recompute,
         dump_batches: a.dump_batches.clone(),
+        zero: a.zero,
     };
     let world = dist.as_ref().map_or(1, |d| d.world);
     if lead {
@@ -389,7 +402,11 @@ pub fn run(a: TrainArgs) -> Result<bool> {
             "training {} ({:.1} M parameters) on {}{device} in {dtype}: B {} × T {} × accumulation {}{} = {} tokens per step, {} steps",
             model.name,
             model.num_params() as f64 / 1e6,
-            if world > 1 { format!("{world} ranks, rank 0 on ") } else { String::new() },
+            if world > 1 {
+                format!("{world} ranks{}, rank 0 on ", if a.zero { " (ZeRO-1)" } else { "" })
+            } else {
+                String::new()
+            },
             cfg.batch,
             cfg.seq,
             cfg.grad_accum,

@@ -336,7 +336,8 @@ fn losses(json: &std::path::Path) -> (usize, Vec<f64>) {
     (s["world"].as_u64().unwrap() as usize, l)
 }
 
-/// `train --nproc 2` on the CPU: two processes of B 2 train as one of B 4 (the same losses);
+/// `train --nproc 2` on the CPU, plain and ZeRO-1: two processes of B 2 train as one of B 4 (the
+/// same losses);
 /// ranks started by hand with different settings, or a rank that never starts, are errors that
 /// name the rank.
 #[test]
@@ -373,16 +374,38 @@ fn train_nproc_runs_data_parallel_processes() {
         out.contains("on 2 ranks") && out.matches("step ").count() == 3,
         "{out}"
     );
+    let j3 = root.join("zero.json");
+    let mut a: Vec<&str> = common.to_vec();
+    a.extend([
+        "-b",
+        "2",
+        "--nproc",
+        "2",
+        "--zero",
+        "--json",
+        j3.to_str().unwrap(),
+    ]);
+    let (ok, out, err) = ferrite(&a);
+    assert!(ok, "{out}\n{err}");
+    assert!(err.contains("(ZeRO-1)"), "{err}");
     let (w1, l1) = losses(&j1);
     let (w2, l2) = losses(&j2);
-    assert_eq!((w1, w2), (1, 2));
+    let (w3, l3) = losses(&j3);
+    assert_eq!((w1, w2, w3), (1, 2, 2));
     assert_eq!(l1.len(), 3);
-    for (x, y) in l1.iter().zip(&l2) {
-        assert!(
-            (x - y).abs() < 1e-4 * x.abs(),
-            "one process {l1:?}, two {l2:?}"
-        );
+    for l in [&l2, &l3] {
+        for (x, y) in l1.iter().zip(l) {
+            assert!(
+                (x - y).abs() < 1e-4 * x.abs(),
+                "one process {l1:?}, two {l:?}"
+            );
+        }
     }
+    let (ok, _, e) = ferrite(&["train", "--data", d, "--zero", "--device", "cpu"]);
+    assert!(
+        !ok && e.contains("--zero") && e.contains("several processes"),
+        "{e}"
+    );
 
     // Hand-started ranks (torchrun's variables) that disagree on the learning rate.
     let port = std::net::TcpListener::bind("127.0.0.1:0")

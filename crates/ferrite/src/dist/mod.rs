@@ -308,7 +308,7 @@ impl ProcessGroup {
             )),
             (Device::Cpu, _) => {
                 Self::tensor_f32_host(t, "dist::all_reduce")?;
-                let bytes = t.with_cpu::<f32, _>(f32_bytes)?;
+                let bytes = t.with_cpu::<f32, _>(|s| f32_bytes(&s[..t.numel()]))?;
                 let out = self.store.exchange("all_reduce", &bytes, sum_f32)?;
                 t.with_cpu_mut::<f32, _>(|s| {
                     for (x, c) in s.iter_mut().zip(out.chunks_exact(4)) {
@@ -340,7 +340,7 @@ impl ProcessGroup {
             (Device::Cpu, _) => {
                 Self::tensor_f32_host(input, "dist::reduce_scatter")?;
                 Self::tensor_f32_host(out, "dist::reduce_scatter")?;
-                let bytes = input.with_cpu::<f32, _>(f32_bytes)?;
+                let bytes = input.with_cpu::<f32, _>(|s| f32_bytes(&s[..input.numel()]))?;
                 let sum = self.store.exchange("reduce_scatter", &bytes, sum_f32)?;
                 let n = out.numel() * 4;
                 let mine = &sum[self.env.rank * n..(self.env.rank + 1) * n];
@@ -373,7 +373,7 @@ impl ProcessGroup {
             (Device::Cpu, _) => {
                 Self::tensor_f32_host(input, "dist::all_gather")?;
                 Self::tensor_f32_host(out, "dist::all_gather")?;
-                let bytes = input.with_cpu::<f32, _>(f32_bytes)?;
+                let bytes = input.with_cpu::<f32, _>(|s| f32_bytes(&s[..input.numel()]))?;
                 let all = self.store.exchange("all_gather", &bytes, |all| {
                     if let Some(r) = all.iter().position(|p| p.len() != all[0].len()) {
                         return Err(format!(

@@ -213,13 +213,18 @@ fn gpu_nccl_collectives_on_two_gpus() {
         let n = 1000 + 37; // not a multiple of anything NCCL likes
         let host = |v: Vec<f32>, dt: DType| {
             let t = match dt {
-                DType::BF16 => Tensor::from_vec(v.into_iter().map(half::bf16::from_f32).collect::<Vec<_>>(), &[n]),
+                DType::BF16 => Tensor::from_vec(
+                    v.into_iter().map(half::bf16::from_f32).collect::<Vec<_>>(),
+                    &[n],
+                ),
                 _ => Tensor::from_vec(v, &[n]),
             };
             t.unwrap().to_device(dev).unwrap()
         };
         let vals = |dt: DType, scale: f32| {
-            let v: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) * scale * (r as f32 + 1.0)).collect();
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i % 17) as f32 - 8.0) * scale * (r as f32 + 1.0))
+                .collect();
             host(v, dt)
         };
         let b = vals(DType::BF16, 0.25);
@@ -228,9 +233,14 @@ fn gpu_nccl_collectives_on_two_gpus() {
         pg.all_reduce_sum(&f).unwrap();
         // reduce-scatter in place: each rank's half of the sum lands in its half of the input
         let half = n.div_ceil(2);
-        let mut v: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) * (r as f32 + 1.0)).collect();
+        let mut v: Vec<f32> = (0..n)
+            .map(|i| ((i % 17) as f32 - 8.0) * (r as f32 + 1.0))
+            .collect();
         v.resize(2 * half, 3.0);
-        let rs = Tensor::from_vec(v, &[2 * half]).unwrap().to_device(dev).unwrap();
+        let rs = Tensor::from_vec(v, &[2 * half])
+            .unwrap()
+            .to_device(dev)
+            .unwrap();
         let mine = rs.narrow(0, r * half, half).unwrap();
         pg.reduce_scatter_sum(&rs, &mine).unwrap();
         let gathered = Tensor::from_vec(vec![f32::NAN; 2 * half], &[2 * half])

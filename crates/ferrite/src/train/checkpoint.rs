@@ -11,7 +11,7 @@
 //! leaves a partial checkpoint under the target's name.
 
 use super::config::{ModelConfig, TrainConfig};
-use super::model::Model;
+use super::model::{FlatState, Model};
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::tensor::Tensor;
@@ -54,22 +54,18 @@ fn st_dtype(d: DType) -> Result<StDtype> {
     })
 }
 
-/// The model's weights as f32 (the master copy for bf16 models), flat in its layout.
-fn weights_f32(m: &Model) -> Result<Vec<f32>> {
-    match m.state_buffers().0 {
-        Some(master) => master.to_f32_vec(),
-        None => m.param_buffer().to_f32_vec(),
-    }
+/// The weights as f32 (the master copy for bf16 models), flat in the model's layout.
+fn weights_f32(s: &FlatState) -> Result<Vec<f32>> {
+    s.master.as_ref().unwrap_or(&s.params).to_f32_vec()
 }
 
-fn write_state(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
-    let (master, mom1, mom2) = m.state_buffers();
+fn write_state(s: &FlatState, dir: &Path, meta: &Meta) -> Result<()> {
     let mut bufs: Vec<(&str, &Tensor)> = vec![
-        ("params", m.param_buffer()),
-        ("exp_avg", mom1),
-        ("exp_avg_sq", mom2),
+        ("params", &s.params),
+        ("exp_avg", &s.exp_avg),
+        ("exp_avg_sq", &s.exp_avg_sq),
     ];
-    if let Some(ms) = master {
+    if let Some(ms) = &s.master {
         bufs.push(("master", ms));
     }
     let bytes: Vec<(String, DType, usize, Vec<u8>)> = bufs
@@ -95,6 +91,12 @@ fn write_state(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
 
 /// Saves `m` (and the run's `meta`) to the folder `dir`, replacing it as a whole.
 pub fn save(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
+    save_state(m, &m.flat_state(None)?, dir, meta)
+}
+
+/// Saves `m` with its training state `state` (from [`Model::flat_state`], gathered over the
+/// ranks for a ZeRO-1 model).
+pub fn save_state(m: &Model, state: &FlatState, dir: &Path, meta: &Meta) -> Result<()> {
     let name = dir
         .file_name()
         .ok_or_else(|| Error::bad_arg(OP, "dir", "a folder path with a name", dir.display()))?;
@@ -110,9 +112,9 @@ pub fn save(m: &Model, dir: &Path, meta: &Meta) -> Result<()> {
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
-    let written = weights_f32(m)
+    let written = weights_f32(state)
         .and_then(|w| super::hf::write(m, &w, &tmp))
-        .and_then(|_| write_state(m, &tmp, meta));
+        .and_then(|_| write_state(state, &tmp, meta));
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
@@ -165,16 +167,26 @@ pub fn read_meta(dir: &Path) -> Result<Meta> {
 }
 
 fn expect_buffer(st: &SafeTensors, path: &Path, name: &str, like: &Tensor) -> Result<Vec<u8>> {
+    expect_buffer_len(st, path, name, like.dtype(), like.numel())
+}
+
+fn expect_buffer_len(
+    st: &SafeTensors,
+    path: &Path,
+    name: &str,
+    dtype: DType,
+    numel: usize,
+) -> Result<Vec<u8>> {
     let t = st.tensor(name).map_err(st_err(path))?;
-    let want = st_dtype(like.dtype())?;
-    if t.dtype() != want || t.shape() != [like.numel()] {
+    let want = st_dtype(dtype)?;
+    if t.dtype() != want || t.shape() != [numel] {
         return Err(Error::Other(format!(
             "{OP}: {}: `{name}` is {:?} {:?}, the model needs {:?} [{}] (a checkpoint of another configuration?)",
             path.display(),
             t.dtype(),
             t.shape(),
             want,
-            like.numel()
+            numel
         )));
     }
     Ok(t.data().to_vec())
@@ -203,18 +215,32 @@ pub fn load_state(m: &Model, dir: &Path) -> Result<Meta> {
     let path = dir.join("state.safetensors");
     let bytes = read(&path)?;
     let st = SafeTensors::deserialize(&bytes).map_err(st_err(&path))?;
+    let n = m.layout.len();
+    let params = m.param_buffer().narrow(0, 0, n)?;
     let (master, mom1, mom2) = m.state_buffers();
-    let mut pairs: Vec<(&str, &Tensor)> = vec![
-        ("params", m.param_buffer()),
-        ("exp_avg", mom1),
-        ("exp_avg_sq", mom2),
+    let mut pairs: Vec<(&str, &Tensor, bool)> = vec![
+        ("params", &params, false),
+        ("exp_avg", mom1, true),
+        ("exp_avg_sq", mom2, true),
     ];
     if let Some(ms) = master {
-        pairs.push(("master", ms));
+        pairs.push(("master", ms, true));
     }
-    for (name, t) in pairs {
-        let b = expect_buffer(&st, &path, name, t)?;
-        super::glue::upload_bytes(t, &b)?;
+    // A ZeRO-1 model takes its shard of the optimizer state (a checkpoint holds the whole, so it
+    // resumes on any number of ranks).
+    let (lo, hi) = m.shard().map_or((0, n), |s| s.range());
+    let end = hi.min(n);
+    for (name, t, sharded) in pairs {
+        if sharded && m.shard().is_some() {
+            let b = expect_buffer_len(&st, &path, name, t.dtype(), n)?;
+            if end > lo {
+                let es = t.dtype().size_in_bytes();
+                super::glue::upload_bytes(&t.narrow(0, 0, end - lo)?, &b[lo * es..end * es])?;
+            }
+        } else {
+            let b = expect_buffer(&st, &path, name, t)?;
+            super::glue::upload_bytes(t, &b)?;
+        }
     }
     Ok(meta)
 }
@@ -228,11 +254,21 @@ pub fn import_hf(m: &Model, dir: &Path) -> Result<()> {
     } else {
         dir.to_path_buf()
     };
-    let mut flat = weights_f32(m)?;
+    let n = m.layout.len();
+    // Under ZeRO-1 the master weights are a shard: start from the full (bf16) weights instead;
+    // every parameter tensor is overwritten by the import.
+    let mut flat = match (m.shard(), m.state_buffers().0) {
+        (None, Some(master)) => master.to_f32_vec()?,
+        _ => m.param_buffer().narrow(0, 0, n)?.to_f32_vec()?,
+    };
     super::hf::import(m, &path, &mut flat)?;
-    super::glue::upload(m.param_buffer(), &flat)?;
+    super::glue::upload(&m.param_buffer().narrow(0, 0, n)?, &flat)?;
     if let Some(ms) = m.state_buffers().0 {
-        super::glue::upload(ms, &flat)?;
+        let (lo, hi) = m.shard().map_or((0, n), |s| s.range());
+        let end = hi.min(n);
+        if end > lo {
+            super::glue::upload(&ms.narrow(0, 0, end - lo)?, &flat[lo..end])?;
+        }
     }
     Ok(())
 }

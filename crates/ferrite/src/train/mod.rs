@@ -24,7 +24,7 @@ pub mod sample;
 mod tests;
 
 pub use config::{Family, ModelConfig, Schedule, TrainConfig};
-pub use model::{Model, ModelOptions, ProfileRow};
+pub use model::{FlatState, Model, ModelOptions, ProfileRow, Shard};
 
 use crate::core::device::Device;
 use crate::core::dtype::DType;
@@ -69,8 +69,13 @@ pub struct RunOptions {
     /// Recompute the norms' outputs and the MLP activation in the backward (less memory).
     pub recompute: bool,
     /// Append every batch's `[B, T+1]` token rows (i32, little-endian) to this file, so a peer can
-    /// train on exactly the same batches (`scripts/gpu-suite/train_peers.py --batches`).
+    /// train on exactly the same batches (`scripts/gpu-suite/train_peers.py --batches`). With
+    /// several ranks each writes `FILE.rankR`.
     pub dump_batches: Option<PathBuf>,
+    /// With several ranks ([`run_dist`]): ZeRO-1 — each rank keeps 1/world of the master weights
+    /// and AdamW moments; gradients are reduce-scattered, each rank updates its shard, and the
+    /// weights are all-gathered (the same traffic as an all-reduce).
+    pub zero: bool,
 }
 
 impl RunOptions {
@@ -102,6 +107,7 @@ impl RunOptions {
             init_hf: None,
             recompute: false,
             dump_batches: None,
+            zero: false,
         }
     }
 }
@@ -274,6 +280,7 @@ pub fn run_dist(
         "resume": o.resume.as_ref().map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
         "init_hf": o.init_hf.is_some(),
         "val": o.val_data.is_some(),
+        "zero": o.zero,
     });
     pg.check_same("the run's settings", &shape.to_string())?;
     run_in(o, Some(pg), on_step)
@@ -322,6 +329,7 @@ fn run_in(
         ModelOptions {
             deterministic: o.deterministic,
             recompute: o.recompute,
+            shard: (o.zero && world > 1).then_some((rank, world)),
         },
     )?;
     model.prepare(t.batch, t.seq)?;
@@ -396,10 +404,19 @@ fn run_in(
                 model.accumulate(micro == 0)?;
             }
             if micro + 1 == t.grad_accum {
-                if let Some(pg) = pg {
-                    model.all_reduce_grads(pg)?;
+                match pg {
+                    Some(pg) if model.shard().is_some() => {
+                        model.reduce_scatter_grads(pg)?;
+                        model.grad_sumsq()?;
+                        // Σ g² over the shards: every rank clips by the global norm.
+                        pg.all_reduce_sum(model.sumsq_tensor()?)?;
+                    }
+                    Some(pg) => {
+                        model.all_reduce_grads(pg)?;
+                        model.grad_sumsq()?;
+                    }
+                    None => model.grad_sumsq()?,
                 }
-                model.grad_sumsq()?;
             }
             host += h0.elapsed().as_secs_f64();
             loss += scalar(model.loss_tensor()?)? / t.grad_accum as f64;
@@ -438,6 +455,9 @@ fn run_in(
                 step: step as u64 + 1,
                 grad_scale,
             })?;
+            if let Some(pg) = pg.filter(|_| model.shard().is_some()) {
+                model.all_gather_params(pg)?;
+            }
         }
         // The step ends when the update is done (the next step's loss read waits for it anyway).
         let _ = scalar(model.sumsq_tensor()?)?;
@@ -486,10 +506,14 @@ fn run_in(
                     loader: Some(data.state()),
                     dtype: o.dtype.name().to_string(),
                 };
-                // The replicas are identical: rank 0 writes, the others wait for it.
+                // The replicas are identical (under ZeRO-1 the optimizer state is gathered
+                // first): rank 0 writes, the others wait for it.
+                let state = model.flat_state(pg)?;
                 if rank == 0 {
-                    checkpoint::save(&model, &dir.join(format!("step-{:06}", step + 1)), &meta)?;
+                    let to = dir.join(format!("step-{:06}", step + 1));
+                    checkpoint::save_state(&model, &state, &to, &meta)?;
                 }
+                drop(state);
                 if let Some(pg) = pg {
                     pg.barrier("checkpoint")?;
                 }

@@ -23,6 +23,18 @@ struct Mark {
     host: Instant,
 }
 
+/// The training state as flat buffers of the layout's length (see [`Model::flat_state`]).
+pub struct FlatState {
+    /// The parameters (the model's dtype).
+    pub params: Tensor,
+    /// The f32 master weights of a bf16 model.
+    pub master: Option<Tensor>,
+    /// AdamW's first moment.
+    pub exp_avg: Tensor,
+    /// AdamW's second moment.
+    pub exp_avg_sq: Tensor,
+}
+
 /// One line of a step's profile.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ProfileRow {
@@ -45,6 +57,42 @@ pub struct ModelOptions {
     /// one per layer, and recompute them in the backward (GPT-2 124M at B 16 × T 1024: 6 of 16
     /// activation rows of width dim per layer, ~1.8 GB).
     pub recompute: bool,
+    /// ZeRO-1: `(rank, world)` — the f32 master weights and AdamW moments are cut into `world`
+    /// equal shards and this model keeps only shard `rank` (see [`Model::shard_range`]); the
+    /// trainer reduce-scatters the gradients, updates its shard, and all-gathers the weights.
+    pub shard: Option<(usize, usize)>,
+}
+
+/// Where a model's optimizer shard lies in the flat buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// This shard's index.
+    pub rank: usize,
+    /// Shards in all.
+    pub world: usize,
+    /// Elements per shard (a multiple of the arena alignment).
+    pub len: usize,
+}
+
+impl Shard {
+    /// The shards of a flat buffer of `n` elements over `world` ranks (equal, aligned, the last
+    /// padded past `n`).
+    pub fn of(n: usize, rank: usize, world: usize) -> Shard {
+        let a = super::arena::ALIGN;
+        Shard {
+            rank,
+            world,
+            len: n.div_ceil(world * a) * a,
+        }
+    }
+    /// `[lo, hi)` of this shard in the flat buffers.
+    pub fn range(&self) -> (usize, usize) {
+        (self.rank * self.len, (self.rank + 1) * self.len)
+    }
+    /// Elements of the padded flat buffers (`world · len`).
+    pub fn padded(&self) -> usize {
+        self.world * self.len
+    }
 }
 
 /// The model: parameters, gradients, AdamW state and activations for one (B, T).
@@ -66,8 +114,13 @@ pub struct Model {
     /// Their gradients, laid out the same.
     pub grads: Params,
     acts: Option<Acts>,
-    /// (param, grad, m, v, master) of the decayed and the other group.
+    /// (param, grad, m, v, master) of the decayed and the other group (their parts inside this
+    /// model's shard under ZeRO-1), with whether weight decay applies.
     groups: Vec<[Option<Tensor>; 5]>,
+    /// (offset in the flat buffers, length, weight decay) of each group.
+    spans: Vec<(usize, usize, bool)>,
+    /// The optimizer shard (ZeRO-1); `None`: this model holds the whole state.
+    shard: Option<Shard>,
     plans: Vec<AdamWPlan>,
     /// Gradient accumulation (f32) when a step takes several micro-batches.
     acc_groups: Vec<Tensor>,
@@ -100,37 +153,59 @@ impl Model {
             return Err(Error::bad_arg("train", "dtype", "f32 or bf16", dtype));
         }
         let layout = ParamLayout::new(cfg);
-        let len = layout.len();
+        let shard = match opts.shard {
+            Some((rank, world)) if world > 1 => {
+                if rank >= world {
+                    return Err(Error::bad_arg(
+                        "train",
+                        "shard",
+                        format!("a rank below the world size {world}"),
+                        rank,
+                    ));
+                }
+                Some(Shard::of(layout.len(), rank, world))
+            }
+            _ => None,
+        };
+        // Under ZeRO-1 the weights and gradients are padded to whole shards (reduce-scatter and
+        // all-gather move equal pieces); the optimizer state is one shard.
+        let len = shard.map_or(layout.len(), |s| s.padded());
+        let (lo, hi) = shard.map_or((0, len), |s| s.range());
         let param_arena = Arena::new(len, dtype, device)?;
         let grad_arena = Arena::new(len, dtype, device)?;
         let master_arena = (dtype == DType::BF16)
-            .then(|| Arena::new(len, DType::F32, device))
+            .then(|| Arena::new(hi - lo, DType::F32, device))
             .transpose()?;
-        let m_arena = Arena::new(len, DType::F32, device)?;
-        let v_arena = Arena::new(len, DType::F32, device)?;
-        let init = layout.init(cfg, seed);
+        let m_arena = Arena::new(hi - lo, DType::F32, device)?;
+        let v_arena = Arena::new(hi - lo, DType::F32, device)?;
+        let mut init = layout.init(cfg, seed);
+        init.resize(len, 0.0);
         glue::upload(&param_arena.whole()?, &init)?;
         if let Some(m) = &master_arena {
-            glue::upload(&m.whole()?, &init)?;
+            glue::upload(&m.whole()?, &init[lo..hi])?;
         }
         let params = layout.cut(&param_arena)?;
         let grads = layout.cut(&grad_arena)?;
-        let ranges = [
-            (0, layout.decay_len),
-            (layout.decay_len, len - layout.decay_len),
-        ];
-        let groups = ranges
-            .iter()
-            .map(|&(o, n)| -> Result<[Option<Tensor>; 5]> {
-                Ok([
-                    Some(param_arena.view(o, &[n])?),
-                    Some(grad_arena.view(o, &[n])?),
-                    Some(m_arena.view(o, &[n])?),
-                    Some(v_arena.view(o, &[n])?),
-                    master_arena.as_ref().map(|a| a.view(o, &[n])).transpose()?,
-                ])
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut groups = vec![];
+        let mut spans = vec![];
+        for (a, b, decay) in [(0, layout.decay_len, true), (layout.decay_len, len, false)] {
+            let (a, b) = (a.max(lo), b.min(hi));
+            if a >= b {
+                continue;
+            }
+            let n = b - a;
+            groups.push([
+                Some(param_arena.view(a, &[n])?),
+                Some(grad_arena.view(a, &[n])?),
+                Some(m_arena.view(a - lo, &[n])?),
+                Some(v_arena.view(a - lo, &[n])?),
+                master_arena
+                    .as_ref()
+                    .map(|m| m.view(a - lo, &[n]))
+                    .transpose()?,
+            ]);
+            spans.push((a, n, decay));
+        }
         let grads_whole = grad_arena.whole()?;
         let mut model = Model {
             graph: None,
@@ -144,6 +219,8 @@ impl Model {
             grads,
             acts: None,
             groups,
+            spans,
+            shard,
             plans: vec![],
             acc_groups: vec![],
             acc_whole: None,
@@ -194,10 +271,14 @@ impl Model {
         if self.acc_arena.is_some() {
             return Ok(());
         }
-        let len = self.layout.len();
+        let len = self.shard.map_or(self.layout.len(), |s| s.padded());
         let a = Arena::new(len, DType::F32, self.device)?;
-        let d = self.layout.decay_len;
-        self.acc_groups = vec![a.view(0, &[d])?, a.view(d, &[len - d])?];
+        // The same ranges as the groups' gradients.
+        self.acc_groups = self
+            .spans
+            .iter()
+            .map(|&(off, n, _)| a.view(off, &[n]))
+            .collect::<Result<_>>()?;
         self.acc_whole = Some(a.whole()?);
         self.acc_arena = Some(a);
         self.acc_plans = self.make_plans(true)?;
@@ -390,23 +471,100 @@ impl Model {
     }
 
     /// Σ g² of the step's gradient (accumulated if enabled) into `sumsq_tensor()`.
+    /// Under ZeRO-1 the sum covers this model's shard only (the trainer sums it over the ranks).
     pub fn grad_sumsq(&self) -> Result<()> {
         let a = self.acts()?;
         let g = self.acc_whole.as_ref().unwrap_or(&self.grads_whole);
-        glue::sumsq(g, Some(&a.parts), &a.sumsq)?;
+        match self.shard {
+            Some(s) => glue::sumsq(&g.narrow(0, s.range().0, s.len)?, Some(&a.parts), &a.sumsq)?,
+            None => glue::sumsq(g, Some(&a.parts), &a.sumsq)?,
+        }
         self.mark("grad norm")
+    }
+
+    /// ZeRO-1: the step's gradient summed over the ranks of `pg`, each rank receiving only its
+    /// shard (in place: the shard's range of the gradient buffer holds the sum afterwards).
+    pub fn reduce_scatter_grads(&self, pg: &crate::dist::ProcessGroup) -> Result<()> {
+        let s = self.shard_of(pg, "reduce_scatter_grads")?;
+        let g = self.acc_whole.as_ref().unwrap_or(&self.grads_whole);
+        pg.reduce_scatter_sum(g, &g.narrow(0, s.range().0, s.len)?)?;
+        self.mark("reduce-scatter")
+    }
+
+    /// ZeRO-1, after the update: every rank's updated shard of the weights gathered into every
+    /// rank's full weight buffer.
+    pub fn all_gather_params(&self, pg: &crate::dist::ProcessGroup) -> Result<()> {
+        let s = self.shard_of(pg, "all_gather_params")?;
+        let p = self.param_arena.owner();
+        pg.all_gather(&p.narrow(0, s.range().0, s.len)?, p)?;
+        self.mark("all-gather")
+    }
+
+    fn shard_of(&self, pg: &crate::dist::ProcessGroup, op: &str) -> Result<Shard> {
+        match self.shard {
+            Some(s) if s.rank == pg.rank() && s.world == pg.world() => Ok(s),
+            other => Err(Error::bad_arg(
+                "train::Model",
+                op,
+                format!("a model sharded as rank {} of {}", pg.rank(), pg.world()),
+                format!("{other:?}"),
+            )),
+        }
+    }
+
+    /// The whole training state as flat buffers of the layout's length: views of this model's
+    /// buffers, or under ZeRO-1 the optimizer state gathered from every rank of `pg` into new
+    /// buffers (a collective: every rank calls it).
+    pub fn flat_state(&self, pg: Option<&crate::dist::ProcessGroup>) -> Result<FlatState> {
+        let n = self.layout.len();
+        let params = self.param_arena.owner().narrow(0, 0, n)?;
+        let own = |a: &Arena| a.owner().narrow(0, 0, n);
+        let Some(s) = self.shard else {
+            return Ok(FlatState {
+                params,
+                master: self.master_arena.as_ref().map(own).transpose()?,
+                exp_avg: own(&self.m_arena)?,
+                exp_avg_sq: own(&self.v_arena)?,
+            });
+        };
+        let pg = pg.ok_or_else(|| {
+            Error::Other("train: a ZeRO-1 model's state is gathered over its process group".into())
+        })?;
+        self.shard_of(pg, "flat_state")?;
+        let gather = |a: &Arena| -> Result<Tensor> {
+            let full = Tensor::empty(&[s.padded()], DType::F32, self.device)?;
+            pg.all_gather(&a.owner().narrow(0, 0, s.len)?, &full)?;
+            full.narrow(0, 0, n)
+        };
+        Ok(FlatState {
+            params,
+            master: self.master_arena.as_ref().map(gather).transpose()?,
+            exp_avg: gather(&self.m_arena)?,
+            exp_avg_sq: gather(&self.v_arena)?,
+        })
+    }
+
+    /// ZeRO-1's shard of this model, if sharded.
+    pub fn shard(&self) -> Option<Shard> {
+        self.shard
     }
 
     /// One AdamW step over both groups (weight decay on the first only).
     pub fn optimizer_step(&self, hp: &AdamWHyper) -> Result<()> {
-        let wd = [hp.weight_decay, 0.0];
+        let wd = |i: usize| {
+            if self.spans[i].2 {
+                hp.weight_decay
+            } else {
+                0.0
+            }
+        };
         let acc = self.acc_whole.is_some();
         if self.device.is_cuda() {
             let plans = if acc { &self.acc_plans } else { &self.plans };
-            for (plan, wd) in plans.iter().zip(wd) {
+            for (i, plan) in plans.iter().enumerate() {
                 plan.step(
                     &AdamWHyper {
-                        weight_decay: wd,
+                        weight_decay: wd(i),
                         ..*hp
                     },
                     None,
@@ -423,7 +581,7 @@ impl Model {
             adamw::adamw_step(
                 &[Self::adamw_tensors(g, grad)],
                 &AdamWHyper {
-                    weight_decay: wd[i],
+                    weight_decay: wd(i),
                     ..*hp
                 },
                 &AdamWOptions::default(),
@@ -505,11 +663,12 @@ impl Model {
     pub fn logits(&self) -> Result<Tensor> {
         self.acts()?.logits.narrow(1, 0, self.cfg.vocab)
     }
-    /// The flat parameter buffer (checkpoints, tests).
+    /// The flat parameter buffer (checkpoints, tests); under ZeRO-1 padded to whole shards.
     pub fn param_buffer(&self) -> &Tensor {
         self.param_arena.owner()
     }
-    /// The flat f32 master weights (bf16 models) and AdamW moments.
+    /// The flat f32 master weights (bf16 models) and AdamW moments: under ZeRO-1 this model's
+    /// shard of them (see [`Model::flat_state`] for the whole).
     pub fn state_buffers(&self) -> (Option<&Tensor>, &Tensor, &Tensor) {
         (
             self.master_arena.as_ref().map(|a| a.owner()),

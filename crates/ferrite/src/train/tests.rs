@@ -696,7 +696,8 @@ fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
 
 /// Two ranks of B 2 are one process of B 4: the loader gives rank r rows [2r, 2r+2) of each
 /// global batch of 4, the gradients are summed over the ranks, and every rank applies the same
-/// update. A checkpoint written by the ranks resumes in one process.
+/// update — with the optimizer state whole on each rank or sharded (ZeRO-1). A checkpoint written
+/// by the ranks resumes in one process.
 #[test]
 fn data_parallel_equals_one_process_on_the_global_batch() {
     let dir = std::env::temp_dir().join(format!("ferrite-train-dp-{}", std::process::id()));
@@ -708,44 +709,50 @@ fn data_parallel_equals_one_process_on_the_global_batch() {
     let want: Vec<f64> = straight.log.iter().map(|l| l.loss).collect();
     let want_norm: Vec<f64> = straight.log.iter().map(|l| l.grad_norm).collect();
 
-    let ck = dir.join("ckpt");
-    let base = one.clone();
-    let ck2 = ck.clone();
-    let runs = run_ranks(2, move |_| {
-        let mut o = base.clone();
-        o.train.batch = 2;
-        o.train.steps = 3;
-        o.save = Some(ck2.clone());
-        o
-    });
-    let mut losses = vec![];
-    for (r, s) in runs.into_iter().enumerate() {
-        let s = s.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        assert_eq!(s.world, 2);
-        let l: Vec<f64> = s.log.iter().map(|l| l.loss).collect();
-        let n: Vec<f64> = s.log.iter().map(|l| l.grad_norm).collect();
-        assert!(
-            close(&l, &want[..3], 1e-5),
-            "rank {r}: losses {l:?}, one process {want:?}"
+    // Plain data parallelism, then ZeRO-1 (optimizer state sharded over the ranks).
+    for zero in [false, true] {
+        let ck = dir.join(format!("ckpt-{zero}"));
+        let base = one.clone();
+        let ck2 = ck.clone();
+        let runs = run_ranks(2, move |_| {
+            let mut o = base.clone();
+            o.train.batch = 2;
+            o.train.steps = 3;
+            o.save = Some(ck2.clone());
+            o.zero = zero;
+            o
+        });
+        let mut losses = vec![];
+        for (r, s) in runs.into_iter().enumerate() {
+            let s = s.unwrap_or_else(|e| panic!("rank {r} (zero {zero}): {e}"));
+            assert_eq!(s.world, 2);
+            let l: Vec<f64> = s.log.iter().map(|l| l.loss).collect();
+            let n: Vec<f64> = s.log.iter().map(|l| l.grad_norm).collect();
+            assert!(
+                close(&l, &want[..3], 1e-5),
+                "rank {r} zero {zero}: losses {l:?}, one process {want:?}"
+            );
+            assert!(
+                close(&n, &want_norm[..3], 1e-4),
+                "rank {r} zero {zero}: norms {n:?}, one process {want_norm:?}"
+            );
+            losses.push(l);
+        }
+        assert_eq!(
+            losses[0], losses[1],
+            "the ranks log different losses (zero {zero})"
         );
+        // Rank 0's checkpoint, resumed by one process of B 4: the straight run's last 3 steps.
+        let mut rest = one.clone();
+        rest.resume = Some(ck.join("step-000003"));
+        let b = run(&rest, &mut |_| {}).unwrap();
+        let got: Vec<f64> = b.log.iter().map(|l| l.loss).collect();
         assert!(
-            close(&n, &want_norm[..3], 1e-4),
-            "rank {r}: norms {n:?}, one process {want_norm:?}"
+            close(&got, &want[3..], 1e-5),
+            "zero {zero}: resumed {got:?}, straight {:?}",
+            &want[3..]
         );
-        losses.push(l);
     }
-    assert_eq!(losses[0], losses[1], "the ranks log different losses");
-    // Rank 0's checkpoint, resumed by one process of B 4: the straight run's last 3 steps.
-    let mut rest = one.clone();
-    rest.resume = Some(ck.join("step-000003"));
-    let b = run(&rest, &mut |_| {}).unwrap();
-    let got: Vec<f64> = b.log.iter().map(|l| l.loss).collect();
-    assert!(
-        close(&got, &want[3..], 1e-5),
-        "resumed {got:?}, straight {:?}",
-        &want[3..]
-    );
-
     // Ranks that disagree on a setting fail at start, naming the rank.
     let base = one.clone();
     let runs = run_ranks(2, move |rank| {
@@ -763,4 +770,59 @@ fn data_parallel_equals_one_process_on_the_global_batch() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// ZeRO-1's shards: equal, aligned, covering the buffer; a model holds one shard of the optimizer
+/// state (half of it on 2 ranks) and the whole padded weights.
+#[test]
+fn zero_shards_cover_the_buffer_and_halve_the_optimizer_state() {
+    let cfg = small(128);
+    let n = model::ParamLayout::new(&cfg).len();
+    for world in [2, 3, 8] {
+        let shards: Vec<Shard> = (0..world).map(|r| Shard::of(n, r, world)).collect();
+        assert!(shards[0].len % crate::train::arena::ALIGN == 0);
+        assert!(
+            shards[0].padded() >= n && shards[0].padded() - n < world * crate::train::arena::ALIGN
+        );
+        for w in shards.windows(2) {
+            assert_eq!(w[0].range().1, w[1].range().0);
+        }
+    }
+    let whole = Model::new(&cfg, DType::F32, Device::Cpu, 1, ModelOptions::default()).unwrap();
+    let half = Model::new(
+        &cfg,
+        DType::F32,
+        Device::Cpu,
+        1,
+        ModelOptions {
+            shard: Some((1, 2)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s = half.shard().unwrap();
+    assert_eq!(half.state_buffers().1.numel(), s.len);
+    assert!(2 * s.len - n < 2 * crate::train::arena::ALIGN);
+    assert_eq!(whole.state_buffers().1.numel(), n);
+    // the same initial weights, the shard's end padded with zeros
+    let (a, b) = (
+        whole.param_buffer().to_f32_vec().unwrap(),
+        half.param_buffer().to_f32_vec().unwrap(),
+    );
+    assert_eq!(&b[..n], &a[..]);
+    assert!(b[n..].iter().all(|&x| x == 0.0));
+    let e = Model::new(
+        &cfg,
+        DType::F32,
+        Device::Cpu,
+        1,
+        ModelOptions {
+            shard: Some((2, 2)),
+            ..Default::default()
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("shard") && e.contains("world size 2"), "{e}");
 }
