@@ -418,7 +418,11 @@ pub fn run(a: TrainArgs) -> Result<bool> {
     let steps = cfg.steps;
     let every = a.print_every;
     let mut on_step = |l: &StepLog| {
-        if lead && (l.step % every == 0 || l.step + 1 == steps || l.val_loss.is_some() || l.skipped)
+        if lead
+            && (l.step.is_multiple_of(every)
+                || l.step + 1 == steps
+                || l.val_loss.is_some()
+                || l.skipped)
         {
             println!("{}", line(l, steps));
         }

@@ -234,14 +234,11 @@ impl ProcessGroup {
     /// CPU, tensor collectives travel through the rendezvous.
     pub fn attach(&mut self, device: Device) -> Result<()> {
         let local = self.env.local_rank;
-        let flags = format!(
-            "{}",
-            match device {
-                Device::Cpu => "cpu",
-                Device::Cuda(_) => "cuda",
-            }
-        );
-        self.check_same("the device kind", &flags)?;
+        let kind = match device {
+            Device::Cpu => "cpu",
+            Device::Cuda(_) => "cuda",
+        };
+        self.check_same("the device kind", kind)?;
         let Device::Cuda(i) = device else {
             return Ok(());
         };

@@ -58,7 +58,7 @@ pub struct ModelOptions {
     /// activation rows of width dim per layer, ~1.8 GB).
     pub recompute: bool,
     /// ZeRO-1: `(rank, world)` — the f32 master weights and AdamW moments are cut into `world`
-    /// equal shards and this model keeps only shard `rank` (see [`Model::shard_range`]); the
+    /// equal shards and this model keeps only shard `rank` (see [`Model::shard`]); the
     /// trainer reduce-scatters the gradients, updates its shard, and all-gathers the weights.
     pub shard: Option<(usize, usize)>,
 }

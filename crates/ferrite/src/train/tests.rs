@@ -780,7 +780,7 @@ fn zero_shards_cover_the_buffer_and_halve_the_optimizer_state() {
     let n = model::ParamLayout::new(&cfg).len();
     for world in [2, 3, 8] {
         let shards: Vec<Shard> = (0..world).map(|r| Shard::of(n, r, world)).collect();
-        assert!(shards[0].len % crate::train::arena::ALIGN == 0);
+        assert!(shards[0].len.is_multiple_of(crate::train::arena::ALIGN));
         assert!(
             shards[0].padded() >= n && shards[0].padded() - n < world * crate::train::arena::ALIGN
         );
