@@ -16,12 +16,13 @@ def load(d, name):
 
 def main():
     d = sys.argv[1]
-    f1, f2, fz = (load(d, f"ferrite-{n}.json") for n in ["1gpu", "2gpu", "2gpu-zero"])
+    f1, f2, fn, fz = (load(d, f"ferrite-{n}.json") for n in ["1gpu", "2gpu", "2gpu-no-overlap", "2gpu-zero"])
     t1, t2 = load(d, "torch-compile-1gpu.json"), load(d, "torch-ddp-compile-2gpu.json")
     tps = lambda r, k="summary": (r[k]["tokens_per_s"] if k else r["tokens_per_s"]) if r else None
     rows = [
         ("ferrite, 1 GPU", tps(f1), f1 and f1["summary"]["peak_gib"]),
         ("ferrite, 2 GPUs (data parallel)", tps(f2), f2 and f2["summary"]["peak_gib"]),
+        ("ferrite, 2 GPUs (all-reduce after)", tps(fn), fn and fn["summary"]["peak_gib"]),
         ("ferrite, 2 GPUs (ZeRO-1)", tps(fz), fz and fz["summary"]["peak_gib"]),
         ("torch.compile, 1 GPU", tps(t1, None), t1 and t1["peak_gib"]),
         ("DDP + torch.compile, 2 GPUs", tps(t2, None), t2 and t2["peak_gib"]),
@@ -30,8 +31,9 @@ def main():
     for name, v, g in rows:
         if v:
             print(f"{name:<34} {v:>10.0f} {g:>13.2f}")
-    if f1 and f2:
-        print(f"ferrite scaling, 2 GPUs / 1: {tps(f2) / tps(f1):.3f}x")
+    for name, r in [("", f2), (" (all-reduce after the backward)", fn), (" (ZeRO-1)", fz)]:
+        if f1 and r:
+            print(f"ferrite scaling{name}, 2 GPUs / 1: {tps(r) / tps(f1):.3f}x")
     if f2 and t2:
         print(f"ferrite 2 GPUs / DDP + torch.compile 2 GPUs: {tps(f2) / tps(t2, None):.3f}x")
     if t1 and t2:
@@ -40,7 +42,8 @@ def main():
         "model": (f2 or f1 or {}).get("model", {}).get("name"),
         "device": (f2 or f1 or {}).get("summary", {}).get("device"),
         "world_size": 2,
-        "tokens_per_s": {"ferrite": tps(f2), "ferrite_zero1": tps(fz), "torch_ddp_compile": tps(t2, None)},
+        "tokens_per_s": {"ferrite": tps(f2), "ferrite_no_overlap": tps(fn), "ferrite_zero1": tps(fz),
+                         "torch_ddp_compile": tps(t2, None)},
         "tokens_per_s_1gpu": {"ferrite": tps(f1), "torch_compile": tps(t1, None)},
     }
     json.dump(rec, open(os.path.join(d, "dist.json"), "w"), indent=1)

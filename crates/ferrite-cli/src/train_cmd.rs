@@ -107,6 +107,10 @@ pub struct TrainArgs {
     /// moments (gradients reduce-scattered, weights all-gathered after the update).
     #[arg(long)]
     zero: bool,
+    /// With several GPUs: all-reduce the gradients after the backward instead of each layer's
+    /// while the backward goes on (for comparison and debugging).
+    #[arg(long)]
+    no_overlap: bool,
 }
 
 /// `--nproc N`: starts N copies of this command as ranks 0..N (torchrun's variables, a free
@@ -395,6 +399,7 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         recompute: a.recompute,
         dump_batches: a.dump_batches.clone(),
         zero: a.zero,
+        overlap: !a.no_overlap,
     };
     let world = dist.as_ref().map_or(1, |d| d.world);
     if lead {

@@ -259,19 +259,56 @@ impl ProcessGroup {
                 if ok { "found" } else { "not found" }
             )));
         }
-        let id_bytes = if self.env.rank == 0 {
+        let id = self.nccl_id("nccl id")?;
+        let stream = dev.stream().clone();
+        self.nccl = Some(nccl::NcclComm::new(
+            dev,
+            stream,
+            self.env.rank,
+            self.env.world,
+            id,
+        )?);
+        Ok(())
+    }
+
+    /// Rank 0's fresh NCCL unique id, on every rank.
+    fn nccl_id(&self, what: &str) -> Result<[u8; 128]> {
+        let mine = if self.env.rank == 0 {
             nccl::unique_id()?.to_vec()
         } else {
             vec![]
         };
-        let id = self
-            .store
-            .exchange("nccl id", &id_bytes, |all| Ok(all[0].clone()))?;
-        let id: [u8; 128] = id
-            .try_into()
-            .map_err(|_| Error::Other("dist: NCCL's unique id is not 128 bytes".into()))?;
-        self.nccl = Some(nccl::NcclComm::new(dev, self.env.rank, self.env.world, id)?);
-        Ok(())
+        let id = self.store.exchange(what, &mine, |all| Ok(all[0].clone()))?;
+        id.try_into()
+            .map_err(|_| Error::Other("dist: NCCL's unique id is not 128 bytes".into()))
+    }
+
+    /// A second communicator over every rank, on a stream of its own on `device` (a GPU this
+    /// group is attached to): gradients all-reduced there while the backward goes on (see
+    /// [`GradientStream`]). A collective: every rank calls it.
+    pub fn gradient_stream(&self, device: Device) -> Result<GradientStream> {
+        let Device::Cuda(i) = device else {
+            return Err(Error::bad_arg(
+                "dist::gradient_stream",
+                "device",
+                "a GPU",
+                device,
+            ));
+        };
+        if self.nccl.is_none() {
+            return Err(Error::Other(
+                "dist::gradient_stream: attach the process group to the GPU first".into(),
+            ));
+        }
+        let dev = crate::core::cuda::device(i)?;
+        dev.bind()?;
+        let side = dev
+            .context()
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate (gradient stream)", e))?;
+        let id = self.nccl_id("nccl id (gradient stream)")?;
+        let comm = nccl::NcclComm::new(dev, side.clone(), self.env.rank, self.env.world, id)?;
+        Ok(GradientStream { comm, side })
     }
 
     fn tensor_f32_host(t: &Tensor, op: &str) -> Result<()> {
@@ -388,6 +425,37 @@ impl ProcessGroup {
                 })
             }
         }
+    }
+}
+
+/// Gradient buckets all-reduced on a stream of their own while the backward continues on the
+/// main stream (data parallelism's overlap): each bucket waits for the main stream's work queued
+/// so far, and the main stream waits for every bucket before it reads the gradients. Stream
+/// order only (events), so it can be captured in a CUDA graph with the backward.
+pub struct GradientStream {
+    comm: nccl::NcclComm,
+    side: crate::core::cuda::Stream,
+}
+
+impl std::fmt::Debug for GradientStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GradientStream")
+    }
+}
+
+impl GradientStream {
+    /// `t ← Σ_ranks t` on the gradient stream, after the work queued on `main` so far.
+    pub fn all_reduce_after(&self, t: &Tensor, main: &crate::core::cuda::Stream) -> Result<()> {
+        self.side
+            .join(main)
+            .map_err(|e| Error::cuda("gradient stream: waiting for the backward", e))?;
+        self.comm.all_reduce_sum(t)
+    }
+
+    /// `main` waits for every all-reduce queued so far.
+    pub fn join_into(&self, main: &crate::core::cuda::Stream) -> Result<()> {
+        main.join(&self.side)
+            .map_err(|e| Error::cuda("waiting for the gradient stream", e))
     }
 }
 

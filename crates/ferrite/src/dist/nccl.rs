@@ -49,9 +49,11 @@ fn nccl_dtype(op: &str, t: &Tensor) -> Result<sys::ncclDataType_t> {
 }
 
 impl NcclComm {
-    /// Joins the communicator `id` as `rank` of `world` on `dev` (every rank calls this at once).
+    /// Joins the communicator `id` as `rank` of `world` on `dev`, its collectives queued on
+    /// `stream` (every rank calls this at once).
     pub(crate) fn new(
         dev: Arc<CudaDevice>,
+        stream: Stream,
         rank: usize,
         world: usize,
         id: [u8; 128],
@@ -68,11 +70,7 @@ impl NcclComm {
                 .map_err(|e| nccl_err("ncclCommInitRank", e))?;
             comm.assume_init()
         };
-        Ok(NcclComm {
-            comm,
-            stream: dev.stream().clone(),
-            dev,
-        })
+        Ok(NcclComm { comm, stream, dev })
     }
 
     fn check(&self, op: &str, t: &Tensor) -> Result<sys::ncclDataType_t> {

@@ -8,7 +8,8 @@
 //! - [`glue`]: the small passes between families (token split, embedding forward/backward,
 //!   in-place add, accumulation, gradient norm), CPU and CUDA.
 //! - [`run`]: the loop — ferrite's loader feeding the model, clipping, the schedule, validation,
-//!   a log line per step.
+//!   a log line per step; [`run_dist`]: the same loop as one rank of a data-parallel run
+//!   (gradients all-reduced over [`crate::dist`], or ZeRO-1).
 //!
 //! On the GPU every tensor is bf16 (f32 master weights and moments for AdamW); on the CPU f32.
 
@@ -76,6 +77,9 @@ pub struct RunOptions {
     /// and AdamW moments; gradients are reduce-scattered, each rank updates its shard, and the
     /// weights are all-gathered (the same traffic as an all-reduce).
     pub zero: bool,
+    /// With several ranks on GPUs (plain data parallelism, no accumulation): all-reduce each
+    /// layer's gradients while the backward goes on (default), instead of all of them after it.
+    pub overlap: bool,
 }
 
 impl RunOptions {
@@ -108,6 +112,7 @@ impl RunOptions {
             recompute: false,
             dump_batches: None,
             zero: false,
+            overlap: true,
         }
     }
 }
@@ -281,6 +286,7 @@ pub fn run_dist(
         "init_hf": o.init_hf.is_some(),
         "val": o.val_data.is_some(),
         "zero": o.zero,
+        "overlap": o.overlap,
     });
     pg.check_same("the run's settings", &shape.to_string())?;
     run_in(o, Some(pg), on_step)
@@ -335,6 +341,9 @@ fn run_in(
     model.prepare(t.batch, t.seq)?;
     if accumulate {
         model.enable_accumulation()?;
+    }
+    if let Some(pg) = pg.filter(|_| o.overlap) {
+        model.overlap_all_reduce(pg)?;
     }
     if let Some(p) = &o.init_hf {
         checkpoint::import_hf(&model, p)?;
@@ -412,7 +421,9 @@ fn run_in(
                         pg.all_reduce_sum(model.sumsq_tensor()?)?;
                     }
                     Some(pg) => {
-                        model.all_reduce_grads(pg)?;
+                        if !model.overlaps_all_reduce() {
+                            model.all_reduce_grads(pg)?;
+                        }
                         model.grad_sumsq()?;
                     }
                     None => model.grad_sumsq()?,

@@ -35,6 +35,16 @@ pub struct FlatState {
     pub exp_avg_sq: Tensor,
 }
 
+/// The gradient buckets all-reduced during the backward: one per layer (its four weight
+/// matrices, contiguous in the flat buffer, ready once the layer's backward is done), then the
+/// rest once the backward ends (embeddings: the classifier's gradient is finished by the
+/// embedding backward, the last pass; biases and norm gains).
+struct Overlap {
+    gs: crate::dist::GradientStream,
+    layers: Vec<Tensor>,
+    rest: Vec<Tensor>,
+}
+
 /// One line of a step's profile.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ProfileRow {
@@ -100,6 +110,9 @@ pub struct Model {
     /// The captured forward + backward (CUDA), replayed by `train_step`; dropped first.
     graph: Option<(cudarc::driver::CudaGraph, f32)>,
     graph_error: Option<String>,
+    /// Data parallelism with the all-reduce overlapped with the backward (see
+    /// [`Model::overlap_all_reduce`]); dropped after the graph that may use it.
+    overlap: Option<Overlap>,
     /// The model's shape.
     pub cfg: ModelConfig,
     /// The dtype of parameters and activations (bf16 on the GPU, f32 on the CPU).
@@ -210,6 +223,7 @@ impl Model {
         let mut model = Model {
             graph: None,
             graph_error: None,
+            overlap: None,
             cfg: cfg.clone(),
             dtype,
             device,
@@ -460,6 +474,72 @@ impl Model {
             .ok_or_else(|| Error::Other("train: accumulation not enabled".into()))?;
         glue::accumulate(acc, &self.grads_whole, first)?;
         self.mark("accumulate")
+    }
+
+    /// Data parallelism with the all-reduce overlapped with the backward: from now on each layer's
+    /// weight gradients are all-reduced over `pg` on a stream of their own as soon as the layer's
+    /// backward is done (the rest when the backward ends), inside the step's CUDA graph; the
+    /// backward returns with the main stream waiting for them, so [`Model::all_reduce_grads`] is
+    /// not needed after it. Only on a GPU, without gradient accumulation (the sum must wait for
+    /// the last micro-batch) and without ZeRO-1; returns whether it is on. A collective: every
+    /// rank calls it.
+    pub fn overlap_all_reduce(&mut self, pg: &crate::dist::ProcessGroup) -> Result<bool> {
+        if !self.device.is_cuda() || self.acc_whole.is_some() || self.shard.is_some() {
+            return Ok(false);
+        }
+        let gs = pg.gradient_stream(self.device)?;
+        let slots = &self.layout.layout.slots;
+        let find = |name: &str| -> Result<(usize, usize)> {
+            slots
+                .iter()
+                .find(|s| s.0 == name)
+                .map(|(_, o, sh)| (*o, sh.iter().product()))
+                .ok_or_else(|| Error::Other(format!("train: no parameter slot {name}")))
+        };
+        let g = self._grad_arena.owner();
+        let layers = (0..self.cfg.layers)
+            .map(|l| {
+                let (lo, _) = find(&format!("h{l}.qkv_w"))?;
+                let (o, n) = find(&format!("h{l}.fcproj_w"))?;
+                g.narrow(0, lo, o + n - lo)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let first = find("h0.qkv_w")?.0;
+        let d = self.layout.decay_len;
+        let rest = vec![
+            g.narrow(0, 0, first)?,
+            g.narrow(0, d, self.layout.len() - d)?,
+        ];
+        self.graph = None;
+        self.overlap = Some(Overlap { gs, layers, rest });
+        Ok(true)
+    }
+
+    /// Whether the gradients are all-reduced inside the backward (see
+    /// [`Model::overlap_all_reduce`]).
+    pub fn overlaps_all_reduce(&self) -> bool {
+        self.overlap.is_some()
+    }
+
+    /// The backward of layer `l` is queued: all-reduce its weight gradients on the side stream.
+    pub(crate) fn layer_grads_ready(&self, l: usize) -> Result<()> {
+        let Some(o) = &self.overlap else {
+            return Ok(());
+        };
+        o.gs.all_reduce_after(&o.layers[l], self.params.wte.cuda_device()?.stream())
+    }
+
+    /// The backward is queued: all-reduce the rest, and make the main stream wait for it all.
+    pub(crate) fn all_grads_ready(&self) -> Result<()> {
+        let Some(o) = &self.overlap else {
+            return Ok(());
+        };
+        let main = self.params.wte.cuda_device()?.stream().clone();
+        for t in &o.rest {
+            o.gs.all_reduce_after(t, &main)?;
+        }
+        o.gs.join_into(&main)?;
+        self.mark("all-reduce (rest; layers overlapped)")
     }
 
     /// Data parallelism: the step's gradient (accumulated if enabled) summed over every rank of

@@ -848,6 +848,7 @@ impl Model {
                 &lin,
             )?;
             self.mark("qkv.bwd")?;
+            self.layer_grads_ready(l)?;
             self.norm_bwd_into_residual(
                 a,
                 (&w.ln1_w, w.ln1_b.as_ref()),
@@ -869,7 +870,8 @@ impl Model {
             cfg.vocab,
             Some(&a.keys),
         )?;
-        self.mark("embed.bwd")
+        self.mark("embed.bwd")?;
+        self.all_grads_ready()
     }
 }
 

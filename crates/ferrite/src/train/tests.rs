@@ -826,3 +826,71 @@ fn zero_shards_cover_the_buffer_and_halve_the_optimizer_state() {
     .to_string();
     assert!(e.contains("shard") && e.contains("world size 2"), "{e}");
 }
+
+/// Two GPUs, one rank each, against one GPU on the global batch (bf16): plain data parallelism
+/// with the all-reduce overlapped with the backward inside the step's CUDA graph (steps 3 on),
+/// the same with the all-reduce after the backward, and ZeRO-1. Skips with a note on a machine
+/// with fewer than two GPUs.
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL"]
+fn gpu_data_parallel_on_two_gpus() {
+    let gpus = crate::core::cuda::availability().unwrap_or(0);
+    if gpus < 2 {
+        eprintln!("skipped: {gpus} GPU(s) visible, the test needs 2");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferrite-train-dp-gpu-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    structured_shards(&dir, 1003, 200_000);
+    let cfg = ModelConfig::gpt2("test", 1003, 128, 3, 4, 192);
+    let mut one = RunOptions::new(
+        dir.clone(),
+        Device::Cuda(0),
+        cfg,
+        TrainConfig {
+            batch: 8,
+            seq: 128,
+            steps: 6,
+            lr: 3e-3,
+            warmup: 2,
+            ..Default::default()
+        },
+    );
+    one.deterministic = true;
+    let straight = run(&one, &mut |_| {}).unwrap();
+    let want: Vec<f64> = straight.log.iter().map(|l| l.loss).collect();
+    let want_norm: Vec<f64> = straight.log.iter().map(|l| l.grad_norm).collect();
+    for (overlap, zero) in [(true, false), (false, false), (false, true)] {
+        let base = one.clone();
+        let runs = run_ranks(2, move |rank| {
+            let mut o = base.clone();
+            o.device = Device::Cuda(rank);
+            o.train.batch = 4;
+            o.overlap = overlap;
+            o.zero = zero;
+            o
+        });
+        let mut norms = vec![];
+        for (r, s) in runs.into_iter().enumerate() {
+            let s = s.unwrap_or_else(|e| panic!("rank {r} (overlap {overlap}, zero {zero}): {e}"));
+            assert!(
+                s.graph,
+                "rank {r}: the step ran op by op: {:?}",
+                s.graph_error
+            );
+            let l: Vec<f64> = s.log.iter().map(|l| l.loss).collect();
+            let n: Vec<f64> = s.log.iter().map(|l| l.grad_norm).collect();
+            assert!(
+                close(&l, &want, 2e-2) && close(&n, &want_norm, 5e-2),
+                "rank {r} (overlap {overlap}, zero {zero}): losses {l:?} norms {n:?}, one GPU {want:?} {want_norm:?}"
+            );
+            norms.push(n.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        }
+        // Each rank's norm is over the summed gradient: the same bits on both.
+        assert_eq!(
+            norms[0], norms[1],
+            "overlap {overlap}, zero {zero}: the ranks' gradients differ"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
