@@ -459,5 +459,79 @@ impl GradientStream {
     }
 }
 
+/// A step that never ends is a hang, not a wait: NCCL has no timeout of its own, so a rank whose
+/// peer died or hangs before its part of a collective waits forever inside the GPU's queue.
+/// The watchdog's thread checks the step that is in progress; past `timeout` it calls `fire`
+/// with a message naming this rank, the step and how long it has run (the trainer's `fire`
+/// prints it and ends the process, as torch's NCCL watchdog does; with `--nproc` the launcher
+/// then stops the other ranks).
+pub struct Watchdog {
+    state: std::sync::Arc<WatchState>,
+    t0: std::time::Instant,
+}
+
+#[derive(Default)]
+struct WatchState {
+    /// The step in progress + 1 (0: none).
+    step: std::sync::atomic::AtomicU64,
+    /// When it began, ms after the watchdog started.
+    since_ms: std::sync::atomic::AtomicU64,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Watchdog {
+    /// Starts the watchdog of `rank`.
+    pub fn start(rank: usize, timeout: Duration, fire: Box<dyn Fn(String) + Send>) -> Watchdog {
+        use std::sync::atomic::Ordering::Relaxed;
+        let state = std::sync::Arc::new(WatchState::default());
+        let t0 = std::time::Instant::now();
+        let st = state.clone();
+        let tick = (timeout / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let limit = timeout.as_millis() as u64;
+        std::thread::spawn(move || loop {
+            std::thread::sleep(tick);
+            if st.stop.load(Relaxed) {
+                return;
+            }
+            let step = st.step.load(Relaxed);
+            let ran = (t0.elapsed().as_millis() as u64).saturating_sub(st.since_ms.load(Relaxed));
+            if step != 0 && ran > limit && st.step.load(Relaxed) == step {
+                fire(format!(
+                    "dist: rank {rank}: step {} has not finished after {:.0} s — a rank died or \
+                     hangs, and this one waits for it inside NCCL; FERRITE_DIST_TIMEOUT sets the wait",
+                    step - 1,
+                    ran as f64 / 1e3
+                ));
+                return;
+            }
+        });
+        Watchdog { state, t0 }
+    }
+
+    /// Step `step` begins.
+    pub fn begin(&self, step: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.state
+            .since_ms
+            .store(self.t0.elapsed().as_millis() as u64, Relaxed);
+        self.state.step.store(step as u64 + 1, Relaxed);
+    }
+
+    /// The step in progress ended.
+    pub fn end(&self) {
+        self.state
+            .step
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.state
+            .stop
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -273,3 +273,27 @@ fn gpu_nccl_collectives_on_two_gpus() {
         assert_eq!(c, &vec![3.0; 5]);
     }
 }
+
+#[test]
+fn the_watchdog_names_a_step_that_never_ends() {
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let tx = std::sync::Mutex::new(tx);
+    let w = Watchdog::start(
+        3,
+        Duration::from_millis(200),
+        Box::new(move |m| tx.lock().unwrap().send(m).unwrap()),
+    );
+    // quick steps never fire
+    for s in 0..5 {
+        w.begin(s);
+        std::thread::sleep(Duration::from_millis(20));
+        w.end();
+    }
+    std::thread::sleep(Duration::from_millis(400)); // idle between steps is not a hang
+    assert!(rx.try_recv().is_err());
+    w.begin(7);
+    let m = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the watchdog fired");
+    assert!(m.contains("rank 3: step 7 has not finished"), "{m}");
+}

@@ -268,7 +268,9 @@ pub fn run(o: &RunOptions, on_step: &mut dyn FnMut(&StepLog)) -> Result<Summary>
 /// before the norm, the clipping and the update, which every rank then does alike: the weights
 /// stay identical, and the run equals one process training on the global batch. Rank 0 writes
 /// the checkpoints; a checkpoint resumes on any number of ranks. Losses and throughput in the
-/// log and the summary are global.
+/// log and the summary are global. On GPUs a [`crate::dist::Watchdog`] ends the process (exit
+/// status 3, the rank and step named on stderr) when a step runs past `FERRITE_DIST_TIMEOUT`:
+/// a peer that died or hangs leaves this rank waiting inside NCCL, which has no timeout.
 pub fn run_dist(
     o: &RunOptions,
     pg: &mut crate::dist::ProcessGroup,
@@ -383,6 +385,17 @@ fn run_in(
     let mut log: Vec<StepLog> = Vec::with_capacity(t.steps);
     // Each rank's share of the mean over the global batch.
     let dloss = 1.0 / (t.grad_accum * world) as f32;
+    let watchdog = match pg {
+        Some(_) if o.device.is_cuda() => Some(crate::dist::Watchdog::start(
+            rank,
+            crate::dist::timeout()?,
+            Box::new(|m| {
+                eprintln!("{m}");
+                std::process::exit(3);
+            }),
+        )),
+        _ => None,
+    };
     let mut profile = Vec::new();
     for step in start..t.steps {
         let profiling = o.profile_step == Some(step);
@@ -390,6 +403,9 @@ fn run_in(
             model.profile_begin()?;
         }
         let t0 = Instant::now();
+        if let Some(w) = &watchdog {
+            w.begin(step);
+        }
         let wait0 = data.stats().wait_s;
         let mut loss = 0.0;
         let mut host = 0.0;
@@ -473,6 +489,9 @@ fn run_in(
         // The step ends when the update is done (the next step's loss read waits for it anyway).
         let _ = scalar(model.sumsq_tensor()?)?;
         let secs = t0.elapsed().as_secs_f64();
+        if let Some(w) = &watchdog {
+            w.end();
+        }
         if profiling {
             profile = model.profile_end()?;
         }
