@@ -311,7 +311,8 @@ impl ProcessGroup {
         Ok(GradientStream { comm, side })
     }
 
-    fn tensor_f32_host(t: &Tensor, op: &str) -> Result<()> {
+    /// CPU collectives take contiguous f32 tensors (the rendezvous carries them).
+    fn check_host(t: &Tensor, op: &str) -> Result<()> {
         if t.dtype() != DType::F32 || !t.is_contiguous() {
             return Err(Error::bad_arg(
                 op,
@@ -331,24 +332,37 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// A CPU f32 tensor's values as bytes.
+    fn host_bytes(t: &Tensor, op: &str) -> Result<Vec<u8>> {
+        Self::check_host(t, op)?;
+        t.with_cpu::<f32, _>(|s| f32_bytes(&s[..t.numel()]))
+    }
+
+    /// Writes f32 values given as bytes into a CPU tensor.
+    fn store_bytes(t: &Tensor, bytes: &[u8]) -> Result<()> {
+        t.with_cpu_mut::<f32, _>(|s| {
+            for (x, c) in s.iter_mut().zip(bytes.chunks_exact(4)) {
+                *x = f32::from_le_bytes(c.try_into().unwrap());
+            }
+        })
+    }
+
+    fn not_attached(op: &str) -> Error {
+        Error::Other(format!(
+            "{op}: a GPU tensor, but the process group is not attached to a GPU"
+        ))
+    }
+
     /// `t ← Σ_ranks t`, in place: NCCL on the GPU (queued on ferrite's stream), the rendezvous on
     /// the CPU (f32, summed in rank order).
     pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
         match (t.device(), &self.nccl) {
             (Device::Cuda(_), Some(c)) => c.all_reduce_sum(t),
-            (Device::Cuda(_), None) => Err(Error::Other(
-                "dist::all_reduce: a GPU tensor, but the process group is not attached to a GPU"
-                    .into(),
-            )),
+            (Device::Cuda(_), None) => Err(Self::not_attached("dist::all_reduce")),
             (Device::Cpu, _) => {
-                Self::tensor_f32_host(t, "dist::all_reduce")?;
-                let bytes = t.with_cpu::<f32, _>(|s| f32_bytes(&s[..t.numel()]))?;
+                let bytes = Self::host_bytes(t, "dist::all_reduce")?;
                 let out = self.store.exchange("all_reduce", &bytes, sum_f32)?;
-                t.with_cpu_mut::<f32, _>(|s| {
-                    for (x, c) in s.iter_mut().zip(out.chunks_exact(4)) {
-                        *x = f32::from_le_bytes(c.try_into().unwrap());
-                    }
-                })
+                Self::store_bytes(t, &out)
             }
         }
     }
@@ -367,22 +381,13 @@ impl ProcessGroup {
         }
         match (input.device(), &self.nccl) {
             (Device::Cuda(_), Some(c)) => c.reduce_scatter_sum(input, out),
-            (Device::Cuda(_), None) => Err(Error::Other(
-                "dist::reduce_scatter: a GPU tensor, but the process group is not attached to a GPU"
-                    .into(),
-            )),
+            (Device::Cuda(_), None) => Err(Self::not_attached("dist::reduce_scatter")),
             (Device::Cpu, _) => {
-                Self::tensor_f32_host(input, "dist::reduce_scatter")?;
-                Self::tensor_f32_host(out, "dist::reduce_scatter")?;
-                let bytes = input.with_cpu::<f32, _>(|s| f32_bytes(&s[..input.numel()]))?;
+                Self::check_host(out, "dist::reduce_scatter")?;
+                let bytes = Self::host_bytes(input, "dist::reduce_scatter")?;
                 let sum = self.store.exchange("reduce_scatter", &bytes, sum_f32)?;
                 let n = out.numel() * 4;
-                let mine = &sum[self.env.rank * n..(self.env.rank + 1) * n];
-                out.with_cpu_mut::<f32, _>(|s| {
-                    for (x, c) in s.iter_mut().zip(mine.chunks_exact(4)) {
-                        *x = f32::from_le_bytes(c.try_into().unwrap());
-                    }
-                })
+                Self::store_bytes(out, &sum[self.env.rank * n..(self.env.rank + 1) * n])
             }
         }
     }
@@ -400,14 +405,10 @@ impl ProcessGroup {
         }
         match (input.device(), &self.nccl) {
             (Device::Cuda(_), Some(c)) => c.all_gather(input, out),
-            (Device::Cuda(_), None) => Err(Error::Other(
-                "dist::all_gather: a GPU tensor, but the process group is not attached to a GPU"
-                    .into(),
-            )),
+            (Device::Cuda(_), None) => Err(Self::not_attached("dist::all_gather")),
             (Device::Cpu, _) => {
-                Self::tensor_f32_host(input, "dist::all_gather")?;
-                Self::tensor_f32_host(out, "dist::all_gather")?;
-                let bytes = input.with_cpu::<f32, _>(|s| f32_bytes(&s[..input.numel()]))?;
+                Self::check_host(out, "dist::all_gather")?;
+                let bytes = Self::host_bytes(input, "dist::all_gather")?;
                 let all = self.store.exchange("all_gather", &bytes, |all| {
                     if let Some(r) = all.iter().position(|p| p.len() != all[0].len()) {
                         return Err(format!(
@@ -418,11 +419,7 @@ impl ProcessGroup {
                     }
                     Ok(all.concat())
                 })?;
-                out.with_cpu_mut::<f32, _>(|s| {
-                    for (x, c) in s.iter_mut().zip(all.chunks_exact(4)) {
-                        *x = f32::from_le_bytes(c.try_into().unwrap());
-                    }
-                })
+                Self::store_bytes(out, &all)
             }
         }
     }
