@@ -1,7 +1,7 @@
 //! # matmul — C = α·op(A)·op(B) + β·C
 //!
 //! The room of the matrix-multiply family: the public functions and their input checks (here),
-//! the CPU ladder (`cpu/`), the CUDA host code (`cuda.rs`) and kernels (`kernels/*.cu`), the
+//! the CPU ladder (`cpu/`), the CUDA host code (`cuda/`) and kernels (`kernels/*.cu`), the
 //! checks against an f64 reference (`check.rs`) and the benchmark (`bench.rs`).
 //!
 //! **Layouts.** A is `[m, k]` or `[batch, m, k]`, B is `[k, n]` or `[batch, k, n]`; each may be
