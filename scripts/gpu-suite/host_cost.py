@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import ferrite
-from ferrite import _attention, _fused, _ops
+from ferrite import _attention, _fused, _ops, _ops_linear, _ops_matmul, _ops_mlp, _ops_norm
 
 dev, dt = "cuda", torch.bfloat16
 torch.manual_seed(0)
@@ -51,7 +51,7 @@ def capture(fn, *args, **kwargs):
 def native_cost(f):
     """µs per native call for each native function f issues (replayed with f's arguments)."""
     captured.clear()
-    mods = [m for m in (_ops, _attention, _fused) if getattr(m, "_native_call", None) is orig]
+    mods = [m for m in (_ops, _ops_linear, _ops_matmul, _ops_mlp, _ops_norm, _attention, _fused) if getattr(m, "_native_call", None) is orig]
     for m in mods:
         m._native_call = capture
     try:

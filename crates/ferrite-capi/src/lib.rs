@@ -1,9 +1,9 @@
 //! # ferrite_capi — ferrite's ops for C (and anything that can call C)
 //!
 //! Built as `libferrite_capi.so` (cdylib) and `libferrite_capi.a` (staticlib); the header is
-//! `include/ferrite.h`, generated from this crate by cbindgen (`src/tests.rs` checks that the
-//! checked-in copy is current; `FERRITE_BLESS=1 cargo test -p ferrite-capi header` rewrites it), and
-//! `ferrite.pc.in` is its pkg-config template (see the README of this crate).
+//! `include/ferrite.h`, generated from this crate by cbindgen (`src/tests/header.rs` checks that
+//! the checked-in copy is current; `FERRITE_BLESS=1 cargo test -p ferrite-capi header` rewrites
+//! it), and `ferrite.pc.in` is its pkg-config template (see the README of this crate).
 //!
 //! **Conventions.** Every op is a function `FerriteStatus ferrite_<op>(FerriteDevice device, ...)`
 //! that writes into caller-provided outputs and returns a status code; on anything but
