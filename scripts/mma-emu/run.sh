@@ -3,7 +3,7 @@
 # scripts/emu-common/emu.h: every CUDA thread an OS thread, __syncthreads a block barrier,
 # ldmatrix / mma.sync / cp.async (lazy: a copy lands only at the wait_group that retires it)
 # emulated per warp; checked against an f64 reference (driver.cpp). The launch (argument order,
-# grid, block, shared memory, stage counts) is read from cuda.rs by launch.py. Built with ASan
+# grid, block, shared memory, stage counts) is read from ops/matmul/cuda/ by launch.py. Built with ASan
 # and UBSan's alignment check: an access past a buffer or a misaligned vector access aborts.
 # Not covered: timing, the memory model, the SFU approximations (exact functions, tolerance).
 #
@@ -24,7 +24,8 @@ trap 'rm -rf "$work"' EXIT
 python3 "$here/../emu-common/extract.py" "$work/mma_host.cpp" "$here/emu.h" "$src/core/cuda/kernels/ferrite.cuh" \
   --remove smem_u32,cp_async16,cp_async_commit,cp_async_wait,ldsm_x4,ldsm_x4_t,to_tf32,mma,fe_tanh_approx \
   --count mma_epilogue "$mm/kernels/common.cuh" "$mm/kernels/mma.cu"
-eval "$(python3 "$here/launch.py" "$mm/cuda.rs" "$mm/epilogue.rs" "$mm/kernels/common.cuh" "$work/launch_args.h")"
+cat "$mm"/cuda/*.rs > "$work/cuda_all.rs"   # matmul's CUDA host code, read as one text
+eval "$(python3 "$here/launch.py" "$work/cuda_all.rs" "$mm/epilogue.rs" "$mm/kernels/common.cuh" "$work/launch_args.h")"
 cp "$here/driver.cpp" "$work/"
 san="-fsanitize=address,alignment -fno-sanitize-recover=alignment"
 [ "${EMU_SAN:-1}" = 0 ] && san=""
