@@ -3,7 +3,7 @@
 # shards in .gpu-bundle/data and, for the PyTorch test, the wheel): the NCCL and 2-GPU trainer
 # tests, `ferrite train` on one GPU and data-parallel on two (--nproc 2: the all-reduce overlapped
 # with the backward, then after it with --no-overlap, then ZeRO-1 with --zero), torch.compile on
-# one GPU and DDP + torch.compile on two, NCCL's own bandwidth through torch.distributed, ferrite's
+# one GPU, DDP + torch.compile and FSDP2 + torch.compile on two (DIST_FSDP=0 leaves FSDP2 out), NCCL's own bandwidth through torch.distributed, ferrite's
 # modules under DDP/FSDP2 over NCCL (python/tests/test_distributed.py), all in one call. Results
 # under $OUT.
 #   usage: OUT=results bash .gpu-bundle/dist.sh [MODEL] [B] [T] [STEPS]
@@ -42,6 +42,11 @@ python3 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" --steps 
 echo "== torch DDP + torch.compile, 2 GPUs"
 torchrun --standalone --nproc_per_node 2 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" \
   --steps "$steps" --mode compile --json "$out/torch-ddp-compile-2gpu.json" 2>&1 | grep -v Warning | tail -2
+if [ "${DIST_FSDP:-1}" = 1 ]; then
+  echo "== torch FSDP2 (fully_shard per block) + torch.compile, 2 GPUs"
+  torchrun --standalone --nproc_per_node 2 "$here/train_peers.py" "$data" --model "$model" -b "$b" -t "$t" \
+    --steps "$steps" --mode compile --fsdp --json "$out/torch-fsdp2-compile-2gpu.json" 2>&1 | grep -v Warning | tail -2
+fi
 echo "== NCCL through torch.distributed"
 torchrun --standalone --nproc_per_node 2 "$here/nccl_bw.py" --json "$out/nccl-bw.json" 2>&1 | grep -v Warning | tail -12
 if ls "$here"/ferrite-*.whl >/dev/null 2>&1 && [ -f "$here/test_distributed.py" ]; then

@@ -18,6 +18,7 @@ def main():
     d = sys.argv[1]
     f1, f2, fn, fz = (load(d, f"ferrite-{n}.json") for n in ["1gpu", "2gpu", "2gpu-no-overlap", "2gpu-zero"])
     t1, t2 = load(d, "torch-compile-1gpu.json"), load(d, "torch-ddp-compile-2gpu.json")
+    tf = load(d, "torch-fsdp2-compile-2gpu.json")
     tps = lambda r, k="summary": (r[k]["tokens_per_s"] if k else r["tokens_per_s"]) if r else None
     rows = [
         ("ferrite, 1 GPU", tps(f1), f1 and f1["summary"]["peak_gib"]),
@@ -26,6 +27,7 @@ def main():
         ("ferrite, 2 GPUs (ZeRO-1)", tps(fz), fz and fz["summary"]["peak_gib"]),
         ("torch.compile, 1 GPU", tps(t1, None), t1 and t1["peak_gib"]),
         ("DDP + torch.compile, 2 GPUs", tps(t2, None), t2 and t2["peak_gib"]),
+        ("FSDP2 + torch.compile, 2 GPUs", tps(tf, None), tf and tf["peak_gib"]),
     ]
     print(f"{'run':<34} {'tokens/s':>10} {'peak GiB/GPU':>13}")
     for name, v, g in rows:
@@ -36,6 +38,8 @@ def main():
             print(f"ferrite scaling{name}, 2 GPUs / 1: {tps(r) / tps(f1):.3f}x")
     if f2 and t2:
         print(f"ferrite 2 GPUs / DDP + torch.compile 2 GPUs: {tps(f2) / tps(t2, None):.3f}x")
+    if fz and tf:
+        print(f"ferrite ZeRO-1 2 GPUs / FSDP2 + torch.compile 2 GPUs: {tps(fz) / tps(tf, None):.3f}x")
     if t1 and t2:
         print(f"torch scaling, 2 GPUs / 1: {tps(t2, None) / tps(t1, None):.3f}x")
     rec = {
@@ -43,7 +47,7 @@ def main():
         "device": (f2 or f1 or {}).get("summary", {}).get("device"),
         "world_size": 2,
         "tokens_per_s": {"ferrite": tps(f2), "ferrite_no_overlap": tps(fn), "ferrite_zero1": tps(fz),
-                         "torch_ddp_compile": tps(t2, None)},
+                         "torch_ddp_compile": tps(t2, None), "torch_fsdp2_compile": tps(tf, None)},
         "tokens_per_s_1gpu": {"ferrite": tps(f1), "torch_compile": tps(t1, None)},
     }
     json.dump(rec, open(os.path.join(d, "dist.json"), "w"), indent=1)
