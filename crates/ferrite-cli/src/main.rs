@@ -210,7 +210,7 @@ fn info() -> Result<()> {
     let (isa, lanes) = ops::cpu_simd();
     println!(
         "cpu: {} — {} threads, {isa} ({lanes} f32 lanes)",
-        ops::matmul::bench::cpu_name(),
+        ferrite::core::harness::cpu_name(),
         rayon_threads()
     );
     match cuda::availability() {

@@ -461,6 +461,18 @@ pub fn relate(records: &mut [BenchRecord], baseline: &str, ceiling: Option<(&str
     }
 }
 
+/// The CPU's name for reports.
+pub fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

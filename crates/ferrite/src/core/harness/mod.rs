@@ -15,7 +15,7 @@ use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
 use crate::core::error::Result;
 use crate::core::variant::VariantInfo;
-pub use bench::{BenchRecord, Budget, Stats};
+pub use bench::{cpu_name, BenchRecord, Budget, Stats};
 pub use check::{CheckConfig, CheckRecord, Precision};
 
 /// What `ferrite bench` runs.

@@ -110,7 +110,7 @@ fn bench_cpu(
                 })?;
                 let mut rec = BenchRecord::new(
                     d,
-                    &crate::ops::matmul::bench::cpu_name(),
+                    &crate::core::harness::cpu_name(),
                     OP,
                     v.name,
                     DType::F32,

@@ -118,7 +118,7 @@ fn bench_cpu(
     progress: &mut dyn FnMut(&str),
     out: &mut Vec<BenchRecord>,
 ) -> Result<()> {
-    let name = crate::ops::matmul::bench::cpu_name();
+    let name = crate::core::harness::cpu_name();
     // A small GPT-2 (~1.3M params; ~0.2M quick).
     let sizes = if cfg.quick {
         gpt2_sizes(1000, 128, 64, 2)

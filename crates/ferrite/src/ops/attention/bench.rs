@@ -162,7 +162,7 @@ fn bench_cpu(
     if !cfg.wants_dtype(DType::F32) {
         return Ok(());
     }
-    let name = crate::ops::matmul::bench::cpu_name();
+    let name = crate::core::harness::cpu_name();
     let ceiling = ceilings
         .cpu_peer_gflops
         .map(|v| ("CPU peer GEMM (all threads)", v, true));

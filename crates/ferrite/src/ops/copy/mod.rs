@@ -317,7 +317,7 @@ fn bench_run(
                 });
                 let mut r = BenchRecord::new(
                     d,
-                    &crate::ops::matmul::bench::cpu_name(),
+                    &crate::core::harness::cpu_name(),
                     OP,
                     "memcpy",
                     DType::U8,

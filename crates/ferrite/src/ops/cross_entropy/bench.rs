@@ -62,7 +62,7 @@ fn bench_cpu(
     if !cfg.wants_dtype(DType::F32) {
         return Ok(());
     }
-    let name = crate::ops::matmul::bench::cpu_name();
+    let name = crate::core::harness::cpu_name();
     for [n, v] in shapes(cfg, false) {
         let x = Tensor::rand(&[n, v], DType::F32, Device::Cpu, 1, -8.0, 8.0)?;
         let t = targets(n, v, Device::Cpu)?;

@@ -594,7 +594,7 @@ fn bench_cpu_vs_gpu(
                 }
             };
             let name = match dev {
-                Device::Cpu => crate::ops::matmul::bench::cpu_name(),
+                Device::Cpu => crate::core::harness::cpu_name(),
                 Device::Cuda(i) => device(i)?.props().name.clone(),
             };
             let mut r = record(

@@ -46,18 +46,6 @@ pub fn run(
     Ok(())
 }
 
-/// The CPU's name for reports.
-pub fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 fn bench_cpu(
     cfg: &BenchConfig,
     ceilings: &Ceilings,
@@ -74,7 +62,7 @@ fn bench_cpu(
     };
     let explicit = !cfg.shapes.is_empty();
     let threads = rayon::current_num_threads();
-    let name = cpu_name();
+    let name = crate::core::harness::cpu_name();
     for [m, n, k] in shapes(cfg, defaults) {
         let a = Tensor::rand(&[m, k], DType::F32, Device::Cpu, 1, -1.0, 1.0)?;
         let b = Tensor::rand(&[k, n], DType::F32, Device::Cpu, 2, -1.0, 1.0)?;

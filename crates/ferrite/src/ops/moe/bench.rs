@@ -99,7 +99,7 @@ fn bench_cpu(
     };
     let mcfg = MoeConfig::new(e, k);
     let fwd_flops = 6.0 * (t * k) as f64 * h as f64 * i as f64;
-    let name = crate::ops::matmul::bench::cpu_name();
+    let name = crate::core::harness::cpu_name();
     for backward in [false, true] {
         let pass = if backward { "fwd+bwd" } else { "fwd" };
         let shape = format!("T{t} H{h} I{i} E{e} k{k} {pass}");

@@ -52,7 +52,7 @@ fn bench_cpu(
     if !cfg.wants_dtype(DType::F32) {
         return Ok(());
     }
-    let name = crate::ops::matmul::bench::cpu_name();
+    let name = crate::core::harness::cpu_name();
     for [rows, cols] in cfg.shapes_2d(if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
         for kind in [NormKind::Rms, NormKind::Layer] {
             let p = Problem {

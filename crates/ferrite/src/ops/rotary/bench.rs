@@ -55,7 +55,7 @@ fn bench_cpu(
         let st = time_cpu_op(Budget::cpu(), || rotary_into(&x, &cos, &sin, &x, &o))?;
         let mut rec = BenchRecord::new(
             Device::Cpu,
-            &crate::ops::matmul::bench::cpu_name(),
+            &crate::core::harness::cpu_name(),
             OP,
             v.name,
             DType::F32,

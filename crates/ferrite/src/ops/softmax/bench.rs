@@ -54,7 +54,7 @@ fn bench_cpu(
             let s = time_cpu_op(Budget::cpu(), || super::softmax_into(&x, &y, &opts))?;
             let mut rec = BenchRecord::new(
                 Device::Cpu,
-                &crate::ops::matmul::bench::cpu_name(),
+                &crate::core::harness::cpu_name(),
                 OP,
                 v.name,
                 DType::F32,
