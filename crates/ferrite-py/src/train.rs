@@ -99,7 +99,7 @@ pub fn gpt2_train_steps(
             m.load_tokens(&tok)?;
             m.forward(Some(1.0))?;
             m.backward()?;
-            m.grad_sumsq()?;
+            m.reduce_grads(None)?;
             let loss = m.loss_tensor()?.to_f32_vec()?[0] as f64;
             let norm = (m.sumsq_tensor()?.to_f32_vec()?[0] as f64).sqrt();
             if step == 0 {

@@ -150,6 +150,13 @@ impl Layout {
         self.len = off + n;
         off
     }
+    /// (offset, elements) of the slot `name`.
+    pub fn span(&self, name: &str) -> Option<(usize, usize)> {
+        self.slots
+            .iter()
+            .find(|s| s.0 == name)
+            .map(|(_, o, shape)| (*o, shape.iter().product()))
+    }
     /// Pads the end to the alignment (so a following group starts aligned).
     pub fn align(&mut self) {
         self.len = self.len.div_ceil(ALIGN) * ALIGN;

@@ -429,21 +429,7 @@ fn run_in(
                 model.accumulate(micro == 0)?;
             }
             if micro + 1 == t.grad_accum {
-                match pg {
-                    Some(pg) if model.shard().is_some() => {
-                        model.reduce_scatter_grads(pg)?;
-                        model.grad_sumsq()?;
-                        // Σ g² over the shards: every rank clips by the global norm.
-                        pg.all_reduce_sum(model.sumsq_tensor()?)?;
-                    }
-                    Some(pg) => {
-                        if !model.overlaps_all_reduce() {
-                            model.all_reduce_grads(pg)?;
-                        }
-                        model.grad_sumsq()?;
-                    }
-                    None => model.grad_sumsq()?,
-                }
+                model.reduce_grads(pg)?;
             }
             host += h0.elapsed().as_secs_f64();
             loss += scalar(model.loss_tensor()?)? / t.grad_accum as f64;
@@ -482,9 +468,7 @@ fn run_in(
                 step: step as u64 + 1,
                 grad_scale,
             })?;
-            if let Some(pg) = pg.filter(|_| model.shard().is_some()) {
-                model.all_gather_params(pg)?;
-            }
+            model.share_update(pg)?;
         }
         // The step ends when the update is done (the next step's loss read waits for it anyway).
         let _ = scalar(model.sumsq_tensor()?)?;

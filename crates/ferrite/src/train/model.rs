@@ -479,8 +479,8 @@ impl Model {
     /// Data parallelism with the all-reduce overlapped with the backward: from now on each layer's
     /// weight gradients are all-reduced over `pg` on a stream of their own as soon as the layer's
     /// backward is done (the rest when the backward ends), inside the step's CUDA graph; the
-    /// backward returns with the main stream waiting for them, so [`Model::all_reduce_grads`] is
-    /// not needed after it. Only on a GPU, without gradient accumulation (the sum must wait for
+    /// backward returns with the main stream waiting for them, and [`Model::reduce_grads`] then
+    /// only takes the norm. Only on a GPU, without gradient accumulation (the sum must wait for
     /// the last micro-batch) and without ZeRO-1; returns whether it is on. A collective: every
     /// rank calls it.
     pub fn overlap_all_reduce(&mut self, pg: &crate::dist::ProcessGroup) -> Result<bool> {
@@ -488,12 +488,10 @@ impl Model {
             return Ok(false);
         }
         let gs = pg.gradient_stream(self.device)?;
-        let slots = &self.layout.layout.slots;
         let find = |name: &str| -> Result<(usize, usize)> {
-            slots
-                .iter()
-                .find(|s| s.0 == name)
-                .map(|(_, o, sh)| (*o, sh.iter().product()))
+            self.layout
+                .layout
+                .span(name)
                 .ok_or_else(|| Error::Other(format!("train: no parameter slot {name}")))
         };
         let g = self._grad_arena.owner();
@@ -513,12 +511,6 @@ impl Model {
         self.graph = None;
         self.overlap = Some(Overlap { gs, layers, rest });
         Ok(true)
-    }
-
-    /// Whether the gradients are all-reduced inside the backward (see
-    /// [`Model::overlap_all_reduce`]).
-    pub fn overlaps_all_reduce(&self) -> bool {
-        self.overlap.is_some()
     }
 
     /// The backward of layer `l` is queued: all-reduce its weight gradients on the side stream.
@@ -542,39 +534,43 @@ impl Model {
         self.mark("all-reduce (rest; layers overlapped)")
     }
 
-    /// Data parallelism: the step's gradient (accumulated if enabled) summed over every rank of
-    /// `pg`, in place (NCCL on the GPU). Each rank's backward is scaled by 1/world, so the sum
-    /// is the mean over the global batch.
-    pub fn all_reduce_grads(&self, pg: &crate::dist::ProcessGroup) -> Result<()> {
-        pg.all_reduce_sum(self.acc_whole.as_ref().unwrap_or(&self.grads_whole))?;
-        self.mark("all-reduce")
-    }
-
-    /// Σ g² of the step's gradient (accumulated if enabled) into `sumsq_tensor()`.
-    /// Under ZeRO-1 the sum covers this model's shard only (the trainer sums it over the ranks).
-    pub fn grad_sumsq(&self) -> Result<()> {
+    /// The step's gradient (accumulated if enabled) made global over the ranks of `pg` — each
+    /// rank's backward is scaled by 1/world, so the sum is the mean over the global batch — and
+    /// its Σ g² into `sumsq_tensor()`. Data parallel: all-reduced in place (unless the backward
+    /// already did it, see [`Model::overlap_all_reduce`]). ZeRO-1: reduce-scattered, each rank
+    /// receiving its shard in place, and Σ g² of the shards summed over the ranks, so every rank
+    /// clips by the global norm. Without `pg`: the norm only.
+    pub fn reduce_grads(&self, pg: Option<&crate::dist::ProcessGroup>) -> Result<()> {
         let a = self.acts()?;
         let g = self.acc_whole.as_ref().unwrap_or(&self.grads_whole);
-        match self.shard {
-            Some(s) => glue::sumsq(&g.narrow(0, s.range().0, s.len)?, Some(&a.parts), &a.sumsq)?,
-            None => glue::sumsq(g, Some(&a.parts), &a.sumsq)?,
+        match (pg, self.shard) {
+            (Some(pg), Some(_)) => {
+                let s = self.shard_of(pg, "reduce_grads")?;
+                let mine = g.narrow(0, s.range().0, s.len)?;
+                pg.reduce_scatter_sum(g, &mine)?;
+                self.mark("reduce-scatter")?;
+                glue::sumsq(&mine, Some(&a.parts), &a.sumsq)?;
+                pg.all_reduce_sum(&a.sumsq)?;
+            }
+            (Some(pg), None) => {
+                if self.overlap.is_none() {
+                    pg.all_reduce_sum(g)?;
+                    self.mark("all-reduce")?;
+                }
+                glue::sumsq(g, Some(&a.parts), &a.sumsq)?;
+            }
+            (None, _) => glue::sumsq(g, Some(&a.parts), &a.sumsq)?,
         }
         self.mark("grad norm")
     }
 
-    /// ZeRO-1: the step's gradient summed over the ranks of `pg`, each rank receiving only its
-    /// shard (in place: the shard's range of the gradient buffer holds the sum afterwards).
-    pub fn reduce_scatter_grads(&self, pg: &crate::dist::ProcessGroup) -> Result<()> {
-        let s = self.shard_of(pg, "reduce_scatter_grads")?;
-        let g = self.acc_whole.as_ref().unwrap_or(&self.grads_whole);
-        pg.reduce_scatter_sum(g, &g.narrow(0, s.range().0, s.len)?)?;
-        self.mark("reduce-scatter")
-    }
-
-    /// ZeRO-1, after the update: every rank's updated shard of the weights gathered into every
-    /// rank's full weight buffer.
-    pub fn all_gather_params(&self, pg: &crate::dist::ProcessGroup) -> Result<()> {
-        let s = self.shard_of(pg, "all_gather_params")?;
+    /// After the update: under ZeRO-1 every rank's updated shard of the weights gathered into
+    /// every rank's full weight buffer; otherwise the replicas are already equal.
+    pub fn share_update(&self, pg: Option<&crate::dist::ProcessGroup>) -> Result<()> {
+        let (Some(pg), Some(_)) = (pg, self.shard) else {
+            return Ok(());
+        };
+        let s = self.shard_of(pg, "share_update")?;
         let p = self.param_arena.owner();
         pg.all_gather(&p.narrow(0, s.range().0, s.len)?, p)?;
         self.mark("all-gather")
@@ -734,7 +730,7 @@ impl Model {
     pub fn loss_tensor(&self) -> Result<&Tensor> {
         Ok(&self.acts()?.loss)
     }
-    /// The gradients' sum of squares from `grad_sumsq` (f32, one element, on the device).
+    /// The gradients' sum of squares from [`Model::reduce_grads`] (f32, one element, on the device).
     pub fn sumsq_tensor(&self) -> Result<&Tensor> {
         Ok(&self.acts()?.sumsq)
     }
