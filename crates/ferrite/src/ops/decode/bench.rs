@@ -19,19 +19,68 @@ use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use std::sync::Arc;
 
-/// (batch, Hq, Hkv, D, context, block_size).
-pub type Shape = (usize, usize, usize, usize, usize, usize);
+/// (batch, Hq, Hkv, D, context, block_size, shortest context): every sequence `context` long
+/// when the last equals it, else a ragged batch (see [`lens`]).
+pub type Shape = (usize, usize, usize, usize, usize, usize, usize);
 
-pub fn label((b, hq, hkv, d, ctx, bs): Shape) -> String {
-    format!("B{b} Hq{hq} Hkv{hkv} D{d} ctx{ctx} bs{bs}")
+pub fn label((b, hq, hkv, d, ctx, bs, lo): Shape) -> String {
+    if lo == ctx {
+        format!("B{b} Hq{hq} Hkv{hkv} D{d} ctx{ctx} bs{bs}")
+    } else {
+        format!("B{b} Hq{hq} Hkv{hkv} D{d} ragged {lo}..{ctx} bs{bs}")
+    }
+}
+
+/// The lengths of a shape's batch: all `context`, or a ragged batch spread evenly over
+/// `lo..=context` (sequence i of B at lo + (context − lo)·i/(B − 1)), in a fixed shuffled order.
+pub fn lens((b, _, _, _, ctx, _, lo): Shape) -> Vec<i32> {
+    let mut v: Vec<i32> = (0..b)
+        .map(|i| {
+            if b <= 1 || lo >= ctx {
+                ctx as i32
+            } else {
+                (lo + (ctx - lo) * i / (b - 1)) as i32
+            }
+        })
+        .collect();
+    // A fixed permutation (multiplicative stride coprime to B) so long and short sequences mix.
+    if b > 2 {
+        let stride = (1..b)
+            .rev()
+            .find(|s| gcd(*s, b) == 1 && *s * 2 < b + 2)
+            .unwrap_or(1);
+        let src = v.clone();
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = src[(i * stride) % b];
+        }
+    }
+    v
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Keys read per step, summed over the batch.
+fn total_keys(s: Shape) -> usize {
+    lens(s).iter().map(|&l| l as usize).sum()
 }
 
 /// Bytes of K and V one decode step reads.
-pub fn kv_bytes((b, _, hkv, d, ctx, _): Shape, dtype: DType) -> f64 {
-    2.0 * (b * ctx * hkv * d * dtype.size_in_bytes()) as f64
+pub fn kv_bytes(s: Shape, dtype: DType) -> f64 {
+    let (_, _, hkv, d, _, _, _) = s;
+    2.0 * (total_keys(s) * hkv * d * dtype.size_in_bytes()) as f64
 }
 
-/// Shapes from `--shape B,Hq,Hkv,D,ctx[,bs]`, or the defaults.
+fn flops(s: Shape) -> f64 {
+    4.0 * (s.1 * s.3 * total_keys(s)) as f64
+}
+
+/// Shapes from `--shape B,Hq,Hkv,D,ctx[,bs[,shortest]]`, or the defaults.
 fn shapes(cfg: &BenchConfig, defaults: &[Shape]) -> Vec<Shape> {
     if cfg.shapes.is_empty() {
         return defaults.to_vec();
@@ -47,18 +96,20 @@ fn shapes(cfg: &BenchConfig, defaults: &[Shape]) -> Vec<Shape> {
                 s[3],
                 s[4],
                 s.get(5).copied().unwrap_or(16),
+                s.get(6).copied().unwrap_or(s[4]).min(s[4]),
             )
         })
         .collect()
 }
 
-fn case((b, hq, hkv, d, ctx, bs): Shape) -> Case {
+fn case(s: Shape) -> Case {
+    let (_, hq, hkv, d, _, bs, _) = s;
     Case {
         hq,
         hkv,
         d,
         block_size: bs,
-        lens: vec![ctx as i32; b],
+        lens: lens(s),
         softcap: 0.0,
         window: -1,
         scale: None,
@@ -89,9 +140,9 @@ fn bench_cpu(
         return Ok(());
     }
     let default: Shape = if cfg.quick {
-        (4, 8, 2, 64, 512, 16)
+        (4, 8, 2, 64, 512, 16, 512)
     } else {
-        (8, 32, 8, 128, 2048, 16)
+        (8, 32, 8, 128, 2048, 16, 2048)
     };
     for s in shapes(cfg, &[default]) {
         let c = case(s);
@@ -118,7 +169,7 @@ fn bench_cpu(
                 DType::F32,
                 label(s),
                 st,
-                4.0 * (s.0 * s.1 * s.3 * s.4) as f64,
+                flops(s),
                 kv_bytes(s, DType::F32),
             );
             rec.config = cpu_threads_note(v.name == "parallel");
@@ -142,12 +193,21 @@ fn bench_gpu(
     let name = dev.props().name.clone();
     let ceiling = ceilings.gpu_copy_gbps.map(|v| ("device copy", v, false));
     let defaults: Vec<Shape> = if cfg.quick {
-        vec![(16, 32, 8, 128, 4096, 16), (1, 32, 8, 128, 32768, 16)]
+        vec![
+            (16, 32, 8, 128, 4096, 16, 4096),
+            (1, 32, 8, 128, 32768, 16, 32768),
+            (32, 32, 8, 128, 8192, 16, 512),
+        ]
     } else {
         vec![
-            (16, 32, 8, 128, 4096, 16),
-            (64, 32, 8, 128, 2048, 16),
-            (1, 32, 8, 128, 32768, 16),
+            (16, 32, 8, 128, 4096, 16, 4096),
+            (64, 32, 8, 128, 2048, 16, 2048),
+            (1, 32, 8, 128, 32768, 16, 32768),
+            // Ragged (serving) batches: lengths spread over the range, pages of 16.
+            (32, 32, 8, 128, 8192, 16, 512),
+            (128, 32, 8, 128, 4096, 16, 128),
+            (8, 32, 8, 128, 32768, 16, 1024),
+            (32, 32, 32, 128, 8192, 16, 512),
         ]
     };
     for dtype in [DType::BF16].into_iter().filter(|t| cfg.wants_dtype(*t)) {
@@ -182,24 +242,55 @@ fn bench_gpu(
                 }
                 progress(&format!("decode {d} {} {dtype} {}", v.name, label(s)));
                 let pr = dc::prepare(v.name, &p, dev, &stream, None)?;
-                let st = time_gpu(dev, &stream, Budget::gpu(), |_| pr.run(&p, &ptrs, &stream))?;
-                // The timed launches never read the flag; one read after them all.
+                let record = |variant: &str, st, pr: &dc::Prepared| -> Result<BenchRecord> {
+                    let mut rec = BenchRecord::new(
+                        d,
+                        &name,
+                        OP,
+                        variant,
+                        dtype,
+                        label(s),
+                        st,
+                        flops(s),
+                        kv_bytes(s, dtype),
+                    )
+                    .with_kernel(&pr.kernel, pr.threads, pr.smem)?;
+                    rec.config = pr.config.clone();
+                    rec.note = "bytes = K+V read".into();
+                    Ok(rec)
+                };
+                let Some(sc) = &pr.sched else {
+                    let st = time_gpu(dev, &stream, Budget::gpu(), |_| pr.run(&p, &ptrs, &stream))?;
+                    // The timed launches never read the flag; one read after them all.
+                    pr.read_error(&stream, OP)?;
+                    group.push(record(v.name, st, &pr)?);
+                    continue;
+                };
+                // Scheduled: a serving step plans once and runs every layer on the plan, so the
+                // run is timed on its own and the plan apart (in the config).
+                pr.run(&p, &ptrs, &stream)?;
+                let (chunk, chunks) = pr.planned(&stream)?.unwrap_or((0, 0));
+                let st = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                    pr.launch_own(&p, &ptrs, &stream)
+                })?;
+                let plan_st = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                    pr.plan_own(&p, &ptrs, &stream)
+                })?;
                 pr.read_error(&stream, OP)?;
-                let mut rec = BenchRecord::new(
-                    d,
-                    &name,
-                    OP,
-                    v.name,
-                    dtype,
-                    label(s),
-                    st,
-                    4.0 * (s.0 * s.1 * s.3 * s.4) as f64,
-                    kv_bytes(s, dtype),
-                )
-                .with_kernel(&pr.kernel, pr.threads, pr.smem)?;
-                rec.config = pr.config.clone();
-                rec.note = "bytes = K+V read".into();
+                let mut rec = record(v.name, st, &pr)?;
+                rec.config += &format!(
+                    "; plan: {chunks} chunks of ≤ {chunk} keys, {:.1} µs to make",
+                    plan_st.median_ms * 1e3
+                );
                 group.push(rec);
+                // The uniform partitions of the same kernel, as the wave planner picks them
+                // from the longest possible context (the previous default): the step's baseline.
+                let uniform = dc::prepare(v.name, &p, dev, &stream, Some(sc.uniform_splits))?;
+                let st = time_gpu(dev, &stream, Budget::gpu(), |_| {
+                    uniform.run(&p, &ptrs, &stream)
+                })?;
+                uniform.read_error(&stream, OP)?;
+                group.push(record(&format!("{}/uniform", v.name), st, &uniform)?);
             }
             relate(&mut group, "naive", ceiling);
             out.extend(group);

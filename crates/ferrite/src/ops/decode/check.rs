@@ -6,7 +6,10 @@
 //! Bad indices must be refused (on the GPU through the device error flag). append_kv is checked
 //! bit-exact, untouched slots staying poisoned.
 
-use super::{append_kv, decode_into, variants, AppendOptions, DecodeOptions, PagedKv, OP};
+use super::{
+    append_kv, decode_into, variants, AppendOptions, DecodeOptions, DecodePlan, PagedKv, PlanShape,
+    OP,
+};
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
@@ -88,6 +91,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
         case(16, 2, 128, 16, &[100, 61], 5.0, 31, Some(1.0)),
         // D 96 (not a power of two: idle lanes in the gqa kernel), GQA 3.
         case(6, 2, 96, 16, &[130, 9], 0.0, -1, None),
+        // A ragged batch long enough for the schedule to split its longer sequences into chunks
+        // (and leave the short ones, and the empty one, whole).
+        case(8, 2, 128, 16, &[1500, 3, 700, 0, 2100, 260], 0.0, -1, None),
     ];
     if !quick {
         v.extend([
@@ -98,6 +104,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
             case(12, 4, 64, 16, &[1, 16, 17, 255], 0.0, 0, None),
             // D 80: an odd number of 16-dim chunks (pipelined_mma's ldmatrix.x2 tail), GQA 3.
             case(6, 2, 80, 16, &[517, 70], 0.0, 300, None),
+            // Page sizes 1 and 128 (a table entry per key; keys of one tile in one page).
+            case(8, 2, 128, 1, &[700, 33, 1], 0.0, -1, None),
+            case(8, 8, 128, 128, &[1300, 129, 127, 0], 0.0, -1, None),
         ]);
     }
     v
@@ -267,15 +276,85 @@ pub fn options(variant: &str, c: &Case) -> DecodeOptions {
     }
 }
 
-/// The partition counts each case runs a variant with: split_kv always 3; the pipelined ones their
-/// own plan (one partition for the short quick cases, many for the long full ones) and a forced 3,
-/// so both the direct output and the partial/merge path are checked in every mode.
-pub fn split_settings(variant: &str) -> Vec<Option<usize>> {
-    match variant {
-        "split_kv" => vec![Some(3)],
-        "pipelined" | "pipelined_mma" => vec![None, Some(3)],
-        _ => vec![None],
+/// How a check case is run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// `decode_into` with the variant's own choice (the pipelined ones: scheduled).
+    Auto,
+    /// `decode_into` with this many uniform partitions.
+    Splits(usize),
+    /// plan/run: a plan of the case's lengths, then `decode_planned_into`.
+    Planned,
+    /// A plan made for other lengths (each halved, the order reversed), run on the case's own.
+    StalePlan,
+}
+
+impl Mode {
+    fn suffix(self) -> String {
+        match self {
+            Mode::Auto => String::new(),
+            Mode::Splits(n) => format!(" splits {n}"),
+            Mode::Planned => " planned".into(),
+            Mode::StalePlan => " stale plan".into(),
+        }
     }
+}
+
+/// The modes each case runs a variant in: split_kv always 3 partitions; the pipelined ones
+/// scheduled (one chunk per sequence for short contexts, many for long ones), a forced 3 uniform
+/// partitions (the partial/merge path in every case), plan/run and a stale plan; the others
+/// directly and through a plan.
+pub fn modes(variant: &str) -> Vec<Mode> {
+    match variant {
+        "split_kv" => vec![Mode::Splits(3)],
+        "pipelined" | "pipelined_mma" => {
+            vec![Mode::Auto, Mode::Splits(3), Mode::Planned, Mode::StalePlan]
+        }
+        _ => vec![Mode::Auto, Mode::Planned],
+    }
+}
+
+/// The plan shape of a case.
+pub fn plan_shape(c: &Case, dtype: DType, dev: Device) -> PlanShape {
+    PlanShape {
+        batch: c.lens.len(),
+        heads_q: c.hq,
+        heads_kv: c.hkv,
+        head_dim: c.d,
+        dtype,
+        device: dev,
+    }
+}
+
+/// Runs a case in `mode` into o and lse.
+fn decode_mode(
+    x: &Inputs,
+    c: &Case,
+    dtype: DType,
+    dev: Device,
+    variant: &str,
+    mode: Mode,
+    o: &Tensor,
+    lse: &Tensor,
+) -> Result<()> {
+    let opts = DecodeOptions {
+        num_splits: match mode {
+            Mode::Splits(n) => Some(n),
+            _ => None,
+        },
+        ..options(variant, c)
+    };
+    let planned_lens = match mode {
+        Mode::Auto | Mode::Splits(_) => return decode_into(&x.q, &x.kv(), o, Some(lse), &opts),
+        Mode::Planned => x.seq_lens.clone(),
+        Mode::StalePlan => {
+            let other: Vec<i32> = c.lens.iter().rev().map(|l| l / 2).collect();
+            Tensor::from_vec(other, &[c.lens.len()])?.to_device(dev)?
+        }
+    };
+    let plan = DecodePlan::new(&planned_lens, plan_shape(c, dtype, dev), &opts)?;
+    plan.run(&x.q, &x.kv(), o, Some(lse), &opts)?;
+    plan.errors(&opts)
 }
 
 fn check_one(
@@ -283,7 +362,7 @@ fn check_one(
     dtype: DType,
     variant: &str,
     c: &Case,
-    splits: Option<usize>,
+    mode: Mode,
     seed: u64,
 ) -> Result<(f64, &'static str)> {
     let x = make_inputs(c, dtype, dev, seed, 3)?;
@@ -292,11 +371,7 @@ fn check_one(
     let lse = Tensor::empty(&[b, c.hq], DType::F32, dev)?;
     o.poison(None)?;
     lse.poison(None)?;
-    let opts = DecodeOptions {
-        num_splits: splits,
-        ..options(variant, c)
-    };
-    decode_into(&x.q, &x.kv(), &o, Some(&lse), &opts)?;
+    decode_mode(&x, c, dtype, dev, variant, mode, &o, &lse)?;
     let (ro, rl) = reference(c, &x)?;
     let eo = rel_error(&o.to_f64_vec()?, &ro);
     let el = lse_error(&lse.to_f64_vec()?, &rl);
@@ -308,7 +383,14 @@ fn check_one(
 }
 
 /// Runs a case whose indices are bad; Ok(note) when it was refused naming `arg`.
-fn refused(dev: Device, dtype: DType, variant: &str, bad_len: bool, seed: u64) -> Result<String> {
+fn refused(
+    dev: Device,
+    dtype: DType,
+    variant: &str,
+    bad_len: bool,
+    planned: bool,
+    seed: u64,
+) -> Result<String> {
     let c = case(8, 2, 64, 16, &[40, 20], 0.0, -1, None);
     let mut x = make_inputs(&c, dtype, dev, seed, 2)?;
     let arg = if bad_len {
@@ -324,8 +406,29 @@ fn refused(dev: Device, dtype: DType, variant: &str, bad_len: bool, seed: u64) -
         Tensor::empty(&[2, 8, 64], dtype, dev)?,
         Tensor::empty(&[2, 8], DType::F32, dev)?,
     );
-    match decode_into(&x.q, &x.kv(), &o, Some(&lse), &options(variant, &c)) {
+    let mode = if planned { Mode::Planned } else { Mode::Auto };
+    match decode_mode(&x, &c, dtype, dev, variant, mode, &o, &lse) {
         Err(e) if e.to_string().contains(&format!("`{arg}`")) => Ok(e.to_string()),
+        Err(e) => Ok(format!("WRONG ERROR: {e}")),
+        Ok(()) => Ok("accepted".into()),
+    }
+}
+
+/// Runs a batch of 2 on a plan made for a batch of 3; Ok(note) when refused naming `plan`.
+fn other_shape_refused(dev: Device, dtype: DType, variant: &str) -> Result<String> {
+    let c = case(8, 2, 64, 16, &[40, 20], 0.0, -1, None);
+    let x = make_inputs(&c, dtype, dev, 7, 2)?;
+    let opts = options(variant, &c);
+    let three = Tensor::from_vec(vec![40i32, 20, 5], &[3])?.to_device(dev)?;
+    let mut shape = plan_shape(&c, dtype, dev);
+    shape.batch = 3;
+    let plan = DecodePlan::new(&three, shape, &opts)?;
+    let (o, lse) = (
+        Tensor::empty(&[2, 8, 64], dtype, dev)?,
+        Tensor::empty(&[2, 8], DType::F32, dev)?,
+    );
+    match plan.run(&x.q, &x.kv(), &o, Some(&lse), &opts) {
+        Err(e) if e.to_string().contains("`plan`") => Ok(e.to_string()),
         Err(e) => Ok(format!("WRONG ERROR: {e}")),
         Ok(()) => Ok("accepted".into()),
     }
@@ -452,17 +555,16 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
         {
             for &dtype in v.dtypes.iter().filter(|d| cfg.wants_dtype(**d)) {
-                for (c, splits) in cases(cfg.quick).into_iter().flat_map(|c| {
-                    split_settings(v.name)
-                        .into_iter()
-                        .map(move |s| (c.clone(), s))
-                }) {
+                for (c, mode) in cases(cfg.quick)
+                    .into_iter()
+                    .flat_map(|c| modes(v.name).into_iter().map(move |m| (c.clone(), m)))
+                {
                     let mut label = c.label();
-                    if let (Some(n), "pipelined" | "pipelined_mma") = (splits, v.name) {
-                        label += &format!(" splits {n}");
+                    if v.name != "split_kv" {
+                        label += &mode.suffix();
                     }
                     out.push(
-                        match check_one(dev, dtype, v.name, &c, splits, rng.next_u64()) {
+                        match check_one(dev, dtype, v.name, &c, mode, rng.next_u64()) {
                             Ok((e, worst)) => CheckRecord::compared(
                                 OP,
                                 v.name,
@@ -486,13 +588,31 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                 v.dtypes[0]
             };
             if cfg.wants_dtype(dtype) {
-                for (bad_len, label) in [
-                    (false, "block_table entry ≥ num_blocks is refused"),
-                    (true, "seq_len > max_blocks·block_size is refused"),
+                for (bad_len, planned, label) in [
+                    (false, false, "block_table entry ≥ num_blocks is refused"),
+                    (true, false, "seq_len > max_blocks·block_size is refused"),
+                    (
+                        false,
+                        true,
+                        "planned: block_table entry ≥ num_blocks is refused",
+                    ),
+                    (
+                        true,
+                        true,
+                        "planned: seq_len > max_blocks·block_size is refused",
+                    ),
                 ] {
-                    let r = refused(dev, dtype, v.name, bad_len, rng.next_u64());
+                    let r = refused(dev, dtype, v.name, bad_len, planned, rng.next_u64());
                     out.push(refusal_record(dev, dtype, v.name, label, r));
                 }
+                let r = other_shape_refused(dev, dtype, v.name);
+                out.push(refusal_record(
+                    dev,
+                    dtype,
+                    v.name,
+                    "a plan made for another batch is refused",
+                    r,
+                ));
             }
         }
         if !cfg.wants_variant("append_kv") {

@@ -42,6 +42,48 @@ const PIPE_SATURATE: f64 = 0.9;
 /// Cost of a split in the planner, relative to the kernel: the merge kernel, its launch and the
 /// partials' traffic (a few µs against ~50–200 µs kernels).
 const PIPE_SPLIT_COST: f64 = 0.02;
+/// Ints in a schedule's header (mirrors SCHED_HEADER in decode.cu).
+pub const SCHED_HEADER: usize = 8;
+/// Header index of the planned chunk size (S_CHUNK in decode.cu).
+pub const S_CHUNK: usize = 3;
+/// Header index of the error flag of runs on the schedule (S_ERR in decode.cu).
+pub const S_ERR: usize = 4;
+/// Header index of the number of chunks planned (S_ITEMS in decode.cu).
+pub const S_ITEMS: usize = 0;
+
+/// Where a schedule buffer keeps what (mirrors decode.cu): the header, `indptr[batch + 1]`, the
+/// `(sequence, chunk)` items, then the partials at `part_offset` (16-byte aligned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedLayout {
+    /// Most chunks the plan may make (also the partial slots).
+    pub max_items: usize,
+    /// Byte offset of the partials.
+    pub part_offset: usize,
+    /// Bytes of the whole buffer.
+    pub bytes: usize,
+}
+
+/// The schedule buffer of a batch of `batch` sequences, `heads_q` query heads of `head_dim`, for
+/// `per_b` blocks per chunk on `slots` resident blocks: at most one chunk per sequence plus one
+/// wave's worth of extra chunks (the kernel's grid is sized for that many; the blocks past the
+/// planned chunks return at once).
+pub fn sched_layout(
+    batch: usize,
+    heads_q: usize,
+    head_dim: usize,
+    per_b: usize,
+    slots: usize,
+) -> SchedLayout {
+    let max_items = batch + slots.div_ceil(per_b.max(1));
+    let ints = SCHED_HEADER + batch + 1 + 2 * max_items;
+    let part_offset = (ints * 4).div_ceil(16) * 16;
+    let bytes = part_offset + max_items * heads_q * (head_dim + 2) * 4;
+    SchedLayout {
+        max_items,
+        part_offset,
+        bytes,
+    }
+}
 
 pub fn naive_program(dtype: DType) -> Program {
     Program::new(SRC).define("FE_ELEM", dtype.cuda_name())
@@ -193,7 +235,11 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
         ] {
             v.push(KernelSpec {
                 program: pipe_program(d, hd, g),
-                functions: vec!["decode_pipelined".into(), "decode_merge".into()],
+                functions: vec![
+                    "decode_pipelined".into(),
+                    "decode_merge".into(),
+                    "decode_plan".into(),
+                ],
                 min_arch: Arch::SM80,
             });
         }
@@ -211,7 +257,11 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
         ] {
             v.push(KernelSpec {
                 program: mma_program(d, hd, g),
-                functions: vec!["decode_mma".into(), "decode_merge".into()],
+                functions: vec![
+                    "decode_mma".into(),
+                    "decode_merge".into(),
+                    "decode_plan".into(),
+                ],
                 min_arch: Arch::SM80,
             });
         }
@@ -269,9 +319,29 @@ pub struct Prepared {
     pub config: String,
     /// The gqa or pipelined kernel (else the naive one): their parameter lists differ.
     gqa: bool,
-    err: DeviceBuffer,
+    /// The pipelined or mma kernel (decode_merge, and the schedule parameters).
+    pipe: bool,
+    /// The pipelined kernels' scheduled mode (no split count named): a block per unit that
+    /// decode_plan wrote into a schedule buffer, which also holds the partials and the flag.
+    pub sched: Option<Sched>,
+    /// The error flag of the unscheduled kernels (a scheduled run's lives in its buffer).
+    err: Option<DeviceBuffer>,
     workspace: Option<DeviceBuffer>,
     dev: Arc<CudaDevice>,
+}
+
+/// The scheduled mode of a pipelined kernel.
+pub struct Sched {
+    plan: Kernel,
+    /// The schedule buffer's layout for this problem on this device.
+    pub layout: SchedLayout,
+    /// Units (kv head × query-head groups) per chunk.
+    pub per_b: usize,
+    /// Resident blocks of the kernel on the whole device.
+    pub slots: usize,
+    /// The split count the wave planner gives uniform partitions of this problem (the bench's
+    /// baseline for the schedule).
+    pub uniform_splits: usize,
 }
 
 /// Device addresses of a decode call.
@@ -294,6 +364,8 @@ fn grid_x(n: usize, what: &str) -> Result<u32> {
         .ok_or_else(|| Error::Other(format!("decode: {what} grid of {n} blocks exceeds 2³¹−1")))
 }
 
+/// The kernel(s) for `variant` on `p`, with their own flag and workspace (a scheduled variant's
+/// schedule buffer included: `run` plans and launches).
 pub fn prepare(
     variant: &str,
     p: &Problem,
@@ -301,8 +373,21 @@ pub fn prepare(
     stream: &Stream,
     num_splits: Option<usize>,
 ) -> Result<Prepared> {
-    let err = dev.alloc(4, stream)?;
+    prepare_with(variant, p, dev, stream, num_splits, true)
+}
+
+/// As [`prepare`]; `own_schedule` false leaves a scheduled variant without a schedule buffer
+/// (the caller's plan provides it: [`Prepared::launch`]).
+pub fn prepare_with(
+    variant: &str,
+    p: &Problem,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    num_splits: Option<usize>,
+    own_schedule: bool,
+) -> Result<Prepared> {
     let sms = dev.props().sm_count as usize;
+    let mut sched = None;
     let (kernel, reduce, grid, threads, smem, part_size, parts, config) = match variant {
         "naive" => (
             dev.kernel(&naive_program(p.dtype), "decode_naive")?,
@@ -370,26 +455,49 @@ pub fn prepare(
             let per_sm = (k.occupancy(threads, smem as u32)? * max_warps / warps as f64)
                 .round()
                 .max(1.0) as usize;
-            let splits = num_splits
-                .unwrap_or_else(|| plan_splits(base_blocks(p), p.max_visible(), sms * per_sm));
-            let (size, parts) = partitions(p, splits);
-            let r = if parts > 1 {
-                Some(dev.kernel(&prog, "decode_merge")?)
+            let geometry = format!(
+                "{g} q heads/block, {warps} warps × {PIPE_STAGES}-stage rings of {tile}-key tiles, {per_sm} blocks/SM"
+            );
+            if let Some(splits) = num_splits {
+                let (size, parts) = partitions(p, splits);
+                let r = if parts > 1 {
+                    Some(dev.kernel(&prog, "decode_merge")?)
+                } else {
+                    None
+                };
+                (
+                    k,
+                    r,
+                    (grid_x(base_blocks(p), "pipelined")?, parts as u32, 1),
+                    threads,
+                    smem as u32,
+                    size,
+                    parts,
+                    format!("{geometry}, {parts} partition(s) of {size} keys"),
+                )
             } else {
-                None
-            };
-            (
-                k,
-                r,
-                (grid_x(base_blocks(p), "pipelined")?, parts as u32, 1),
-                threads,
-                smem as u32,
-                size,
-                parts,
-                format!(
-                    "{g} q heads/block, {warps} warps × {PIPE_STAGES}-stage rings of {tile}-key tiles, {per_sm} blocks/SM, {parts} partition(s) of {size} keys"
-                ),
-            )
+                let per_b = base_blocks(p) / p.batch.max(1);
+                let slots = sms * per_sm;
+                let layout = sched_layout(p.batch, p.heads_q, p.head_dim, per_b, slots);
+                let blocks = layout.max_items * per_b;
+                sched = Some(Sched {
+                    plan: dev.kernel(&prog, "decode_plan")?,
+                    layout,
+                    per_b,
+                    slots,
+                    uniform_splits: plan_splits(base_blocks(p), p.max_visible(), slots),
+                });
+                (
+                    k,
+                    Some(dev.kernel(&prog, "decode_merge")?),
+                    (grid_x(blocks, "pipelined")?, 1, 1),
+                    threads,
+                    smem as u32,
+                    0,
+                    0,
+                    format!("{geometry}, scheduled (≤ {} chunks)", layout.max_items),
+                )
+            }
         }
         other => {
             return Err(Error::NoVariant {
@@ -398,7 +506,17 @@ pub fn prepare(
             })
         }
     };
-    let workspace = if parts > 1 {
+    let err = if sched.is_none() {
+        Some(dev.alloc(4, stream)?)
+    } else {
+        None
+    };
+    let workspace = if let Some(sc) = &sched {
+        // The schedule, its partials and its flag.
+        own_schedule
+            .then(|| dev.alloc(sc.layout.bytes, stream))
+            .transpose()?
+    } else if parts > 1 {
         // (max, sum, acc[D]) per (row, partition): decode_reduce's interleaved layout, or
         // decode_merge's acc block followed by the (max, sum) pairs — the same bytes.
         let bytes = p.batch * p.heads_q * parts * (p.head_dim + 2) * 4;
@@ -416,6 +534,8 @@ pub fn prepare(
         parts,
         config,
         gqa: variant != "naive",
+        pipe: variant.starts_with("pipelined"),
+        sched,
         err,
         workspace,
         dev: dev.clone(),
@@ -423,21 +543,84 @@ pub fn prepare(
 }
 
 impl Prepared {
-    /// Clears the error flag and queues the kernel(s) on `stream`.
+    /// Plans the lengths at `seq_lens` into the schedule at `buf` (scheduled mode; nothing
+    /// otherwise): clears the header, error flag included, and queues decode_plan.
+    pub fn plan(&self, p: &Problem, seq_lens: u64, buf: u64, stream: &Stream) -> Result<()> {
+        let Some(sc) = &self.sched else {
+            return Ok(());
+        };
+        // SAFETY: `buf` holds at least `sc.layout.bytes` ≥ the header (checked by the callers).
+        unsafe { self.dev.memset(buf, 0, SCHED_HEADER * 4, stream)? };
+        let mut a = KernelArgs::new();
+        a.push(buf)
+            .push(seq_lens)
+            .push(p.batch as i64)
+            .push(p.capacity() as i64)
+            .push(p.window_left)
+            .push(sc.per_b as i64)
+            .push(sc.slots as i64)
+            .push(sc.layout.max_items as i64);
+        sc.plan.launch(stream, (1, 1, 1), (256, 1, 1), 0, &mut a)
+    }
+
+    /// The convenience path: clears the flag (or plans into the own schedule buffer) and queues
+    /// the kernel(s) on `stream`.
     pub fn run(&self, p: &Problem, x: &Ptrs, stream: &Stream) -> Result<()> {
-        // SAFETY: `err` is a live 4-byte allocation of this device.
-        unsafe { self.dev.memset(self.err.ptr(), 0, 4, stream)? };
+        if self.sched.is_none() {
+            return self.launch(p, x, 0, stream);
+        }
+        let own = self.workspace.as_ref().map_or(0, |w| w.ptr());
+        self.plan(p, x.seq_lens, own, stream)?;
+        self.launch(p, x, own, stream)
+    }
+
+    /// Plans into the own schedule buffer (scheduled mode; nothing otherwise).
+    pub fn plan_own(&self, p: &Problem, x: &Ptrs, stream: &Stream) -> Result<()> {
+        match (&self.sched, &self.workspace) {
+            (Some(_), Some(w)) => self.plan(p, x.seq_lens, w.ptr(), stream),
+            _ => Ok(()),
+        }
+    }
+
+    /// Queues the kernel(s) on the own schedule as last planned (scheduled mode), else as `run`.
+    pub fn launch_own(&self, p: &Problem, x: &Ptrs, stream: &Stream) -> Result<()> {
+        match (&self.sched, &self.workspace) {
+            (Some(_), Some(w)) => self.launch(p, x, w.ptr(), stream),
+            _ => self.run(p, x, stream),
+        }
+    }
+
+    /// Queues the kernel(s) on the plan buffer at `sched_buf` (planned before, on this stream or
+    /// one ordered before it; its flag collects the errors) — launches only, no host
+    /// synchronisation, allocation or copy. `sched_buf` 0 (unscheduled variants only): this
+    /// preparation's own flag, cleared first.
+    pub fn launch(&self, p: &Problem, x: &Ptrs, sched_buf: u64, stream: &Stream) -> Result<()> {
+        // The flag: a plan's (sticky) or, without one, this preparation's own (cleared).
+        let err = match (sched_buf, &self.err) {
+            (0, Some(e)) => {
+                // SAFETY: `e` is a live 4-byte allocation of this device.
+                unsafe { self.dev.memset(e.ptr(), 0, 4, stream)? };
+                e.ptr()
+            }
+            (0, None) => unreachable!("a scheduled decode launched without its schedule"),
+            (buf, _) => buf + (S_ERR * 4) as u64,
+        };
+        let part = match &self.sched {
+            Some(sc) => sched_buf + sc.layout.part_offset as u64,
+            None => self.workspace.as_ref().map_or(0, |w| w.ptr()),
+        };
+        let pipelined = self.pipe;
         let mut a = KernelArgs::new();
         a.push(x.o).push(x.lse);
         if self.gqa {
-            a.push(self.workspace.as_ref().map_or(0, |w| w.ptr()));
+            a.push(part);
         }
         a.push(x.q)
             .push(x.k)
             .push(x.v)
             .push(x.block_table)
             .push(x.seq_lens)
-            .push(self.err.ptr())
+            .push(err)
             .push(p.batch as i64)
             .push(p.heads_q as i64)
             .push(p.heads_kv as i64);
@@ -458,42 +641,111 @@ impl Prepared {
         if self.gqa {
             a.push(self.part_size as i64).push(self.parts as i64);
         }
+        let max_items = self.sched.as_ref().map_or(0, |sc| sc.layout.max_items);
+        if pipelined {
+            let sched = if self.sched.is_some() { sched_buf } else { 0 };
+            a.push(sched).push(max_items as i64);
+        }
         self.kernel
             .launch(stream, self.grid, (self.threads, 1, 1), self.smem, &mut a)?;
-        if let (Some(r), Some(w)) = (&self.reduce, &self.workspace) {
-            let rows = p.batch * p.heads_q;
-            let mut a = KernelArgs::new();
-            a.push(x.o)
-                .push(x.lse)
-                .push(w.ptr())
-                .push(rows as i64)
-                .push(self.parts as i64);
-            r.launch(
-                stream,
-                (grid_x(rows.min(1 << 30), "reduce")?, 1, 1),
-                (NAIVE_THREADS, 1, 1),
-                0,
-                &mut a,
-            )?;
+        let rows = p.batch * p.heads_q;
+        let merge_grid = |n: usize| grid_x(n.min(1 << 30), "merge");
+        match (&self.reduce, &self.sched) {
+            (Some(r), Some(_)) => {
+                // Rows of sequences in one piece return at once: a grid of a few waves.
+                let sms = self.dev.props().sm_count as usize;
+                let mut a = KernelArgs::new();
+                a.push(x.o)
+                    .push(x.lse)
+                    .push(part)
+                    .push(sched_buf)
+                    .push(p.batch as i64)
+                    .push(p.heads_q as i64)
+                    .push(0i64)
+                    .push(max_items as i64);
+                r.launch(
+                    stream,
+                    (merge_grid(rows.min(8 * sms))?, 1, 1),
+                    (NAIVE_THREADS, 1, 1),
+                    0,
+                    &mut a,
+                )?;
+            }
+            (Some(r), None) if pipelined => {
+                let mut a = KernelArgs::new();
+                a.push(x.o)
+                    .push(x.lse)
+                    .push(part)
+                    .push(0u64)
+                    .push(p.batch as i64)
+                    .push(p.heads_q as i64)
+                    .push(self.parts as i64)
+                    .push((p.batch * self.parts) as i64);
+                r.launch(
+                    stream,
+                    (merge_grid(rows)?, 1, 1),
+                    (NAIVE_THREADS, 1, 1),
+                    0,
+                    &mut a,
+                )?;
+            }
+            (Some(r), None) => {
+                // decode_reduce (split_kv).
+                let mut a = KernelArgs::new();
+                a.push(x.o)
+                    .push(x.lse)
+                    .push(part)
+                    .push(rows as i64)
+                    .push(self.parts as i64);
+                r.launch(
+                    stream,
+                    (merge_grid(rows)?, 1, 1),
+                    (NAIVE_THREADS, 1, 1),
+                    0,
+                    &mut a,
+                )?;
+            }
+            (None, _) => {}
         }
         Ok(())
     }
 
-    /// Waits for the stream and turns the error flag into an error.
+    /// Waits for the stream and turns the error flag into an error (a scheduled run's flag in
+    /// its own schedule buffer).
     pub fn read_error(&self, stream: &Stream, op: &str) -> Result<()> {
-        read_flag(&self.dev, &self.err, stream, op)
+        match (&self.err, &self.workspace) {
+            (Some(e), _) => read_flag(&self.dev, e.ptr(), stream, op),
+            (None, Some(w)) => read_flag(&self.dev, w.ptr() + (S_ERR * 4) as u64, stream, op),
+            (None, None) => Ok(()),
+        }
+    }
+
+    /// The chunk size and chunk count the last plan into the own schedule chose (waits for the
+    /// stream); None when unscheduled.
+    pub fn planned(&self, stream: &Stream) -> Result<Option<(usize, usize)>> {
+        let (Some(_), Some(w)) = (&self.sched, &self.workspace) else {
+            return Ok(None);
+        };
+        let mut h = [0u8; SCHED_HEADER * 4];
+        // SAFETY: the schedule buffer holds at least the header; `h` lives until the sync.
+        unsafe { self.dev.dtoh(&mut h, w.ptr(), stream)? };
+        self.dev.synchronize(stream, super::OP)?;
+        let int =
+            |i: usize| i32::from_le_bytes(h[4 * i..4 * i + 4].try_into().unwrap()).max(0) as usize;
+        Ok(Some((int(S_CHUNK), int(S_ITEMS))))
     }
 }
 
-fn read_flag(dev: &CudaDevice, err: &DeviceBuffer, stream: &Stream, op: &str) -> Result<()> {
+/// Reads the 4-byte flag at `err` (after waiting for the stream) into an error.
+pub fn read_flag(dev: &CudaDevice, err: u64, stream: &Stream, op: &str) -> Result<()> {
     let mut h = [0u8; 4];
-    // SAFETY: `err` holds 4 bytes; `h` lives until the synchronize below.
-    unsafe { dev.dtoh(&mut h, err.ptr(), stream)? };
+    // SAFETY: `err` points at 4 live bytes of this device; `h` lives until the synchronize below.
+    unsafe { dev.dtoh(&mut h, err, stream)? };
     dev.synchronize(stream, op)?;
     device_error(op, i32::from_le_bytes(h))
 }
 
-fn ctx(d: Device, s: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)> {
+pub(super) fn ctx(d: Device, s: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)> {
     let Device::Cuda(i) = d else {
         unreachable!("decode cuda path on {d}")
     };
@@ -525,6 +777,32 @@ pub(super) fn decode(
 ) -> Result<()> {
     let (dev, stream) = ctx(p.device, &opts.stream)?;
     let x = ptrs(q, kv, o, lse)?;
+    check_aligned(variant, &x)?;
+    let pr = prepare(variant, p, &dev, &stream, opts.num_splits)?;
+    pr.run(p, &x, &stream)?;
+    pr.read_error(&stream, OP)
+}
+
+/// The decode on a plan buffer at `plan` (see plan.rs): launches only.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn decode_planned(
+    variant: &str,
+    p: &Problem,
+    q: &Tensor,
+    kv: &PagedKv,
+    o: &Tensor,
+    lse: Option<&Tensor>,
+    plan: u64,
+    opts: &DecodeOptions,
+) -> Result<()> {
+    let (dev, stream) = ctx(p.device, &opts.stream)?;
+    let x = ptrs(q, kv, o, lse)?;
+    check_aligned(variant, &x)?;
+    let pr = prepare_with(variant, p, &dev, &stream, opts.num_splits, false)?;
+    pr.launch(p, &x, plan, &stream)
+}
+
+fn check_aligned(variant: &str, x: &Ptrs) -> Result<()> {
     if variant != "naive" && [x.q, x.k, x.v, x.o].iter().any(|a| a % 16 != 0) {
         return Err(Error::bad_arg(
             OP,
@@ -533,9 +811,7 @@ pub(super) fn decode(
             "a misaligned view",
         ));
     }
-    let pr = prepare(variant, p, &dev, &stream, opts.num_splits)?;
-    pr.run(p, &x, &stream)?;
-    pr.read_error(&stream, OP)
+    Ok(())
 }
 
 /// The widest copy unit the rows and pointers allow.
@@ -590,5 +866,5 @@ pub(super) fn append(
         0,
         &mut a,
     )?;
-    read_flag(&dev, &err, &stream, super::APPEND_OP)
+    read_flag(&dev, err.ptr(), &stream, super::APPEND_OP)
 }

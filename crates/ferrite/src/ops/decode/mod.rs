@@ -40,6 +40,9 @@ pub mod check;
 pub mod cpu;
 #[doc(hidden)]
 pub mod cuda;
+mod plan;
+
+pub use plan::{decode_planned_into, plan_errors, plan_into, plan_numel, DecodePlan, PlanShape};
 
 use crate::core::cuda::Stream;
 use crate::core::device::{Arch, Device};
@@ -75,6 +78,9 @@ pub const ERR_BLOCK: i32 = 2;
 pub const ERR_SLOT: i32 = 4;
 /// A pipelined kernel was launched with less shared memory than it needs (a host bug).
 pub const ERR_LAUNCH: i32 = 8;
+/// A plan tensor whose schedule cannot come from `plan_into` for this batch (overwritten, or
+/// planned for another shape).
+pub const ERR_PLAN: i32 = 16;
 
 /// The ladder, in order: each variant with what it supports and what it changes.
 pub fn variants() -> Vec<VariantInfo> {
@@ -394,8 +400,22 @@ pub fn device_error(op: &str, bits: i32) -> Result<()> {
     if bits & ERR_LAUNCH != 0 {
         what.push("a kernel launched with too little shared memory (nothing was computed)");
     }
-    if bits & !(ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT | ERR_LAUNCH) != 0 {
+    if bits & ERR_PLAN != 0 {
+        what.push("a plan whose schedule was not made for this batch (those units were skipped)");
+    }
+    if bits & !(ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT | ERR_LAUNCH | ERR_PLAN) != 0 {
         what.push("an unknown error bit");
+    }
+    if bits & ERR_PLAN != 0 && bits & (ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT) == 0 {
+        return Err(Error::bad_arg(
+            op,
+            "plan",
+            "a plan made by plan_into for this batch",
+            format!(
+                "{} (device check, flag {bits:#x}; the output is not valid)",
+                what.join("; ")
+            ),
+        ));
     }
     if bits & (ERR_SEQ_LEN | ERR_BLOCK | ERR_SLOT) == 0 {
         // No index at fault: an internal error, not the caller's argument.

@@ -6,11 +6,13 @@ use super::*;
 
 #[test]
 fn every_variant_passes_check() {
-    // CPU: 2 variants × 3 dtypes × cases + 2 refusals each; append: 3 dtypes × 3 records.
+    // CPU: 2 variants × 3 dtypes × cases × (direct, planned) + 5 refusals each; append: 3 dtypes
+    // × 3 records.
     let recs = crate::core::harness::check::assert_quick_check_passes(
         check::run,
-        2 * 3 * check::cases(true).len() + 2 * 2 + 3 * 3,
+        2 * 3 * 2 * check::cases(true).len() + 2 * 5 + 3 * 3,
     );
+    assert!(recs.iter().any(|r| r.shape.ends_with(" planned") && r.pass));
     assert!(recs.iter().any(|r| r.variant == "append_kv" && r.pass));
 }
 
@@ -385,4 +387,155 @@ fn pipelined_geometry_and_split_plan() {
         e.contains("shared memory") && !e.contains("`seq_lens`"),
         "{e}"
     );
+}
+
+#[test]
+fn schedule_layout_holds_header_indptr_items_and_aligned_partials() {
+    // B 32 on 528 slots, 8 units per chunk: 32 chunks + one wave (66) of extra chunks.
+    let l = cuda::sched_layout(32, 32, 128, 8, 528);
+    assert_eq!(l.max_items, 32 + 66);
+    let ints = cuda::SCHED_HEADER + 33 + 2 * l.max_items;
+    assert!(
+        l.part_offset >= 4 * ints
+            && l.part_offset.is_multiple_of(16)
+            && l.part_offset < 4 * ints + 16
+    );
+    assert_eq!(l.bytes, l.part_offset + l.max_items * 32 * 130 * 4);
+    // A batch that alone fills the device still gets at least one chunk per sequence.
+    assert!(cuda::sched_layout(4096, 8, 64, 8, 528).max_items >= 4096);
+}
+
+#[test]
+fn plan_and_run_on_the_cpu_equal_decode_and_are_made_for_one_batch() {
+    let c = small(&[0, 37, 5, 19], 6, 0.0);
+    let x = make_inputs(&c, DType::F32, Device::Cpu, 11, 2).unwrap();
+    let opts = check::options("parallel", &c);
+    let (o_ref, lse_ref) = decode(&x.q, &x.kv(), &opts).unwrap();
+    let shape = check::plan_shape(&c, DType::F32, Device::Cpu);
+    let plan = DecodePlan::new(&x.seq_lens, shape, &opts).unwrap();
+    let (o, lse) = (
+        Tensor::empty(&[4, 4, 8], DType::F32, Device::Cpu).unwrap(),
+        Tensor::empty(&[4, 4], DType::F32, Device::Cpu).unwrap(),
+    );
+    o.poison(None).unwrap();
+    plan.run(&x.q, &x.kv(), &o, Some(&lse), &opts).unwrap();
+    plan.errors(&opts).unwrap();
+    assert_eq!(o.to_vec::<f32>().unwrap(), o_ref.to_vec::<f32>().unwrap());
+    assert_eq!(
+        lse.to_vec::<f32>().unwrap(),
+        lse_ref.to_vec::<f32>().unwrap()
+    );
+    // A plan for 3 sequences on this batch of 4, or a tensor that is not a plan: named errors.
+    let three = Tensor::from_vec(vec![1i32, 2, 3], &[3]).unwrap();
+    let other = DecodePlan::new(&three, PlanShape { batch: 3, ..shape }, &opts).unwrap();
+    expect_err(
+        other.run(&x.q, &x.kv(), &o, Some(&lse), &opts),
+        &["`plan`", "B 4"],
+    );
+    let f32_plan = Tensor::empty(&[plan.tensor().numel()], DType::F32, Device::Cpu).unwrap();
+    expect_err(
+        decode_planned_into(&x.q, &x.kv(), &o, Some(&lse), &f32_plan, &opts),
+        &["`plan`", "i32"],
+    );
+    // Lengths of the wrong shape or dtype for the plan.
+    expect_err(plan.replan(&three, &opts), &["`seq_lens`", "[4]"]);
+    expect_err(
+        DecodePlan::new(
+            &x.seq_lens,
+            PlanShape {
+                heads_kv: 3,
+                ..shape
+            },
+            &opts,
+        ),
+        &["`shape`", "divisible"],
+    );
+}
+
+/// A ragged batch for the GPU tests: GQA 4, D128, pages of 16.
+#[cfg(test)]
+fn ragged(lens: &[i32]) -> Case {
+    Case {
+        hq: 16,
+        hkv: 4,
+        d: 128,
+        block_size: 16,
+        lens: lens.to_vec(),
+        softcap: 0.0,
+        window: -1,
+        scale: None,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_plan_serves_every_layer_and_stale_lengths_and_collects_errors() {
+    let dev = Device::Cuda(0);
+    let lens: Vec<i32> = (0..24)
+        .map(|i| [3000, 17, 0, 5000, 700, 1, 2600, 260][i % 8])
+        .collect();
+    let c = ragged(&lens);
+    let opts = check::options("pipelined", &c);
+    let shape = check::plan_shape(&c, DType::BF16, dev);
+    // Two layers: other caches and queries, the same lengths and block table.
+    let layers: Vec<_> = (0..2)
+        .map(|l| make_inputs(&c, DType::BF16, dev, 100 + l, 2).unwrap())
+        .collect();
+    let plan = DecodePlan::new(&layers[0].seq_lens, shape, &opts).unwrap();
+    for x in &layers {
+        let (want, want_lse) = decode(&x.q, &x.kv(), &opts).unwrap();
+        let o = Tensor::empty(&[24, 16, 128], DType::BF16, dev).unwrap();
+        let lse = Tensor::empty(&[24, 16], DType::F32, dev).unwrap();
+        o.poison(None).unwrap();
+        plan.run(&x.q, &x.kv(), &o, Some(&lse), &opts).unwrap();
+        plan.errors(&opts).unwrap();
+        // Same kernels, same chunks, same merge order: bit-identical to the one-call path.
+        assert_eq!(o.to_vec::<u16>().unwrap(), want.to_vec::<u16>().unwrap());
+        assert_eq!(
+            lse.to_vec::<f32>().unwrap(),
+            want_lse.to_vec::<f32>().unwrap()
+        );
+        // The uniform partitions of the same kernel agree to rounding.
+        let uni = DecodeOptions {
+            num_splits: Some(5),
+            ..opts.clone()
+        };
+        let (u, _) = decode(&x.q, &x.kv(), &uni).unwrap();
+        let e = crate::core::harness::check::rel_error(
+            &u.to_f64_vec().unwrap(),
+            &want.to_f64_vec().unwrap(),
+        );
+        assert!(e < 1e-2, "scheduled vs uniform: {e}");
+    }
+    // Planned for other lengths: every key still counted.
+    let x = &layers[1];
+    let other: Vec<i32> = lens.iter().map(|l| l / 3).collect();
+    let other = Tensor::from_vec(other, &[24])
+        .unwrap()
+        .to_device(dev)
+        .unwrap();
+    plan.replan(&other, &opts).unwrap();
+    let o = Tensor::empty(&[24, 16, 128], DType::BF16, dev).unwrap();
+    plan.run(&x.q, &x.kv(), &o, None, &opts).unwrap();
+    plan.errors(&opts).unwrap();
+    let (want, _) = decode(&x.q, &x.kv(), &opts).unwrap();
+    let e = crate::core::harness::check::rel_error(
+        &o.to_f64_vec().unwrap(),
+        &want.to_f64_vec().unwrap(),
+    );
+    assert!(e < 1e-2, "stale plan: {e}");
+    // A bad block-table entry in one layer: flagged, reported once by errors(), then cleared.
+    let mut table = x.table.clone();
+    table[3 * x.max_blocks] = x.num_blocks as i32;
+    let bad = Tensor::from_vec(table, &[24, x.max_blocks])
+        .unwrap()
+        .to_device(dev)
+        .unwrap();
+    let kv = PagedKv {
+        block_table: &bad,
+        ..x.kv()
+    };
+    plan.run(&x.q, &kv, &o, None, &opts).unwrap();
+    expect_err(plan.errors(&opts), &["`block_table`"]);
+    plan.errors(&opts).unwrap();
 }

@@ -51,6 +51,7 @@ typedef FE_ELEM T;
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define NEG_INF (-__int_as_float(0x7f800000))
+#define POS_INF __int_as_float(0x7f800000)
 
 // Error bits (mirrored in mod.rs).
 #define ERR_SEQ_LEN 1
@@ -437,6 +438,259 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
   return n;
 }
 
+// ---- work of one block: which heads, which keys, where the result goes ----------------------
+//
+// Two ways to cut a batch into blocks. Uniform partitions (the caller named a split count): grid.y
+// = num_parts equal partitions of the longest possible context, so a short sequence's blocks
+// finish at once and a ragged batch leaves SMs idle. Scheduled (the default): decode_plan cuts
+// each sequence's visible keys into chunks of about one planned size (a long sequence into many,
+// a short one into one), and block u of a grid sized for the most chunks a plan may make serves
+// unit u = (chunk, heads) — work is split by keys over the whole batch, not by sequence.
+//
+// The schedule buffer (mirrored in cuda.rs `SchedLayout`): a header of SCHED_HEADER ints, then
+// indptr[batch + 1] (sequence b's chunks are partial slots indptr[b] .. indptr[b + 1]), then
+// items[max_items] as (sequence, chunk) pairs, then (16-byte aligned) the partials.
+#define SCHED_HEADER 8
+#define S_ITEMS 0  // chunks planned
+#define S_CHUNK 3  // the planned chunk size in keys (for reports); ints 1, 2, 5..7 unused
+#define S_ERR 4    // the error flag of runs on this schedule (cleared by each plan)
+#define ERR_PLAN 16
+
+// 32-bit fields: batch, heads and slots are all < 2³¹ (host-checked grids and buffer sizes).
+struct Work {
+  int b;           // sequence
+  int kvh;         // kv head
+  int h0;          // first query head of the block
+  int start, end;  // keys [start, end)
+  int slot;        // partial slot when nparts > 1
+  int nparts;      // pieces of this sequence: 1 = the block writes o (and lse) itself
+};
+
+// Unit r0 of a sequence's hkv · (group / FE_G) blocks → its kv head and first query head.
+__device__ __forceinline__ void unit_heads(int r0, i64 hq, i64 hkv, Work& w) {
+  const int group = (int)hq / (int)hkv, nhb = group / FE_G;
+  w.kvh = r0 / nhb;
+  w.h0 = w.kvh * group + (r0 % nhb) * FE_G;
+}
+
+// Uniform partitions: grid.x = batch · hkv · nhb (≤ 2³¹−1, host-checked), grid.y = num_parts.
+__device__ __forceinline__ bool uniform_work(const int* __restrict__ seq_lens, int* err, i64 batch,
+                                             i64 hq, i64 hkv, int capacity, i64 window_left,
+                                             i64 part_size, i64 num_parts, Work& w) {
+  const int per_b = (int)hkv * ((int)hq / (int)hkv / FE_G);
+  if ((i64)(blockIdx.x / per_b) >= batch) return false;
+  w.b = (int)(blockIdx.x / per_b);
+  unit_heads(blockIdx.x % per_b, hq, hkv, w);
+  int lo, hi;
+  key_range(seq_lens, w.b, capacity, window_left, err, lo, hi);
+  w.start = lo, w.end = hi;
+  w.nparts = (int)num_parts;
+  w.slot = w.b * (int)num_parts + (int)blockIdx.y;
+  if (num_parts > 1) {
+    // part_size · num_parts ≤ capacity + part_size < 2³²: compute in 64 bits, clamp.
+    const i64 s64 = (i64)lo + (i64)blockIdx.y * part_size;
+    w.start = (int)min(s64, (i64)hi);
+    w.end = (int)min(s64 + part_size, (i64)hi);
+  }
+  return true;
+}
+
+// Scheduled unit u = item · per_b + r0. The chunk's keys come from the sequence's length now, so a
+// schedule planned for other lengths still covers every key (only the balance suffers); entries
+// that cannot come from decode_plan for this batch are flagged (ERR_PLAN) and skipped.
+__device__ __forceinline__ bool sched_work(const int* __restrict__ sched, i64 max_items, int u,
+                                           int per_b, const int* __restrict__ seq_lens, int* err,
+                                           i64 batch, i64 hq, i64 hkv, int capacity,
+                                           i64 window_left, Work& w) {
+  const int* indptr = sched + SCHED_HEADER;
+  const int* items = indptr + batch + 1;
+  const int item = u / per_b;
+  const int b = items[2 * item], c = items[2 * item + 1];
+  if (b < 0 || b >= batch) {
+    atomicOr(err, ERR_PLAN);
+    return false;
+  }
+  const int base = indptr[b], n = indptr[b + 1] - base;
+  if (base < 0 || n < 1 || c < 0 || c >= n || (i64)base + n > max_items) {
+    atomicOr(err, ERR_PLAN);
+    return false;
+  }
+  w.b = b;
+  unit_heads(u % per_b, hq, hkv, w);
+  w.nparts = n;
+  w.slot = base + c;
+  int lo, hi;
+  key_range(seq_lens, b, capacity, window_left, err, lo, hi);
+  // Pieces of ⌈v / n⌉ keys rounded up to 16 (tile-aligned starts); the last may be short or empty.
+  const i64 size = (((i64)(hi - lo) + n - 1) / n + 15) & ~(i64)15;
+  const i64 s64 = (i64)lo + c * size;
+  w.start = (int)min(s64, (i64)hi);
+  w.end = (int)min(s64 + size, (i64)hi);
+  return true;
+}
+
+// The number of scheduled units: chunks planned × units per chunk (0 and flagged when the
+// header cannot come from decode_plan for this buffer).
+__device__ __forceinline__ int sched_units(const int* __restrict__ sched, i64 max_items, int per_b,
+                                           int* err) {
+  const int n = sched[S_ITEMS];
+  if (n < 0 || n > max_items) {
+    if (threadIdx.x == 0) atomicOr(err, ERR_PLAN);
+    return 0;
+  }
+  return n * per_b;
+}
+
+// A merged (head g, dim dd) value of the block: the output itself, or its partial in the slot.
+// Partials: acc at part[(slot·hq + h)·FE_D + d], (max in the log2 domain, sum) at
+// part[slots_total·hq·FE_D + (slot·hq + h)·2].
+__device__ __forceinline__ void store_result(T* __restrict__ o, float* __restrict__ lse,
+                                             float* __restrict__ part, i64 slots_total, i64 hq,
+                                             const Work& w, int g, int dd, float av, float ls,
+                                             float mx) {
+  if (w.nparts == 1) {
+    const i64 row = (i64)w.b * hq + w.h0 + g;
+    o[row * FE_D + dd] = from_float<T>(av * inverse_or_zero(ls));
+    if (dd == 0 && lse != nullptr) lse[row] = ls > 0.f ? (mx + log2f(ls)) * LN2 : NEG_INF;
+  } else {
+    const i64 pr = (i64)w.slot * hq + w.h0 + g;
+    part[pr * FE_D + dd] = av;
+    if (dd == 0) {
+      float* ml = part + slots_total * hq * FE_D + pr * 2;
+      ml[0] = mx;
+      ml[1] = ls;
+    }
+  }
+}
+
+// Plan costs in units of one key streamed by one block (~0.1 µs at full bandwidth): a block's
+// start (q, ring fill, warp merge), and the merge kernel when any sequence is split.
+#define PLAN_BLOCK_KEYS 32
+#define PLAN_MERGE_KEYS 64
+#define PLAN_MIN_CHUNK 256   // fewest keys per chunk (mirrors PIPE_MIN_PART_KEYS)
+#define PLAN_SATURATE 0.9f   // share of the resident blocks that already saturates HBM
+#define PLAN_CANDIDATES 128  // chunk sizes tried: the longest range in 1 … 128 pieces
+
+// Visible keys of sequence b for the plan (a bad length counts as 0; the decode kernel flags it).
+__device__ __forceinline__ int plan_visible(const int* __restrict__ seq_lens, i64 b, i64 capacity,
+                                            i64 window_left) {
+  int len = seq_lens[b];
+  if (len < 0 || len > capacity) len = 0;
+  const int lo =
+      (window_left >= 0 && (i64)len - 1 - window_left > 0) ? (int)(len - 1 - window_left) : 0;
+  return len - lo;
+}
+
+// Chunks of `chunk` keys for v keys: at least one (an empty sequence still writes its o, lse).
+__device__ __forceinline__ int chunks_of(int v, int chunk) { return v <= 0 ? 1 : (v + chunk - 1) / chunk; }
+
+// The chunk size for the longest range `vmax` cut into `pieces`.
+__device__ __forceinline__ int piece_keys(int vmax, int pieces) {
+  return max(PLAN_MIN_CHUNK, ((vmax + pieces - 1) / pieces + 15) & ~15);
+}
+
+// decode_plan: one block of 256 threads plans a batch for the scheduled kernels. It models the run
+// on `slots` resident blocks: a chunk size C costs max(C, all keys / (0.9 · slots)) in key-times,
+// plus each block's start and, when any sequence is split, the merge; it takes the cheapest C among
+// the longest range cut into 1 … 128 pieces (≥ 256 keys each, at most max_items chunks; ties:
+// fewer pieces). A batch that already fills four waves (batch · per_b ≥ 4 · slots) is not split.
+// Then every sequence gets ⌈v / C⌉ chunks (≥ 1), their prefix sums (indptr) and the
+// (sequence, chunk) list in sequence order.
+extern "C" __global__ void __launch_bounds__(256)
+    decode_plan(int* __restrict__ sched, const int* __restrict__ seq_lens, i64 batch, i64 capacity,
+                i64 window_left, i64 per_b, i64 slots, i64 max_items) {
+  __shared__ int s_max[8];
+  __shared__ unsigned long long s_sum[8];
+  __shared__ float s_est[8];
+  __shared__ int s_arg[8];
+  __shared__ int s_scan[8];
+  __shared__ int s_chunk;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int* indptr = sched + SCHED_HEADER;
+  int* items = indptr + batch + 1;
+
+  // The longest visible range and the sum of all.
+  int vmax = 0;
+  unsigned long long vsum = 0;
+  for (i64 b = tid; b < batch; b += 256) {
+    const int v = plan_visible(seq_lens, b, capacity, window_left);
+    vmax = max(vmax, v);
+    vsum += (unsigned long long)v;
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, off));
+    vsum += __shfl_xor_sync(0xffffffffu, vsum, off);
+  }
+  if (lane == 0) s_max[warp] = vmax, s_sum[warp] = vsum;
+  __syncthreads();
+  vmax = 0, vsum = 0;
+  for (int i = 0; i < 8; ++i) vmax = max(vmax, s_max[i]), vsum += s_sum[i];
+
+  // Candidates: warp w evaluates pieces w+1, w+9, …; its lanes split the batch.
+  float best = POS_INF;
+  int best_pieces = 1;
+  const bool search = batch * per_b < 4 * slots && vmax > PLAN_MIN_CHUNK;
+  for (int pieces = warp + 1; search && pieces <= PLAN_CANDIDATES; pieces += 8) {
+    const int chunk = piece_keys(vmax, pieces);
+    long long n = 0;
+    for (i64 b = lane; b < batch; b += 32)
+      n += chunks_of(plan_visible(seq_lens, b, capacity, window_left), chunk);
+    for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+    if (n > max_items) continue;
+    const float work = (float)per_b * ((float)vsum + PLAN_BLOCK_KEYS * (float)n);
+    float est = fmaxf((float)(chunk + PLAN_BLOCK_KEYS), work / (PLAN_SATURATE * (float)slots));
+    if (n > batch) est += PLAN_MERGE_KEYS;
+    if (est < best) best = est, best_pieces = pieces;  // pieces ascend: ties keep fewer
+  }
+  if (lane == 0) s_est[warp] = best, s_arg[warp] = best_pieces;
+  __syncthreads();
+  if (tid == 0) {
+    float e = POS_INF;
+    int pieces = 1;
+    for (int i = 0; i < 8; ++i)
+      if (s_est[i] < e || (s_est[i] == e && s_arg[i] < pieces)) e = s_est[i], pieces = s_arg[i];
+    // No search (or nothing fits): one chunk per sequence whatever its length.
+    s_chunk = (!search || e == POS_INF) ? max(vmax, 1) : piece_keys(vmax, pieces);
+  }
+  __syncthreads();
+  const int chunk = s_chunk;
+
+  // Chunks per sequence → indptr (exclusive scan, 256 sequences per round) and the item list.
+  int carry = 0;
+  for (i64 base = 0; base < batch; base += 256) {
+    const i64 b = base + tid;
+    const int n = b < batch ? chunks_of(plan_visible(seq_lens, b, capacity, window_left), chunk) : 0;
+    int x = n;  // inclusive scan in the warp
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, off);
+      if (lane >= off) x += y;
+    }
+    if (lane == 31) s_scan[warp] = x;
+    __syncthreads();
+    int before = carry, total = 0;
+    for (int i = 0; i < 8; ++i) {
+      if (i < warp) before += s_scan[i];
+      total += s_scan[i];
+    }
+    const int first = before + x - n;
+    if (b < batch) {
+      indptr[b] = first;
+      for (int c = 0; c < n && first + c < max_items; ++c) {
+        items[2 * (first + c)] = (int)b;
+        items[2 * (first + c) + 1] = c;
+      }
+    }
+    carry += total;
+    __syncthreads();  // s_scan is rewritten next round
+  }
+  if (tid == 0) {
+    indptr[batch] = carry;
+    // carry ≤ max_items by the search (a plan without splits has batch ≤ max_items chunks).
+    sched[S_ITEMS] = min(carry, (int)max_items);
+    sched[S_CHUNK] = chunk;
+  }
+}
+
 #endif  // FE_PIPE || FE_MMA
 
 #ifdef FE_PIPE
@@ -512,8 +766,8 @@ __device__ __forceinline__ void load_heads(const float* p, float (&x)[GP]) {
   }
 }
 
-// step 4 — decode_pipelined. A block of FE_WARPS warps per (sequence, kv head, FE_G query heads
-// [, context partition]); each warp streams its own tiles of TK keys (tiles warp, warp + FE_WARPS,
+// step 4 — decode_pipelined. A block of FE_WARPS warps per unit of work (a sequence's keys
+// [start, end), a kv head, FE_G query heads; see Work); each warp streams its own tiles of TK keys (tiles warp, warp + FE_WARPS,
 // …) through a FE_STAGES-deep cp.async ring in shared memory, so FE_STAGES − 1 tiles of K and V
 // (CPL 16-byte copies per lane each) are in flight while one is computed, however many registers
 // the math takes. The table entries of the tile after next are loaded one iteration early, so
@@ -523,46 +777,22 @@ __device__ __forceinline__ void load_heads(const float* p, float (&x)[GP]) {
 // each lane one (key, head) score, so the tile max, one rescale per tile (not per key) and exp2
 // run once per score; then p·V accumulates in registers. All lanes of a warp share its running
 // max, so its key groups merge by plain sums; warps merge through shared memory as in decode_gqa.
-// grid.x = batch · hkv · (group / FE_G), grid.y = num_parts; blockDim.x = FE_WARPS · 32; dynamic
-// shared memory ≥ SMEM_BYTES. num_parts == 1: writes o (and lse). Otherwise, with
-// rows = batch · hq: part[(row·num_parts + y)·FE_D + d] = unnormalised acc, and
-// part[rows·num_parts·FE_D + (row·num_parts + y)·2 + {0: max (log2 domain), 1: sum}], for
+// Writes o (and lse) when the unit covers its whole sequence, else a partial (store_result) for
 // decode_merge.
-extern "C" __global__ void __launch_bounds__(FE_WARPS * 32, FE_MINB)
-    decode_pipelined(T* __restrict__ o, float* __restrict__ lse, float* __restrict__ part,
-                     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
-                     const int* __restrict__ bt, const int* __restrict__ seq_lens, int* err,
-                     i64 batch, i64 hq, i64 hkv, i64 num_blocks, i64 block_size, i64 max_blocks,
-                     float scale, float softcap, float inv_cap, i64 window_left, i64 part_size,
-                     i64 num_parts) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  // grid.x = batch · hkv · nhb ≤ 2³¹−1 (host-checked): 32-bit splits of the block index.
-  const int group = (int)hq / (int)hkv, nhb = group / FE_G, per_b = (int)hkv * nhb;
-  const int bx = blockIdx.x;
-  const i64 b = bx / per_b;
-  const int r0 = bx % per_b;
-  const int kvh = r0 / nhb;
-  const i64 h0 = (i64)kvh * group + (r0 % nhb) * FE_G;
-  const int pi = blockIdx.y;
-  if (b >= batch) return;  // block-uniform
-  if (dynamic_smem_size() < (unsigned)SMEM_BYTES) {  // block-uniform
-    if (threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
-    return;
-  }
+__device__ __forceinline__ void pipelined_unit(const Work& job, unsigned char* smem, T* __restrict__ o,
+                                               float* __restrict__ lse, float* __restrict__ part,
+                                               i64 slots_total, const T* __restrict__ q,
+                                               const T* __restrict__ kc, const T* __restrict__ vc,
+                                               const int* __restrict__ bt, int* err, i64 hq,
+                                               i64 hkv, i64 num_blocks, i64 block_size,
+                                               i64 max_blocks, float scale, float softcap,
+                                               float inv_cap) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kg = lane / TPK, vi = lane % TPK;
   const unsigned bsz = (unsigned)block_size;
+  const i64 b = job.b, h0 = job.h0;
+  const int kvh = job.kvh, start = job.start, end = job.end;
   const int* bt_row = bt + b * max_blocks;
-
-  int lo, hi;
-  key_range(seq_lens, b, (int)(max_blocks * block_size), window_left, err, lo, hi);
-  int start = lo, end = hi;
-  if (num_parts > 1) {
-    // part_size · num_parts ≤ capacity + part_size < 2³²: compute in 64 bits, clamp.
-    const i64 s64 = (i64)lo + (i64)pi * part_size;
-    start = (int)min(s64, (i64)hi);
-    end = (int)min(s64 + part_size, (i64)hi);
-  }
 
   float qf[GP][VEC];
 #pragma unroll
@@ -776,7 +1006,6 @@ extern "C" __global__ void __launch_bounds__(FE_WARPS * 32, FE_MINB)
   __syncthreads();
 
   // Merge the warps; one thread per (head, dim).
-  const i64 rows = batch * hq;
   for (int idx = threadIdx.x; idx < FE_G * FE_D; idx += FE_WARPS * 32) {
     const int g = idx / FE_D, dd = idx % FE_D;
     float mx = NEG_INF;
@@ -789,54 +1018,93 @@ extern "C" __global__ void __launch_bounds__(FE_WARPS * 32, FE_MINB)
       ls += sm_l[w * FE_G + g] * c;
       av += sm_acc[(w * FE_G + g) * FE_D + dd] * c;
     }
-    const i64 row = b * hq + h0 + g;
-    if (num_parts == 1) {
-      o[row * FE_D + dd] = from_float<T>(av * inverse_or_zero(ls));
-      if (dd == 0 && lse != nullptr) lse[row] = ls > 0.f ? (mx + log2f(ls)) * LN2 : NEG_INF;
-    } else {
-      part[(row * num_parts + pi) * FE_D + dd] = av;
-      if (dd == 0) {
-        float* ml = part + rows * num_parts * FE_D + (row * num_parts + pi) * 2;
-        ml[0] = mx;
-        ml[1] = ls;
-      }
-    }
+    store_result(o, lse, part, slots_total, hq, job, g, dd, av, ls, mx);
   }
+}
+
+// The pipelined kernel's entry. sched == nullptr: uniform partitions (grid.x = batch · hkv ·
+// (group / FE_G), grid.y = num_parts, slots_total = batch · num_parts). Otherwise scheduled units
+// (grid.x = max_items · hkv · (group / FE_G), err = sched + S_ERR, slots_total = max_items). blockDim.x = FE_WARPS · 32;
+// dynamic shared memory ≥ SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(FE_WARPS * 32, FE_MINB)
+    decode_pipelined(T* __restrict__ o, float* __restrict__ lse, float* __restrict__ part,
+                     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+                     const int* __restrict__ bt, const int* __restrict__ seq_lens, int* err,
+                     i64 batch, i64 hq, i64 hkv, i64 num_blocks, i64 block_size, i64 max_blocks,
+                     float scale, float softcap, float inv_cap, i64 window_left, i64 part_size,
+                     i64 num_parts, int* sched, i64 max_items) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const bool smem_ok = dynamic_smem_size() >= (unsigned)SMEM_BYTES;  // block-uniform
+  if (!smem_ok && threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
+  const int capacity = (int)(max_blocks * block_size);
+  if (sched == nullptr) {
+    Work w;
+    if (smem_ok && uniform_work(seq_lens, err, batch, hq, hkv, capacity, window_left, part_size,
+                                num_parts, w))
+      pipelined_unit(w, smem, o, lse, part, batch * num_parts, q, kc, vc, bt, err, hq, hkv,
+                     num_blocks, block_size, max_blocks, scale, softcap, inv_cap);
+    return;
+  }
+  // Scheduled: block u serves unit u (blocks past the planned units return at once). Blocks
+  // start in index order as slots free up, so the chunks are dealt to SMs dynamically.
+  const int per_b = (int)hkv * ((int)hq / (int)hkv / FE_G);
+  const int u = blockIdx.x;
+  Work w;
+  if (smem_ok && u < sched_units(sched, max_items, per_b, err) &&
+      sched_work(sched, max_items, u, per_b, seq_lens, err, batch, hq, hkv, capacity, window_left,
+                 w))
+    pipelined_unit(w, smem, o, lse, part, max_items, q, kc, vc, bt, err, hq, hkv, num_blocks,
+                   block_size, max_blocks, scale, softcap, inv_cap);
 }
 
 #endif  // FE_PIPE
 
 #if defined(FE_PIPE) || defined(FE_MMA)
 
-// Merges the num_parts partials of each (sequence, query head) row written by decode_pipelined or
-// decode_mma (same layout): a block of 128 threads per row (grid-stride). The weights exp2(m_p − max) come from a block max; the parts
-// are dealt to 128 / (FE_D/4) thread groups, each summing its parts' weighted float4 columns with
-// independent loads in flight (decode_reduce walks all parts serially per dim), and the groups
-// meet in shared memory.
+// Merges the partials of each (sequence, query head) row written by decode_pipelined or
+// decode_mma: a block of 128 threads per row (grid-stride). Uniform partitions (sched ==
+// nullptr): every row has num_parts partials in slots b·num_parts …; scheduled: sequence b's are
+// slots indptr[b] … indptr[b + 1], and rows of sequences in one piece (written by the kernel
+// itself) are skipped. The weights exp2(m_p − max) come from a block max; the parts are dealt to
+// 128 / (FE_D/4) thread groups, each summing its parts' weighted float4 columns with independent
+// loads in flight, and the groups meet in shared memory. The order of every sum is fixed: the
+// result does not depend on which block computed which piece.
 extern "C" __global__ void __launch_bounds__(128)
     decode_merge(T* __restrict__ o, float* __restrict__ lse, const float* __restrict__ part,
-                 i64 rows, i64 num_parts) {
+                 const int* __restrict__ sched, i64 batch, i64 hq, i64 num_parts,
+                 i64 slots_total) {
   constexpr int C = FE_D / 4, NG = 128 / C;
   static_assert(FE_D % 4 == 0 && NG >= 1, "float4 columns");
   __shared__ float red[64];
   __shared__ float4 sacc[NG * C];
-  const float* ml_all = part + rows * num_parts * FE_D;
+  const float* ml_all = part + slots_total * hq * FE_D;
   const int tid = threadIdx.x, col = tid % C, grp = tid / C;
+  const i64 rows = batch * hq;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const float* ml = ml_all + row * num_parts * 2;
+    const i64 b = row / hq, h = row % hq;
+    i64 base = b * num_parts, n = num_parts;
+    if (sched != nullptr) {
+      const int* indptr = sched + SCHED_HEADER;
+      base = indptr[b];
+      n = indptr[b + 1] - base;
+      if (n <= 1 || base < 0 || base + n > slots_total) continue;  // block-uniform
+    }
+    const float* ml = ml_all + (base * hq + h) * 2;  // part p's pair at ml[2·hq·p]
+    const i64 mstep = 2 * hq;
     float mx = NEG_INF;
-    for (i64 p = tid; p < num_parts; p += 128) mx = fmaxf(mx, ml[2 * p]);
+    for (i64 p = tid; p < n; p += 128) mx = fmaxf(mx, ml[mstep * p]);
     mx = block_max(mx, red);
     float ls = 0.f;
-    for (i64 p = tid; p < num_parts; p += 128) ls += ml[2 * p + 1] * rescale(ml[2 * p], mx);
+    for (i64 p = tid; p < n; p += 128) ls += ml[mstep * p + 1] * rescale(ml[mstep * p], mx);
     ls = block_sum(ls, red);
     if (grp < NG) {
-      const float4* pa = reinterpret_cast<const float4*>(part + row * num_parts * FE_D) + col;
+      const float4* pa = reinterpret_cast<const float4*>(part + (base * hq + h) * FE_D) + col;
+      const i64 astep = hq * C;  // float4s between consecutive parts of the row
       float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
-      for (i64 p = grp; p < num_parts; p += NG) {
-        const float w = rescale(ml[2 * p], mx);
-        const float4 v = pa[p * C];
+      for (i64 p = grp; p < n; p += NG) {
+        const float w = rescale(ml[mstep * p], mx);
+        const float4 v = pa[p * astep];
         a.x = fmaf(w, v.x, a.x);
         a.y = fmaf(w, v.y, a.y);
         a.z = fmaf(w, v.z, a.z);
@@ -944,43 +1212,20 @@ __device__ __forceinline__ unsigned pack2(float x, float y) {
 // q·k and p·v cost 3·KC mma + 2·KC ldmatrix per 16 keys instead of ~2·D·G FFMAs and 2·D unpacks
 // per key, so issue no longer competes with the copies. p is rounded to the storage type before
 // p·v (as in FlashAttention and the attention family's flash rung); its sum l stays fp32.
-// grid.x = batch · hkv · (group / FE_G), grid.y = num_parts; blockDim.x = FE_WARPS · 32; dynamic
-// shared memory ≥ M_SMEM_BYTES. Outputs as decode_pipelined (o and lse, or partials for
-// decode_merge).
-extern "C" __global__ void __launch_bounds__(FE_WARPS * 32)
-    decode_mma(T* __restrict__ o, float* __restrict__ lse, float* __restrict__ part,
-               const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
-               const int* __restrict__ bt, const int* __restrict__ seq_lens, int* err, i64 batch,
-               i64 hq, i64 hkv, i64 num_blocks, i64 block_size, i64 max_blocks, float scale,
-               float softcap, float inv_cap, i64 window_left, i64 part_size, i64 num_parts) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  // grid.x = batch · hkv · nhb ≤ 2³¹−1 (host-checked): 32-bit splits of the block index.
-  const int group = (int)hq / (int)hkv, nhb = group / FE_G, per_b = (int)hkv * nhb;
-  const int bx = blockIdx.x;
-  const i64 b = bx / per_b;
-  const int r0 = bx % per_b;
-  const int kvh = r0 / nhb;
-  const i64 h0 = (i64)kvh * group + (r0 % nhb) * FE_G;
-  const int pi = blockIdx.y;
-  if (b >= batch) return;  // block-uniform
-  if (dynamic_smem_size() < (unsigned)M_SMEM_BYTES) {  // block-uniform
-    if (threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
-    return;
-  }
+// One unit of work per call (see Work); outputs as decode_pipelined's (o and lse, or a partial).
+__device__ __forceinline__ void mma_unit(const Work& job, unsigned char* smem, T* __restrict__ o,
+                                         float* __restrict__ lse, float* __restrict__ part,
+                                         i64 slots_total, const T* __restrict__ q,
+                                         const T* __restrict__ kc, const T* __restrict__ vc,
+                                         const int* __restrict__ bt, int* err, i64 hq, i64 hkv,
+                                         i64 num_blocks, i64 block_size, i64 max_blocks,
+                                         float scale, float softcap, float inv_cap) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const unsigned bsz = (unsigned)block_size;
+  const i64 b = job.b, h0 = job.h0;
+  const int kvh = job.kvh, start = job.start, end = job.end;
   const int* bt_row = bt + b * max_blocks;
-
-  int lo, hi;
-  key_range(seq_lens, b, (int)(max_blocks * block_size), window_left, err, lo, hi);
-  int start = lo, end = hi;
-  if (num_parts > 1) {
-    // part_size · num_parts ≤ capacity + part_size < 2³²: compute in 64 bits, clamp.
-    const i64 s64 = (i64)lo + (i64)pi * part_size;
-    start = (int)min(s64, (i64)hi);
-    end = (int)min(s64 + part_size, (i64)hi);
-  }
 
   // Q's A fragments: a0 = Q[gid][16c + 2tig, +1], a2 = Q[gid][16c + 8 + 2tig, +1] (a1 = a3 = 0:
   // rows 8..15); zero for rows ≥ FE_G.
@@ -1171,7 +1416,6 @@ extern "C" __global__ void __launch_bounds__(FE_WARPS * 32)
   __syncthreads();
 
   // Merge the warps; one thread per (head, dim).
-  const i64 rows = batch * hq;
   for (int idx = threadIdx.x; idx < FE_G * FE_D; idx += FE_WARPS * 32) {
     const int g = idx / FE_D, dd = idx % FE_D;
     float mx = NEG_INF;
@@ -1184,19 +1428,40 @@ extern "C" __global__ void __launch_bounds__(FE_WARPS * 32)
       ls += sm_l[w * FE_G + g] * c;
       av += sm_acc[(w * FE_G + g) * FE_D + dd] * c;
     }
-    const i64 row = b * hq + h0 + g;
-    if (num_parts == 1) {
-      o[row * FE_D + dd] = from_float<T>(av * inverse_or_zero(ls));
-      if (dd == 0 && lse != nullptr) lse[row] = ls > 0.f ? (mx + log2f(ls)) * LN2 : NEG_INF;
-    } else {
-      part[(row * num_parts + pi) * FE_D + dd] = av;
-      if (dd == 0) {
-        float* ml = part + rows * num_parts * FE_D + (row * num_parts + pi) * 2;
-        ml[0] = mx;
-        ml[1] = ls;
-      }
-    }
+    store_result(o, lse, part, slots_total, hq, job, g, dd, av, ls, mx);
   }
+}
+
+// The mma kernel's entry: as decode_pipelined's (uniform partitions, or scheduled units); dynamic shared memory ≥ M_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(FE_WARPS * 32)
+    decode_mma(T* __restrict__ o, float* __restrict__ lse, float* __restrict__ part,
+               const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+               const int* __restrict__ bt, const int* __restrict__ seq_lens, int* err, i64 batch,
+               i64 hq, i64 hkv, i64 num_blocks, i64 block_size, i64 max_blocks, float scale,
+               float softcap, float inv_cap, i64 window_left, i64 part_size, i64 num_parts,
+               int* sched, i64 max_items) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const bool smem_ok = dynamic_smem_size() >= (unsigned)M_SMEM_BYTES;  // block-uniform
+  if (!smem_ok && threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
+  const int capacity = (int)(max_blocks * block_size);
+  if (sched == nullptr) {
+    Work w;
+    if (smem_ok && uniform_work(seq_lens, err, batch, hq, hkv, capacity, window_left, part_size,
+                                num_parts, w))
+      mma_unit(w, smem, o, lse, part, batch * num_parts, q, kc, vc, bt, err, hq, hkv, num_blocks,
+               block_size, max_blocks, scale, softcap, inv_cap);
+    return;
+  }
+  // Scheduled: block u serves unit u (blocks past the planned units return at once). Blocks
+  // start in index order as slots free up, so the chunks are dealt to SMs dynamically.
+  const int per_b = (int)hkv * ((int)hq / (int)hkv / FE_G);
+  const int u = blockIdx.x;
+  Work w;
+  if (smem_ok && u < sched_units(sched, max_items, per_b, err) &&
+      sched_work(sched, max_items, u, per_b, seq_lens, err, batch, hq, hkv, capacity, window_left,
+                 w))
+    mma_unit(w, smem, o, lse, part, max_items, q, kc, vc, bt, err, hq, hkv, num_blocks,
+             block_size, max_blocks, scale, softcap, inv_cap);
 }
 
 #endif  // FE_MMA
