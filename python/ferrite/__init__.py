@@ -21,6 +21,8 @@ from ._attention import (
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
     paged_decode,
+    paged_decode_errors,
+    paged_decode_plan,
     scaled_dot_product_attention,
 )
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
@@ -60,6 +62,8 @@ __all__ = [
     "apply_rotary_emb",
     "scaled_dot_product_attention",
     "paged_decode",
+    "paged_decode_plan",
+    "paged_decode_errors",
     "append_kv",
     "optimize",
     "validate",

@@ -8,16 +8,22 @@ length, soft-capping, both layouts) and paged-KV decode with its cache append.
   lse is float32 ``[B, Hq, Sq]`` (``[Hq, total_q]`` packed). Causal masks are bottom-right aligned
   when Sq ≠ Sk (flash-attn's convention). Backward: ``attention_backward`` (recomputes the
   probabilities from lse; ``deterministic`` gives the same bits every run).
-- ``paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left)
-  -> (out, lse)``: one decode step for q ``[B, Hq, D]`` over a paged cache
+- ``paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left,
+  variant) -> (out, lse)``: one decode step for q ``[B, Hq, D]`` over a paged cache
   ``[num_blocks, block_size, Hkv, D]`` read through ``block_table`` (int32 ``[B, max_blocks]``)
   with ``seq_lens`` (int32 ``[B]``). Inference only (no autograd).
+- ``paged_decode_planned(q, key_cache, value_cache, block_table, seq_lens, plan, scale, softcap,
+  window_left, variant) -> (out, lse)``: the same on a plan (mutated: the run writes its split
+  partials and error flag there); the kernels only launch, with no host sync.
+- ``paged_decode_plan(seq_lens, numel, num_q_heads, num_kv_heads, head_dim, dtype, window_left,
+  variant) -> plan``: the int32 plan tensor (``numel`` elements, computed by the public wrapper)
+  of a decode batch, planned on the device from ``seq_lens``.
 - ``append_kv(k, v, key_cache, value_cache, slot_mapping)``: writes k, v ``[T, Hkv, D]`` into
   the caches in place at ``slot_mapping`` (int32 ``[T]``; −1 skips a token).
 
 Public functions: :func:`flash_attn_func`, :func:`flash_attn_varlen_func` (flash-attn's
 signatures), :func:`scaled_dot_product_attention` (SDPA's), :func:`paged_decode`,
-:func:`append_kv`.
+:func:`paged_decode_plan`, :func:`paged_decode_errors`, :func:`append_kv`.
 
 CUDA runs float16/bfloat16 through the ``flash`` / ``hopper`` kernels (head dims 32/64/96/128;
 other head dims and float32 fall back to the ``naive`` kernel, which materialises the scores); the
@@ -33,7 +39,7 @@ from torch import Tensor
 from . import _native
 from . import _rotary as _rotary_mod
 from ._eager import eager
-from ._ops import _check_tensors, _describe, _fail, _native_call, _where
+from ._ops import _DTYPE_NAMES, _FLOATS, _check_tensors, _describe, _fail, _native_call, _raw_stream, _where
 
 _LAYOUTS = ("bshd", "bhsd")
 
@@ -606,19 +612,19 @@ def _decode_check(op, q, key_cache, value_cache, block_table, seq_lens):
     _check_index(op, "seq_lens", seq_lens, q, 1)
 
 
-@torch.library.custom_op("ferrite::paged_decode", mutates_args=())
-def _paged_decode(
-    q: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    scale: Optional[float],
-    softcap: float,
-    window_left: int,
-) -> Tuple[Tensor, Tensor]:
-    op = "ferrite.paged_decode"
+def _check_plan(op: str, plan: Optional[Tensor], like: Tensor) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, Tensor) or plan.dtype != torch.int32 or plan.dim() != 1:
+        got = _describe(plan) if isinstance(plan, Tensor) else type(plan).__name__
+        _fail(op, "plan", "the int32 plan tensor made by paged_decode_plan", got)
+    if plan.device != like.device:
+        _fail(op, "plan", f"a plan on {like.device} (like `q`)", _describe(plan))
+
+
+def _decode_run(op, q, key_cache, value_cache, block_table, seq_lens, plan, scale, softcap, window_left, variant):
     _decode_check(op, q, key_cache, value_cache, block_table, seq_lens)
+    _check_plan(op, plan, q)
     o = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32)
     dev, stream = _where(q)
@@ -636,13 +642,62 @@ def _paged_decode(
         window_left=int(window_left),
         device=dev,
         stream=stream,
+        variant=variant,
+        plan=plan,
     )
     return o, lse
 
 
+@torch.library.custom_op("ferrite::paged_decode", mutates_args=())
+def _paged_decode(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: Optional[float],
+    softcap: float,
+    window_left: int,
+    variant: Optional[str] = None,
+) -> Tuple[Tensor, Tensor]:
+    op = "ferrite.paged_decode"
+    return _decode_run(op, q, key_cache, value_cache, block_table, seq_lens, None, scale, softcap, window_left, variant)
+
+
 @_paged_decode.register_fake
-def _(q, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left):
+def _(q, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left, variant=None):
     _decode_check("ferrite.paged_decode", q, key_cache, value_cache, block_table, seq_lens)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+# The planned run is an op of its own rather than an optional `plan` of ferrite::paged_decode:
+# torch (2.11) drops a trailing argument equal to its default before the ADInplaceOrView kernel
+# of a mutating custom op indexes the mutated arguments, so an optional mutated `plan=None` fails
+# with an IndexError; and a mutating op never takes the eager fast path (_eager.py), which the
+# unplanned decode keeps this way.
+@torch.library.custom_op("ferrite::paged_decode_planned", mutates_args=("plan",))
+def _paged_decode_planned(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    plan: Tensor,
+    scale: Optional[float],
+    softcap: float,
+    window_left: int,
+    variant: Optional[str] = None,
+) -> Tuple[Tensor, Tensor]:
+    op = "ferrite.paged_decode"
+    if plan is None:
+        _fail(op, "plan", "the int32 plan tensor made by paged_decode_plan", "None")
+    return _decode_run(op, q, key_cache, value_cache, block_table, seq_lens, plan, scale, softcap, window_left, variant)
+
+
+@_paged_decode_planned.register_fake
+def _(q, key_cache, value_cache, block_table, seq_lens, plan, scale, softcap, window_left, variant=None):
+    _decode_check("ferrite.paged_decode", q, key_cache, value_cache, block_table, seq_lens)
+    _check_plan("ferrite.paged_decode", plan, q)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -656,16 +711,150 @@ def paged_decode(
     softcap: float = 0.0,
     window_left: int = -1,
     return_lse: bool = False,
+    plan: Optional[Tensor] = None,
+    variant: Optional[str] = None,
 ):
     """Attention of one new query token per sequence over a paged KV cache (vLLM's layout):
     q ``[B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, ``block_table`` int32
     ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` (tokens in the cache, the new one included).
     Block-table entries and lengths are checked (on the GPU through a device flag: a bad entry is
-    an error, never an out-of-bounds read). Returns out ``[B, Hq, D]`` (and lse ``[B, Hq]``)."""
-    o, lse = eager.paged_decode(
-        q, key_cache, value_cache, block_table, seq_lens, softmax_scale, float(softcap), int(window_left)
-    )
+    an error, never an out-of-bounds read). Returns out ``[B, Hq, D]`` (and lse ``[B, Hq]``).
+
+    ``plan``: a plan from :func:`paged_decode_plan` for this batch shape, made with the same
+    ``window_left`` and ``variant``. The call then only launches the kernels — no host sync, so a
+    whole decode step (plan included) can be captured in a CUDA graph — and a bad entry or length
+    sets the plan's error flag instead of raising: :func:`paged_decode_errors` reports it.
+    Without a plan every call plans for itself and reads the flag back (one sync per call).
+    ``variant``: a named decode variant (``ferrite.variants("decode")``), else the best."""
+    args = (q, key_cache, value_cache, block_table, seq_lens)
+    opts = (softmax_scale, float(softcap), int(window_left), None if variant is None else str(variant))
+    if plan is None:
+        o, lse = eager.paged_decode(*args, *opts)
+    else:
+        o, lse = eager.paged_decode_planned(*args, plan, *opts)
     return (o, lse) if return_lse else o
+
+
+def _check_plan_lens(op: str, seq_lens: Tensor) -> None:
+    if not isinstance(seq_lens, Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        got = _describe(seq_lens) if isinstance(seq_lens, Tensor) else type(seq_lens).__name__
+        _fail(op, "seq_lens", "an int32 tensor [B]", got)
+    if seq_lens.device.type not in ("cpu", "cuda"):
+        _fail(op, "seq_lens", "a CPU or CUDA tensor", _describe(seq_lens))
+
+
+_PLAN_NUMEL = {}
+
+
+def _plan_numel(batch: int, hq: int, hkv: int, d: int, dtype: str, window_left: int, variant: Optional[str], device: int) -> int:
+    """Elements of the plan tensor: a pure function of its arguments (and the device's SM count),
+    so cached (the native call prepares the kernels: ~0.5 ms of host time on an H200 machine) and
+    traced as a constant."""
+    key = (batch, hq, hkv, d, dtype, window_left, variant, device)
+    n = _PLAN_NUMEL.get(key)
+    if n is not None:
+        return n
+    stream = 0
+    if device >= 0:
+        stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    n = _native.paged_decode_plan_numel(
+        batch, hq, hkv, d, dtype, window_left=window_left, device=device, stream=stream, variant=variant
+    )
+    if len(_PLAN_NUMEL) < 4096:
+        _PLAN_NUMEL[key] = n
+    return n
+
+
+_assume_constant = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+if _assume_constant is not None:
+    _plan_numel = _assume_constant(_plan_numel)
+
+
+@torch.library.custom_op("ferrite::paged_decode_plan", mutates_args=())
+def _paged_decode_plan(
+    seq_lens: Tensor,
+    numel: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    window_left: int,
+    variant: Optional[str],
+) -> Tensor:
+    op = "ferrite.paged_decode_plan"
+    _check_plan_lens(op, seq_lens)
+    plan = seq_lens.new_empty((numel,))
+    dev, stream = _where(seq_lens)
+    if dev < 0:
+        plan.zero_()  # the CPU keeps no schedule (every run checks on the host): defined contents
+    _native_call(
+        _native.paged_decode_plan,
+        seq_lens.contiguous(),
+        plan,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        window_left=window_left,
+        device=dev,
+        stream=stream,
+        variant=variant,
+    )
+    return plan
+
+
+@_paged_decode_plan.register_fake
+def _(seq_lens, numel, num_q_heads, num_kv_heads, head_dim, dtype, window_left, variant):
+    _check_plan_lens("ferrite.paged_decode_plan", seq_lens)
+    return seq_lens.new_empty((numel,), dtype=torch.int32)
+
+
+def paged_decode_plan(
+    seq_lens: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window_left: int = -1,
+    variant: Optional[str] = None,
+) -> Tensor:
+    """Plans the decode of a batch for :func:`paged_decode` (FlashInfer-style plan/run): returns
+    the int32 plan tensor, on ``seq_lens``' device, holding the key-split schedule of the batch
+    whose lengths are ``seq_lens`` (int32 ``[B]``) for q ``[B, num_q_heads, head_dim]`` and caches
+    of ``num_kv_heads`` heads, all of ``dtype``.
+
+    Plan once per batch composition (once per decode step), then run every layer on it:
+    ``paged_decode(..., plan=plan)`` with the same ``window_left`` and ``variant``. Planning reads
+    the lengths on the device and neither planning nor running syncs with the host, so the whole
+    step (plan and runs) can be captured in a CUDA graph. The lengths may change after planning
+    (e.g. updated in place before a graph replay): every key is still covered, only the balance
+    of the split suffers. A plan for another batch shape (B, heads, head dim, dtype, device,
+    variant) is refused. Errors of the runs (a bad length or block-table entry) accumulate in the
+    plan until :func:`paged_decode_errors` reads them; planning again clears them."""
+    op = "ferrite.paged_decode_plan"
+    _check_plan_lens(op, seq_lens)
+    if dtype not in _DTYPE_NAMES:
+        _fail(op, "dtype", f"{_FLOATS} (q's and the caches' dtype)", repr(dtype))
+    hq, hkv, d, wl = int(num_q_heads), int(num_kv_heads), int(head_dim), int(window_left)
+    name = _DTYPE_NAMES[dtype]
+    variant = None if variant is None else str(variant)
+    device = seq_lens.device.index if seq_lens.device.type == "cuda" else -1
+    numel = _plan_numel(int(seq_lens.shape[0]), hq, hkv, d, name, wl, variant, device)
+    return eager.paged_decode_plan(seq_lens, numel, hq, hkv, d, name, wl, variant)
+
+
+def paged_decode_errors(plan: Tensor) -> None:
+    """Raises the error that the :func:`paged_decode` runs on ``plan`` flagged since it was
+    planned (a length or block-table entry out of range: ``ValueError``, as an unplanned call
+    raises), and clears the flag. Waits for the current stream (one host sync); call it where a
+    sync is acceptable, e.g. once per step after the graph replay. A no-op on the CPU, where every
+    run checks on the host and raises at once."""
+    op = "ferrite.paged_decode_errors"
+    if not isinstance(plan, Tensor) or plan.dtype != torch.int32 or plan.dim() != 1:
+        got = _describe(plan) if isinstance(plan, Tensor) else type(plan).__name__
+        _fail(op, "plan", "the int32 plan tensor made by paged_decode_plan", got)
+    dev, stream = _where(plan)
+    _native_call(_native.paged_decode_plan_errors, plan, device=dev, stream=stream)
 
 
 @torch.library.custom_op("ferrite::append_kv", mutates_args=("key_cache", "value_cache"))

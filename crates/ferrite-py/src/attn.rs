@@ -1,10 +1,10 @@
 //! Attention (flash forward/backward: causal, window, GQA, varlen, soft-cap, both layouts) and
 //! paged-KV decode with its cache append. Conventions as in the crate root.
 
-use crate::{run, target, wrap, wrap_opt, Desc, Operand, Target};
+use crate::{parse_dtype, run, run_value, target, wrap, wrap_opt, Desc, Operand, Target};
 use ferrite::ops::attention::{self as fattn, AttentionOptions, Layout, Varlen};
-use ferrite::ops::decode::{self as fdecode, AppendOptions, DecodeOptions, PagedKv};
-use ferrite::Error;
+use ferrite::ops::decode::{self as fdecode, AppendOptions, DecodeOptions, PagedKv, PlanShape};
+use ferrite::{Device, Error};
 use pyo3::prelude::*;
 
 fn layout(op: &str, name: &str) -> ferrite::Result<Layout> {
@@ -210,8 +210,11 @@ pub fn attention_backward(
 
 /// One decode step over a paged KV cache: q [B, Hq, D], caches [num_blocks, block_size, Hkv, D],
 /// block_table i32 [B, max_blocks], seq_lens i32 [B]; o like q, lse f32 [B, Hq] when given.
+/// With `plan` (made by `paged_decode_plan` for this batch shape with the same window_left,
+/// num_splits and variant) the kernels only launch: no host sync, errors go to the plan's flag
+/// (`paged_decode_plan_errors`).
 #[pyfunction]
-#[pyo3(signature = (q, key_cache, value_cache, block_table, seq_lens, o, lse=None, scale=None, softcap=0.0, window_left=-1, num_splits=None, device=-1, stream=0, variant=None))]
+#[pyo3(signature = (q, key_cache, value_cache, block_table, seq_lens, o, lse=None, scale=None, softcap=0.0, window_left=-1, num_splits=None, device=-1, stream=0, variant=None, plan=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode(
     py: Python<'_>,
@@ -229,6 +232,7 @@ pub fn paged_decode(
     device: i64,
     stream: u64,
     variant: Option<String>,
+    plan: Option<Desc>,
 ) -> PyResult<()> {
     const OP: &str = "ferrite.paged_decode";
     run(py, OP, move || {
@@ -240,6 +244,7 @@ pub fn paged_decode(
         let lens = wrap(OP, "seq_lens", &seq_lens, &tgt)?;
         let o = wrap(OP, "o", &o, &tgt)?;
         let lse = wrap_opt(OP, "lse", &lse, &tgt)?;
+        let plan = wrap_opt(OP, "plan", &plan, &tgt)?;
         let opts = DecodeOptions {
             variant,
             stream: tgt.stream(),
@@ -254,12 +259,140 @@ pub fn paged_decode(
             block_table: &table.t,
             seq_lens: &lens.t,
         };
-        fdecode::decode_into(&q.t, &kv, &o.t, lse.as_ref().map(|l| &l.t), &opts)?;
+        let lse_t = lse.as_ref().map(|l| &l.t);
+        match &plan {
+            Some(p) => fdecode::decode_planned_into(&q.t, &kv, &o.t, lse_t, &p.t, &opts)?,
+            None => fdecode::decode_into(&q.t, &kv, &o.t, lse_t, &opts)?,
+        }
         o.write_back()?;
         if let Some(l) = &lse {
             l.write_back()?;
         }
+        // The run writes the plan's partials and error flag.
+        if let Some(p) = &plan {
+            p.write_back()?;
+        }
         Ok(())
+    })
+}
+
+/// The device of a binding's `device` argument (−1: the CPU).
+fn device_of(device: i64) -> Device {
+    if device < 0 {
+        Device::Cpu
+    } else {
+        Device::Cuda(device as usize)
+    }
+}
+
+/// The options a decode plan is made with (and must be run with): window, splits, variant.
+fn plan_options(
+    tgt: &Target,
+    window_left: i64,
+    num_splits: Option<usize>,
+    variant: Option<String>,
+) -> DecodeOptions {
+    DecodeOptions {
+        variant,
+        stream: tgt.stream(),
+        window_left,
+        num_splits,
+        ..Default::default()
+    }
+}
+
+/// Elements of the i32 plan tensor of a decode batch of this shape (`dtype`: q's and the caches'
+/// name, e.g. "bfloat16") with these options.
+#[pyfunction]
+#[pyo3(signature = (batch, heads_q, heads_kv, head_dim, dtype, window_left=-1, num_splits=None, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_plan_numel(
+    py: Python<'_>,
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    dtype: String,
+    window_left: i64,
+    num_splits: Option<usize>,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<usize> {
+    const OP: &str = "ferrite.paged_decode_plan";
+    run_value(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let shape = PlanShape {
+            batch,
+            heads_q,
+            heads_kv,
+            head_dim,
+            dtype: parse_dtype(OP, "dtype", &dtype)?,
+            device: device_of(device),
+        };
+        let opts = plan_options(&tgt, window_left, num_splits, variant);
+        fdecode::plan_numel(&shape, &opts)
+    })
+}
+
+/// Plans the decode of the batch whose lengths are `seq_lens` (i32 [B]) into `plan` (i32
+/// [`paged_decode_plan_numel`]) on the stream: no host sync. B is seq_lens' length.
+#[pyfunction]
+#[pyo3(signature = (seq_lens, plan, heads_q, heads_kv, head_dim, dtype, window_left=-1, num_splits=None, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_plan(
+    py: Python<'_>,
+    seq_lens: Desc,
+    plan: Desc,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    dtype: String,
+    window_left: i64,
+    num_splits: Option<usize>,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<()> {
+    const OP: &str = "ferrite.paged_decode_plan";
+    run(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let lens = wrap(OP, "seq_lens", &seq_lens, &tgt)?;
+        let plan = wrap(OP, "plan", &plan, &tgt)?;
+        let shape = PlanShape {
+            batch: lens.t.shape().first().copied().unwrap_or(0),
+            heads_q,
+            heads_kv,
+            head_dim,
+            dtype: parse_dtype(OP, "dtype", &dtype)?,
+            device: device_of(device),
+        };
+        let opts = plan_options(&tgt, window_left, num_splits, variant);
+        fdecode::plan_into(&lens.t, &plan.t, &shape, &opts)?;
+        plan.write_back()
+    })
+}
+
+/// Waits for the stream and raises the errors the runs on `plan` flagged since it was planned
+/// (a bad seq_len or block-table entry), clearing the flag.
+#[pyfunction]
+#[pyo3(signature = (plan, device=-1, stream=0))]
+pub fn paged_decode_plan_errors(
+    py: Python<'_>,
+    plan: Desc,
+    device: i64,
+    stream: u64,
+) -> PyResult<()> {
+    const OP: &str = "ferrite.paged_decode_errors";
+    run(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let plan = wrap(OP, "plan", &plan, &tgt)?;
+        let opts = DecodeOptions {
+            stream: tgt.stream(),
+            ..Default::default()
+        };
+        fdecode::plan_errors(&plan.t, &opts)?;
+        plan.write_back()
     })
 }
 

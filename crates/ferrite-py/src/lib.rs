@@ -431,6 +431,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attn::attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attn::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::paged_decode_plan_numel, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::paged_decode_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::paged_decode_plan_errors, m)?)?;
     m.add_function(wrap_pyfunction!(attn::append_kv, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_backward, m)?)?;

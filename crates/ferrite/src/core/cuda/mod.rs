@@ -662,6 +662,12 @@ pub struct KernelResources {
     pub max_threads: i32,
 }
 
+/// The dynamic shared-memory limit last set on each (device, kernel name).
+fn smem_limits() -> &'static Mutex<HashMap<(usize, String), u32>> {
+    static LIMITS: OnceLock<Mutex<HashMap<(usize, String), u32>>> = OnceLock::new();
+    LIMITS.get_or_init(Default::default)
+}
+
 impl Kernel {
     /// Registers, shared and local memory and the block limit, from the driver.
     pub fn resources(&self) -> Result<KernelResources> {
@@ -675,21 +681,23 @@ impl Kernel {
     }
 
     /// Blocks of `block_threads` threads and `dyn_smem` bytes of dynamic shared memory that can
-    /// be resident on one SM at once (registers, shared memory and threads all counted).
+    /// be resident on one SM at once (registers, shared memory and threads all counted). Asked
+    /// of the driver once per (device, kernel, launch shape): the answer cannot change, and a
+    /// driver call costs tens of µs of host time on some machines — per op call, that shows.
     pub fn max_active_blocks(&self, block_threads: u32, dyn_smem: u32) -> Result<u32> {
-        self.func
-            .occupancy_max_active_blocks_per_multiprocessor(block_threads, dyn_smem as usize, None)
-            .map_err(|e| {
-                Error::cuda(
-                    format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({})", self.name),
-                    e,
-                )
-            })
-    }
-
-    /// Theoretical occupancy: resident warps per SM over the SM's maximum.
-    pub fn occupancy(&self, block_threads: u32, dyn_smem: u32) -> Result<f64> {
-        let blocks = self
+        type Key = (usize, String, u32, u32);
+        static ANSWERS: OnceLock<Mutex<HashMap<Key, u32>>> = OnceLock::new();
+        let key = (
+            self.dev.ordinal(),
+            self.name.clone(),
+            block_threads,
+            dyn_smem,
+        );
+        let answers = ANSWERS.get_or_init(Default::default);
+        if let Some(&b) = answers.lock().unwrap().get(&key) {
+            return Ok(b);
+        }
+        let b = self
             .func
             .occupancy_max_active_blocks_per_multiprocessor(block_threads, dyn_smem as usize, None)
             .map_err(|e| {
@@ -698,13 +706,21 @@ impl Kernel {
                     e,
                 )
             })?;
+        answers.lock().unwrap().insert(key, b);
+        Ok(b)
+    }
+
+    /// Theoretical occupancy: resident warps per SM over the SM's maximum.
+    pub fn occupancy(&self, block_threads: u32, dyn_smem: u32) -> Result<f64> {
+        let blocks = self.max_active_blocks(block_threads, dyn_smem)?;
         let warps = blocks * block_threads.div_ceil(32);
         Ok(warps as f64 / (self.dev.props.max_threads_per_sm / 32) as f64)
     }
 
     /// Raises the dynamic shared-memory limit (needed above 48 KiB).
     pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<()> {
-        self.func
+        let r = self
+            .func
             .set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
@@ -717,17 +733,34 @@ impl Kernel {
                     ),
                     e,
                 )
-            })
+            });
+        let key = (self.dev.ordinal(), self.name.clone());
+        match r {
+            Ok(()) => smem_limits().lock().unwrap().insert(key, bytes),
+            Err(_) => smem_limits().lock().unwrap().remove(&key),
+        };
+        r
     }
 
     /// Lets a launch use `bytes` of dynamic shared memory: the opt-in is needed once dynamic plus
     /// static shared memory pass 48 KiB (not the dynamic bytes alone — a kernel at exactly 48 KiB
     /// dynamic with a few static reduction slots fails to launch without it).
+    /// The limit set is remembered per (device, kernel): only a larger request calls the driver
+    /// again (host time per op call, as for `max_active_blocks`).
     pub fn allow_dynamic_smem(&self, bytes: u32) -> Result<()> {
-        if bytes > 0 && bytes as usize + self.static_smem as usize > 48 * 1024 {
-            self.set_max_dynamic_smem(bytes)?;
+        if bytes == 0 || bytes as usize + self.static_smem as usize <= 48 * 1024 {
+            return Ok(());
         }
-        Ok(())
+        let key = (self.dev.ordinal(), self.name.clone());
+        if smem_limits()
+            .lock()
+            .unwrap()
+            .get(&key)
+            .is_some_and(|&b| b >= bytes)
+        {
+            return Ok(());
+        }
+        self.set_max_dynamic_smem(bytes)
     }
 
     /// Launches on `stream`. A launch error names the kernel and its launch shape.

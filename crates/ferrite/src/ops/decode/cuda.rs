@@ -783,23 +783,22 @@ pub(super) fn decode(
     pr.read_error(&stream, OP)
 }
 
-/// The decode on a plan buffer at `plan` (see plan.rs): launches only.
+/// The decode on a plan buffer at `plan` with its preparation (see plan.rs): launches only.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn decode_planned(
+pub(super) fn launch_planned(
     variant: &str,
+    pr: &Prepared,
     p: &Problem,
     q: &Tensor,
     kv: &PagedKv,
     o: &Tensor,
     lse: Option<&Tensor>,
     plan: u64,
-    opts: &DecodeOptions,
+    stream: &Stream,
 ) -> Result<()> {
-    let (dev, stream) = ctx(p.device, &opts.stream)?;
     let x = ptrs(q, kv, o, lse)?;
     check_aligned(variant, &x)?;
-    let pr = prepare_with(variant, p, &dev, &stream, opts.num_splits, false)?;
-    pr.launch(p, &x, plan, &stream)
+    pr.launch(p, &x, plan, stream)
 }
 
 fn check_aligned(variant: &str, x: &Ptrs) -> Result<()> {

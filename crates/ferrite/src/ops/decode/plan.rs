@@ -104,16 +104,23 @@ pub fn plan_numel(shape: &PlanShape, opts: &DecodeOptions) -> Result<usize> {
         Device::Cuda(_) => {
             let (dev, stream) = cuda::ctx(p.device, &opts.stream)?;
             let pr = cuda::prepare_with(v, &p, &dev, &stream, opts.num_splits, false)?;
-            Ok(pr
-                .sched
-                .as_ref()
-                .map_or(cuda::SCHED_HEADER, |sc| sc.layout.bytes / 4))
+            Ok(numel_of(&pr))
         }
     }
 }
 
+/// The plan elements a preparation needs (the schedule, or only the header's flag).
+fn numel_of(pr: &cuda::Prepared) -> usize {
+    pr.sched
+        .as_ref()
+        .map_or(cuda::SCHED_HEADER, |sc| sc.layout.bytes / 4)
+}
+
 fn check_plan_tensor(plan: &Tensor, shape: &PlanShape, opts: &DecodeOptions) -> Result<()> {
-    let want = plan_numel(shape, opts)?;
+    check_plan_numel(plan, shape, plan_numel(shape, opts)?)
+}
+
+fn check_plan_numel(plan: &Tensor, shape: &PlanShape, want: usize) -> Result<()> {
     if plan.dtype() != DType::I32
         || plan.device() != shape.device
         || !plan.is_contiguous()
@@ -141,7 +148,6 @@ pub fn plan_into(
     shape: &PlanShape,
     opts: &DecodeOptions,
 ) -> Result<()> {
-    check_plan_tensor(plan, shape, opts)?;
     if seq_lens.dtype() != DType::I32
         || seq_lens.shape() != [shape.batch]
         || seq_lens.device() != shape.device
@@ -158,12 +164,16 @@ pub fn plan_into(
         ));
     }
     let p = shape.problem(opts)?;
-    if p.batch == 0 || p.device == Device::Cpu {
-        return Ok(());
+    if p.device == Device::Cpu {
+        return check_plan_tensor(plan, shape, opts);
     }
     let v = select(&p, opts)?;
     let (dev, stream) = cuda::ctx(p.device, &opts.stream)?;
     let pr = cuda::prepare_with(v, &p, &dev, &stream, opts.num_splits, false)?;
+    check_plan_numel(plan, shape, numel_of(&pr))?;
+    if p.batch == 0 {
+        return Ok(());
+    }
     let buf = plan.device_ptr()?;
     if pr.sched.is_none() {
         // Unscheduled variants keep only the flag here.
@@ -185,14 +195,27 @@ pub fn decode_planned_into(
     opts: &DecodeOptions,
 ) -> Result<()> {
     let p = validate(q, kv, o, lse, opts)?;
-    check_plan_tensor(plan, &PlanShape::of(&p), opts)?;
     let v = select(&p, opts)?;
-    if p.batch == 0 {
-        return Ok(());
-    }
+    let shape = PlanShape::of(&p);
     match p.device {
-        Device::Cpu => super::cpu::decode(v, &p, q, kv, o, lse),
-        Device::Cuda(_) => cuda::decode_planned(v, &p, q, kv, o, lse, plan.device_ptr()?, opts),
+        Device::Cpu => {
+            check_plan_tensor(plan, &shape, opts)?;
+            if p.batch == 0 {
+                return Ok(());
+            }
+            super::cpu::decode(v, &p, q, kv, o, lse)
+        }
+        Device::Cuda(_) => {
+            // One preparation (kernels, launch shape, schedule layout) serves the plan's check
+            // and the launch: the host path of a layer's run stays short.
+            let (dev, stream) = cuda::ctx(p.device, &opts.stream)?;
+            let pr = cuda::prepare_with(v, &p, &dev, &stream, opts.num_splits, false)?;
+            check_plan_numel(plan, &shape, numel_of(&pr))?;
+            if p.batch == 0 {
+                return Ok(());
+            }
+            cuda::launch_planned(v, &pr, &p, q, kv, o, lse, plan.device_ptr()?, &stream)
+        }
     }
 }
 
