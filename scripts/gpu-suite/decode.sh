@@ -34,7 +34,7 @@ echo "== PyTorch: plan/run and paged decode"
   > "$OUT/pytest-decode.log" 2>&1 || status=1
 tail -n 3 "$OUT/pytest-decode.log"
 echo "== bench decode"
-"$fe" bench decode --device cuda $q --json "$OUT" > "$OUT/bench-decode.txt" 2>&1 || status=1
+"$fe" bench decode --device cuda $q --json "$OUT/bench-decode.json" > "$OUT/bench-decode.txt" 2>&1 || status=1
 cat "$OUT/bench-decode.txt" | tail -n 40
 echo "== serving-shaped bench (ragged batches; SDPA on a padded contiguous cache; copy rate)"
 python3 "$here/serving_decode.py" "$OUT/serving-decode.json" $([ "$mode" = quick ] && echo --quick) \

@@ -39,10 +39,11 @@ status=0
   for tool in ${TOOLS:-memcheck racecheck synccheck}; do
     for fam in "${families[@]}"; do
       log="$out/$tool-$fam.log"
-      summary=$(grep -h "ERROR SUMMARY" "$log" | tail -1 | sed 's/=* *//')
+      # memcheck/synccheck print "ERROR SUMMARY: n errors", racecheck "RACECHECK SUMMARY: … (n errors, …)".
+      summary=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1 | sed 's/=* *//')
       cases=$(grep -hE "cases, [0-9]+ passed" "$log" | tail -1)
-      printf '%-10s %-14s %-32s %-22s %s\n' "$tool" "$fam" "${summary:-no summary}" "$(tail -1 "$log")" "${cases:-(unfinished)}"
-      case "$summary" in *" 0 errors"*) ;; *) status=1 ;; esac
+      printf '%-10s %-14s %-60s %-22s %s\n' "$tool" "$fam" "${summary:-no summary}" "$(tail -1 "$log")" "${cases:-(unfinished)}"
+      case "$summary" in *" 0 errors"* | *"(0 errors"*) ;; *) status=1 ;; esac
       case "$cases" in *" 0 failed"*) ;; *) status=1 ;; esac
     done
   done

@@ -11,6 +11,7 @@ CUDA events behind a 5 ms GPU sleep kernel (so the host's launch cost is hidden 
 the GPU's work, as in a CUDA-graph replay), median of ROUNDS (≥ 50) calls after a warm-up; the
 host time of each call (its Python and native launch cost, what an eager caller also pays) is
 recorded beside it, and a warning is printed where it exceeded the sleep:
+- ferrite_planned_mma: the same with the tensor-core kernel (variant="pipelined_mma").
 - ferrite_planned:   `ferrite.paged_decode(..., plan=plan)` on a plan made once (what every layer
                      after the first of a decode step costs);
 - ferrite_plan_run:  `ferrite.paged_decode_plan` + the run (one layer with its own plan);
@@ -54,7 +55,7 @@ PAGE_SIZES_FIRST = [1, 16, 32, 64, 128]
 PAGE_SIZE = 16
 TOL = 2e-2
 SLEEP_MS = 5.0  # GPU sleep ahead of each timed call: longer than any contestant's host time
-FERRITE = ["ferrite_planned", "ferrite_plan_run", "ferrite_unplanned"]
+FERRITE = ["ferrite_planned", "ferrite_planned_mma", "ferrite_plan_run", "ferrite_unplanned"]
 PEERS = ["sdpa_masked", "sdpa_nomask"]
 
 
@@ -175,8 +176,13 @@ def run_case(ferrite, b, lo, hi, case_idx, hq, hkv, page_sizes, rounds, cycles, 
         kc, vc, table, seq_lens = paged_cache(k, v, mask, lens, bs, SEED + bs)
         shape = f"B{b} Hq{hq} Hkv{hkv} D{d} ragged {lo}..{hi} bs{bs}"
         plan = ferrite.paged_decode_plan(seq_lens, hq, hkv, d, torch.bfloat16)
+        mma = "pipelined_mma"
+        plan_mma = ferrite.paged_decode_plan(seq_lens, hq, hkv, d, torch.bfloat16, variant=mma)
         fns = {
             "ferrite_planned": lambda: ferrite.paged_decode(q, kc, vc, table, seq_lens, plan=plan),
+            "ferrite_planned_mma": lambda: ferrite.paged_decode(
+                q, kc, vc, table, seq_lens, plan=plan_mma, variant=mma
+            ),
             "ferrite_plan_run": lambda: ferrite.paged_decode(
                 q, kc, vc, table, seq_lens, plan=ferrite.paged_decode_plan(seq_lens, hq, hkv, d, torch.bfloat16)
             ),

@@ -99,21 +99,20 @@ pub fn plan_numel(shape: &PlanShape, opts: &DecodeOptions) -> Result<usize> {
     let p = shape.problem(opts)?;
     let v = select(&p, opts)?;
     match p.device {
-        // Nothing to schedule; sized by the batch so that a plan is still refused on another.
-        Device::Cpu => Ok(cuda::SCHED_HEADER + p.batch + 1),
+        Device::Cpu => Ok(numel_of(None, p.batch)),
         Device::Cuda(_) => {
             let (dev, stream) = cuda::ctx(p.device, &opts.stream)?;
             let pr = cuda::prepare_with(v, &p, &dev, &stream, opts.num_splits, false)?;
-            Ok(numel_of(&pr))
+            Ok(numel_of(Some(&pr), p.batch))
         }
     }
 }
 
-/// The plan elements a preparation needs (the schedule, or only the header's flag).
-fn numel_of(pr: &cuda::Prepared) -> usize {
-    pr.sched
-        .as_ref()
-        .map_or(cuda::SCHED_HEADER, |sc| sc.layout.bytes / 4)
+/// The plan elements a preparation needs: its schedule, or (unscheduled variants, the CPU) the
+/// header with its flag and an indptr's worth that only ties the plan to the batch size.
+fn numel_of(pr: Option<&cuda::Prepared>, batch: usize) -> usize {
+    pr.and_then(|pr| pr.sched.as_ref())
+        .map_or(cuda::SCHED_HEADER + batch + 1, |sc| sc.layout.bytes / 4)
 }
 
 fn check_plan_tensor(plan: &Tensor, shape: &PlanShape, opts: &DecodeOptions) -> Result<()> {
@@ -170,7 +169,7 @@ pub fn plan_into(
     let v = select(&p, opts)?;
     let (dev, stream) = cuda::ctx(p.device, &opts.stream)?;
     let pr = cuda::prepare_with(v, &p, &dev, &stream, opts.num_splits, false)?;
-    check_plan_numel(plan, shape, numel_of(&pr))?;
+    check_plan_numel(plan, shape, numel_of(Some(&pr), p.batch))?;
     if p.batch == 0 {
         return Ok(());
     }
@@ -210,7 +209,7 @@ pub fn decode_planned_into(
             // and the launch: the host path of a layer's run stays short.
             let (dev, stream) = cuda::ctx(p.device, &opts.stream)?;
             let pr = cuda::prepare_with(v, &p, &dev, &stream, opts.num_splits, false)?;
-            check_plan_numel(plan, &shape, numel_of(&pr))?;
+            check_plan_numel(plan, &shape, numel_of(Some(&pr), p.batch))?;
             if p.batch == 0 {
                 return Ok(());
             }

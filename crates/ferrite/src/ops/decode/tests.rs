@@ -490,7 +490,7 @@ fn gpu_plan_serves_every_layer_and_stale_lengths_and_collects_errors() {
         plan.run(&x.q, &x.kv(), &o, Some(&lse), &opts).unwrap();
         plan.errors(&opts).unwrap();
         // Same kernels, same chunks, same merge order: bit-identical to the one-call path.
-        assert_eq!(o.to_vec::<u16>().unwrap(), want.to_vec::<u16>().unwrap());
+        assert_eq!(o.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
         assert_eq!(
             lse.to_vec::<f32>().unwrap(),
             want_lse.to_vec::<f32>().unwrap()

@@ -848,6 +848,10 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     reg_fence(dq);
     reg_fence(dv_acc);
     reg_fence(dk_acc);
+    // Every lane's reads of the stage's lse/Δ rows (lds_f2 above) are ordered before lane 0's
+    // release of the stage: the producer warp rewrites them once the arrivals are in
+    // (compute-sanitizer racecheck reported the write-after-read hazard without this).
+    __syncwarp();
     if (lane == 0) mbar_arrive(empty(s));
 
 #pragma unroll

@@ -590,7 +590,8 @@ __device__ __forceinline__ int piece_keys(int vmax, int pieces) {
 }
 
 // decode_plan: one block of 256 threads plans a batch for the scheduled kernels. It models the run
-// on `slots` resident blocks: a chunk size C costs max(C, all keys / (0.9 · slots)) in key-times,
+// on `slots` resident blocks: a chunk size C costs max(C, all keys / (0.9 · slots)) in key-times
+// when every block is resident at once, all keys / (0.9 · slots) + C when not (the wave tail),
 // plus each block's start and, when any sequence is split, the merge; it takes the cheapest C among
 // the longest range cut into 1 … 128 pieces (≥ 256 keys each, at most max_items chunks; ties:
 // fewer pieces). A batch that already fills four waves (batch · per_b ≥ 4 · slots) is not split.
@@ -637,8 +638,13 @@ extern "C" __global__ void __launch_bounds__(256)
       n += chunks_of(plan_visible(seq_lens, b, capacity, window_left), chunk);
     for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
     if (n > max_items) continue;
+    // All blocks resident at once: the longest chunk, or the saturated stream of all the work.
+    // More blocks than slots: the last one may start when the rest is done (chunks of one size
+    // finish in waves), so a second wave costs a whole chunk more.
     const float work = (float)per_b * ((float)vsum + PLAN_BLOCK_KEYS * (float)n);
-    float est = fmaxf((float)(chunk + PLAN_BLOCK_KEYS), work / (PLAN_SATURATE * (float)slots));
+    const float fill = work / (PLAN_SATURATE * (float)slots);
+    const float block = (float)(chunk + PLAN_BLOCK_KEYS);
+    float est = (float)per_b * (float)n <= (float)slots ? fmaxf(block, fill) : fill + block;
     if (n > batch) est += PLAN_MERGE_KEYS;
     if (est < best) best = est, best_pieces = pieces;  // pieces ascend: ties keep fewer
   }
