@@ -11,26 +11,17 @@ use ferrite::ops::activation::{
 use ferrite::ops::adamw::{self as fadamw, AdamWHyper, AdamWOptions, AdamWTensor};
 use ferrite::ops::cross_entropy::{self as fce, CrossEntropyOptions, GradOut, Reduction};
 use ferrite::ops::linear::{self as flinear, LinearOptions};
-use ferrite::ops::matmul::epilogue::Activation as EpiActivation;
 use ferrite::ops::rotary::{self as frotary, RotaryOptions};
 use ferrite::ops::softmax::{self as fsoftmax, SoftmaxOptions};
 use ferrite::Error;
 use pyo3::prelude::*;
 
 fn activation(op: &str, name: &str) -> ferrite::Result<Activation> {
-    Activation::parse(name).map_err(|_| {
-        Error::bad_arg(
-            op,
-            "activation",
-            "one of none, relu, gelu_tanh, gelu_erf, silu",
-            name,
-        )
-    })
+    Activation::parse_arg(op, "activation", name)
 }
 
-fn parse_activation(op: &str, arg: &str, act: &str) -> ferrite::Result<EpiActivation> {
-    EpiActivation::parse(act)
-        .ok_or_else(|| Error::bad_arg(op, arg, "one of none, relu, gelu_tanh, gelu_erf, silu", act))
+fn parse_activation(op: &str, arg: &str, act: &str) -> ferrite::Result<Activation> {
+    Activation::parse_arg(op, arg, act)
 }
 
 fn linear_options(

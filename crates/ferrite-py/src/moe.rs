@@ -34,7 +34,7 @@ fn config(
         capacity_factor: capacity_factor.map(|f| f as f32),
         aux_loss_coef: aux_loss_coef as f32,
         z_loss_coef: z_loss_coef as f32,
-        act: Activation::parse(activation)?,
+        act: Activation::parse_arg("ferrite.moe", "activation", activation)?,
     })
 }
 

@@ -13,7 +13,7 @@ fn linear_options(
     allow_tf32: bool,
 ) -> Result<linear::LinearOptions> {
     Ok(linear::LinearOptions {
-        activation: activation_of(c.op(), "activation", act)?.into(),
+        activation: activation_of(c.op(), "activation", act)?,
         precision: precision(allow_tf32),
         stream: c.stream(),
         ..Default::default()

@@ -1,6 +1,7 @@
 //! Shared machinery: tensors, devices, the CUDA runtime and JIT, variants and the harness.
 //! Nothing here knows any op.
 
+pub mod act;
 pub mod borrow;
 pub mod cpu;
 pub mod cuda;

@@ -1,5 +1,11 @@
 //! The op families, one folder each, and what runs across all of them: the registry, the machine
 //! ceilings measured before a bench, and the kernel build check.
+//!
+//! Layers: every family builds on `crate::core` (tensors, dtypes, devices, errors, the CUDA
+//! runtime and NVRTC, the harness, the shared activation functions in `core::act`). Families do
+//! not reach into each other, except along the edges in [`FAMILY_DEPENDENCIES`]: `matmul` is the
+//! GEMM layer that `linear` and `moe` build on, and `moe`'s GLU runs the `activation` family's
+//! pass. A test reads the sources and fails on any other `crate::ops::<family>` path.
 
 pub mod activation;
 pub mod adamw;
@@ -21,6 +27,13 @@ use crate::core::error::{Error, Result};
 use crate::core::harness::bench::{time_gpu, Budget};
 use crate::core::harness::{Ceilings, KernelSpec, OpFamily, Precision};
 use crate::core::tensor::Tensor;
+
+/// The only cross-family imports allowed, as (family, family it may use).
+pub const FAMILY_DEPENDENCIES: &[(&str, &str)] = &[
+    ("linear", "matmul"),
+    ("moe", "matmul"),
+    ("moe", "activation"),
+];
 
 /// Every op family, in the order `check all` and `bench all` run them.
 pub fn registry() -> Vec<&'static dyn OpFamily> {
@@ -416,4 +429,63 @@ fn parse_ptxas(log: &str) -> Vec<(String, PtxasFunc)> {
         }
     }
     funcs
+}
+
+#[cfg(test)]
+mod layer_tests {
+    use super::FAMILY_DEPENDENCIES;
+    use std::path::Path;
+
+    fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    /// Every `crate::ops::<other family>` path in a family's sources is a declared dependency.
+    #[test]
+    fn families_use_only_core_and_their_declared_dependencies() {
+        let ops = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ops");
+        let families: Vec<String> = std::fs::read_dir(&ops)
+            .unwrap()
+            .filter_map(|e| {
+                let p = e.unwrap().path();
+                p.is_dir()
+                    .then(|| p.file_name().unwrap().to_string_lossy().into_owned())
+            })
+            .collect();
+        assert!(families.len() >= 12, "{families:?}");
+        let mut bad = Vec::new();
+        for fam in &families {
+            let mut files = Vec::new();
+            rust_files(&ops.join(fam), &mut files);
+            for f in files {
+                let text = std::fs::read_to_string(&f).unwrap();
+                for (n, line) in text.lines().enumerate() {
+                    for other in &families {
+                        let used = line.contains(&format!("crate::ops::{other}::"))
+                            || line.contains(&format!("crate::ops::{other}}}"))
+                            || line.contains(&format!("crate::ops::{other};"))
+                            || line.contains(&format!("crate::ops::{{{other}"));
+                        if other != fam
+                            && used
+                            && !FAMILY_DEPENDENCIES.contains(&(fam.as_str(), other.as_str()))
+                        {
+                            bad.push(format!("{}:{}: {fam} → {other}", f.display(), n + 1));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            bad.is_empty(),
+            "undeclared cross-family imports:\n{}",
+            bad.join("\n")
+        );
+    }
 }

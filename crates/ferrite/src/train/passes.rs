@@ -16,6 +16,7 @@ use super::arena::{Arena, Layout};
 use super::config::{Family, ModelConfig};
 use super::glue;
 use super::model::Model;
+use crate::core::act::Activation;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::Result;
@@ -25,7 +26,6 @@ use crate::ops::activation::{self, GluOptions};
 use crate::ops::attention::{self, AttentionOptions};
 use crate::ops::cross_entropy::{self, CrossEntropyOptions, GradOut, Reduction};
 use crate::ops::linear::{self, LinearOptions};
-use crate::ops::matmul::epilogue::Activation;
 use crate::ops::norm::{self, NormKind, NormOptions};
 use std::collections::HashMap;
 

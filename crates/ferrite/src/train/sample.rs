@@ -9,6 +9,7 @@ use super::config::Family;
 use super::glue;
 use super::model::Model;
 use super::passes::{linear_fwd, swiglu};
+use crate::core::act::Activation;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -17,7 +18,6 @@ use crate::core::tensor::Tensor;
 use crate::ops::activation;
 use crate::ops::decode::{self, AppendOptions, DecodeOptions, PagedKv};
 use crate::ops::linear::LinearOptions;
-use crate::ops::matmul::epilogue::Activation;
 
 /// Tokens per cache page (vLLM's default page size).
 pub const PAGE: usize = 16;

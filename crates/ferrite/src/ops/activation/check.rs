@@ -3,7 +3,6 @@
 //! dx, db, d(gate), d(up)); the dropout mask bit for bit against `core::philox` on every device
 //! (so CPU and GPU agree); and the kept fraction over ~1M elements within 5σ of 1 − p.
 
-use super::cpu::{erf, GELU_C, INV_SQRT_2PI, SQRT_2_OVER_PI};
 use super::{
     bias_act_dropout_backward_into, bias_act_dropout_into, fused_unfit, glu_backward_into,
     glu_into, variants, ActOptions, Activation, Dropout, GluOptions, Problem, OP,
@@ -18,37 +17,9 @@ use crate::core::rng::Rng;
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 
-/// (act(h), act'(h)) in f64: the reference.
+/// (act(h), act'(h)) in f64: the reference (the shared formulas of [`Activation`]).
 pub fn act_ref(act: Activation, h: f64) -> (f64, f64) {
-    match act {
-        Activation::None => (h, 1.0),
-        Activation::Relu => {
-            if h > 0.0 || h.is_nan() {
-                (h, if h > 0.0 { 1.0 } else { 0.0 })
-            } else {
-                (0.0, 0.0)
-            }
-        }
-        Activation::GeluTanh => {
-            let t = (SQRT_2_OVER_PI * (h + GELU_C * h * h * h)).tanh();
-            (
-                0.5 * h * (1.0 + t),
-                0.5 * (1.0 + t)
-                    + 0.5 * h * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * h * h),
-            )
-        }
-        Activation::GeluErf => {
-            let e = erf(h * std::f64::consts::FRAC_1_SQRT_2);
-            (
-                0.5 * h * (1.0 + e),
-                0.5 * (1.0 + e) + h * INV_SQRT_2PI * (-0.5 * h * h).exp(),
-            )
-        }
-        Activation::Silu => {
-            let s = 1.0 / (1.0 + (-h).exp());
-            (h * s, s * (1.0 + h * (1.0 - s)))
-        }
-    }
+    (act.apply_f64(h), act.grad_f64(h))
 }
 
 /// (rows, cols, act, with bias, p) for bias+act+dropout.

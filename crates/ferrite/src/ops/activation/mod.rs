@@ -69,58 +69,8 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
-/// The activation applied (after the bias, before dropout; or to the GLU's gate).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Activation {
-    /// The identity.
-    #[default]
-    None,
-    /// max(h, 0); NaN stays NaN.
-    Relu,
-    /// 0.5·h·(1 + tanh(√(2/π)·(h + 0.044715·h³))) (GPT-2's GELU).
-    GeluTanh,
-    /// 0.5·h·(1 + erf(h/√2)) (the exact GELU).
-    GeluErf,
-    /// h·σ(h).
-    Silu,
-}
-
-impl Activation {
-    /// Every activation, in code order.
-    pub const ALL: [Activation; 5] = [
-        Activation::None,
-        Activation::Relu,
-        Activation::GeluTanh,
-        Activation::GeluErf,
-        Activation::Silu,
-    ];
-
-    /// The name [`parse`](Activation::parse) reads and errors print.
-    pub fn name(self) -> &'static str {
-        match self {
-            Activation::None => "none",
-            Activation::Relu => "relu",
-            Activation::GeluTanh => "gelu_tanh",
-            Activation::GeluErf => "gelu_erf",
-            Activation::Silu => "silu",
-        }
-    }
-
-    /// The activation called `s`, or an error listing the names.
-    pub fn parse(s: &str) -> Result<Activation> {
-        Activation::ALL
-            .into_iter()
-            .find(|a| a.name() == s)
-            .ok_or_else(|| {
-                Error::bad_arg(OP, "act", "one of none, relu, gelu_tanh, gelu_erf, silu", s)
-            })
-    }
-
-    /// The kernels' FE_ACT code.
-    pub fn code(self) -> i32 {
-        self as i32
-    }
-}
+/// The activation after the bias (shared with matmul's epilogue, linear and moe).
+pub use crate::core::act::Activation;
 
 /// Dropout's parameters: drop probability and the stream handle `(seed, offset)`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

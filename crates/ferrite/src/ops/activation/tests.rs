@@ -278,11 +278,11 @@ fn bad_inputs_get_clear_errors() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("fused"), "{e}");
-    assert!(Activation::parse("gelu")
+    let e = Activation::parse_arg(OP, "act", "gelu")
         .unwrap_err()
-        .to_string()
-        .contains("gelu_tanh"));
-    assert_eq!(Activation::parse("silu").unwrap(), Activation::Silu);
+        .to_string();
+    assert!(e.contains("gelu_tanh") && e.contains("`act`"), "{e}");
+    assert_eq!(Activation::parse("silu"), Some(Activation::Silu));
 }
 
 #[test]

@@ -41,7 +41,7 @@ pub mod cpu;
 #[doc(hidden)]
 pub mod cuda;
 
-pub use crate::ops::matmul::epilogue::Activation;
+pub use crate::core::act::Activation;
 
 use crate::core::cuda::Stream;
 use crate::core::device::{Arch, Device};

@@ -430,7 +430,7 @@ fn relu_epilogue_propagates_nan() {
         &w,
         None,
         &LinearOptions {
-            activation: crate::ops::matmul::epilogue::Activation::Relu,
+            activation: Activation::Relu,
             ..Default::default()
         },
     )
@@ -440,4 +440,22 @@ fn relu_epilogue_propagates_nan() {
     // row 0 = [NaN, 1]·I: both outputs NaN (NaN·0 is NaN); row 1 = relu([1, -1])
     assert!(y[0].is_nan() && y[1].is_nan(), "{y:?}");
     assert_eq!(&y[2..], &[1.0, 0.0]);
+}
+
+#[test]
+fn linear_keeps_its_layout_on_degenerate_shapes() {
+    // W [n, k] with k = 1 (and k = 0) reads as row-major; linear asks for its column-major B.
+    for (n, k) in [(1, 1), (5, 1), (7, 0), (1, 9), (6, 4)] {
+        let x = Tensor::rand(&[3, k], DType::F32, Device::Cpu, 1, -1.0, 1.0).unwrap();
+        let w = Tensor::rand(&[n, k], DType::F32, Device::Cpu, 2, -1.0, 1.0).unwrap();
+        let y = Tensor::empty(&[3, n], DType::F32, Device::Cpu).unwrap();
+        let i = Fwd {
+            x: &x,
+            w: &w,
+            bias: None,
+            residual: None,
+        };
+        let g = gemm_of(&i, &y).unwrap();
+        assert!(g.b.trans && !g.a.trans, "n {n} k {k}: {g:?}");
+    }
 }

@@ -470,7 +470,7 @@ fn up_proj(
     if variant == "fused" {
         let mut g = grouped_gemm(Grouping::M, p.experts, dims, false, p.dtype, p.device);
         g.c.ld = p.inter;
-        let l = mm::plan_grouped_glu(&g, cfg.act.into(), &x.dev)?;
+        let l = mm::plan_grouped_glu(&g, cfg.act, &x.dev)?;
         let ptrs = Ptrs {
             a: f.xp.device_ptr()?,
             b: w.w_up.device_ptr()?,

@@ -44,6 +44,7 @@ pub mod cpu;
 #[doc(hidden)]
 pub mod cuda;
 
+pub use crate::core::act::Activation;
 use crate::core::cuda::Stream;
 use crate::core::device::{Arch, Device};
 use crate::core::dtype::DType;
@@ -53,7 +54,6 @@ use crate::core::harness::{
 };
 use crate::core::tensor::{describe, Tensor};
 use crate::core::variant::{self, Backend, VariantInfo};
-pub use crate::ops::activation::Activation;
 
 /// The family's name, as errors, the CLI and the tables spell it.
 pub const OP: &str = "moe";

@@ -3,9 +3,9 @@
 
 use super::epilogue::{with_epilogue, Epi};
 use super::{BLOCKTILE_1D, BLOCKTILE_2D, COALESCED, NAIVE, SMEM_TILED, VECTORIZED, WARPTILE};
+use crate::core::act::Activation;
 use crate::core::cuda::jit::{KernelSource, Program};
 use crate::core::dtype::DType;
-use crate::ops::matmul::epilogue::Activation;
 
 /// One fp32 SIMT rung: its module, entry point, threads per block, C tile per block (rows,
 /// columns) and a short description of the configuration.

@@ -436,7 +436,7 @@ pub fn wg_tuned(g: &Gemm, p: Ptrs, dev: &Arc<CudaDevice>, stream: &Stream) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::matmul::epilogue::Activation;
+    use crate::core::act::Activation;
 
     /// op(X)[r][p] of an operand in the kernels' convention (common.cuh): A (is_a) is m×k,
     /// A[a_trans ? p·lda + i : i·lda + p]; B is k×n, B[b_trans ? j·ldb + p : p·ldb + j]; plus
