@@ -105,6 +105,10 @@ struct BenchArgs {
     /// at the clock its own power draw holds; slower).
     #[arg(long, default_value = "interleaved")]
     timing: String,
+    /// Print every column of the table (min/max, registers, shared memory, occupancy, the whole
+    /// note); the default is a compact table
+    #[arg(long)]
+    wide: bool,
 }
 
 #[derive(Args)]
@@ -449,7 +453,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         println!("  gpu: cuBLAS {d} {:.1} TFLOP/s", v / 1e3);
     }
     println!();
-    print!("{}", bench_table(&recs));
+    print!("{}", bench_table(&recs, a.wide));
     if let Some(p) = &a.common.json {
         write_json(
             p,

@@ -104,7 +104,46 @@ pub fn rate(tflops: f64) -> String {
     }
 }
 
-pub fn bench_table(records: &[BenchRecord]) -> String {
+/// The bench table: every column (`wide`), or the compact default — median time, rate, GB/s,
+/// % of ceiling, × base, × peer and a note cut to one short line, without the columns that hold
+/// nothing for these records (e.g. registers and occupancy on the CPU).
+pub fn bench_table(records: &[BenchRecord], wide: bool) -> String {
+    let full = bench_table_full(records);
+    if wide {
+        return full.render();
+    }
+    const DROP: [&str; 5] = ["min", "max", "regs", "smem", "occ"];
+    const NOTE_CHARS: usize = 56;
+    let keep: Vec<usize> = (0..full.headers.len())
+        .filter(|&i| {
+            let h = full.headers[i].as_str();
+            !DROP.contains(&h)
+                && (i < 5 || full.rows.iter().any(|r| r[i] != "-" && !r[i].is_empty()))
+        })
+        .collect();
+    let last = full.headers.len() - 1;
+    let mut t = Table {
+        headers: keep.iter().map(|&i| full.headers[i].clone()).collect(),
+        rows: Vec::new(),
+    };
+    for r in &full.rows {
+        t.row(
+            keep.iter()
+                .map(|&i| {
+                    let c = &r[i];
+                    if i == last && c.chars().count() > NOTE_CHARS {
+                        c.chars().take(NOTE_CHARS - 1).collect::<String>() + "…"
+                    } else {
+                        c.clone()
+                    }
+                })
+                .collect(),
+        );
+    }
+    t.render()
+}
+
+fn bench_table_full(records: &[BenchRecord]) -> Table {
     let mut t = Table::new(&[
         "op",
         "variant",
@@ -162,7 +201,7 @@ pub fn bench_table(records: &[BenchRecord]) -> String {
             note,
         ]);
     }
-    t.render()
+    t
 }
 
 fn esc(s: &str) -> String {
