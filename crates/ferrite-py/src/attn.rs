@@ -301,6 +301,26 @@ fn plan_options(
     }
 }
 
+/// The batch shape a plan is made for, from the bindings' arguments.
+fn plan_shape(
+    op: &str,
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    dtype: &str,
+    device: i64,
+) -> ferrite::Result<PlanShape> {
+    Ok(PlanShape {
+        batch,
+        heads_q,
+        heads_kv,
+        head_dim,
+        dtype: parse_dtype(op, "dtype", dtype)?,
+        device: device_of(device),
+    })
+}
+
 /// Elements of the i32 plan tensor of a decode batch of this shape (`dtype`: q's and the caches'
 /// name, e.g. "bfloat16") with these options.
 #[pyfunction]
@@ -322,14 +342,7 @@ pub fn paged_decode_plan_numel(
     const OP: &str = "ferrite.paged_decode_plan";
     run_value(py, OP, move || {
         let tgt = target(OP, device, stream)?;
-        let shape = PlanShape {
-            batch,
-            heads_q,
-            heads_kv,
-            head_dim,
-            dtype: parse_dtype(OP, "dtype", &dtype)?,
-            device: device_of(device),
-        };
+        let shape = plan_shape(OP, batch, heads_q, heads_kv, head_dim, &dtype, device)?;
         let opts = plan_options(&tgt, window_left, num_splits, variant);
         fdecode::plan_numel(&shape, &opts)
     })
@@ -359,14 +372,8 @@ pub fn paged_decode_plan(
         let tgt = target(OP, device, stream)?;
         let lens = wrap(OP, "seq_lens", &seq_lens, &tgt)?;
         let plan = wrap(OP, "plan", &plan, &tgt)?;
-        let shape = PlanShape {
-            batch: lens.t.shape().first().copied().unwrap_or(0),
-            heads_q,
-            heads_kv,
-            head_dim,
-            dtype: parse_dtype(OP, "dtype", &dtype)?,
-            device: device_of(device),
-        };
+        let batch = lens.t.shape().first().copied().unwrap_or(0);
+        let shape = plan_shape(OP, batch, heads_q, heads_kv, head_dim, &dtype, device)?;
         let opts = plan_options(&tgt, window_left, num_splits, variant);
         fdecode::plan_into(&lens.t, &plan.t, &shape, &opts)?;
         plan.write_back()

@@ -649,63 +649,36 @@ impl Prepared {
         self.kernel
             .launch(stream, self.grid, (self.threads, 1, 1), self.smem, &mut a)?;
         let rows = p.batch * p.heads_q;
-        let merge_grid = |n: usize| grid_x(n.min(1 << 30), "merge");
-        match (&self.reduce, &self.sched) {
-            (Some(r), Some(_)) => {
-                // Rows of sequences in one piece return at once: a grid of a few waves.
-                let sms = self.dev.props().sm_count as usize;
-                let mut a = KernelArgs::new();
-                a.push(x.o)
-                    .push(x.lse)
-                    .push(part)
-                    .push(sched_buf)
-                    .push(p.batch as i64)
-                    .push(p.heads_q as i64)
-                    .push(0i64)
-                    .push(max_items as i64);
-                r.launch(
-                    stream,
-                    (merge_grid(rows.min(8 * sms))?, 1, 1),
-                    (NAIVE_THREADS, 1, 1),
-                    0,
-                    &mut a,
-                )?;
-            }
-            (Some(r), None) if pipelined => {
-                let mut a = KernelArgs::new();
-                a.push(x.o)
-                    .push(x.lse)
-                    .push(part)
-                    .push(0u64)
-                    .push(p.batch as i64)
-                    .push(p.heads_q as i64)
-                    .push(self.parts as i64)
-                    .push((p.batch * self.parts) as i64);
-                r.launch(
-                    stream,
-                    (merge_grid(rows)?, 1, 1),
-                    (NAIVE_THREADS, 1, 1),
-                    0,
-                    &mut a,
-                )?;
-            }
-            (Some(r), None) => {
-                // decode_reduce (split_kv).
-                let mut a = KernelArgs::new();
-                a.push(x.o)
-                    .push(x.lse)
-                    .push(part)
-                    .push(rows as i64)
-                    .push(self.parts as i64);
-                r.launch(
-                    stream,
-                    (merge_grid(rows)?, 1, 1),
-                    (NAIVE_THREADS, 1, 1),
-                    0,
-                    &mut a,
-                )?;
-            }
-            (None, _) => {}
+        // The merge (or split_kv's reduce) over `blocks` blocks of 128 threads, grid-stride.
+        let merge = |k: &Kernel, blocks: usize, a: &mut KernelArgs| {
+            let g = grid_x(blocks.min(1 << 30), "merge")?;
+            k.launch(stream, (g, 1, 1), (NAIVE_THREADS, 1, 1), 0, a)
+        };
+        let Some(r) = &self.reduce else {
+            return Ok(());
+        };
+        let mut a = KernelArgs::new();
+        a.push(x.o).push(x.lse).push(part);
+        if self.sched.is_some() {
+            // Rows of sequences in one piece return at once: a grid of a few waves.
+            a.push(sched_buf)
+                .push(p.batch as i64)
+                .push(p.heads_q as i64)
+                .push(0i64)
+                .push(max_items as i64);
+            let sms = self.dev.props().sm_count as usize;
+            merge(r, rows.min(8 * sms), &mut a)?;
+        } else if pipelined {
+            a.push(0u64)
+                .push(p.batch as i64)
+                .push(p.heads_q as i64)
+                .push(self.parts as i64)
+                .push((p.batch * self.parts) as i64);
+            merge(r, rows, &mut a)?;
+        } else {
+            // decode_reduce (split_kv).
+            a.push(rows as i64).push(self.parts as i64);
+            merge(r, rows, &mut a)?;
         }
         Ok(())
     }

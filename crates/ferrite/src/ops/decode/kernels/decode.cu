@@ -541,6 +541,34 @@ __device__ __forceinline__ int sched_units(const int* __restrict__ sched, i64 ma
   return n * per_b;
 }
 
+// The entry both scheduled kernels share: the dynamic shared memory check, then one unit —
+// uniform partitions (sched == nullptr: grid.x = batch · hkv · (group / FE_G), grid.y = num_parts,
+// partial slots batch · num_parts) or scheduled (block u serves unit u; blocks past the planned
+// units return at once, and blocks start in index order as slots free up, so the chunks are dealt
+// to SMs dynamically; err = sched + S_ERR, partial slots max_items).
+template <typename Unit>
+__device__ __forceinline__ void run_entry(Unit unit, unsigned smem_need, const int* seq_lens,
+                                          int* err, i64 batch, i64 hq, i64 hkv, i64 block_size,
+                                          i64 max_blocks, i64 window_left, i64 part_size,
+                                          i64 num_parts, const int* sched, i64 max_items) {
+  const bool smem_ok = dynamic_smem_size() >= smem_need;  // block-uniform
+  if (!smem_ok && threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
+  const int capacity = (int)(max_blocks * block_size);
+  Work w;
+  if (sched == nullptr) {
+    if (smem_ok && uniform_work(seq_lens, err, batch, hq, hkv, capacity, window_left, part_size,
+                                num_parts, w))
+      unit(w, batch * num_parts);
+    return;
+  }
+  const int per_b = (int)hkv * ((int)hq / (int)hkv / FE_G);
+  const int u = blockIdx.x;
+  if (smem_ok && u < sched_units(sched, max_items, per_b, err) &&
+      sched_work(sched, max_items, u, per_b, seq_lens, err, batch, hq, hkv, capacity, window_left,
+                 w))
+    unit(w, max_items);
+}
+
 // A merged (head g, dim dd) value of the block: the output itself, or its partial in the slot.
 // Partials: acc at part[(slot·hq + h)·FE_D + d], (max in the log2 domain, sum) at
 // part[slots_total·hq·FE_D + (slot·hq + h)·2].
@@ -1040,27 +1068,12 @@ extern "C" __global__ void __launch_bounds__(FE_WARPS * 32, FE_MINB)
                      float scale, float softcap, float inv_cap, i64 window_left, i64 part_size,
                      i64 num_parts, int* sched, i64 max_items) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const bool smem_ok = dynamic_smem_size() >= (unsigned)SMEM_BYTES;  // block-uniform
-  if (!smem_ok && threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
-  const int capacity = (int)(max_blocks * block_size);
-  if (sched == nullptr) {
-    Work w;
-    if (smem_ok && uniform_work(seq_lens, err, batch, hq, hkv, capacity, window_left, part_size,
-                                num_parts, w))
-      pipelined_unit(w, smem, o, lse, part, batch * num_parts, q, kc, vc, bt, err, hq, hkv,
-                     num_blocks, block_size, max_blocks, scale, softcap, inv_cap);
-    return;
-  }
-  // Scheduled: block u serves unit u (blocks past the planned units return at once). Blocks
-  // start in index order as slots free up, so the chunks are dealt to SMs dynamically.
-  const int per_b = (int)hkv * ((int)hq / (int)hkv / FE_G);
-  const int u = blockIdx.x;
-  Work w;
-  if (smem_ok && u < sched_units(sched, max_items, per_b, err) &&
-      sched_work(sched, max_items, u, per_b, seq_lens, err, batch, hq, hkv, capacity, window_left,
-                 w))
-    pipelined_unit(w, smem, o, lse, part, max_items, q, kc, vc, bt, err, hq, hkv, num_blocks,
+  const auto unit = [&](const Work& w, i64 slots_total) {
+    pipelined_unit(w, smem, o, lse, part, slots_total, q, kc, vc, bt, err, hq, hkv, num_blocks,
                    block_size, max_blocks, scale, softcap, inv_cap);
+  };
+  run_entry(unit, (unsigned)SMEM_BYTES, seq_lens, err, batch, hq, hkv, block_size, max_blocks,
+            window_left, part_size, num_parts, sched, max_items);
 }
 
 #endif  // FE_PIPE
@@ -1447,27 +1460,12 @@ extern "C" __global__ void __launch_bounds__(FE_WARPS * 32)
                float softcap, float inv_cap, i64 window_left, i64 part_size, i64 num_parts,
                int* sched, i64 max_items) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const bool smem_ok = dynamic_smem_size() >= (unsigned)M_SMEM_BYTES;  // block-uniform
-  if (!smem_ok && threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
-  const int capacity = (int)(max_blocks * block_size);
-  if (sched == nullptr) {
-    Work w;
-    if (smem_ok && uniform_work(seq_lens, err, batch, hq, hkv, capacity, window_left, part_size,
-                                num_parts, w))
-      mma_unit(w, smem, o, lse, part, batch * num_parts, q, kc, vc, bt, err, hq, hkv, num_blocks,
-               block_size, max_blocks, scale, softcap, inv_cap);
-    return;
-  }
-  // Scheduled: block u serves unit u (blocks past the planned units return at once). Blocks
-  // start in index order as slots free up, so the chunks are dealt to SMs dynamically.
-  const int per_b = (int)hkv * ((int)hq / (int)hkv / FE_G);
-  const int u = blockIdx.x;
-  Work w;
-  if (smem_ok && u < sched_units(sched, max_items, per_b, err) &&
-      sched_work(sched, max_items, u, per_b, seq_lens, err, batch, hq, hkv, capacity, window_left,
-                 w))
-    mma_unit(w, smem, o, lse, part, max_items, q, kc, vc, bt, err, hq, hkv, num_blocks,
+  const auto unit = [&](const Work& w, i64 slots_total) {
+    mma_unit(w, smem, o, lse, part, slots_total, q, kc, vc, bt, err, hq, hkv, num_blocks,
              block_size, max_blocks, scale, softcap, inv_cap);
+  };
+  run_entry(unit, (unsigned)M_SMEM_BYTES, seq_lens, err, batch, hq, hkv, block_size, max_blocks,
+            window_left, part_size, num_parts, sched, max_items);
 }
 
 #endif  // FE_MMA
