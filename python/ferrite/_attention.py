@@ -748,8 +748,7 @@ _PLAN_NUMEL = {}
 
 def _plan_numel(batch: int, hq: int, hkv: int, d: int, dtype: str, window_left: int, variant: Optional[str], device: int) -> int:
     """Elements of the plan tensor: a pure function of its arguments (and the device's SM count),
-    so cached (the native call prepares the kernels: ~0.5 ms of host time on an H200 machine) and
-    traced as a constant."""
+    so cached (the native call prepares the kernels) and traced as a constant."""
     key = (batch, hq, hkv, d, dtype, window_left, variant, device)
     n = _PLAN_NUMEL.get(key)
     if n is not None:
