@@ -21,8 +21,10 @@
 //! (sequence, kv head) serving its query heads: each K/V byte read once, 16-byte loads) →
 //! `split_kv` (flash-decoding: the context split across blocks, partial results reduced by a second
 //! kernel) → `pipelined` (each warp streams key tiles through a cp.async ring in shared memory,
-//! one softmax rescale per tile, partitions planned to fill whole waves) → `pipelined_mma` (the
-//! same pipeline, q·k and p·v on tensor cores). See kernels/decode.cu.
+//! one softmax rescale per tile; the batch's keys split into chunks by a device-side plan, so a
+//! ragged batch keeps every SM busy) → `pipelined_mma` (the same pipeline, q·k and p·v on tensor
+//! cores). See kernels/decode.cu. Serving loops plan once per step and run every layer on the
+//! plan: [`plan_into`] / [`decode_planned_into`] ([`DecodePlan`]).
 //!
 //! Bad indices: on the CPU every used block-table entry, seq_len and slot is checked on the host
 //! before any work. On the GPU these live in device memory; the kernels never read outside the
