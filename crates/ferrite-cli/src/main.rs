@@ -5,7 +5,7 @@ mod train_cmd;
 
 use clap::{Args, Parser, Subcommand};
 use ferrite::core::cuda::{self, jit};
-use ferrite::core::harness::report::{bench_table, check_table, ladder_svg, Table};
+use ferrite::core::harness::report::{bench_summary, bench_table, check_table, ladder_svg, Table};
 use ferrite::core::harness::{BenchConfig, CheckConfig, Timing};
 use ferrite::core::rng::Rng;
 use ferrite::{ops, Arch, DType, Device, Error, Result};
@@ -454,6 +454,16 @@ fn bench(a: BenchArgs) -> Result<()> {
     }
     println!();
     print!("{}", bench_table(&recs, a.wide));
+    if recs
+        .iter()
+        .map(|r| (&r.device, &r.op))
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+        > 1
+    {
+        println!("\nsummary: each family's largest case, its fastest variant");
+        print!("{}", bench_summary(&recs));
+    }
     if let Some(p) = &a.common.json {
         write_json(
             p,

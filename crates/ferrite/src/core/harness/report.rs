@@ -143,6 +143,63 @@ pub fn bench_table(records: &[BenchRecord], wide: bool) -> String {
     t.render()
 }
 
+/// One line per (device, op): the largest case it timed (most FLOPs, else most bytes) and the
+/// fastest non-peer variant there, with its rate, × the family's baseline and × the peer.
+pub fn bench_summary(records: &[BenchRecord]) -> String {
+    let work = |r: &BenchRecord| if r.flops > 0.0 { r.flops } else { r.bytes };
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in records.iter().filter(|r| !r.is_peer) {
+        let k = (r.device.clone(), r.op.clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let mut t = Table::new(&[
+        "device",
+        "op",
+        "largest case",
+        "best",
+        "median ms",
+        "rate",
+        "× base",
+        "× peer",
+    ]);
+    for (device, op) in keys {
+        let mine: Vec<&BenchRecord> = records
+            .iter()
+            .filter(|r| !r.is_peer && r.device == device && r.op == op)
+            .collect();
+        let Some(big) = mine
+            .iter()
+            .copied()
+            .max_by(|a, b| work(a).total_cmp(&work(b)))
+        else {
+            continue;
+        };
+        let best = mine
+            .iter()
+            .copied()
+            .filter(|r| r.dtype == big.dtype && r.shape == big.shape)
+            .min_by(|a, b| a.median_ms.total_cmp(&b.median_ms))
+            .unwrap_or(big);
+        t.row(vec![
+            device,
+            op,
+            format!("{} {}", best.dtype, best.shape),
+            best.variant.clone(),
+            format!("{:.4}", best.median_ms),
+            if best.flops > 0.0 {
+                rate(best.tflops)
+            } else {
+                format!("{:.1} GB/s", best.gbps)
+            },
+            opt(best.speedup_vs_baseline, |v| format!("{v:.2}")),
+            opt(best.ratio_to_peer, |v| format!("{v:.2}")),
+        ]);
+    }
+    t.render()
+}
+
 fn bench_table_full(records: &[BenchRecord]) -> Table {
     let mut t = Table::new(&[
         "op",
@@ -336,5 +393,46 @@ mod tests {
         let svg = ladder_svg(&[r], "t");
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("naive&lt;1&gt;"));
+    }
+
+    /// The summary takes each family's largest case and its fastest non-peer variant; the
+    /// compact table leaves out the columns no record fills.
+    #[test]
+    fn summary_picks_the_largest_case_and_its_fastest_variant() {
+        let rec = |op: &str, v: &str, shape: &str, flops: f64, ms: f64, peer: bool| BenchRecord {
+            device: "cpu".into(),
+            op: op.into(),
+            variant: v.into(),
+            dtype: "f32".into(),
+            shape: shape.into(),
+            flops,
+            median_ms: ms,
+            tflops: flops / (ms * 1e9),
+            is_peer: peer,
+            speedup_vs_baseline: Some(2.0),
+            ..Default::default()
+        };
+        let recs = [
+            rec("matmul", "naive", "64³", 5e5, 1.0, false),
+            rec("matmul", "naive", "512³", 2.7e8, 90.0, false),
+            rec("matmul", "parallel", "512³", 2.7e8, 9.0, false),
+            rec("matmul", "gemm", "512³", 2.7e8, 4.0, true),
+            rec("norm", "parallel", "8×8", 0.0, 0.1, false),
+        ];
+        let s = bench_summary(&recs);
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines.len(), 4, "{s}");
+        assert!(
+            lines[2].contains("512³") && lines[2].contains("parallel"),
+            "{s}"
+        );
+        assert!(!s.contains("gemm"), "{s}");
+        assert!(lines[3].contains("norm"), "{s}");
+        let compact = bench_table(&recs, false);
+        assert!(
+            !compact.contains("regs") && !compact.contains("occ"),
+            "{compact}"
+        );
+        assert!(bench_table(&recs, true).contains("regs"));
     }
 }
