@@ -424,6 +424,7 @@ impl CudaDevice {
             func: f,
             dev: self.clone(),
             static_smem,
+            facts: Default::default(),
         };
         KERNELS
             .get_or_init(Default::default)

@@ -647,6 +647,17 @@ pub struct Kernel {
     pub dev: Arc<CudaDevice>,
     /// Bytes of static shared memory (read once at load: `allow_dynamic_smem` runs per launch).
     pub static_smem: u32,
+    /// What launches of this kernel would otherwise ask the driver on every op call, answered
+    /// once and shared by every clone of the kernel.
+    facts: Arc<LaunchFacts>,
+}
+
+/// A kernel's launch facts: resident blocks per SM by (threads, dynamic shared memory), and the
+/// dynamic shared-memory limit set on it (0: the default 48 KiB).
+#[derive(Default)]
+pub(crate) struct LaunchFacts {
+    blocks: Mutex<HashMap<(u32, u32), u32>>,
+    smem_limit: std::sync::atomic::AtomicU32,
 }
 
 /// Static resource use of a kernel, as the driver reports it.
@@ -660,12 +671,6 @@ pub struct KernelResources {
     pub local_bytes: i32,
     /// The largest block it can launch with.
     pub max_threads: i32,
-}
-
-/// The dynamic shared-memory limit last set on each (device, kernel name).
-fn smem_limits() -> &'static Mutex<HashMap<(usize, String), u32>> {
-    static LIMITS: OnceLock<Mutex<HashMap<(usize, String), u32>>> = OnceLock::new();
-    LIMITS.get_or_init(Default::default)
 }
 
 impl Kernel {
@@ -685,16 +690,8 @@ impl Kernel {
     /// of the driver once per (device, kernel, launch shape): the answer cannot change, and a
     /// driver call costs tens of µs of host time on some machines — per op call, that shows.
     pub fn max_active_blocks(&self, block_threads: u32, dyn_smem: u32) -> Result<u32> {
-        type Key = (usize, String, u32, u32);
-        static ANSWERS: OnceLock<Mutex<HashMap<Key, u32>>> = OnceLock::new();
-        let key = (
-            self.dev.ordinal(),
-            self.name.clone(),
-            block_threads,
-            dyn_smem,
-        );
-        let answers = ANSWERS.get_or_init(Default::default);
-        if let Some(&b) = answers.lock().unwrap().get(&key) {
+        let key = (block_threads, dyn_smem);
+        if let Some(&b) = self.facts.blocks.lock().unwrap().get(&key) {
             return Ok(b);
         }
         let b = self
@@ -706,7 +703,7 @@ impl Kernel {
                     e,
                 )
             })?;
-        answers.lock().unwrap().insert(key, b);
+        self.facts.blocks.lock().unwrap().insert(key, b);
         Ok(b)
     }
 
@@ -734,11 +731,10 @@ impl Kernel {
                     e,
                 )
             });
-        let key = (self.dev.ordinal(), self.name.clone());
-        match r {
-            Ok(()) => smem_limits().lock().unwrap().insert(key, bytes),
-            Err(_) => smem_limits().lock().unwrap().remove(&key),
-        };
+        let set = if r.is_ok() { bytes } else { 0 };
+        self.facts
+            .smem_limit
+            .store(set, std::sync::atomic::Ordering::Relaxed);
         r
     }
 
@@ -751,12 +747,11 @@ impl Kernel {
         if bytes == 0 || bytes as usize + self.static_smem as usize <= 48 * 1024 {
             return Ok(());
         }
-        let key = (self.dev.ordinal(), self.name.clone());
-        if smem_limits()
-            .lock()
-            .unwrap()
-            .get(&key)
-            .is_some_and(|&b| b >= bytes)
+        if self
+            .facts
+            .smem_limit
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= bytes
         {
             return Ok(());
         }

@@ -285,7 +285,8 @@ fn bench_gpu(
                 group.push(rec);
                 // The uniform partitions of the same kernel, as the wave planner picks them
                 // from the longest possible context (the previous default): the step's baseline.
-                let uniform = dc::prepare(v.name, &p, dev, &stream, Some(sc.uniform_splits))?;
+                let splits = dc::plan_splits(p.batch * sc.per_b, p.max_visible(), sc.slots);
+                let uniform = dc::prepare(v.name, &p, dev, &stream, Some(splits))?;
                 let st = time_gpu(dev, &stream, Budget::gpu(), |_| {
                     uniform.run(&p, &ptrs, &stream)
                 })?;

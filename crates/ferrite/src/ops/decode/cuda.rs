@@ -339,9 +339,6 @@ pub struct Sched {
     pub per_b: usize,
     /// Resident blocks of the kernel on the whole device.
     pub slots: usize,
-    /// The split count the wave planner gives uniform partitions of this problem (the bench's
-    /// baseline for the schedule).
-    pub uniform_splits: usize,
 }
 
 /// Device addresses of a decode call.
@@ -485,7 +482,6 @@ pub fn prepare_with(
                     layout,
                     per_b,
                     slots,
-                    uniform_splits: plan_splits(base_blocks(p), p.max_visible(), slots),
                 });
                 (
                     k,
