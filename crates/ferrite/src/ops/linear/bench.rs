@@ -567,23 +567,20 @@ fn bench_cpu_vs_gpu(
                 },
                 &FwdOut { y: &l.y, z: None },
             )?;
-            let (g, ptrs) = if dev.is_cuda() {
-                (
-                    Some(super::gemm_of(
-                        &Fwd {
-                            x: &l.x,
-                            w: &l.w,
-                            bias: None,
-                            residual: None,
-                        },
-                        &l.y,
-                    )?),
-                    vec![l.x.device_ptr()?, l.w.device_ptr()?],
-                )
+            let g = if dev.is_cuda() {
+                Some(super::gemm_of(
+                    &Fwd {
+                        x: &l.x,
+                        w: &l.w,
+                        bias: None,
+                        residual: None,
+                    },
+                    &l.y,
+                )?)
             } else {
-                (None, vec![])
+                None
             };
-            let v = super::select(&p, g.as_ref(), &opts, &ptrs)?.name;
+            let v = super::select(&p, g.as_ref(), &opts)?.name;
             progress(&format!("linear {dev} {v} {dtype} {label}"));
             let stats = match dev {
                 Device::Cpu => time_cpu_op(Budget::cpu(), || l.forward(&opts))?,

@@ -51,18 +51,21 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     v
 }
 
-/// Why `persistent` (the wgmma epilogue kernel) cannot run `g`, or None.
-pub fn persistent_declines(g: &Gemm, arch: Option<Arch>, ptrs: &[u64]) -> Option<String> {
+/// Why `persistent` (the wgmma epilogue kernel) cannot run `g`, or None. Operands whose rows TMA
+/// cannot address (an odd k, a view at an odd offset) are re-pitched first by matmul's pre-pass;
+/// unless asked for by name, small such problems stay on `fused` (matmul's
+/// `wgmma_default_refuses`).
+pub fn persistent_declines(g: &Gemm, arch: Option<Arch>, named: bool) -> Option<String> {
     if arch.is_some_and(|a| a.major != 9) {
         return Some(mmc::WGMMA_ARCH.to_string());
     }
-    if let Some(why) = mmc::wgmma_declines(g) {
-        return Some(why);
-    }
-    if g.k > 0 && ptrs.iter().any(|p| p % 16 != 0) {
-        return Some("needs 16-byte aligned X and W (TMA)".into());
-    }
-    None
+    mmc::wgmma_declines(g).or_else(|| {
+        if named {
+            None
+        } else {
+            mmc::wgmma_default_refuses(g)
+        }
+    })
 }
 
 fn ctx(p: &Problem, stream: &Option<Stream>) -> Result<(Arc<CudaDevice>, Stream)> {
@@ -212,18 +215,14 @@ fn forward_unfused(
     Ok(())
 }
 
-/// The dX GEMM with the activation-backward epilogue (`wgmma`, bf16/f16, Hopper, TMA-aligned
-/// operands), or None where it cannot run (the caller then runs the plain GEMM and
-/// `linear_dact`).
+/// The dX GEMM with the activation-backward epilogue (`wgmma`, bf16/f16, Hopper), or None where
+/// it does not run (the caller then runs the plain GEMM and `linear_dact`).
 fn plan_dact(
     g: &Gemm,
-    ptrs: Ptrs,
     dev: &Arc<CudaDevice>,
     act: Activation,
 ) -> Result<Option<mmc::Launch>> {
-    if g.dtype == DType::F32
-        || persistent_declines(g, Some(dev.arch()), &[ptrs.a, ptrs.b]).is_some()
-    {
+    if g.dtype == DType::F32 || persistent_declines(g, Some(dev.arch()), false).is_some() {
         return Ok(None);
     }
     match mmc::plan_epilogue_dact(g, dev, act) {
@@ -511,7 +510,7 @@ pub fn backward(
                 let fused = if variant == "naive" {
                     None
                 } else {
-                    plan_dact(&g, ptrs, &dev, act_in)?
+                    plan_dact(&g, &dev, act_in)?
                 };
                 let mut e = EpiPtrs {
                     bias: 0,

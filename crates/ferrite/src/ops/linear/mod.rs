@@ -519,13 +519,11 @@ fn precision_of(dtype: DType, opts: &LinearOptions) -> Precision {
     }
 }
 
-/// Picks the variant for a forward problem; `ptrs` (GPU) are X's and W's addresses, for the TMA
-/// alignment rule of `persistent`.
+/// Picks the variant for a forward problem (`g`: its GEMM, on a GPU).
 pub fn select(
     p: &Problem,
     g: Option<&matmul::Gemm>,
     opts: &LinearOptions,
-    ptrs: &[u64],
 ) -> Result<VariantInfo> {
     let vs = variants();
     let arch = match p.device {
@@ -549,7 +547,9 @@ pub fn select(
                     "runs f32 only as tf32 (ask for Precision::Tf32); `naive` is true fp32"
                         .to_string(),
                 ),
-                "persistent" | "persistent_pairs" => cuda::persistent_declines(g?, arch, ptrs),
+                "persistent" | "persistent_pairs" => {
+                    cuda::persistent_declines(g?, arch, opts.variant.is_some())
+                }
                 "skinny" => crate::ops::matmul::cuda::skinny_refuses(g?, opts.variant.is_some()),
                 _ => None,
             }
@@ -561,15 +561,12 @@ pub fn select(
 /// Y = act(X·Wᵀ + b) (+ residual), Z = X·Wᵀ + b when asked for, into caller-provided outputs.
 pub fn forward_into(i: &Fwd, o: &FwdOut, opts: &LinearOptions) -> Result<()> {
     let p = validate_fwd(i, o)?;
-    let (g, ptrs) = if p.device.is_cuda() {
-        (
-            Some(gemm_of(i, o.y)?),
-            vec![i.x.device_ptr()?, i.w.device_ptr()?],
-        )
+    let g = if p.device.is_cuda() {
+        Some(gemm_of(i, o.y)?)
     } else {
-        (None, vec![])
+        None
     };
-    let v = select(&p, g.as_ref(), opts, &ptrs)?;
+    let v = select(&p, g.as_ref(), opts)?;
     if p.m == 0 || p.n == 0 {
         return Ok(());
     }

@@ -25,6 +25,9 @@ pub struct Case {
     pub broadcast_b: bool,
     /// Extra elements at the end of each row of the stored operands (ld > cols).
     pub pad: usize,
+    /// Elements each stored operand's view starts into its rows (ld grows by as much): an odd
+    /// offset puts the base off 16-byte alignment.
+    pub offset: usize,
     pub alpha: f32,
     pub beta: f32,
 }
@@ -40,6 +43,7 @@ impl Case {
             b_trans: false,
             broadcast_b: false,
             pad: 0,
+            offset: 0,
             alpha: 1.0,
             beta: 0.0,
         }
@@ -62,6 +66,9 @@ impl Case {
         }
         if self.pad > 0 {
             s.push_str(&format!(" ld+{}", self.pad));
+        }
+        if self.offset > 0 {
+            s.push_str(&format!(" off+{}", self.offset));
         }
         if self.alpha != 1.0 || self.beta != 0.0 {
             s.push_str(&format!(" α={} β={}", self.alpha, self.beta));
@@ -196,6 +203,19 @@ pub fn cases(quick: bool) -> Vec<Case> {
             pad: 8,
             ..Case::nn(61, 264, 1000)
         },
+        // Rows 16-byte apart but bases one element off (a view at an odd offset): `wgmma`
+        // re-pitches (16-bit) or packs (tf32) both operands; and rows one element off 16 bytes
+        // with many tiles (the re-pitched copy walked by the persistent grid), B transposed.
+        Case {
+            pad: 7,
+            offset: 1,
+            ..Case::nn(136, 200, 72)
+        },
+        Case {
+            b_trans: true,
+            offset: 1,
+            ..Case::nn(300, 520, 263)
+        },
         // The same with B transposed: tf32 wgmma reads both operands in place (NT, 16-byte rows),
         // B through a broadcast tensor map; in NN above it packs B once for all batches.
         Case {
@@ -247,17 +267,17 @@ fn operand(
     rows: usize,
     cols: usize,
     trans: bool,
-    pad: usize,
+    (pad, offset): (usize, usize),
     seed: u64,
 ) -> Result<Tensor> {
     let (sr, sc) = if trans { (cols, rows) } else { (rows, cols) };
-    let mut shape = vec![sr, sc + pad];
+    let mut shape = vec![sr, sc + pad + offset];
     if let Some(b) = batch {
         shape.insert(0, b);
     }
     let r = shape.len();
     let base = Tensor::rand(&shape, dtype, dev, seed, -1.0, 1.0)?;
-    let v = base.narrow(r - 1, 0, sc)?;
+    let v = base.narrow(r - 1, offset, sc)?;
     if trans {
         v.transpose(r - 2, r - 1)
     } else {
@@ -280,7 +300,7 @@ pub fn inputs(
         c.m,
         c.k,
         c.a_trans,
-        c.pad,
+        (c.pad, c.offset),
         seed,
     )?;
     let b_batch = (batched && !c.broadcast_b).then_some(c.batch);
@@ -291,7 +311,7 @@ pub fn inputs(
         c.k,
         c.n,
         c.b_trans,
-        c.pad,
+        (c.pad, c.offset),
         seed ^ 0x5555,
     )?;
     let c0 = if c.beta != 0.0 {

@@ -588,6 +588,11 @@ pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
                 if let Some(why) = cuda::wgmma_declines(g) {
                     return Some(why);
                 }
+                if opts.variant.is_none() {
+                    if let Some(why) = cuda::wgmma_default_refuses(g) {
+                        return Some(why);
+                    }
+                }
             }
             match prec {
                 Precision::Tf32 if !tensor_core => {

@@ -26,6 +26,7 @@ fn check_catches_a_wrong_result() {
         b_trans: false,
         broadcast_b: false,
         pad: 0,
+        offset: 2,
         alpha: 1.0,
         beta: 0.0,
     };

@@ -787,7 +787,7 @@ pub fn grouped_mm(
             if dev.arch().major == 9
                 && a.dtype() != DType::F32
                 && aligned
-                && mm::wgmma_declines(&gm).is_none()
+                && mm::wgmma_declines_unpadded(&gm).is_none()
             {
                 "wgmma"
             } else {
@@ -862,7 +862,7 @@ pub fn grouped_mm_weight_grad(
             && fits
             && dev.arch().major == 9
             && a.dtype() != DType::F32
-            && mm::wgmma_declines(&gm).is_none() =>
+            && mm::wgmma_declines_unpadded(&gm).is_none() =>
         {
             "wgmma"
         }

@@ -5,7 +5,7 @@
 use super::mma::{mma_program, MMA_STAGES, MMA_STAGE_BYTES};
 use super::tma::{tensor_map, tensor_map_encode, wgmma_maps, TmaDesc};
 use super::wgmma::{
-    wg_smem, wgmma_declines, wgmma_program, Persistent, WGMMA_ARCH, WG_GROUP_M, WG_THREADS, WG_TILE,
+    wg_smem, wgmma_declines_unpadded, wgmma_program, Persistent, WGMMA_ARCH, WG_GROUP_M, WG_THREADS, WG_TILE,
 };
 use super::{gemm_args, launch_inner, Launch, Ptrs};
 use crate::core::cuda::jit::Program;
@@ -136,7 +136,7 @@ pub fn plan_grouped_glu(g: &Gemm, act: Activation, dev: &Arc<CudaDevice>) -> Res
             g.n, g.c.ld
         )));
     }
-    if let Some(why) = wgmma_declines(g) {
+    if let Some(why) = wgmma_declines_unpadded(g) {
         return Err(refuse(why));
     }
     let tile = (WG_TILE.0, WG_TILE.1 / 2);
@@ -303,7 +303,7 @@ pub fn plan_grouped(
             if dev.arch().major != 9 {
                 return Err(refuse(WGMMA_ARCH.into()));
             }
-            if let Some(why) = wgmma_declines(g) {
+            if let Some(why) = wgmma_declines_unpadded(g) {
                 return Err(refuse(why));
             }
             let program = grouped_program(variant, g.dtype, mode, layout.0, layout.1);

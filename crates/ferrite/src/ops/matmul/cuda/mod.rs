@@ -42,7 +42,8 @@ pub use skinny::{
     skinny_by_default, skinny_declines, skinny_refuses, SKINNY_DEFAULT_MAX_M, SKINNY_MAX_M,
 };
 pub use wgmma::{
-    wg_config_named, wg_tuned, wgmma_declines, wgmma_function, Persistent, WgConfig, WGMMA_ARCH,
+    wg_config_named, wg_tuned, wgmma_declines, wgmma_declines_unpadded, wgmma_default_refuses,
+    wgmma_function, Persistent, REPITCH_MIN_MACS, WgConfig, WGMMA_ARCH,
     WG_CLUSTERS, WG_CONFIGS, WG_CONFIG_VAR, WG_DACT, WG_DEFAULT,
 };
 
@@ -55,7 +56,7 @@ use self::skinny::{
 };
 use self::tma::{skinny_b_map, wg_tma_store_ok, wgmma_maps, wgmma_out_map, TmaDesc};
 use self::wgmma::{
-    forced_wg_config, tf32_pack, wg_bk, wg_has_tma_store, wg_kstep, wg_smem, wg_stages,
+    forced_wg_config, repitch16, tf32_pack, wg_bk, wg_pack_function, wg_has_tma_store, wg_kstep, wg_smem, wg_stages,
     wgmma_program, WG_THREADS, WG_TILE,
 };
 use super::epilogue::EpiPtrs;
@@ -95,6 +96,9 @@ const MMA: KernelSource = tiled_source!("mma", "kernels/mma.cu");
 const WGMMA: KernelSource = tiled_source!("wgmma", "kernels/wgmma.cu");
 const SKINNY: KernelSource = tiled_source!("skinny", "kernels/skinny.cu");
 
+/// The config note of a 16-bit `wgmma` plan: what happens to operands TMA cannot address.
+const UNALIGNED_NOTE: &str = ", operands with rows not 16-byte aligned first re-pitched";
+
 /// Whether a CUDA variant runs on tensor cores: f32 inputs then run as tf32, and only when the
 /// caller asks for `Precision::Tf32`.
 pub fn tensor_core(variant: &str) -> bool {
@@ -131,7 +135,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             for cluster in WG_CLUSTERS {
                 v.push(KernelSpec {
                     program: wgmma_program(d, at, bt, cluster, None),
-                    functions: vec!["matmul_wgmma".into()],
+                    functions: vec!["matmul_wgmma".into(), wg_pack_function(d).into()],
                     min_arch: Arch::SM90,
                 });
             }
@@ -141,7 +145,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     for cluster in WG_CLUSTERS {
         v.push(KernelSpec {
             program: wgmma_program(DType::F32, false, true, cluster, None),
-            functions: vec!["matmul_wgmma".into(), "matmul_wgmma_pack".into()],
+            functions: vec!["matmul_wgmma".into(), wg_pack_function(DType::F32).into()],
             min_arch: Arch::SM90,
         });
     }
@@ -290,11 +294,7 @@ fn plan_inner(
             let has_store = wg_has_tma_store(g.dtype, epi);
             let smem = wg_smem(g.dtype, epi);
             kernel.set_max_dynamic_smem(smem)?;
-            let pack = if tf32 {
-                Some(dev.kernel(&program, "matmul_wgmma_pack")?)
-            } else {
-                None
-            };
+            let pack = Some(dev.kernel(&program, wg_pack_function(g.dtype))?);
             let sms = (dev.props().sm_count / cluster * cluster).max(cluster);
             let group_m = wg.group_m;
             let (ty, note) = match g.dtype {
@@ -302,8 +302,8 @@ fn plan_inner(
                     "tf32",
                     ", m/n-contiguous or unaligned operands first packed K-major (tf32-rounded)",
                 ),
-                DType::BF16 => ("bf16", ""),
-                _ => ("f16", ""),
+                DType::BF16 => ("bf16", UNALIGNED_NOTE),
+                _ => ("f16", UNALIGNED_NOTE),
             };
             Ok(Launch {
                 kernel,
@@ -395,11 +395,12 @@ fn launch_inner(
     grouped: Option<Groups>,
     stream: &Stream,
 ) -> Result<()> {
-    // tf32 wgmma: operands it cannot read as they are go through the pack pre-pass first; the
-    // scratch is freed (stream-ordered, after the GEMM) when `_scratch` drops.
+    // wgmma: operands it cannot read as they are go through its pre-pass first (tf32: packed
+    // K-major; 16-bit: rows re-pitched to 16 bytes); the scratch is freed (stream-ordered, after the GEMM) when `_scratch` drops.
     let mut _scratch = Vec::new();
     let (g, p) = match &l.pack {
-        Some(k) => tf32_pack(k, g, p, stream, &mut _scratch)?,
+        Some(k) if g.dtype == DType::F32 => tf32_pack(k, g, p, stream, &mut _scratch)?,
+        Some(k) => repitch16(k, g, p, stream, &mut _scratch)?,
         None => (*g, p),
     };
     let g = &g;
@@ -551,18 +552,6 @@ fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()
     };
     let dev = device(i)?;
     let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
-    // `wgmma` chosen by default on views whose base is not 16-byte aligned (TMA cannot address
-    // them): the next rung runs them instead. Asked for by name, it declines (wgmma_maps).
-    let variant = if variant == "wgmma"
-        && opts.variant.is_none()
-        && g.k > 0
-        && g.dtype != DType::F32
-        && (!p.a.is_multiple_of(16) || !p.b.is_multiple_of(16))
-    {
-        "mma_pipelined"
-    } else {
-        variant
-    };
     let cfg = match (&opts.config, variant) {
         (Some(name), "wgmma") => wg_config_named(name)?,
         (None, "wgmma") => match forced_wg_config()? {

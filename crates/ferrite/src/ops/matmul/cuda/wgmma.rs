@@ -310,13 +310,102 @@ pub(super) fn tf32_pack(
     Ok((g2, p2))
 }
 
+/// Whether 16-bit `wgmma` reads this operand in place: its tensor map needs the row pitch and the
+/// batch stride to be multiples of 8 elements and the base 16-byte aligned.
+pub(super) fn rows_aligned16(o: &Operand, base: u64) -> bool {
+    o.ld.is_multiple_of(8) && o.batch_stride.is_multiple_of(8) && base.is_multiple_of(16)
+}
+
+/// The operand as stored, (outer, inner): rows of the storage and elements per row (`inner` is
+/// contiguous). `rows` is m for A, n for B: A is m×k (stored k×m when transposed), B is k×n
+/// (stored n×k when transposed).
+fn stored_dims(o: &Operand, is_a: bool, rows: usize, k: usize) -> (usize, usize) {
+    if is_a != o.trans {
+        (rows, k)
+    } else {
+        (k, rows)
+    }
+}
+
+/// The operand after `repitch16`: the same layout with rows `inner` rounded up to 8 elements
+/// apart, batches `outer` rows apart (or one shared copy when the original broadcasts).
+fn repitched(o: &Operand, outer: usize, inner: usize) -> Operand {
+    let ld = inner.max(1).div_ceil(8) * 8;
+    Operand {
+        ld,
+        trans: o.trans,
+        batch_stride: if o.batch_stride == 0 { 0 } else { outer * ld },
+    }
+}
+
+/// Runs the 16-bit pre-pass (`matmul_wgmma_repitch`) on every operand whose rows TMA cannot
+/// address (`rows_aligned16`) and returns the problem and pointers as `wgmma` then reads them;
+/// `keep` holds the scratch (stream-ordered) until the caller has queued the GEMM.
+pub(super) fn repitch16(
+    k: &Kernel,
+    g: &Gemm,
+    p: Ptrs,
+    stream: &Stream,
+    keep: &mut Vec<DeviceBuffer>,
+) -> Result<(Gemm, Ptrs)> {
+    let (mut g2, mut p2) = (*g, p);
+    if g.k == 0 || g.batch == 0 || g.m == 0 || g.n == 0 {
+        return Ok((g2, p2));
+    }
+    for is_a in [true, false] {
+        let (o, rows, base) = if is_a {
+            (g.a, g.m, p.a)
+        } else {
+            (g.b, g.n, p.b)
+        };
+        if rows_aligned16(&o, base) {
+            continue;
+        }
+        let (outer, inner) = stored_dims(&o, is_a, rows, g.k);
+        let packed = repitched(&o, outer, inner);
+        let copies = if o.batch_stride == 0 { 1 } else { g.batch };
+        let buf = k.dev.alloc(copies * outer * packed.ld * 2, stream)?;
+        let mut args = KernelArgs::new();
+        args.push(buf.ptr())
+            .push(base)
+            .push(outer as i64)
+            .push(inner as i64)
+            .push(o.ld as i64)
+            .push(o.batch_stride as i64)
+            .push(packed.ld as i64)
+            .push(copies as i64);
+        let grid = (
+            ((packed.ld / 8) as u32).div_ceil(128),
+            ((copies * outer) as u64).clamp(1, 65535) as u32,
+            1,
+        );
+        k.launch(stream, grid, (128, 1, 1), 0, &mut args)?;
+        if is_a {
+            (g2.a, p2.a) = (packed, buf.ptr());
+        } else {
+            (g2.b, p2.b) = (packed, buf.ptr());
+        }
+        keep.push(buf);
+    }
+    Ok((g2, p2))
+}
+
+/// The pre-pass a `wgmma` launch of `dtype` runs on operands it cannot read in place: tf32's pack
+/// (K-major, rounded) or the 16-bit re-pitch.
+pub(super) fn wg_pack_function(dtype: DType) -> &'static str {
+    if dtype == DType::F32 {
+        "matmul_wgmma_pack"
+    } else {
+        "matmul_wgmma_repitch"
+    }
+}
+
 /// wgmma, setmaxnreg and the sm_90a target exist on Hopper only (later GPUs have other MMAs).
 pub const WGMMA_ARCH: &str = "needs sm_90a (Hopper, compute capability 9.x)";
 
-/// Why `wgmma` cannot run `g` (None: it can). bf16/f16: the tensor maps need 16-byte aligned
-/// rows, leading dims and batch strides multiples of 8 elements (the base address is checked at
-/// launch). f32 (tf32): any layout and alignment (operands TMA cannot read as they are are packed
-/// first).
+/// Why `wgmma` cannot run `g` (None: it can). Any layout and alignment: operands TMA cannot read
+/// as they are go through a pre-pass first (tf32: packed K-major; 16-bit: re-pitched to 16-byte
+/// rows, `repitch16`).
 pub fn wgmma_declines(g: &Gemm) -> Option<String> {
     if !matches!(g.dtype, DType::BF16 | DType::F16 | DType::F32) {
         return Some("is bf16/f16 (and f32 as tf32) only".into());
@@ -324,21 +413,49 @@ pub fn wgmma_declines(g: &Gemm) -> Option<String> {
     if g.k == 0 {
         return None; // nothing is read: C = beta·C
     }
-    let halves = if g.dtype == DType::F32 {
-        &[][..]
-    } else {
-        &[("a", &g.a), ("b", &g.b)][..]
-    };
-    for &(name, o) in halves {
+    if g.m > i32::MAX as usize - 256 || g.n > i32::MAX as usize - 256 {
+        return Some("needs m, n < 2^31 - 256 (32-bit TMA coordinates)".into());
+    }
+    None
+}
+
+/// Multiply-adds (m·n·k·batch) from which the default selection gives a 16-bit problem whose rows
+/// TMA cannot address to `wgmma` (with the re-pitch pre-pass) rather than to `mma_pipelined`,
+/// which reads such rows in place: the pre-pass costs a launch, a stream-ordered allocation and
+/// one pass over each unaligned operand, a few µs that only a GEMM of ≳ 512³ hides.
+pub const REPITCH_MIN_MACS: u64 = 1 << 27;
+
+/// Why the default selection leaves `g` to another rung although `wgmma` can run it (None: it
+/// takes it): a small 16-bit problem whose rows need the re-pitch pre-pass (`REPITCH_MIN_MACS`).
+pub fn wgmma_default_refuses(g: &Gemm) -> Option<String> {
+    let macs = (g.m as u64)
+        .saturating_mul(g.n as u64)
+        .saturating_mul(g.k as u64)
+        .saturating_mul(g.batch as u64);
+    (wgmma_declines_unpadded(g).is_some() && macs < REPITCH_MIN_MACS).then(|| {
+        format!(
+            "is chosen by default for rows TMA cannot address (re-pitched first) only from {REPITCH_MIN_MACS} multiply-adds; this problem has {macs}"
+        )
+    })
+}
+
+/// Why `wgmma` cannot read `g`'s operands in place (None: it can), for the launches that have no
+/// pre-pass (the grouped GEMMs): TMA needs 16-byte aligned rows, leading dims and batch strides
+/// multiples of 8 elements (the base address is checked at launch).
+pub fn wgmma_declines_unpadded(g: &Gemm) -> Option<String> {
+    if let Some(why) = wgmma_declines(g) {
+        return Some(why);
+    }
+    if g.k == 0 || g.dtype == DType::F32 {
+        return None;
+    }
+    for (name, o) in [("a", &g.a), ("b", &g.b)] {
         if o.ld % 8 != 0 || o.batch_stride % 8 != 0 {
             return Some(format!(
                 "needs 16-byte aligned rows for TMA: {name} has ld {} / batch stride {} (not multiples of 8 elements)",
                 o.ld, o.batch_stride
             ));
         }
-    }
-    if g.m > i32::MAX as usize - 256 || g.n > i32::MAX as usize - 256 {
-        return Some("needs m, n < 2^31 - 256 (32-bit TMA coordinates)".into());
     }
     None
 }
@@ -448,6 +565,71 @@ mod tests {
             r * o.ld + p
         };
         x[z * o.batch_stride + idx]
+    }
+
+    #[test]
+    fn repitch16_keeps_op_x_and_aligns_its_rows() {
+        // (is_a, trans, ld, batch_stride, rows, k, batch): every layout, odd ld and strides,
+        // batched and broadcast, a row of one element.
+        let cases = [
+            (true, false, 5, 0, 3, 5, 1),
+            (true, true, 7, 7 * 6, 7, 6, 2),
+            (false, false, 9, 0, 9, 4, 3),
+            (false, true, 13, 13 * 9, 9, 13, 2),
+            (false, false, 33, 33 * 3 + 1, 33, 3, 2),
+            (true, true, 1, 0, 1, 1, 1),
+            (true, false, 4097, 0, 2, 4097, 1),
+        ];
+        for (is_a, trans, ld, bs, rows, k, batch) in cases {
+            let o = Operand {
+                ld,
+                trans,
+                batch_stride: bs,
+            };
+            let len = bs * batch + ld * rows.max(k) + 1;
+            let x: Vec<f32> = (0..len).map(|i| i as f32 + 0.5).collect();
+            // Mirror of matmul_wgmma_repitch: Y[(z·outer + r)·ldy + c] = X[z·stride + r·ld + c]
+            // for c < inner, zeros up to ldy.
+            let (outer, inner) = stored_dims(&o, is_a, rows, k);
+            let packed = repitched(&o, outer, inner);
+            let copies = if bs == 0 { 1 } else { batch };
+            let mut y = vec![f32::NAN; copies * outer * packed.ld];
+            for z in 0..copies {
+                for r in 0..outer {
+                    for c in 0..packed.ld {
+                        y[(z * outer + r) * packed.ld + c] = if c < inner {
+                            x[z * bs + r * ld + c]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+            }
+            assert!(rows_aligned16(&packed, 256), "{packed:?}");
+            assert!(packed.ld >= inner && packed.ld < inner + 8);
+            assert_eq!(packed.trans, trans);
+            for z in 0..batch {
+                for r in 0..rows {
+                    for p in 0..k {
+                        assert_eq!(
+                            op_at(&y, &packed, is_a, z, r, p),
+                            op_at(&x, &o, is_a, z, r, p),
+                            "is_a {is_a} trans {trans} ld {ld} z {z} r {r} p {p}"
+                        );
+                    }
+                }
+            }
+        }
+        // In place: pitch, batch stride and base all 16-byte multiples.
+        let o = |ld, batch_stride| Operand {
+            ld,
+            trans: false,
+            batch_stride,
+        };
+        assert!(rows_aligned16(&o(64, 0), 0));
+        assert!(!rows_aligned16(&o(64, 0), 2));
+        assert!(!rows_aligned16(&o(63, 0), 0));
+        assert!(!rows_aligned16(&o(64, 64 * 3 + 4), 0));
     }
 
     #[test]
