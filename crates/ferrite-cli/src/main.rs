@@ -5,9 +5,12 @@ mod train_cmd;
 
 use clap::{Args, Parser, Subcommand};
 use ferrite::core::cuda::{self, jit};
-use ferrite::core::harness::report::{bench_summary, bench_table, check_table, ladder_svg, Table};
+use ferrite::core::harness::report::{
+    bench_summary, bench_table, check_table, ladder_svg, sweep_summary, sweep_svg, Table,
+};
 use ferrite::core::harness::{BenchConfig, CheckConfig, Timing};
 use ferrite::core::rng::Rng;
+use ferrite::ops::matmul::sweep::DEFAULT_ROW;
 use ferrite::{ops, Arch, DType, Device, Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -109,6 +112,12 @@ struct BenchArgs {
     /// note); the default is a compact table
     #[arg(long)]
     wide: bool,
+    /// matmul: the default path against cuBLAS and cuBLASLt over a grid of M × (N, K) (decode to
+    /// training batches, odd and vocabulary-wide sizes), bf16 and f16; prints the geometric mean
+    /// and the worst cell, and `--plot` draws the heat map. `--m/--n/--k` or `--size` replace the
+    /// grid; `--variant` adds named rungs beside the default.
+    #[arg(long)]
+    sweep: bool,
 }
 
 #[derive(Args)]
@@ -399,6 +408,24 @@ fn validate_bench_args(
             a.common.device.as_str(),
         ));
     }
+    if a.sweep {
+        if a.common.op != "matmul" {
+            return Err(Error::bad_arg(
+                "ferrite",
+                "--sweep",
+                "the op `matmul` (the sweep is matmul's)",
+                a.common.op.as_str(),
+            ));
+        }
+        if !devices.iter().any(|d| d.is_cuda()) {
+            return Err(Error::bad_arg(
+                "ferrite",
+                "--sweep",
+                "a CUDA device among --device (the sweep compares the GPU default with cuBLAS)",
+                a.common.device.as_str(),
+            ));
+        }
+    }
     if let Some(p) = &a.common.json {
         check_output_path("--json", p)?;
     }
@@ -421,6 +448,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         quick: a.common.quick,
         configs: a.configs.clone(),
         timing: a.timing.parse::<Timing>()?,
+        sweep: a.sweep,
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;
@@ -464,6 +492,14 @@ fn bench(a: BenchArgs) -> Result<()> {
         println!("\nsummary: each family's largest case, its fastest variant");
         print!("{}", bench_summary(&recs));
     }
+    if a.sweep {
+        println!("\nsweep: the default path against the faster vendor library, per cell");
+        print!("{}", sweep_summary(&recs, DEFAULT_ROW));
+    }
+    if a.sweep {
+        println!("\nsweep: the default path against the faster vendor library, per cell");
+        print!("{}", sweep_summary(&recs, DEFAULT_ROW));
+    }
     if let Some(p) = &a.common.json {
         write_json(
             p,
@@ -477,8 +513,12 @@ fn bench(a: BenchArgs) -> Result<()> {
             a.common.op,
             recs.first().map(|r| r.device.clone()).unwrap_or_default()
         );
-        std::fs::write(p, ladder_svg(&recs, &title))
-            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+        let svg = if a.sweep {
+            sweep_svg(&recs, DEFAULT_ROW, &title)
+        } else {
+            ladder_svg(&recs, &title)
+        };
+        std::fs::write(p, svg).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
         println!("chart: {}", p.display());
     }
     Ok(())

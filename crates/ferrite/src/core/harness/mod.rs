@@ -19,7 +19,7 @@ pub use bench::{cpu_name, BenchRecord, Budget, Stats};
 pub use check::{CheckConfig, CheckRecord, Precision};
 
 /// What `ferrite bench` runs.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct BenchConfig {
     /// Devices to run on (the CPU, GPUs).
     pub devices: Vec<Device>,
@@ -36,6 +36,9 @@ pub struct BenchConfig {
     pub configs: Vec<String>,
     /// How benches that compare launches against a peer time them (those that take it: linear).
     pub timing: Timing,
+    /// Run the family's sweep of shapes instead of its ladder (matmul: `--sweep`, the default
+    /// path against the vendor libraries over a grid of M × (N, K)).
+    pub sweep: bool,
 }
 
 /// How a bench times a group of launches it compares.

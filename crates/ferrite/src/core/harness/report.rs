@@ -372,6 +372,160 @@ pub fn ladder_svg(records: &[BenchRecord], title: &str) -> String {
     s
 }
 
+/// (m, n, k) from a GEMM shape label (`[batch×]m×n×k LAYOUT`): the last three numbers of the
+/// first word.
+pub fn gemm_mnk(shape: &str) -> Option<(usize, usize, usize)> {
+    let dims: Vec<usize> = shape
+        .split_whitespace()
+        .next()?
+        .split('×')
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    match dims[..] {
+        [.., m, n, k] => Some((m, n, k)),
+        _ => None,
+    }
+}
+
+/// One sweep cell: dtype, (m, n, k), the default path's ratio to the faster vendor peer.
+fn sweep_cells<'a>(
+    records: &'a [BenchRecord],
+    row: &str,
+) -> Vec<(&'a str, (usize, usize, usize), f64)> {
+    records
+        .iter()
+        .filter(|r| r.variant == row && !r.is_peer)
+        .filter_map(|r| Some((r.dtype.as_str(), gemm_mnk(&r.shape)?, r.ratio_to_peer?)))
+        .collect()
+}
+
+/// The sweep per dtype: cells, the geometric mean of the default path's ratios to the faster
+/// vendor peer, the worst cell, and the cells below 0.9×.
+pub fn sweep_summary(records: &[BenchRecord], row: &str) -> String {
+    let cells = sweep_cells(records, row);
+    let mut dtypes: Vec<&str> = cells.iter().map(|c| c.0).collect();
+    dtypes.dedup();
+    let mut s = String::new();
+    for d in dtypes {
+        let mine: Vec<_> = cells.iter().filter(|c| c.0 == d).collect();
+        let geo = (mine.iter().map(|c| c.2.ln()).sum::<f64>() / mine.len() as f64).exp();
+        let worst = mine
+            .iter()
+            .min_by(|a, b| a.2.total_cmp(&b.2))
+            .expect("a dtype has cells");
+        let below = mine.iter().filter(|c| c.2 < 0.9).count();
+        let (m, n, k) = worst.1;
+        let _ = writeln!(
+            s,
+            "  {d}: {} cells, geometric mean {geo:.2}× the faster of cuBLAS/cuBLASLt; worst {m}×{n}×{k} {:.2}×; {below} below 0.90×",
+            mine.len(),
+            worst.2
+        );
+    }
+    s
+}
+
+/// Fill of a sweep cell: red below 0.5×, through orange and yellow to green at ≥ 1.2×.
+fn ratio_color(r: f64) -> String {
+    let t = ((r - 0.5) / 0.7).clamp(0.0, 1.0);
+    let (r0, g0, b0) = if t < 0.5 {
+        (0.85, 0.25 + 1.2 * t, 0.2)
+    } else {
+        (0.85 - 1.2 * (t - 0.5), 0.85, 0.2 + 0.3 * (t - 0.5))
+    };
+    let h = |x: f64| (x.clamp(0.0, 1.0) * 255.0).round() as u8;
+    format!("#{:02x}{:02x}{:02x}", h(r0), h(g0), h(b0))
+}
+
+/// A heat map of the sweep: one panel per dtype, rows m, columns (n, k), each cell the default
+/// path's ratio to the faster vendor peer (> 1: faster), with the summary line under it.
+pub fn sweep_svg(records: &[BenchRecord], row: &str, title: &str) -> String {
+    let cells = sweep_cells(records, row);
+    let mut dtypes: Vec<&str> = cells.iter().map(|c| c.0).collect();
+    dtypes.dedup();
+    let (cw, ch, lw, top) = (96.0, 24.0, 70.0, 50.0);
+    let mut s = String::new();
+    let mut panels = String::new();
+    let mut y = top;
+    let mut width: f64 = 640.0;
+    for d in &dtypes {
+        let mine: Vec<_> = cells.iter().filter(|c| c.0 == *d).collect();
+        let mut ms: Vec<usize> = mine.iter().map(|c| c.1 .0).collect();
+        ms.sort_unstable();
+        ms.dedup();
+        let mut nks: Vec<(usize, usize)> = Vec::new();
+        for c in &mine {
+            if !nks.contains(&(c.1 .1, c.1 .2)) {
+                nks.push((c.1 .1, c.1 .2));
+            }
+        }
+        width = width.max(lw + cw * nks.len() as f64 + 20.0);
+        let _ = writeln!(
+            panels,
+            r#"<text x="10" y="{}" font-weight="bold">{} — rows m, columns n×k (B stored [n, k]); × the faster of cuBLAS/cuBLASLt</text>"#,
+            y + 14.0,
+            esc(d)
+        );
+        y += 24.0;
+        for (j, (n, k)) in nks.iter().enumerate() {
+            let _ = writeln!(
+                panels,
+                r#"<text x="{}" y="{}" text-anchor="middle">{n}×{k}</text>"#,
+                lw + cw * (j as f64 + 0.5),
+                y + 14.0
+            );
+        }
+        y += ch;
+        for m in &ms {
+            let _ = writeln!(
+                panels,
+                r#"<text x="{}" y="{}" text-anchor="end">{m}</text>"#,
+                lw - 8.0,
+                y + 16.0
+            );
+            for (j, nk) in nks.iter().enumerate() {
+                let x = lw + cw * j as f64;
+                if let Some(c) = mine.iter().find(|c| c.1 == (*m, nk.0, nk.1)) {
+                    let _ = writeln!(
+                        panels,
+                        r#"<rect x="{x}" y="{y}" width="{}" height="{}" fill="{}" stroke="white"/><text x="{}" y="{}" text-anchor="middle">{:.2}</text>"#,
+                        cw,
+                        ch,
+                        ratio_color(c.2),
+                        x + cw / 2.0,
+                        y + 16.0,
+                        c.2
+                    );
+                }
+            }
+            y += ch;
+        }
+        let summary = sweep_summary(records, row);
+        if let Some(line) = summary.lines().find(|l| l.trim_start().starts_with(*d)) {
+            let _ = writeln!(
+                panels,
+                r#"<text x="10" y="{}">{}</text>"#,
+                y + 18.0,
+                esc(line.trim())
+            );
+        }
+        y += 40.0;
+    }
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    s.push_str(&panels);
+    s.push_str("</svg>\n");
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -393,6 +547,39 @@ mod tests {
         let svg = ladder_svg(&[r], "t");
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("naive&lt;1&gt;"));
+    }
+
+    #[test]
+    fn sweep_summary_and_heat_map() {
+        let r = |dtype: &str, shape: &str, ratio: f64| BenchRecord {
+            variant: "default".into(),
+            dtype: dtype.into(),
+            shape: shape.into(),
+            ratio_to_peer: Some(ratio),
+            ..Default::default()
+        };
+        let recs = vec![
+            r("bf16", "1×4096×4096 NT", 0.5),
+            r("bf16", "4097×4097×4097 NT", 2.0),
+            r("bf16", "8192×768×768 NT", 0.8),
+            BenchRecord {
+                variant: "cublas".into(),
+                is_peer: true,
+                ..r("bf16", "1×4096×4096 NT", 1.0)
+            },
+        ];
+        assert_eq!(gemm_mnk("2×7×9×11 NN"), Some((7, 9, 11)));
+        assert_eq!(gemm_mnk("7×9"), None);
+        let s = sweep_summary(&recs, "default");
+        assert!(s.contains("bf16: 3 cells"), "{s}");
+        assert!(s.contains("geometric mean 0.93×"), "{s}");
+        assert!(s.contains("worst 1×4096×4096 0.50×"), "{s}");
+        assert!(s.contains("2 below 0.90×"), "{s}");
+        let svg = sweep_svg(&recs, "default", "t");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<rect x=").count(), 3);
+        assert!(svg.contains(">2.00<") && svg.contains("4097×4097"));
+        assert_ne!(ratio_color(0.4), ratio_color(1.3));
     }
 
     /// The summary takes each family's largest case and its fastest non-peer variant; the

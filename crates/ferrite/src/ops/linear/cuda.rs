@@ -217,11 +217,7 @@ fn forward_unfused(
 
 /// The dX GEMM with the activation-backward epilogue (`wgmma`, bf16/f16, Hopper), or None where
 /// it does not run (the caller then runs the plain GEMM and `linear_dact`).
-fn plan_dact(
-    g: &Gemm,
-    dev: &Arc<CudaDevice>,
-    act: Activation,
-) -> Result<Option<mmc::Launch>> {
+fn plan_dact(g: &Gemm, dev: &Arc<CudaDevice>, act: Activation) -> Result<Option<mmc::Launch>> {
     if g.dtype == DType::F32 || persistent_declines(g, Some(dev.arch()), false).is_some() {
         return Ok(None);
     }

@@ -39,7 +39,10 @@ pub fn run(
 ) -> Result<()> {
     for &dev in &cfg.devices {
         match dev {
+            // The sweep compares the GPU default with the vendor libraries: no CPU rows.
+            Device::Cpu if cfg.sweep => {}
             Device::Cpu => bench_cpu(cfg, ceilings, progress, out)?,
+            Device::Cuda(i) if cfg.sweep => super::sweep::run(cfg, &device(i)?, progress, out)?,
             Device::Cuda(i) => bench_gpu(cfg, &device(i)?, ceilings, progress, out)?,
         }
     }
@@ -155,7 +158,7 @@ fn bench_cpu(
 
 /// Input sets for rotation: (a, b, c) per set, so a pass over them exceeds L2. With `b_trans`, B
 /// is stored [n, k] and passed as its transposed view (the NT layout of a linear layer).
-fn gpu_sets(
+pub(super) fn gpu_sets(
     dev: &Arc<CudaDevice>,
     dtype: DType,
     [m, n, k]: [usize; 3],

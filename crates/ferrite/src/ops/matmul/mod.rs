@@ -40,6 +40,8 @@ pub mod cpu;
 #[doc(hidden)]
 pub mod cuda;
 pub mod epilogue;
+#[doc(hidden)]
+pub mod sweep;
 
 use crate::core::cuda::Stream;
 use crate::core::device::Device;

@@ -5,7 +5,8 @@
 use super::mma::{mma_program, MMA_STAGES, MMA_STAGE_BYTES};
 use super::tma::{tensor_map, tensor_map_encode, wgmma_maps, TmaDesc};
 use super::wgmma::{
-    wg_smem, wgmma_declines_unpadded, wgmma_program, Persistent, WGMMA_ARCH, WG_GROUP_M, WG_THREADS, WG_TILE,
+    wg_smem, wgmma_declines_unpadded, wgmma_program, Persistent, WGMMA_ARCH, WG_GROUP_M,
+    WG_THREADS, WG_TILE,
 };
 use super::{gemm_args, launch_inner, Launch, Ptrs};
 use crate::core::cuda::jit::Program;

@@ -43,8 +43,8 @@ pub use skinny::{
 };
 pub use wgmma::{
     wg_config_named, wg_tuned, wgmma_declines, wgmma_declines_unpadded, wgmma_default_refuses,
-    wgmma_function, Persistent, REPITCH_MIN_MACS, WgConfig, WGMMA_ARCH,
-    WG_CLUSTERS, WG_CONFIGS, WG_CONFIG_VAR, WG_DACT, WG_DEFAULT,
+    wgmma_function, Persistent, WgConfig, REPITCH_MIN_MACS, WGMMA_ARCH, WG_CLUSTERS, WG_CONFIGS,
+    WG_CONFIG_VAR, WG_DACT, WG_DEFAULT,
 };
 
 use self::epilogue::epilogue_note;
@@ -56,8 +56,8 @@ use self::skinny::{
 };
 use self::tma::{skinny_b_map, wg_tma_store_ok, wgmma_maps, wgmma_out_map, TmaDesc};
 use self::wgmma::{
-    forced_wg_config, repitch16, tf32_pack, wg_bk, wg_pack_function, wg_has_tma_store, wg_kstep, wg_smem, wg_stages,
-    wgmma_program, WG_THREADS, WG_TILE,
+    forced_wg_config, repitch16, tf32_pack, wg_bk, wg_has_tma_store, wg_kstep, wg_pack_function,
+    wg_smem, wg_stages, wgmma_program, WG_THREADS, WG_TILE,
 };
 use super::epilogue::EpiPtrs;
 use super::{Gemm, MatmulOptions, OP};
