@@ -23,7 +23,7 @@ for line in sys.stdin:
 ' | while IFS=$'\t' read -r name exe; do cp "$exe" "$out/tests/$name"; done
 rm -f "$out"/tests/*-cli  # drives the CLI by its build path; covered by CI
 rm -f "$out"/tests/ferrite-capi-c_test  # builds from the source tree; capi.sh runs the C test here
-cp scripts/gpu-suite/run.sh scripts/gpu-suite/train.sh scripts/gpu-suite/train_peers.py scripts/gpu-suite/train_table.py scripts/gpu-suite/torch_peers.py scripts/gpu-suite/attention_peers.py scripts/gpu-suite/bench-families.sh scripts/gpu-suite/moe_peers.py scripts/gpu-suite/moe.sh scripts/gpu-suite/moe_profile.py scripts/gpu-suite/decode_linear.py scripts/gpu-suite/models.sh scripts/gpu-suite/models_profile.py scripts/gpu-suite/pad_check.py scripts/gpu-suite/dist.sh scripts/gpu-suite/dist_table.py scripts/gpu-suite/nccl_bw.py scripts/gpu-suite/sanitize.sh scripts/gpu-suite/decode.sh scripts/gpu-suite/serving_decode.py "$out/"
+cp scripts/gpu-suite/run.sh scripts/gpu-suite/train.sh scripts/gpu-suite/train_peers.py scripts/gpu-suite/train_table.py scripts/gpu-suite/torch_peers.py scripts/gpu-suite/attention_peers.py scripts/gpu-suite/bench-families.sh scripts/gpu-suite/moe_peers.py scripts/gpu-suite/moe.sh scripts/gpu-suite/moe_profile.py scripts/gpu-suite/decode_linear.py scripts/gpu-suite/models.sh scripts/gpu-suite/models_profile.py scripts/gpu-suite/pad_check.py scripts/gpu-suite/dist.sh scripts/gpu-suite/dist_table.py scripts/gpu-suite/nccl_bw.py scripts/gpu-suite/sanitize.sh scripts/gpu-suite/decode.sh scripts/gpu-suite/serving_decode.py scripts/gpu-suite/matmul_sweep.sh "$out/"
 # The C API: its library, header, C test program and runner (capi.sh run, called by run.sh).
 cargo build --release -p ferrite-capi
 mkdir -p "$out/capi/lib" "$out/capi/include"

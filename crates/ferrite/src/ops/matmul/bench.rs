@@ -157,12 +157,13 @@ fn bench_cpu(
 }
 
 /// Input sets for rotation: (a, b, c) per set, so a pass over them exceeds L2. With `b_trans`, B
-/// is stored [n, k] and passed as its transposed view (the NT layout of a linear layer).
+/// is stored [n, k] and passed as its transposed view (the NT layout of a linear layer);
+/// `b_trans: Some(b)` takes B's values from the host tensor `b` (`[n, k]`) instead of drawing them.
 pub(super) fn gpu_sets(
     dev: &Arc<CudaDevice>,
     dtype: DType,
     [m, n, k]: [usize; 3],
-    b_trans: bool,
+    b_trans: Option<&Tensor>,
 ) -> Result<Vec<(Tensor, Tensor, Tensor)>> {
     let d = Device::Cuda(dev.ordinal());
     let es = dtype.size_in_bytes();
@@ -175,14 +176,24 @@ pub(super) fn gpu_sets(
     // One random set on the host, copied to every slot: random data, without paying the host RNG
     // once per set.
     let a = Tensor::rand(&[m, k], dtype, Device::Cpu, 11, -1.0, 1.0)?;
-    let b_shape = if b_trans { [n, k] } else { [k, n] };
-    let b = Tensor::rand(&b_shape, dtype, Device::Cpu, 12, -1.0, 1.0)?;
+    let drawn;
+    let b = match b_trans {
+        Some(b) => b,
+        None => {
+            drawn = Tensor::rand(&[k, n], dtype, Device::Cpu, 12, -1.0, 1.0)?;
+            &drawn
+        }
+    };
     (0..sets)
         .map(|_| {
             let bd = b.to_device(d)?;
             Ok((
                 a.to_device(d)?,
-                if b_trans { bd.transpose(0, 1)? } else { bd },
+                if b_trans.is_some() {
+                    bd.transpose(0, 1)?
+                } else {
+                    bd
+                },
                 Tensor::empty(&[m, n], dtype, d)?,
             ))
         })
@@ -281,7 +292,19 @@ fn bench_gpu(
             if runs.is_empty() && !cfg.variants.is_empty() {
                 continue;
             }
-            let sets = gpu_sets(dev, dtype, shape, b_trans)?;
+            let b_nk = if b_trans {
+                Some(Tensor::rand(
+                    &[shape[1], shape[2]],
+                    dtype,
+                    Device::Cpu,
+                    12,
+                    -1.0,
+                    1.0,
+                )?)
+            } else {
+                None
+            };
+            let sets = gpu_sets(dev, dtype, shape, b_nk.as_ref())?;
             let g: Gemm = validate(&sets[0].0, &sets[0].1, &sets[0].2)?;
             let ptrs: Vec<Ptrs> = sets
                 .iter()
