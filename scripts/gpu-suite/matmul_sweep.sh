@@ -18,7 +18,7 @@ for part in $parts; do
       timeout 240 "$fe" check matmul --device cuda --variant wgmma --variant mma_pipelined \
         --variant skinny >"$out/check-matmul.txt" 2>&1
       echo "check matmul: rc $?; $(tail -1 "$out/check-matmul.txt")"
-      timeout 120 "$fe" check linear --device cuda --quick >"$out/check-linear.txt" 2>&1
+      timeout 300 "$fe" check linear --device cuda --quick >"$out/check-linear.txt" 2>&1
       echo "check linear: rc $?; $(tail -1 "$out/check-linear.txt")"
       ;;
     threshold)

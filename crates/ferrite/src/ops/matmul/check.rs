@@ -216,6 +216,19 @@ pub fn cases(quick: bool) -> Vec<Case> {
             offset: 1,
             ..Case::nn(300, 520, 263)
         },
+        // Split-K `wgmma` (few tiles, long k): 5 splits of 5, 5, 5, 5 and 2 k tiles with α/β and
+        // B re-pitched (ld 300); 14 splits of a 68-tile k (NT, a decode-like linear layer).
+        Case {
+            alpha: 0.5,
+            beta: -1.0,
+            ..Case::nn(77, 300, 1400)
+        },
+        Case {
+            b_trans: true,
+            alpha: 0.5,
+            beta: -1.0,
+            ..Case::nn(64, 256, 4296)
+        },
         // The same with B transposed: tf32 wgmma reads both operands in place (NT, 16-byte rows),
         // B through a broadcast tensor map; in NN above it packs B once for all batches.
         Case {

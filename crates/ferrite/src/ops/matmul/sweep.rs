@@ -38,6 +38,9 @@ pub const SWEEP_NK: [(usize, usize); 7] = [
     (128256, 4096),
 ];
 
+/// Calls queued back to back to measure a path's host time per call.
+const HOST_CALLS: usize = 50;
+
 /// The row of the default path in the sweep's records.
 pub const DEFAULT_ROW: &str = "default";
 
@@ -164,6 +167,20 @@ pub fn run(
             fs.push(Box::new(move |i: usize| plan.run(ptrs_[i % n], 1.0, 0.0)));
         }
         let stats = time_gpu_alternating_boxed(dev, &stream, sweep_budget(), 3, &mut fs)?;
+        // Host time per call of the default path and of cuBLAS: calls queued back to back
+        // without waiting (the launch queue does not fill in 50), so the wall time is the host's.
+        let host_us = |f: &mut Box<dyn FnMut(usize) -> Result<()> + '_>| -> Result<f64> {
+            dev.synchronize(&stream, "sweep host timing")?;
+            let t = std::time::Instant::now();
+            for i in 0..HOST_CALLS {
+                f(i)?;
+            }
+            let us = t.elapsed().as_secs_f64() * 1e6 / HOST_CALLS as f64;
+            dev.synchronize(&stream, "sweep host timing")?;
+            Ok(us)
+        };
+        let host_default = host_us(&mut fs[0])?;
+        let host_cublas = host_us(&mut fs[1 + plans.len()])?;
         drop(fs);
         let mut stats = stats.into_iter();
         let mut rec = |variant: &str, is_peer: bool, config: String| {
@@ -186,7 +203,9 @@ pub fn run(
         let mut group = vec![rec(
             DEFAULT_ROW,
             false,
-            format!("runs `{chosen}` (matmul's selection for this shape)"),
+            format!(
+                "runs `{chosen}` (matmul's selection); host {host_default:.1} µs/call (cuBLAS {host_cublas:.1})"
+            ),
         )];
         for (v, l) in &plans {
             group.push(rec(v, false, l.config.clone()));

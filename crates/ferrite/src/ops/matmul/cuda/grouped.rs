@@ -182,9 +182,11 @@ fn grouped_wgmma_launch(
             group_m: WG_GROUP_M,
             cluster: 1,
             tma_store: true,
+            splits: 1,
         }),
         epilogue: None,
         pack: None,
+        reduce: None,
         b_map: None,
     })
 }
@@ -248,7 +250,8 @@ pub fn launch_grouped_glu(
         .push(tc)
         .push(th)
         .push(pp.group_m.max(1) as i32)
-        .push(1 | if h.is_some() { 2 } else { 0 });
+        .push(1 | if h.is_some() { 2 } else { 0 })
+        .push(0i32); // no split-K
     args.push(groups.ends).push(groups.groups as i32);
     args.push(h.unwrap_or(0));
     l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
@@ -294,6 +297,7 @@ pub fn plan_grouped(
                 persistent: None,
                 epilogue: None,
                 pack: None,
+                reduce: None,
                 b_map: None,
             })
         }

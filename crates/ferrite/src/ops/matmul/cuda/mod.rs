@@ -57,7 +57,7 @@ use self::skinny::{
 use self::tma::{skinny_b_map, wg_tma_store_ok, wgmma_maps, wgmma_out_map, TmaDesc};
 use self::wgmma::{
     forced_wg_config, repitch16, tf32_pack, wg_bk, wg_has_tma_store, wg_kstep, wg_pack_function,
-    wg_smem, wg_stages, wgmma_program, WG_THREADS, WG_TILE,
+    wg_smem, wg_splits, wg_stages, wgmma_program, WG_THREADS, WG_TILE,
 };
 use super::epilogue::EpiPtrs;
 use super::{Gemm, MatmulOptions, OP};
@@ -135,7 +135,11 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             for cluster in WG_CLUSTERS {
                 v.push(KernelSpec {
                     program: wgmma_program(d, at, bt, cluster, None),
-                    functions: vec!["matmul_wgmma".into(), wg_pack_function(d).into()],
+                    functions: vec![
+                        "matmul_wgmma".into(),
+                        wg_pack_function(d).into(),
+                        "matmul_splitk_reduce".into(),
+                    ],
                     min_arch: Arch::SM90,
                 });
             }
@@ -178,6 +182,9 @@ pub struct Launch {
     /// contiguous, or rows not 16-byte aligned) into a K-major tf32-rounded copy; `launch` runs
     /// it first where needed (see `tf32_direct`).
     pub pack: Option<Kernel>,
+    /// Split-K `wgmma` (`Persistent::splits` > 1): the pass that sums the splits' fp32 partials
+    /// into C (`matmul_splitk_reduce`).
+    pub reduce: Option<Kernel>,
     /// `skinny`: the kernel takes B's tensor map after the GEMM parameters (boxes of this k
     /// width; `skinny_b_map`), and whether it is built for sm_90 (zeros are passed otherwise).
     pub b_map: Option<(u32, bool)>,
@@ -220,6 +227,7 @@ fn plan_inner(
             persistent: None,
             epilogue: None,
             pack: None,
+            reduce: None,
             b_map: None,
         });
     }
@@ -233,6 +241,7 @@ fn plan_inner(
             persistent: None,
             epilogue: epi,
             pack: None,
+            reduce: None,
             b_map: None,
         }),
         "mma" | "mma_pipelined" => {
@@ -265,6 +274,7 @@ fn plan_inner(
                 persistent: None,
                 epilogue: epi,
                 pack: None,
+                reduce: None,
                 b_map: None,
             })
         }
@@ -281,7 +291,14 @@ fn plan_inner(
                     "has no fused epilogue for f32/tf32 (mma_pipelined has one)",
                 ));
             }
-            let cluster = wg.cluster;
+            // Split-K (plain 16-bit GEMMs with few tiles): single-block clusters (a pair's second
+            // block would hold no rows at m ≤ 128).
+            let splits = if epi.is_none() {
+                wg_splits(g, dev.props().sm_count)
+            } else {
+                1
+            };
+            let cluster = if splits > 1 { 1 } else { wg.cluster };
             // tf32 wgmma reads K-major operands only: one kernel (A row-major, B transposed),
             // other layouts packed into it at launch.
             let (at, bt) = if tf32 {
@@ -295,6 +312,11 @@ fn plan_inner(
             let smem = wg_smem(g.dtype, epi);
             kernel.set_max_dynamic_smem(smem)?;
             let pack = Some(dev.kernel(&program, wg_pack_function(g.dtype))?);
+            let reduce = if splits > 1 {
+                Some(dev.kernel(&program, "matmul_splitk_reduce")?)
+            } else {
+                None
+            };
             let sms = (dev.props().sm_count / cluster * cluster).max(cluster);
             let group_m = wg.group_m;
             let (ty, note) = match g.dtype {
@@ -318,10 +340,12 @@ fn plan_inner(
                     wg_stages(g.dtype, epi),
                     WG_TILE.1,
                     wg_kstep(g.dtype),
-                    if has_store && wg.tma_store {
-                        "C staged in shared memory and written by TMA stores"
+                    if splits > 1 {
+                        format!("k split {splits} ways, fp32 partials summed in a second pass")
+                    } else if has_store && wg.tma_store {
+                        "C staged in shared memory and written by TMA stores".into()
                     } else {
-                        "C stored from registers"
+                        "C stored from registers".into()
                     },
                     epilogue_note(epi)
                 ),
@@ -330,9 +354,11 @@ fn plan_inner(
                     group_m,
                     cluster,
                     tma_store: has_store && wg.tma_store,
+                    splits,
                 }),
                 epilogue: epi,
                 pack,
+                reduce,
                 b_map: None,
             })
         }
@@ -372,6 +398,7 @@ fn plan_inner(
                 persistent: None,
                 epilogue: epi,
                 pack: None,
+            reduce: None,
                 b_map: Some((skinny_pass(mt), sm90)),
             })
         }
@@ -396,12 +423,35 @@ fn launch_inner(
     stream: &Stream,
 ) -> Result<()> {
     // wgmma: operands it cannot read as they are go through its pre-pass first (tf32: packed
-    // K-major; 16-bit: rows re-pitched to 16 bytes); the scratch is freed (stream-ordered, after the GEMM) when `_scratch` drops.
+    // K-major; 16-bit: rows re-pitched to 16 bytes); the scratch is freed (stream-ordered, after
+    // the GEMM) when `_scratch` drops.
     let mut _scratch = Vec::new();
     let (g, p) = match &l.pack {
         Some(k) if g.dtype == DType::F32 => tf32_pack(k, g, p, stream, &mut _scratch)?,
         Some(k) => repitch16(k, g, p, stream, &mut _scratch)?,
         None => (*g, p),
+    };
+    // Split-K: the splits run as the batch of an unbatched problem (A and B batch strides 0),
+    // writing fp32 partials [splits][m][n] into a workspace; the reduce pass below writes C.
+    let splits = l.persistent.map_or(1, |pp| pp.splits);
+    let (g_out, p_out, alpha_out, beta_out) = (g, p, alpha, beta);
+    let mut _workspace = None;
+    let (g, p, alpha, beta) = if splits > 1 {
+        let ws = l
+            .kernel
+            .dev
+            .alloc(splits as usize * g.m * g.n * 4, stream)?;
+        let mut gs = g;
+        gs.batch = splits as usize;
+        gs.a.batch_stride = 0;
+        gs.b.batch_stride = 0;
+        gs.c.ld = g.n;
+        gs.c.batch_stride = g.m * g.n;
+        let ps = Ptrs { c: ws.ptr(), ..p };
+        _workspace = Some(ws);
+        (gs, ps, 1.0, 0.0)
+    } else {
+        (g, p, alpha, beta)
     };
     let g = &g;
     // Kernels stride over row tiles and batches beyond the y/z limits.
@@ -444,7 +494,7 @@ fn launch_inner(
     }
     if let Some(pp) = l.persistent {
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
-        let store = pp.tma_store && wg_tma_store_ok(g, p.c, beta, &e);
+        let store = splits == 1 && pp.tma_store && wg_tma_store_ok(g, p.c, beta, &e);
         let none = TmaDesc([0; 16]);
         let (tc, tz) = if store {
             let tz = if e.z != 0 {
@@ -461,7 +511,8 @@ fn launch_inner(
             .push(tc)
             .push(tz)
             .push(pp.group_m.max(1) as i32)
-            .push(store as i32);
+            .push(store as i32)
+            .push((splits > 1) as i32);
     }
     if let Some(epi) = l.epilogue {
         args.push(e.bias)
@@ -492,7 +543,24 @@ fn launch_inner(
     if let Some(gr) = grouped {
         args.push(gr.ends).push(gr.groups as i32);
     }
-    l.kernel.launch(stream, grid, l.block, l.smem, &mut args)
+    l.kernel.launch(stream, grid, l.block, l.smem, &mut args)?;
+    match (&l.reduce, &_workspace) {
+        (Some(reduce), Some(ws)) => {
+            let (g, mn) = (g_out, (g_out.m * g_out.n) as u64);
+            let mut args = KernelArgs::new();
+            args.push(p_out.c)
+                .push(ws.ptr())
+                .push(g.m as i64)
+                .push(g.n as i64)
+                .push(g.c.ld as i64)
+                .push(splits as i32)
+                .push(alpha_out)
+                .push(beta_out);
+            let blocks = mn.div_ceil(512).clamp(1, 4 * 1024) as u32;
+            reduce.launch(stream, (blocks, 1, 1), (256, 1, 1), 0, &mut args)
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Every GEMM kernel's leading parameters (FE_MATMUL_PARAMS).

@@ -422,8 +422,11 @@ pub fn wgmma_declines(g: &Gemm) -> Option<String> {
 /// Multiply-adds (m·n·k·batch) from which the default selection gives a 16-bit problem whose rows
 /// TMA cannot address to `wgmma` (with the re-pitch pre-pass) rather than to `mma_pipelined`,
 /// which reads such rows in place: the pre-pass costs a launch, a stream-ordered allocation and
-/// one pass over each unaligned operand, a few µs that only a GEMM of ≳ 512³ hides.
-pub const REPITCH_MIN_MACS: u64 = 1 << 27;
+/// one pass over each unaligned operand. Measured on the H200 (bf16 NN, same call): 127×255×33
+/// (1.1 M multiply-adds) 13.3 µs `mma_pipelined` against 21.3 µs re-pitched `wgmma`; 256×264×257
+/// (17 M) 20.3 against 15.8; 1024×1000×1001 73.9 against 23.1, 2048×2047×2049 370 against 61
+/// (1.97× cuBLAS; bench/results/2026-11-28-h200-matmul-sweep/threshold-*.json).
+pub const REPITCH_MIN_MACS: u64 = 1 << 24;
 
 /// Why the default selection leaves `g` to another rung although `wgmma` can run it (None: it
 /// takes it): a small 16-bit problem whose rows need the re-pitch pre-pass (`REPITCH_MIN_MACS`).
@@ -460,6 +463,36 @@ pub fn wgmma_declines_unpadded(g: &Gemm) -> Option<String> {
     None
 }
 
+/// Most splits of k `wg_splits` takes: beyond, the workspace's passes outgrow the gain.
+const WG_MAX_SPLITS: usize = 16;
+/// Fewest k tiles (of 64) per split: a split's pipeline fill (4 stages) and its partial tile's
+/// write need a few k steps of work behind them.
+const WG_MIN_SPLIT_KTILES: usize = 4;
+
+/// Splits of k for the plain 16-bit `wgmma` on `g` (1: none). A 128×256 tile per block leaves
+/// most SMs idle when C has few tiles — a short M (16–256 rows: decode batches, small prefills)
+/// against 4096 columns is 16–32 tiles on 132 SMs, each block walking all of k alone. Splitting
+/// k into s ranges gives tiles·s blocks, each writing an fp32 partial tile, and a second pass
+/// sums the s partials in order (deterministic) into C with α and β. Split only where fewer than
+/// half the SMs would have a tile, into as many ranges as fill them, each ≥ 4 k tiles, ≤ 16.
+pub(super) fn wg_splits(g: &Gemm, sms: u32) -> u32 {
+    if g.batch != 1 || g.k == 0 || g.dtype == DType::F32 {
+        return 1;
+    }
+    let tiles = g.m.div_ceil(WG_TILE.0 as usize) * g.n.div_ceil(WG_TILE.1 as usize);
+    if tiles == 0 || tiles * 2 > sms as usize {
+        return 1;
+    }
+    let ktiles = g.k.div_ceil(wg_bk(g.dtype) as usize);
+    let s = (sms as usize / tiles)
+        .min(ktiles / WG_MIN_SPLIT_KTILES)
+        .min(WG_MAX_SPLITS)
+        .max(1);
+    // The kernel gives split z the k tiles from z·⌈ktiles/s⌉: as many splits as that needs, so
+    // none is empty.
+    ktiles.div_ceil(ktiles.div_ceil(s)) as u32
+}
+
 /// How the persistent `wgmma` grid walks the C tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Persistent {
@@ -469,6 +502,9 @@ pub struct Persistent {
     pub group_m: u32,
     /// Blocks per cluster along m (1, or 2: B tiles multicast to the pair).
     pub cluster: u32,
+    /// Splits of k (1: none): each split's fp32 partial C into a workspace, summed by
+    /// `matmul_splitk_reduce` (`wg_splits`).
+    pub splits: u32,
     /// `wgmma` with the TMA-store epilogue compiled in and chosen (used where
     /// `wg_tma_store_ok` holds for the launch).
     pub tma_store: bool,
@@ -565,6 +601,61 @@ mod tests {
             r * o.ld + p
         };
         x[z * o.batch_stride + idx]
+    }
+
+    #[test]
+    fn splits_fill_idle_sms_without_empty_or_tiny_ranges() {
+        let g = |m: usize, n: usize, k: usize, batch: usize| Gemm {
+            batch,
+            m,
+            n,
+            k,
+            a: Operand {
+                ld: k,
+                trans: false,
+                batch_stride: m * k,
+            },
+            b: Operand {
+                ld: k,
+                trans: true,
+                batch_stride: n * k,
+            },
+            c: Operand {
+                ld: n,
+                trans: false,
+                batch_stride: m * n,
+            },
+            dtype: DType::BF16,
+            device: crate::core::device::Device::Cpu,
+        };
+        // Decode and small prefills against Llama-3-8B-like projections: 16–56 tiles.
+        assert_eq!(wg_splits(&g(16, 4096, 14336, 1), 132), 8);
+        assert_eq!(wg_splits(&g(256, 4096, 4096, 1), 132), 4);
+        assert_eq!(wg_splits(&g(128, 14336, 4096, 1), 132), 2);
+        // Enough tiles, batched, short k, tf32: no split.
+        assert_eq!(wg_splits(&g(1000, 4096, 4096, 1), 132), 1);
+        assert_eq!(wg_splits(&g(16, 4096, 14336, 2), 132), 1);
+        assert_eq!(wg_splits(&g(16, 768, 192, 1), 132), 1);
+        let mut f = g(16, 4096, 14336, 1);
+        f.dtype = DType::F32;
+        assert_eq!(wg_splits(&f, 132), 1);
+        for (m, n, k) in [
+            (1, 256, 4296),
+            (64, 300, 1400),
+            (77, 768, 768),
+            (200, 2000, 99999),
+        ] {
+            let s = wg_splits(&g(m, n, k, 1), 132) as usize;
+            let ktiles = k.div_ceil(64);
+            let per = ktiles.div_ceil(s);
+            let tiles = m.div_ceil(128) * n.div_ceil(256);
+            assert!(s <= WG_MAX_SPLITS && s * tiles <= 132, "{m}×{n}×{k}: {s}");
+            assert!(s == 1 || per >= WG_MIN_SPLIT_KTILES, "{m}×{n}×{k}: {s}");
+            assert!(
+                (s - 1) * per < ktiles,
+                "{m}×{n}×{k}: split {s} of {per} is empty"
+            );
+        }
     }
 
     #[test]

@@ -710,7 +710,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #endif
     FE_WGMMA_FN(FE_MATMUL_PARAMS, const __grid_constant__ TmaDesc tma_a,
                  const __grid_constant__ TmaDesc tma_b, const __grid_constant__ TmaDesc tma_c,
-                 const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma FE_EPI_PARAMS
+                 const __grid_constant__ TmaDesc tma_z, int group_m, int store_tma,
+                 int splitk FE_EPI_PARAMS
                  FE_GROUPED_PARAMS FE_GLU_PARAMS) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
@@ -778,6 +779,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #else
     l.k0 = 0;
     l.ktiles = ktiles;
+#if !FE_GROUPED && !FE_EPI
+    if (splitk) {
+      // Split-K: z is the split, taking k tiles [z·per, z·per + per) ∩ [0, ktiles) of unbatched
+      // A and B (their batch coordinate is 0: the host passes batch strides 0).
+      const int per = (int)ceil_div((i64)ktiles, batch);
+      const int first = (int)l.z * per;
+      l.k0 = first * BK;
+      l.ktiles = max(0, min(per, ktiles - first));
+    }
+#endif
 #endif
 #endif
     return l;
@@ -1134,6 +1145,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       }
 #endif
 #endif
+#if !FE_GROUPED && !FE_EPI && !FE_GLU && !FE_WGMMA_TF32
+      if (splitk) {
+        // Split-K: the raw fp32 partial tile into this split's slice of the workspace (C,
+        // [splits][m][n], ldc = n); matmul_splitk_reduce sums the slices in split order.
+        float* Wz = reinterpret_cast<float*>(C) + z * stride_c;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const i64 col = col0 + 8 * j;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const i64 row = row0 + 8 * i;
+            if (row < mend && col < n) {
+              float* p = Wz + row * ldc + col;
+              const float a0 = d[4 * j + 2 * i], a1 = d[4 * j + 2 * i + 1];
+              if (ldc % 2 == 0 && col + 1 < n) {
+                *reinterpret_cast<float2*>(p) = make_float2(a0, a1);
+              } else {
+                p[0] = a0;
+                if (col + 1 < n) p[1] = a1;
+              }
+            }
+          }
+        }
+        continue;
+      }
+#endif
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         const i64 col = col0 + 8 * j;
@@ -1239,6 +1276,31 @@ extern "C" __global__ void __launch_bounds__(256)
 // the rows of every batch. One read and one write of the operand: ≈ 25 µs for a 4097×4097 bf16
 // operand at ~2.7 TB/s, against ≈ 0.2–0.3 ms of wgmma GEMM at 4097³ (where mma_pipelined, the
 // rung that reads unaligned rows directly, runs at about half of wgmma's rate).
+// Split-K's second pass: C = alpha · Σ_z W[z] + beta · C, the fp32 partials of `splits` k-ranges
+// (W [splits][m][n]) summed in split order (deterministic), rounded once into C (any ldc). Two
+// outputs per thread, every load coalesced along n; the partials are m·n·splits·4 bytes, small
+// next to the weight the splits read (split-K runs where m·n is a few tiles).
+extern "C" __global__ void __launch_bounds__(256)
+    matmul_splitk_reduce(T* __restrict__ C, const float* __restrict__ W, i64 m, i64 n, i64 ldc,
+                         int splits, float alpha, float beta) {
+  const i64 mn = m * n;
+  for (i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 2; i < mn;
+       i += (i64)gridDim.x * blockDim.x * 2) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const i64 idx = i + e;
+      if (idx >= mn) break;
+      float acc = 0.f;
+      for (int z = 0; z < splits; ++z) acc += W[z * mn + idx];
+      const i64 row = idx / n, col = idx - row * n;
+      T* p = C + row * ldc + col;
+      float v = alpha * acc;
+      if (beta != 0.f) v = fmaf(beta, to_float(*p), v);
+      *p = from_float<T>(v);
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     matmul_wgmma_repitch(uint4* __restrict__ Y, const unsigned short* __restrict__ X, i64 rows,
                          i64 cols, i64 ldx, i64 stride_x, i64 ldy, i64 batch) {
