@@ -5,7 +5,7 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 
 /// Which numeric contract a result is held to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// True fp32 arithmetic.

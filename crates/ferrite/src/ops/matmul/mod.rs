@@ -268,7 +268,7 @@ impl Default for MatmulOptions {
 
 /// How one operand is laid out: leading dimension, whether it is stored transposed, batch stride
 /// (0 = broadcast), all in elements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Operand {
     /// Leading dimension: elements between consecutive rows (columns when `trans`).
     pub ld: usize,
@@ -316,7 +316,7 @@ impl Operand {
 }
 
 /// A validated problem: sizes and layouts the variants work from.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Gemm {
     /// Independent products (1 for 2-D operands).
     pub batch: usize,
@@ -640,14 +640,15 @@ fn warptile_fills(g: &Gemm) -> bool {
 /// out = α·a·b + β·out, into a caller-provided output.
 pub fn matmul_into(a: &Tensor, b: &Tensor, out: &Tensor, opts: &MatmulOptions) -> Result<()> {
     let g = validate(a, b, out)?;
+    if g.device.is_cuda() {
+        // Selects, plans and remembers the plan per problem (`cuda::gemm_ptrs`).
+        return cuda::run(&g, a, b, out, opts);
+    }
     let v = select(&g, opts)?;
     if g.batch == 0 || g.m == 0 || g.n == 0 {
         return Ok(());
     }
-    match g.device {
-        Device::Cpu => run_cpu(v.name, &g, a, b, out, opts),
-        Device::Cuda(_) => cuda::run(v.name, &g, a, b, out, opts),
-    }
+    run_cpu(v.name, &g, a, b, out, opts)
 }
 
 /// a·b into a new tensor (options as in `matmul_into`, with β ignored: the output starts empty).

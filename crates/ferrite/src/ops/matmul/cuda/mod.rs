@@ -587,7 +587,6 @@ fn gemm_args(g: &Gemm, p: Ptrs, alpha: f32, beta: f32) -> KernelArgs {
 }
 
 pub(super) fn run(
-    variant: &str,
     g: &Gemm,
     a: &Tensor,
     b: &Tensor,
@@ -599,7 +598,7 @@ pub(super) fn run(
         b: b.device_ptr()?,
         c: c.device_ptr()?,
     };
-    run_ptrs(variant, g, p, opts)
+    gemm_ptrs(g, p, opts)
 }
 
 /// `matmul_into` on raw device pointers (operands that are not tensors, e.g. another op's
@@ -607,30 +606,78 @@ pub(super) fn run(
 /// `opts.stream`. The caller guarantees that `p` addresses live buffers of `g.dtype` on `g`'s
 /// device laid out as `g` says.
 pub fn gemm_ptrs(g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()> {
-    let v = super::select(g, opts)?;
-    if g.batch == 0 || g.m == 0 || g.n == 0 {
-        return Ok(());
-    }
-    run_ptrs(v.name, g, p, opts)
-}
-
-fn run_ptrs(variant: &str, g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()> {
     let Device::Cuda(i) = g.device else {
-        unreachable!("cuda::run on a CPU problem")
+        unreachable!("cuda::gemm_ptrs on a CPU problem")
     };
+    if g.batch == 0 || g.m == 0 || g.n == 0 {
+        // Nothing to write; the request is still checked (a named variant that cannot run it).
+        return super::select(g, opts).map(|_| ());
+    }
     let dev = device(i)?;
     let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+    let l = planned(g, p, opts, &dev, &stream)?;
+    launch(&l, g, p, opts.alpha, opts.beta, &stream)
+}
+
+/// What a call resolved to, by everything that decides it: the problem (shape, layout, dtype,
+/// device) and the options that pick the variant.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PlanKey {
+    g: Gemm,
+    variant: Option<String>,
+    config: Option<String>,
+    precision: crate::core::harness::Precision,
+}
+
+/// Plans kept by `planned` before the map is cleared (a workload of ever-new shapes, e.g. ragged
+/// batches, would otherwise grow it without bound).
+const PLAN_CACHE_MAX: usize = 4096;
+
+/// The launch that runs `g` under `opts`: the variant `select` picks, `wgmma`'s configuration
+/// (named, forced by the environment, or the tuner's) and its plan — remembered per problem, so
+/// that a repeated call costs a map lookup instead of the selection, the tuner's lookup and the
+/// planning (program labels, kernel lookups, the configuration text): ~10 µs of host per call
+/// before, more than a small GEMM's GPU time. Not remembered while the stream captures a CUDA
+/// graph and the tuner could not measure (its default then stands in for one call).
+fn planned(
+    g: &Gemm,
+    p: Ptrs,
+    opts: &MatmulOptions,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+) -> Result<Arc<Launch>> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static PLANS: OnceLock<Mutex<HashMap<PlanKey, Arc<Launch>>>> = OnceLock::new();
+    let key = PlanKey {
+        g: *g,
+        variant: opts.variant.clone(),
+        config: opts.config.clone(),
+        precision: super::precision_of(g, opts),
+    };
+    let plans = PLANS.get_or_init(Default::default);
+    if let Some(l) = plans.lock().unwrap().get(&key) {
+        return Ok(l.clone());
+    }
+    let variant = super::select(g, opts)?.name;
     let cfg = match (&opts.config, variant) {
         (Some(name), "wgmma") => wg_config_named(name)?,
         (None, "wgmma") => match forced_wg_config()? {
             Some(cfg) => cfg,
             // Tuned at a shape's first use: on the H100 every configuration passed `check matmul`
             // and the tuned picks ran at 0.89–0.98× cuBLAS (bench/results/2026-11-23-h100-wgmma-tuner).
-            None if g.k > 0 && g.batch * g.m * g.n > 0 => wg_tuned(g, p, &dev, &stream)?,
+            None if g.k > 0 => wg_tuned(g, p, dev, stream)?,
             None => WG_DEFAULT,
         },
         _ => WG_DEFAULT,
     };
-    let l = plan_with(variant, g, &dev, cfg)?;
-    launch(&l, g, p, opts.alpha, opts.beta, &stream)
+    let l = Arc::new(plan_with(variant, g, dev, cfg)?);
+    if !crate::core::cuda::is_capturing(stream) {
+        let mut map = plans.lock().unwrap();
+        if map.len() >= PLAN_CACHE_MAX {
+            map.clear();
+        }
+        map.insert(key, l.clone());
+    }
+    Ok(l)
 }

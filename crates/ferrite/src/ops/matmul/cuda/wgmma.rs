@@ -486,8 +486,7 @@ pub(super) fn wg_splits(g: &Gemm, sms: u32) -> u32 {
     let ktiles = g.k.div_ceil(wg_bk(g.dtype) as usize);
     let s = (sms as usize / tiles)
         .min(ktiles / WG_MIN_SPLIT_KTILES)
-        .min(WG_MAX_SPLITS)
-        .max(1);
+        .clamp(1, WG_MAX_SPLITS);
     // The kernel gives split z the k tiles from z·⌈ktiles/s⌉: as many splits as that needs, so
     // none is empty.
     ktiles.div_ceil(ktiles.div_ceil(s)) as u32
