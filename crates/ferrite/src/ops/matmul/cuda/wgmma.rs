@@ -468,13 +468,24 @@ const WG_MAX_SPLITS: usize = 16;
 /// Fewest k tiles (of 64) per split: a split's pipeline fill (4 stages) and its partial tile's
 /// write need a few k steps of work behind them.
 const WG_MIN_SPLIT_KTILES: usize = 4;
+/// Split-K's cost model (H100/H200): µs per 64-wide k step of one 128×256 tile (2.1 M
+/// multiply-adds at a block's share of the tensor rate, or the step's 48 KiB at its share of the
+/// bandwidth when the weight streams), the reduce pass's fixed cost (its launch behind the GEMM,
+/// the workspace's stream-ordered allocation: ~5 µs of host per call measured on the H200) and
+/// the DRAM rate its fp32 partials move at (bytes per µs).
+const SPLIT_US_PER_KSTEP: f64 = 0.5;
+const SPLIT_REDUCE_US: f64 = 5.0;
+const SPLIT_BYTES_PER_US: f64 = 2.5e6;
 
 /// Splits of k for the plain 16-bit `wgmma` on `g` (1: none). A 128×256 tile per block leaves
 /// most SMs idle when C has few tiles — a short M (16–256 rows: decode batches, small prefills)
 /// against 4096 columns is 16–32 tiles on 132 SMs, each block walking all of k alone. Splitting
 /// k into s ranges gives tiles·s blocks, each writing an fp32 partial tile, and a second pass
-/// sums the s partials in order (deterministic) into C with α and β. Split only where fewer than
-/// half the SMs would have a tile, into as many ranges as fill them, each ≥ 4 k tiles, ≤ 16.
+/// sums the s partials in order (deterministic) into C with α and β. Only where fewer than half
+/// the SMs would have a tile; s (≤ 16, ≥ 4 k tiles per range, tiles·s ≤ SMs) is the one whose k
+/// steps saved per block most exceed the reduce pass (its launch, the partials written and read,
+/// C written) — at k = 768 the pass costs more than the 6 steps it saves (2048×768×768: 25 µs
+/// split against cuBLAS's 9 measured on the H200), at 16×4096×14336 it saves ~100 µs.
 pub(super) fn wg_splits(g: &Gemm, sms: u32) -> u32 {
     if g.batch != 1 || g.k == 0 || g.dtype == DType::F32 {
         return 1;
@@ -484,12 +495,22 @@ pub(super) fn wg_splits(g: &Gemm, sms: u32) -> u32 {
         return 1;
     }
     let ktiles = g.k.div_ceil(wg_bk(g.dtype) as usize);
-    let s = (sms as usize / tiles)
+    let most = (sms as usize / tiles)
         .min(ktiles / WG_MIN_SPLIT_KTILES)
-        .clamp(1, WG_MAX_SPLITS);
-    // The kernel gives split z the k tiles from z·⌈ktiles/s⌉: as many splits as that needs, so
-    // none is empty.
-    ktiles.div_ceil(ktiles.div_ceil(s)) as u32
+        .min(WG_MAX_SPLITS);
+    let mn = (g.m * g.n) as f64;
+    let gain = |s: usize| {
+        let saved = (ktiles - ktiles.div_ceil(s)) as f64 * SPLIT_US_PER_KSTEP;
+        let moved = 2.0 * s as f64 * mn * 4.0 + mn * g.dtype.size_in_bytes() as f64;
+        saved - SPLIT_REDUCE_US - moved / SPLIT_BYTES_PER_US
+    };
+    let best = (2..=most).max_by(|&a, &b| gain(a).total_cmp(&gain(b)));
+    match best {
+        // The kernel gives split z the k tiles from z·⌈ktiles/s⌉: as many splits as that needs,
+        // so none is empty.
+        Some(s) if gain(s) > 0.0 => ktiles.div_ceil(ktiles.div_ceil(s)) as u32,
+        _ => 1,
+    }
 }
 
 /// How the persistent `wgmma` grid walks the C tiles.
@@ -629,12 +650,16 @@ mod tests {
         };
         // Decode and small prefills against Llama-3-8B-like projections: 16–56 tiles.
         assert_eq!(wg_splits(&g(16, 4096, 14336, 1), 132), 8);
-        assert_eq!(wg_splits(&g(256, 4096, 4096, 1), 132), 4);
-        assert_eq!(wg_splits(&g(128, 14336, 4096, 1), 132), 2);
-        // Enough tiles, batched, short k, tf32: no split.
+        assert_eq!(wg_splits(&g(16, 4096, 4096, 1), 132), 8);
+        assert!(wg_splits(&g(256, 4096, 4096, 1), 132) > 1);
+        assert_eq!(wg_splits(&g(128, 14336, 4096, 1), 132), 1);
+        // Enough tiles, batched, short k or large partials (the pass costs more than it saves:
+        // 128×14336×4096 ran 55.8 µs split in two, 49.9 whole on the H200), tf32: no split.
         assert_eq!(wg_splits(&g(1000, 4096, 4096, 1), 132), 1);
         assert_eq!(wg_splits(&g(16, 4096, 14336, 2), 132), 1);
         assert_eq!(wg_splits(&g(16, 768, 192, 1), 132), 1);
+        assert_eq!(wg_splits(&g(2048, 768, 768, 1), 132), 1);
+        assert_eq!(wg_splits(&g(16, 768, 768, 1), 132), 1);
         let mut f = g(16, 4096, 14336, 1);
         f.dtype = DType::F32;
         assert_eq!(wg_splits(&f, 132), 1);
