@@ -155,8 +155,9 @@ pub trait OpFamily: Sync {
     ) -> Result<()>;
     /// Every kernel module the family compiles, with each specialisation it uses.
     fn kernels(&self) -> Vec<KernelSpec>;
-    /// Vendor peers that `check` and `bench` also run under their own names (so `--variant`
-    /// can select them).
+    /// Runs besides the variants that `check` and `bench` do under their own names (so
+    /// `--variant` can select them): vendor peers, and rows such as matmul's `default` (the op
+    /// with no variant named).
     fn peers(&self) -> Vec<&'static str> {
         Vec::new()
     }

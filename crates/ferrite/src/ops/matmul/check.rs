@@ -391,7 +391,7 @@ fn check_one(
         }
     };
     let opts = MatmulOptions {
-        variant: Some(variant.into()),
+        variant: (variant != DEFAULT_PATH).then(|| variant.into()),
         alpha: c.alpha,
         beta: c.beta,
         precision,
@@ -409,6 +409,9 @@ fn check_one(
     let r = reference(c, &a, &b, c0.as_ref())?;
     Ok(rel_error(&out.to_f64_vec()?, &r))
 }
+
+/// The row of the default path (`matmul_into` with no variant named) in the records.
+pub const DEFAULT_PATH: &str = "default";
 
 /// The vendor peers, checked like the variants so a wrong layout or transpose in the bench's
 /// peer calls (which would time a different problem) shows up as an error here.
@@ -527,6 +530,25 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                             out.extend(record(&name, &c, dev, dtype, precision, r));
                         }
                     }
+                }
+            }
+        }
+        // The default path (no variant named): the selection as users get it — on the GPU with
+        // the short-A race between `skinny` and `wgmma`, split-K and the re-pitch pre-pass.
+        if cfg.wants_variant(DEFAULT_PATH) {
+            let dtypes: &[DType] = match backend {
+                Backend::Cuda => &[DType::BF16, DType::F16, DType::F32],
+                Backend::Cpu => &[DType::F32],
+            };
+            for &dtype in dtypes {
+                if !cfg.wants_dtype(dtype) {
+                    continue;
+                }
+                let precision = Precision::of(dtype);
+                for c in cases(cfg.quick) {
+                    let seed = rng.next_u64();
+                    let r = check_one(&c, dev, dtype, DEFAULT_PATH, None, precision, seed);
+                    out.extend(record(DEFAULT_PATH, &c, dev, dtype, precision, r));
                 }
             }
         }

@@ -740,7 +740,7 @@ impl OpFamily for Matmul {
         OP
     }
     fn peers(&self) -> Vec<&'static str> {
-        vec!["cublas", "cublaslt"]
+        vec!["cublas", "cublaslt", check::DEFAULT_PATH]
     }
     fn variants(&self) -> Vec<VariantInfo> {
         variants()

@@ -41,8 +41,8 @@ pub const SWEEP_NK: [(usize, usize); 7] = [
 /// Calls queued back to back to measure a path's host time per call.
 const HOST_CALLS: usize = 50;
 
-/// The row of the default path in the sweep's records.
-pub const DEFAULT_ROW: &str = "default";
+/// The row of the default path in the sweep's records (as in `check matmul`).
+pub const DEFAULT_ROW: &str = super::check::DEFAULT_PATH;
 
 /// A cell's timing budget: 140 cells (two dtypes) × 3–4 timed launches must fit one GPU call, so
 /// each gets a fifth of the ladder bench's target, still ≥ 10 repeats after warm-up.

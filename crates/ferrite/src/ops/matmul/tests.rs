@@ -6,10 +6,12 @@ use super::*;
 fn every_variant_passes_check() {
     crate::core::harness::check::assert_quick_check_passes(
         check::run,
-        variants()
+        // Every CPU variant and the default path, on every quick case.
+        (variants()
             .iter()
             .filter(|v| v.backend == Backend::Cpu)
             .count()
+            + 1)
             * check::cases(true).len(),
     );
 }

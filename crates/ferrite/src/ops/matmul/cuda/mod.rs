@@ -629,6 +629,74 @@ struct PlanKey {
     precision: crate::core::harness::Precision,
 }
 
+/// Whether the default selection times `skinny` against `wgmma` for `g` (`short_pick`): a short
+/// 16-bit A (m ≤ 64) with both operands K-contiguous on Hopper, where both run and the faster
+/// one depends on m, n·k and alignment — `skinny` streams the weight once with every SM busy and
+/// no tile overhead (a 768² layer: ~6 µs against ~13 for `wgmma` at 16 rows, H200), `wgmma`
+/// with split-K wins from 16 rows on large weights, and on rows TMA cannot address (re-pitched)
+/// `skinny` falls back to element loads (1×4097² 57 µs; `wgmma` 47 at 16 rows).
+fn races_short(g: &Gemm, opts: &MatmulOptions, dev: &CudaDevice, selected: &str) -> bool {
+    opts.variant.is_none()
+        && matches!(selected, "skinny" | "wgmma")
+        && dev.arch().major == 9
+        && skinny_declines(g).is_none()
+        && wgmma_declines(g).is_none()
+        && wgmma_default_refuses(g).is_none()
+}
+
+/// `skinny` or `wgmma` for a short A, whichever ran faster at the shape class's first use (the
+/// selection's pick first: it stands while a CUDA graph is captured), remembered in tune.json.
+/// Each candidate writes a scratch C with β = 0, so the caller's C is untouched.
+fn short_pick(
+    g: &Gemm,
+    p: Ptrs,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+    selected: &'static str,
+) -> Result<&'static str> {
+    use crate::core::tune;
+    let aligned = [(g.a, p.a), (g.b, p.b)]
+        .iter()
+        .all(|(o, base)| self::wgmma::rows_aligned16(o, *base));
+    let key = format!(
+        "{}/matmul_short/{}/{}/{}",
+        dev.props().name,
+        g.dtype,
+        if aligned { "aligned" } else { "unaligned" },
+        tune::shape_class(&[g.m, g.n, g.k, g.batch])
+    );
+    let other = if selected == "skinny" {
+        "wgmma"
+    } else {
+        "skinny"
+    };
+    let candidates = [selected, other];
+    if let Some(v) = tune::remembered(&key, &candidates) {
+        return Ok(v);
+    }
+    if crate::core::cuda::is_capturing(stream) {
+        return Ok(selected);
+    }
+    let mut gs = *g;
+    gs.c.ld = g.n;
+    gs.c.batch_stride = g.m * g.n;
+    let scratch = dev.alloc(g.batch * g.m * g.n * g.dtype.size_in_bytes(), stream)?;
+    let q = Ptrs {
+        c: scratch.ptr(),
+        ..p
+    };
+    tune::pick(&key, &candidates, |&v| {
+        let cfg = if v == "wgmma" {
+            wg_tuned(&gs, q, dev, stream)?
+        } else {
+            WG_DEFAULT
+        };
+        let l = plan_with(v, &gs, dev, cfg)?;
+        crate::core::cuda::rows::time_briefly(dev, stream, || launch(&l, &gs, q, 1.0, 0.0, stream))
+    })
+    .map(|(v, _)| v)
+}
+
 /// Plans kept by `planned` before the map is cleared (a workload of ever-new shapes, e.g. ragged
 /// batches, would otherwise grow it without bound).
 const PLAN_CACHE_MAX: usize = 4096;
@@ -659,7 +727,12 @@ fn planned(
     if let Some(l) = plans.lock().unwrap().get(&key) {
         return Ok(l.clone());
     }
-    let variant = super::select(g, opts)?.name;
+    let selected = super::select(g, opts)?.name;
+    let variant = if races_short(g, opts, dev, selected) {
+        short_pick(g, p, dev, stream, selected)?
+    } else {
+        selected
+    };
     let cfg = match (&opts.config, variant) {
         (Some(name), "wgmma") => wg_config_named(name)?,
         (None, "wgmma") => match forced_wg_config()? {
