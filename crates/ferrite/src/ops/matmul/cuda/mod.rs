@@ -615,8 +615,19 @@ pub fn gemm_ptrs(g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<()> {
     }
     let dev = device(i)?;
     let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
-    let l = planned(g, p, opts, &dev, &stream)?;
+    let (_, l) = planned(g, p, opts, &dev, &stream)?;
     launch(&l, g, p, opts.alpha, opts.beta, &stream)
+}
+
+/// The variant `gemm_ptrs` runs for `g` under `opts` (after the short-A race, which this may run
+/// and remember): what `bench matmul --sweep` names in its default rows.
+pub fn default_variant(g: &Gemm, p: Ptrs, opts: &MatmulOptions) -> Result<&'static str> {
+    let Device::Cuda(i) = g.device else {
+        return Ok(super::select(g, opts)?.name);
+    };
+    let dev = device(i)?;
+    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+    Ok(planned(g, p, opts, &dev, &stream)?.0)
 }
 
 /// What a call resolved to, by everything that decides it: the problem (shape, layout, dtype,
@@ -713,10 +724,11 @@ fn planned(
     opts: &MatmulOptions,
     dev: &Arc<CudaDevice>,
     stream: &Stream,
-) -> Result<Arc<Launch>> {
+) -> Result<(&'static str, Arc<Launch>)> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
-    static PLANS: OnceLock<Mutex<HashMap<PlanKey, Arc<Launch>>>> = OnceLock::new();
+    type Plans = HashMap<PlanKey, (&'static str, Arc<Launch>)>;
+    static PLANS: OnceLock<Mutex<Plans>> = OnceLock::new();
     let key = PlanKey {
         g: *g,
         variant: opts.variant.clone(),
@@ -750,7 +762,7 @@ fn planned(
         if map.len() >= PLAN_CACHE_MAX {
             map.clear();
         }
-        map.insert(key, l.clone());
+        map.insert(key, (variant, l.clone()));
     }
-    Ok(l)
+    Ok((variant, l))
 }
