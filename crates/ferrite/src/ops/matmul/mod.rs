@@ -21,13 +21,20 @@
 //!     (mma.sync + ldmatrix, one cp.async stage) → `mma_pipelined` (4-stage cp.async ring).
 //!   - Hopper, sm_90a (bf16, f16; f32 as tf32 under `Precision::Tf32`): `wgmma` (TMA into
 //!     swizzled shared memory on an mbarrier ring, warpgroup MMA, producer/consumer warpgroups,
-//!     persistent grid, 2-block clusters multicasting B). bf16/f16 need 16-byte aligned operand
-//!     rows (TMA) and decline other layouts; `mma_pipelined` is the fallback. tf32 reads K-major
-//!     operands only (A row-major, B transposed): an m/n-contiguous or unaligned operand is first
-//!     packed into a K-major tf32-rounded copy (a transpose pre-pass into scratch).
+//!     persistent grid, 2-block clusters multicasting B). bf16/f16 operands whose rows TMA
+//!     cannot address (4097 columns, odd offsets) are first re-pitched into 16-byte rows; C with
+//!     few tiles (short M) splits k over more blocks, fp32 partials summed by a second pass.
+//!     tf32 reads K-major operands only (A row-major, B transposed): an m/n-contiguous or
+//!     unaligned operand is first packed into a K-major tf32-rounded copy.
 //!   - Decode, sm_80+ (bf16, f16): `skinny` — m ≤ 64 with K-contiguous A and B (linear's
-//!     layout): a bandwidth-bound read of B, streamed once by TMA; chosen by default for
-//!     m ≤ 8.
+//!     layout): a bandwidth-bound read of B, streamed once by TMA.
+//!
+//! **The default** (no variant named): the highest rung that takes the problem; on Hopper a short
+//! A (m ≤ 64, K-contiguous 16-bit operands) races `skinny` against `wgmma` at its shape class's
+//! first use and remembers the winner (tune.json); small unaligned problems stay on
+//! `mma_pipelined`. The CUDA path remembers its resolved plan per problem, so a repeated call
+//! costs a map lookup and the launch. `ferrite bench matmul --sweep` measures the default
+//! against cuBLAS/cuBLASLt over M × (N, K) (docs/matmul.md, "Every shape").
 
 // The rungs (CPU code, CUDA host code) and the family's check and bench: pub for the harness,
 // the CLI and the families that reuse each other's rungs; the API is this module's items.
@@ -186,7 +193,8 @@ pub fn variants() -> Vec<VariantInfo> {
             constraints: "sm_80+; bf16/f16; m ≤ 64 (declined above: the tiled rungs run taller \
                 problems); A row-major and B transposed (both K-contiguous: linear's X and \
                 W [n, k]); any n, k, alignment, batches and broadcast. Chosen by default for m ≤ 8 \
-                (cuda::skinny_by_default)",
+                (cuda::skinny_by_default); on Hopper timed against wgmma for m ≤ 64 at a shape \
+                class's first use",
             summary: "decode: streams B once with every SM busy — a warp per 16 columns and a \
                 k-slice, B by TMA boxes into per-warp rings (sm_90; 16-byte loads on sm_80), \
                 mma.sync with B as the A operand, k-slices summed in shared memory",
@@ -197,11 +205,13 @@ pub fn variants() -> Vec<VariantInfo> {
 
 const WGMMA_CONSTRAINTS: &str =
     "sm_90a (Hopper only: compute capability 9.x); bf16/f16, and f32 only as tf32 (Precision::Tf32); \
-    any shape, any layout (NN/NT/TN/TT), batches and broadcast. bf16/f16: A and B need 16-byte \
-    aligned rows for TMA: base 16-byte aligned, ld and batch stride multiples of 8 elements \
-    (declined otherwise; chosen by default, an unaligned base falls back to mma_pipelined). tf32: \
-    K-major operands (A row-major, B transposed) with 16-byte aligned rows are read in place, any \
-    other operand is first packed into a K-major tf32-rounded copy (stream-ordered scratch)";
+    any shape, any layout (NN/NT/TN/TT), batches and broadcast. bf16/f16: operands whose rows TMA \
+    cannot address (base not 16-byte aligned, ld or batch stride not a multiple of 8 elements) \
+    are first re-pitched into 16-byte rows (stream-ordered scratch; by default only from \
+    cuda::REPITCH_MIN_MACS multiply-adds, mma_pipelined below); C with few tiles splits k \
+    (fp32 partials and a reduce pass: cuda::wg_splits). tf32: K-major operands (A row-major, B \
+    transposed) with 16-byte aligned rows are read in place, any other operand is first packed \
+    into a K-major tf32-rounded copy (stream-ordered scratch)";
 
 const VEC_CONSTRAINTS: &str = "any shape, any layout; 128-bit loads where an operand's rows are \
     16-byte aligned (base, ld and batch stride), predicated scalar loads otherwise";

@@ -425,7 +425,7 @@ pub fn wgmma_declines(g: &Gemm) -> Option<String> {
 /// one pass over each unaligned operand. Measured on the H200 (bf16 NN, same call): 127×255×33
 /// (1.1 M multiply-adds) 13.3 µs `mma_pipelined` against 21.3 µs re-pitched `wgmma`; 256×264×257
 /// (17 M) 20.3 against 15.8; 1024×1000×1001 73.9 against 23.1, 2048×2047×2049 370 against 61
-/// (1.97× cuBLAS; bench/results/2026-11-28-h200-matmul-sweep/threshold-*.json).
+/// (1.97× cuBLAS; bench/results/2026-11-28-h200-matmul-sweep/repitch-threshold).
 pub const REPITCH_MIN_MACS: u64 = 1 << 24;
 
 /// Why the default selection leaves `g` to another rung although `wgmma` can run it (None: it
