@@ -278,6 +278,25 @@ fn info() -> Result<()> {
         }
     }
     print!("\n{}", t.render());
+    println!("\nwith no variant named:");
+    for f in ops::registry() {
+        if let Some(rule) = f.default_rule() {
+            // Wrapped at 100 columns, continuation lines indented.
+            let mut line = format!("  {}:", f.name());
+            for word in rule.split_whitespace() {
+                if line.chars().count() + 1 + word.chars().count() > 100 {
+                    println!("{line}");
+                    line = "    ".into();
+                }
+                line.push(' ');
+                line.push_str(word);
+            }
+            println!("{line}");
+        }
+    }
+    println!(
+        "  other ops: the highest-ranked variant that takes the request (rows are listed by rank)"
+    );
     Ok(())
 }
 

@@ -161,6 +161,11 @@ pub trait OpFamily: Sync {
     fn peers(&self) -> Vec<&'static str> {
         Vec::new()
     }
+    /// How a call with no variant named picks one, in words (`ferrite info` prints it); None:
+    /// the generic rule, the highest-ranked variant that takes the request.
+    fn default_rule(&self) -> Option<&'static str> {
+        None
+    }
     /// Whether `bench` reads the command line's `--size` / `--m --n --k` (families with fixed,
     /// multi-dimensional shapes do not: the CLI refuses those flags for them).
     fn bench_takes_size(&self) -> bool {

@@ -203,6 +203,16 @@ pub fn variants() -> Vec<VariantInfo> {
     ]
 }
 
+/// How `select` and the CUDA path's `planned` choose when no variant is named (`ferrite info`).
+pub const DEFAULT_RULE: &str = "CPU: `parallel`. CUDA f32: `warptile` from 4096² outputs, \
+    `vectorized` below (true fp32), or under Precision::Tf32 `wgmma` on Hopper, `mma_pipelined` \
+    elsewhere. CUDA bf16/f16: `skinny` for m ≤ 8 with K-contiguous A and B; otherwise `wgmma` on \
+    Hopper (rows TMA cannot address re-pitched first, from 2^24 multiply-adds; `mma_pipelined` \
+    below; k split over more blocks where C has few tiles) and `mma_pipelined` elsewhere. On \
+    Hopper a short A (m ≤ 64, K-contiguous) runs whichever of `skinny` and `wgmma` measured \
+    faster at its shape class's first use (remembered in tune.json, like `wgmma`'s launch \
+    configuration). The plan is remembered per problem. Measured: `ferrite bench matmul --sweep`.";
+
 const WGMMA_CONSTRAINTS: &str =
     "sm_90a (Hopper only: compute capability 9.x); bf16/f16, and f32 only as tf32 (Precision::Tf32); \
     any shape, any layout (NN/NT/TN/TT), batches and broadcast. bf16/f16: operands whose rows TMA \
@@ -751,6 +761,9 @@ impl OpFamily for Matmul {
     }
     fn peers(&self) -> Vec<&'static str> {
         vec!["cublas", "cublaslt", check::DEFAULT_PATH]
+    }
+    fn default_rule(&self) -> Option<&'static str> {
+        Some(DEFAULT_RULE)
     }
     fn variants(&self) -> Vec<VariantInfo> {
         variants()

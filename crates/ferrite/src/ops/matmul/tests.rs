@@ -307,3 +307,13 @@ fn skinny_takes_short_k_contiguous_halves() {
     assert!(cuda::skinny_refuses(&g(8, 4096, 4096, bf, false, true), false).is_none());
     assert!(cuda::skinny_refuses(&g(1, 4096, 4096, bf, false, false), true).is_some());
 }
+
+/// `ferrite info`'s words for the default rule name the thresholds the code uses.
+#[test]
+fn the_default_rule_text_matches_the_thresholds() {
+    assert!(DEFAULT_RULE.contains("4096²") && WARPTILE_MIN_OUTPUTS == 4096 * 4096);
+    assert!(DEFAULT_RULE.contains("m ≤ 8") && cuda::SKINNY_DEFAULT_MAX_M == 8);
+    assert!(DEFAULT_RULE.contains("m ≤ 64") && cuda::SKINNY_MAX_M == 64);
+    assert!(DEFAULT_RULE.contains("2^24") && cuda::REPITCH_MIN_MACS == 1 << 24);
+    assert!(DEFAULT_RULE.contains(&format!("`{F32_DEFAULT}`")));
+}

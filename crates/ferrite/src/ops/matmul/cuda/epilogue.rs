@@ -19,7 +19,7 @@ use crate::ops::matmul::{Gemm, OP};
 use std::sync::Arc;
 
 /// Which fused epilogue a kernel is compiled with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Epi {
     pub act: Activation,
     /// The pair epilogue (`-DFE_EPI_PAIRS=1`: interior tiles stored as 2-element pairs with the

@@ -166,6 +166,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
 }
 
 /// The kernel, block shape, dynamic shared memory and C tile per block a variant launches with.
+#[derive(Clone)]
 pub struct Launch {
     pub kernel: Kernel,
     pub block: (u32, u32, u32),
@@ -199,7 +200,39 @@ pub fn plan_with(variant: &str, g: &Gemm, dev: &Arc<CudaDevice>, cfg: WgConfig) 
     plan_inner(variant, g, dev, None, cfg)
 }
 
+/// Plans kept by `plan_inner` before its map is cleared (every key is a distinct problem shape).
+const LAUNCH_CACHE_MAX: usize = 4096;
+
+/// `plan_uncached`, remembered per (device, variant, problem, epilogue, configuration): a plan is
+/// a function of these, and building one — the program's defines and label, kernel lookups keyed
+/// by that label, the configuration text — costs µs of host on every op call that plans (the
+/// linear layer's forward and backward, each bench launch's plan).
 fn plan_inner(
+    variant: &str,
+    g: &Gemm,
+    dev: &Arc<CudaDevice>,
+    epi: Option<Epi>,
+    wg: WgConfig,
+) -> Result<Launch> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    type Key = (usize, String, Gemm, Option<Epi>, WgConfig);
+    static LAUNCHES: OnceLock<Mutex<HashMap<Key, Launch>>> = OnceLock::new();
+    let launches = LAUNCHES.get_or_init(Default::default);
+    let key: Key = (dev.ordinal(), variant.to_string(), *g, epi, wg);
+    if let Some(l) = launches.lock().unwrap().get(&key) {
+        return Ok(l.clone());
+    }
+    let l = plan_uncached(variant, g, dev, epi, wg)?;
+    let mut map = launches.lock().unwrap();
+    if map.len() >= LAUNCH_CACHE_MAX {
+        map.clear();
+    }
+    map.insert(key, l.clone());
+    Ok(l)
+}
+
+fn plan_uncached(
     variant: &str,
     g: &Gemm,
     dev: &Arc<CudaDevice>,

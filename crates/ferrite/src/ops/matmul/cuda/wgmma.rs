@@ -39,7 +39,7 @@ pub(super) const WG_GROUP_M: u32 = 8;
 /// shared-memory staging area, or the earlier direct stores from registers). Shown in `bench`
 /// as e.g. `c2g8` (`c2g8d`: direct stores), and accepted by `MatmulOptions::config` and
 /// `ferrite bench matmul --config` under that name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WgConfig {
     pub cluster: u32,
     pub group_m: u32,
