@@ -200,6 +200,19 @@ pub(super) fn gpu_sets(
         .collect()
 }
 
+/// The device pointers of each rotation set (`gpu_sets`).
+pub(super) fn set_ptrs(sets: &[(Tensor, Tensor, Tensor)]) -> Result<Vec<Ptrs>> {
+    sets.iter()
+        .map(|(a, b, c)| {
+            Ok(Ptrs {
+                a: a.device_ptr()?,
+                b: b.device_ptr()?,
+                c: c.device_ptr()?,
+            })
+        })
+        .collect()
+}
+
 /// The GPU groups: (input dtype, precision, label in the records). tf32 is f32 storage run by the
 /// tensor-core variants, against cuBLAS with CUBLAS_COMPUTE_32F_FAST_TF32.
 const GPU_GROUPS: [(DType, Precision, &str); 4] = [
@@ -306,16 +319,7 @@ fn bench_gpu(
             };
             let sets = gpu_sets(dev, dtype, shape, b_nk.as_ref())?;
             let g: Gemm = validate(&sets[0].0, &sets[0].1, &sets[0].2)?;
-            let ptrs: Vec<Ptrs> = sets
-                .iter()
-                .map(|(a, b, c)| {
-                    Ok(Ptrs {
-                        a: a.device_ptr()?,
-                        b: b.device_ptr()?,
-                        c: c.device_ptr()?,
-                    })
-                })
-                .collect::<Result<_>>()?;
+            let ptrs = set_ptrs(&sets)?;
             // Plans first (`wgmma` runs its tuned configuration, timed here at the shape's first
             // use and remembered in tune.json, which the config column names), then every
             // variant and both vendor peers timed in alternating rounds under one clock history.

@@ -10,8 +10,8 @@
 //! `--variant` (planned once, as the ladder bench times them), `cublas` and `cublaslt`. Each
 //! record's `ratio_to_peer` is against the faster of the two vendor peers in that cell.
 
-use super::bench::gpu_sets;
-use super::cuda::{self as mm_cuda, Ptrs};
+use super::bench::{gpu_sets, set_ptrs};
+use super::cuda as mm_cuda;
 use super::{validate, MatmulOptions, OP};
 use crate::core::cuda::CudaDevice;
 use crate::core::device::Device;
@@ -107,16 +107,7 @@ pub fn run(
         let b = &host_b.as_ref().expect("drawn above").1;
         let sets = gpu_sets(dev, dtype, shape, Some(b))?;
         let g = validate(&sets[0].0, &sets[0].1, &sets[0].2)?;
-        let ptrs: Vec<Ptrs> = sets
-            .iter()
-            .map(|(a, b, c)| {
-                Ok(Ptrs {
-                    a: a.device_ptr()?,
-                    b: b.device_ptr()?,
-                    c: c.device_ptr()?,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let ptrs = set_ptrs(&sets)?;
         progress(&format!(
             "matmul sweep {}/{} {label} {}",
             i + 1,

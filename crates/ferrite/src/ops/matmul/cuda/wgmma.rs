@@ -257,15 +257,15 @@ fn tf32_packed(o: &Operand, is_a: bool, rows: usize, k: usize) -> Operand {
     }
 }
 
-/// Runs the tf32 pack pre-pass on every operand `tf32_direct` rejects and returns the problem and
-/// pointers as the tf32 `wgmma` kernel then reads them; `keep` holds the scratch until the caller
-/// has queued the GEMM.
-pub(super) fn tf32_pack(
-    k: &Kernel,
+/// Runs `copy` on each operand of `g` (A, then B) and, where it made a copy (an operand `wgmma`
+/// cannot read in place), returns the problem and pointers with the copy in its place; `keep`
+/// holds the copies (stream-ordered scratch) until the caller has queued the GEMM. `copy` gets
+/// the operand, whether it is A, its rows (m for A, n for B) and its base address.
+fn replace_operands(
     g: &Gemm,
     p: Ptrs,
-    stream: &Stream,
     keep: &mut Vec<DeviceBuffer>,
+    mut copy: impl FnMut(&Operand, bool, usize, u64) -> Result<Option<(Operand, DeviceBuffer)>>,
 ) -> Result<(Gemm, Ptrs)> {
     let (mut g2, mut p2) = (*g, p);
     if g.k == 0 || g.batch == 0 || g.m == 0 || g.n == 0 {
@@ -277,13 +277,36 @@ pub(super) fn tf32_pack(
         } else {
             (g.b, g.n, p.b)
         };
-        if !TF32_PACK_ALWAYS && tf32_direct(&o, is_a, base) {
+        let Some((packed, buf)) = copy(&o, is_a, rows, base)? else {
             continue;
+        };
+        if is_a {
+            (g2.a, p2.a) = (packed, buf.ptr());
+        } else {
+            (g2.b, p2.b) = (packed, buf.ptr());
         }
-        let packed = tf32_packed(&o, is_a, rows, g.k);
+        keep.push(buf);
+    }
+    Ok((g2, p2))
+}
+
+/// Runs the tf32 pack pre-pass on every operand `tf32_direct` rejects and returns the problem and
+/// pointers as the tf32 `wgmma` kernel then reads them (`replace_operands`).
+pub(super) fn tf32_pack(
+    k: &Kernel,
+    g: &Gemm,
+    p: Ptrs,
+    stream: &Stream,
+    keep: &mut Vec<DeviceBuffer>,
+) -> Result<(Gemm, Ptrs)> {
+    replace_operands(g, p, keep, |o, is_a, rows, base| {
+        if !TF32_PACK_ALWAYS && tf32_direct(o, is_a, base) {
+            return Ok(None);
+        }
+        let packed = tf32_packed(o, is_a, rows, g.k);
         let copies = if o.batch_stride == 0 { 1 } else { g.batch };
         let buf = k.dev.alloc(copies * rows * packed.ld * 4, stream)?;
-        let (sr, sp) = tf32_pack_strides(&o, is_a);
+        let (sr, sp) = tf32_pack_strides(o, is_a);
         let mut args = KernelArgs::new();
         args.push(buf.ptr())
             .push(base)
@@ -300,14 +323,8 @@ pub(super) fn tf32_pack(
             (copies as u32).clamp(1, 65535),
         );
         k.launch(stream, grid, (32, 8, 1), 0, &mut args)?;
-        if is_a {
-            (g2.a, p2.a) = (packed, buf.ptr());
-        } else {
-            (g2.b, p2.b) = (packed, buf.ptr());
-        }
-        keep.push(buf);
-    }
-    Ok((g2, p2))
+        Ok(Some((packed, buf)))
+    })
 }
 
 /// Whether 16-bit `wgmma` reads this operand in place: its tensor map needs the row pitch and the
@@ -339,8 +356,8 @@ fn repitched(o: &Operand, outer: usize, inner: usize) -> Operand {
 }
 
 /// Runs the 16-bit pre-pass (`matmul_wgmma_repitch`) on every operand whose rows TMA cannot
-/// address (`rows_aligned16`) and returns the problem and pointers as `wgmma` then reads them;
-/// `keep` holds the scratch (stream-ordered) until the caller has queued the GEMM.
+/// address (`rows_aligned16`) and returns the problem and pointers as `wgmma` then reads them
+/// (`replace_operands`).
 pub(super) fn repitch16(
     k: &Kernel,
     g: &Gemm,
@@ -348,21 +365,12 @@ pub(super) fn repitch16(
     stream: &Stream,
     keep: &mut Vec<DeviceBuffer>,
 ) -> Result<(Gemm, Ptrs)> {
-    let (mut g2, mut p2) = (*g, p);
-    if g.k == 0 || g.batch == 0 || g.m == 0 || g.n == 0 {
-        return Ok((g2, p2));
-    }
-    for is_a in [true, false] {
-        let (o, rows, base) = if is_a {
-            (g.a, g.m, p.a)
-        } else {
-            (g.b, g.n, p.b)
-        };
-        if rows_aligned16(&o, base) {
-            continue;
+    replace_operands(g, p, keep, |o, is_a, rows, base| {
+        if rows_aligned16(o, base) {
+            return Ok(None);
         }
-        let (outer, inner) = stored_dims(&o, is_a, rows, g.k);
-        let packed = repitched(&o, outer, inner);
+        let (outer, inner) = stored_dims(o, is_a, rows, g.k);
+        let packed = repitched(o, outer, inner);
         let copies = if o.batch_stride == 0 { 1 } else { g.batch };
         let buf = k.dev.alloc(copies * outer * packed.ld * 2, stream)?;
         let mut args = KernelArgs::new();
@@ -380,14 +388,8 @@ pub(super) fn repitch16(
             1,
         );
         k.launch(stream, grid, (128, 1, 1), 0, &mut args)?;
-        if is_a {
-            (g2.a, p2.a) = (packed, buf.ptr());
-        } else {
-            (g2.b, p2.b) = (packed, buf.ptr());
-        }
-        keep.push(buf);
-    }
-    Ok((g2, p2))
+        Ok(Some((packed, buf)))
+    })
 }
 
 /// The pre-pass a `wgmma` launch of `dtype` runs on operands it cannot read in place: tf32's pack
