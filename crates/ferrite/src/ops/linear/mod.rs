@@ -110,8 +110,10 @@ pub fn variants() -> Vec<VariantInfo> {
             backend: Backend::Cuda,
             dtypes: HALVES,
             min_arch: Some(Arch::SM90),
-            constraints: "sm_90a (Hopper); bf16/f16; in and X's/W's row pitch multiples of 8 \
-                elements, 16-byte aligned X and W (TMA); else `fused` runs it",
+            constraints: "sm_90a (Hopper); bf16/f16; any shape: X or W with rows TMA cannot \
+                address (an `in` or row pitch not a multiple of 8 elements, a base off 16 bytes) \
+                is re-pitched first (matmul's pre-pass); by default only from 2^24 \
+                multiply-adds, `fused` below",
             summary: "the same epilogue inside the Hopper wgmma kernel (TMA, warp-specialised, \
                 persistent grid, 2-block clusters)",
             rank: 3,
@@ -133,8 +135,9 @@ pub fn variants() -> Vec<VariantInfo> {
             backend: Backend::Cuda,
             dtypes: HALVES,
             min_arch: Some(Arch::SM90),
-            constraints: "sm_90a (Hopper); bf16/f16; in and X's/W's row pitch multiples of 8 \
-                elements, 16-byte aligned X and W (TMA); else `fused_pairs` runs it",
+            constraints: "sm_90a (Hopper); bf16/f16; any shape: X or W with rows TMA cannot \
+                address is re-pitched first (matmul's pre-pass); by default only from 2^24 \
+                multiply-adds, `fused_pairs` below",
             summary: "`persistent` with the pair epilogue: interior 128×256 tiles branch-free, \
                 the bias loaded into registers before the tile's mainloop, 4-byte stores, \
                 tanh.approx (16-bit)",
