@@ -267,6 +267,23 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// An SVG document's opening: its size, a white background and the title line (close it with
+/// `</svg>`).
+fn svg_open(width: f64, height: f64, title: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    s
+}
+
 /// A horizontal bar chart of the ladder: one panel per (device, op, dtype, shape), one bar per
 /// variant, rate on a log axis (a naive CPU loop and a tensor-core kernel differ by 10⁴).
 pub fn ladder_svg(records: &[BenchRecord], title: &str) -> String {
@@ -299,17 +316,7 @@ pub fn ladder_svg(records: &[BenchRecord], title: &str) -> String {
             .iter()
             .map(|(_, g)| gap + bh * g.len() as f64)
             .sum::<f64>();
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#,
-        esc(title)
-    );
+    let mut s = svg_open(width, height, title);
     let mut y = 50.0;
     for (key, g) in &groups {
         let vmax = g.iter().map(|r| value(r)).fold(1e-9, f64::max);
@@ -444,7 +451,6 @@ pub fn sweep_svg(records: &[BenchRecord], row: &str, title: &str) -> String {
     let mut dtypes: Vec<&str> = cells.iter().map(|c| c.0).collect();
     dtypes.dedup();
     let (cw, ch, lw, top) = (96.0, 24.0, 70.0, 50.0);
-    let mut s = String::new();
     let mut panels = String::new();
     let mut y = top;
     let mut width: f64 = 640.0;
@@ -511,16 +517,7 @@ pub fn sweep_svg(records: &[BenchRecord], row: &str, title: &str) -> String {
         }
         y += 40.0;
     }
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="10" y="24" font-size="16" font-weight="bold">{}</text>"#,
-        esc(title)
-    );
+    let mut s = svg_open(width, y, title);
     s.push_str(&panels);
     s.push_str("</svg>\n");
     s

@@ -72,6 +72,21 @@ struct Layer {
 }
 
 impl Layer {
+    /// The forward's bare GEMM, X · Wᵀ into Y (what `select` and the plain-GEMM rows plan).
+    fn gemm(&self) -> Result<crate::ops::matmul::Gemm> {
+        super::gemm_of(
+            &Fwd {
+                x: &self.x,
+                w: &self.w,
+                bias: None,
+                residual: None,
+            },
+            &self.y,
+        )
+    }
+}
+
+impl Layer {
     fn new(d: Device, dtype: DType, [m, n, k]: [usize; 3]) -> Result<Layer> {
         let r = |s: &[usize], seed| Tensor::rand(s, dtype, d, seed, -1.0, 1.0);
         Ok(Layer {
@@ -254,15 +269,7 @@ fn bench_gpu(
             let shape_s = format!("{m}×{n}←{k} bias+{ACT}");
             let mut group = Vec::new();
             // The bare GEMMs: ferrite's default pick, and cuBLAS.
-            let g = super::gemm_of(
-                &Fwd {
-                    x: &l.x,
-                    w: &l.w,
-                    bias: None,
-                    residual: None,
-                },
-                &l.y,
-            )?;
+            let g = l.gemm()?;
             let ptrs = mmc::Ptrs {
                 a: l.x.device_ptr()?,
                 b: l.w.device_ptr()?,
@@ -567,19 +574,7 @@ fn bench_cpu_vs_gpu(
                 },
                 &FwdOut { y: &l.y, z: None },
             )?;
-            let g = if dev.is_cuda() {
-                Some(super::gemm_of(
-                    &Fwd {
-                        x: &l.x,
-                        w: &l.w,
-                        bias: None,
-                        residual: None,
-                    },
-                    &l.y,
-                )?)
-            } else {
-                None
-            };
+            let g = if dev.is_cuda() { Some(l.gemm()?) } else { None };
             let v = super::select(&p, g.as_ref(), &opts)?.name;
             progress(&format!("linear {dev} {v} {dtype} {label}"));
             let stats = match dev {

@@ -11,7 +11,7 @@ use crate::core::harness::bench::{
     relate, rotation_sets, time_cpu, time_gpu_alternating_boxed, BenchRecord, Budget,
     ALTERNATING_ROUNDS,
 };
-use crate::core::harness::{BenchConfig, Ceilings, Precision};
+use crate::core::harness::{BenchConfig, Ceilings, Precision, Stats};
 use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use std::sync::Arc;
@@ -198,6 +198,30 @@ pub(super) fn gpu_sets(
             ))
         })
         .collect()
+}
+
+/// A GPU record of `g` on device `d` (named `name`): `variant`'s times, its FLOPs and the
+/// problem's least bytes, the dtype shown as `label` (tf32 is f32 storage).
+pub(super) fn gemm_record(
+    (d, name): (Device, &str),
+    variant: &str,
+    (dtype, label): (DType, &str),
+    g: &Gemm,
+    stats: Stats,
+) -> BenchRecord {
+    let mut r = BenchRecord::new(
+        d,
+        name,
+        OP,
+        variant,
+        dtype,
+        g.label(),
+        stats,
+        g.flops(),
+        g.min_bytes(0.0),
+    );
+    r.dtype = label.into();
+    r
 }
 
 /// The device pointers of each rotation set (`gpu_sets`).
@@ -395,19 +419,14 @@ fn bench_gpu(
             drop(fs);
             let mut group = Vec::new();
             for (vname, l, tuned) in &plans {
-                let mut r = BenchRecord::new(
-                    d,
-                    &name,
-                    OP,
+                let r = gemm_record(
+                    (d, &name),
                     vname,
-                    dtype,
-                    g.label(),
+                    (dtype, label),
+                    &g,
                     stats.next().expect("one Stats per closure"),
-                    g.flops(),
-                    g.min_bytes(0.0),
                 );
-                r.dtype = label.into();
-                r = r.with_kernel(&l.kernel, l.block.0 * l.block.1 * l.block.2, l.smem)?;
+                let mut r = r.with_kernel(&l.kernel, l.block.0 * l.block.1 * l.block.2, l.smem)?;
                 r.config = match tuned {
                     Some((c, true)) => {
                         format!("tuned {c} of {}: {}", mm_cuda::WG_CONFIGS.len(), l.config)
@@ -418,18 +437,7 @@ fn bench_gpu(
                 group.push(r);
             }
             let peer = |variant: &str, stats, config: String| {
-                let mut r = BenchRecord::new(
-                    d,
-                    &name,
-                    OP,
-                    variant,
-                    dtype,
-                    g.label(),
-                    stats,
-                    g.flops(),
-                    g.min_bytes(0.0),
-                );
-                r.dtype = label.into();
+                let mut r = gemm_record((d, &name), variant, (dtype, label), &g, stats);
                 r.is_peer = true;
                 r.config = config;
                 r

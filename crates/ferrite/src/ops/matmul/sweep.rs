@@ -10,9 +10,9 @@
 //! `--variant` (planned once, as the ladder bench times them), `cublas` and `cublaslt`. Each
 //! record's `ratio_to_peer` is against the faster of the two vendor peers in that cell.
 
-use super::bench::{gpu_sets, set_ptrs};
+use super::bench::{gemm_record, gpu_sets, set_ptrs};
 use super::cuda as mm_cuda;
-use super::{validate, MatmulOptions, OP};
+use super::{validate, MatmulOptions};
 use crate::core::cuda::CudaDevice;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
@@ -177,18 +177,8 @@ pub fn run(
         drop(fs);
         let mut stats = stats.into_iter();
         let mut rec = |variant: &str, is_peer: bool, config: String| {
-            let mut r = BenchRecord::new(
-                d,
-                &name,
-                OP,
-                variant,
-                dtype,
-                g.label(),
-                stats.next().expect("one Stats per closure"),
-                g.flops(),
-                g.min_bytes(0.0),
-            );
-            r.dtype = label.into();
+            let stats = stats.next().expect("one Stats per closure");
+            let mut r = gemm_record((d, &name), variant, (dtype, label), &g, stats);
             r.is_peer = is_peer;
             r.config = config;
             r

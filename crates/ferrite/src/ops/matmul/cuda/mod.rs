@@ -676,7 +676,7 @@ struct PlanKey {
 /// Whether the default selection times `skinny` against `wgmma` for `g` (`short_pick`): a short
 /// 16-bit A (m ≤ 64) with both operands K-contiguous on Hopper, where both run and the faster
 /// one depends on m, n·k and alignment — `skinny` streams the weight once with every SM busy and
-/// no tile overhead (a 768² layer: ~6 µs against ~13 for `wgmma` at 16 rows, H200), `wgmma`
+/// no tile overhead (a 768² layer at 16 rows: ~8 µs against ~13 for `wgmma`, H200), `wgmma`
 /// with split-K wins from 16 rows on large weights, and on rows TMA cannot address (re-pitched)
 /// `skinny` falls back to element loads (1×4097² 57 µs; `wgmma` 47 at 16 rows).
 fn races_short(g: &Gemm, opts: &MatmulOptions, dev: &CudaDevice, selected: &str) -> bool {
@@ -721,14 +721,7 @@ fn short_pick(
     if crate::core::cuda::is_capturing(stream) {
         return Ok(selected);
     }
-    let mut gs = *g;
-    gs.c.ld = g.n;
-    gs.c.batch_stride = g.m * g.n;
-    let scratch = dev.alloc(g.batch * g.m * g.n * g.dtype.size_in_bytes(), stream)?;
-    let q = Ptrs {
-        c: scratch.ptr(),
-        ..p
-    };
+    let (gs, q, _scratch) = self::wgmma::scratch_c(g, p, dev, stream)?;
     tune::pick(&key, &candidates, |&v| {
         let cfg = if v == "wgmma" {
             wg_tuned(&gs, q, dev, stream)?

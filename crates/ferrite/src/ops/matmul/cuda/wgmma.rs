@@ -580,6 +580,26 @@ fn wg_tune_key(dev: &CudaDevice, g: &Gemm) -> String {
     )
 }
 
+/// `g` and `p` with C moved to fresh scratch (dense rows, stream-ordered, alive while the buffer
+/// is): what a tuner times candidates on, leaving the caller's C untouched.
+pub(super) fn scratch_c(
+    g: &Gemm,
+    p: Ptrs,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+) -> Result<(Gemm, Ptrs, DeviceBuffer)> {
+    let mut gs = *g;
+    gs.c.ld = g.n;
+    gs.c.trans = false;
+    gs.c.batch_stride = g.m * g.n;
+    let scratch = dev.alloc(g.batch * g.m * g.n * g.dtype.size_in_bytes(), stream)?;
+    let q = Ptrs {
+        c: scratch.ptr(),
+        ..p
+    };
+    Ok((gs, q, scratch))
+}
+
 /// `wgmma`'s configuration for `g`: remembered, or timed now on the caller's A and B (each
 /// candidate writes a scratch C with beta = 0, so the caller's C is untouched) — or the default,
 /// not remembered, while the stream captures a CUDA graph (nothing may be timed then).
@@ -592,15 +612,7 @@ pub fn wg_tuned(g: &Gemm, p: Ptrs, dev: &Arc<CudaDevice>, stream: &Stream) -> Re
     if crate::core::cuda::is_capturing(stream) {
         return Ok(WG_DEFAULT);
     }
-    let mut gs = *g;
-    gs.c.ld = g.n;
-    gs.c.trans = false;
-    gs.c.batch_stride = g.m * g.n;
-    let scratch = dev.alloc(g.batch * g.m * g.n * g.dtype.size_in_bytes(), stream)?;
-    let q = Ptrs {
-        c: scratch.ptr(),
-        ..p
-    };
+    let (gs, q, _scratch) = scratch_c(g, p, dev, stream)?;
     tune::pick(&key, &WG_CONFIGS, |&cfg| {
         let l = plan_with("wgmma", &gs, dev, cfg)?;
         crate::core::cuda::rows::time_briefly(dev, stream, || launch(&l, &gs, q, 1.0, 0.0, stream))
@@ -623,6 +635,27 @@ mod tests {
             r * o.ld + p
         };
         x[z * o.batch_stride + idx]
+    }
+
+    /// op(Y) == op(X) element by element over `batch` × `rows` × `k`: a pre-pass's copy `y`
+    /// (laid out as `py`) holds what the original `x` (laid out as `px`) does.
+    fn assert_same_op(
+        (y, py): (&[f32], &Operand),
+        (x, px): (&[f32], &Operand),
+        is_a: bool,
+        [batch, rows, k]: [usize; 3],
+    ) {
+        for z in 0..batch {
+            for r in 0..rows {
+                for p in 0..k {
+                    assert_eq!(
+                        op_at(y, py, is_a, z, r, p),
+                        op_at(x, px, is_a, z, r, p),
+                        "is_a {is_a} {px:?} → {py:?}: z {z} r {r} p {p}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
@@ -725,17 +758,7 @@ mod tests {
             assert!(rows_aligned16(&packed, 256), "{packed:?}");
             assert!(packed.ld >= inner && packed.ld < inner + 8);
             assert_eq!(packed.trans, trans);
-            for z in 0..batch {
-                for r in 0..rows {
-                    for p in 0..k {
-                        assert_eq!(
-                            op_at(&y, &packed, is_a, z, r, p),
-                            op_at(&x, &o, is_a, z, r, p),
-                            "is_a {is_a} trans {trans} ld {ld} z {z} r {r} p {p}"
-                        );
-                    }
-                }
-            }
+            assert_same_op((&y, &packed), (&x, &o), is_a, [batch, rows, k]);
         }
         // In place: pitch, batch stride and base all 16-byte multiples.
         let o = |ld, batch_stride| Operand {
@@ -786,17 +809,7 @@ mod tests {
             assert!(packed.ld >= k);
             // K-major and aligned: the kernel reads it in place (at a 16-byte aligned base).
             assert!(tf32_direct(&packed, is_a, 256));
-            for z in 0..batch {
-                for r in 0..rows {
-                    for p in 0..k {
-                        assert_eq!(
-                            op_at(&y, &packed, is_a, z, r, p),
-                            op_at(&x, &o, is_a, z, r, p),
-                            "is_a {is_a} trans {trans} ld {ld} z {z} r {r} p {p}"
-                        );
-                    }
-                }
-            }
+            assert_same_op((&y, &packed), (&x, &o), is_a, [batch, rows, k]);
         }
         // Operands read in place: K-major with 16-byte rows and base only.
         let km = |is_a: bool, ld| Operand {
