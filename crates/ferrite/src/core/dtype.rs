@@ -1,5 +1,6 @@
 //! Element types. Floating types for math (f32, f16, bf16) and integer types for indices and tokens.
 
+use super::fp8::{E4M3, E5M2};
 use half::{bf16, f16};
 use std::fmt;
 
@@ -24,11 +25,16 @@ pub enum DType {
     U8,
     /// Class indices as PyTorch stores them (cross-entropy targets).
     I64,
+    /// FP8 e4m3 (`float8_e4m3fn`): the scaled GEMM's inputs (weights, activations); see
+    /// [`crate::core::fp8`].
+    F8E4M3,
+    /// FP8 e5m2 (`float8_e5m2`): wider range, for gradients.
+    F8E5M2,
 }
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 8] = [
+    pub const ALL: [DType; 10] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -37,6 +43,8 @@ impl DType {
         DType::U16,
         DType::U8,
         DType::I64,
+        DType::F8E4M3,
+        DType::F8E5M2,
     ];
 
     /// Bytes per element.
@@ -44,7 +52,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 | DType::U16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::I64 => 8,
         }
     }
@@ -52,6 +60,12 @@ impl DType {
     /// f32, f16 or bf16: the dtypes the ops compute in.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// f8e4m3 or f8e5m2: storage the scaled GEMM multiplies (with scales), not a dtype the
+    /// other ops compute in.
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
     }
 
     /// The short lowercase name (`f32`, `bf16`, `i64`, ...) used in messages, flags and JSON.
@@ -65,6 +79,8 @@ impl DType {
             DType::U16 => "u16",
             DType::U8 => "u8",
             DType::I64 => "i64",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
@@ -79,6 +95,8 @@ impl DType {
             DType::U16 => "unsigned short",
             DType::U8 => "unsigned char",
             DType::I64 => "long long",
+            DType::F8E4M3 => "__nv_fp8_e4m3",
+            DType::F8E5M2 => "__nv_fp8_e5m2",
         }
     }
 
@@ -97,6 +115,8 @@ impl DType {
                 "uint32" => Some(DType::U32),
                 "uint16" => Some(DType::U16),
                 "uint8" => Some(DType::U8),
+                "float8_e4m3fn" | "e4m3" | "fp8e4m3" | "fp8_e4m3" => Some(DType::F8E4M3),
+                "float8_e5m2" | "e5m2" | "fp8e5m2" | "fp8_e5m2" => Some(DType::F8E5M2),
                 _ => None,
             })
     }
@@ -180,6 +200,8 @@ pub(crate) fn read_as_f64(bytes: &[u8], dtype: DType, i: usize) -> f64 {
         DType::U16 => u16::from_le_bytes(b.try_into().unwrap()) as f64,
         DType::U8 => b[0] as f64,
         DType::I64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::F8E4M3 => E4M3.decode(b[0]) as f64,
+        DType::F8E5M2 => E5M2.decode(b[0]) as f64,
     }
 }
 
@@ -196,5 +218,7 @@ pub(crate) fn write_from_f64(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::U16 => b.copy_from_slice(&(v as u16).to_le_bytes()),
         DType::U8 => b[0] = v as u8,
         DType::I64 => b.copy_from_slice(&(v as i64).to_le_bytes()),
+        DType::F8E4M3 => b[0] = E4M3.encode_f64(v),
+        DType::F8E5M2 => b[0] = E5M2.encode_f64(v),
     }
 }

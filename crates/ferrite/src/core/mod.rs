@@ -8,6 +8,7 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod fp8;
 pub mod harness;
 pub mod host;
 pub mod layout;

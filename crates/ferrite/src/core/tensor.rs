@@ -226,6 +226,19 @@ impl Tensor {
         ))
     }
 
+    /// A contiguous copy converted to `dtype` on the same device, element by element through the
+    /// host (rounded to nearest even; FP8 saturates, see `core::fp8`; integers truncate): for
+    /// preparing inputs and tests, not a device kernel.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let v = self.to_f64_vec()?;
+        let bytes = checked_bytes("Tensor::to_dtype", v.len(), dtype.size_in_bytes())?;
+        let mut hb = HostBytes::zeroed(bytes, "Tensor::to_dtype")?;
+        for (i, &x) in v.iter().enumerate() {
+            write_from_f64(hb.as_bytes_mut(), dtype, i, x);
+        }
+        Self::from_storage(Storage::Cpu(hb), self.shape(), dtype, Device::Cpu).to_device(self.device)
+    }
+
     /// Every element set to `v` (rounded to the dtype).
     pub fn full(shape: &[usize], dtype: DType, device: Device, v: f64) -> Result<Tensor> {
         let n = checked_numel("Tensor::full", shape)?;

@@ -18,6 +18,7 @@ pub mod matmul;
 pub mod moe;
 pub mod norm;
 pub mod rotary;
+pub mod scaled_mm;
 pub mod softmax;
 
 use crate::core::cuda::{self, jit};
@@ -33,6 +34,7 @@ pub const FAMILY_DEPENDENCIES: &[(&str, &str)] = &[
     ("linear", "matmul"),
     ("moe", "matmul"),
     ("moe", "activation"),
+    ("scaled_mm", "matmul"),
 ];
 
 /// Every op family, in the order `check all` and `bench all` run them.
@@ -50,6 +52,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &attention::Attention,
         &decode::Decode,
         &moe::Moe,
+        &scaled_mm::ScaledMm,
     ]
 }
 

@@ -41,6 +41,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("async.cuh", include_str!("kernels/async.cuh")),
     ("act.cuh", include_str!("kernels/act.cuh")),
     ("mma.cuh", include_str!("kernels/mma.cuh")),
+    ("fp8.cuh", include_str!("kernels/fp8.cuh")),
 ];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).

@@ -14,6 +14,7 @@ pub mod blas;
 pub mod jit;
 #[doc(hidden)]
 pub mod rows;
+pub mod tma;
 
 use super::device::Arch;
 use super::error::{Error, Result};

@@ -18,6 +18,14 @@ pub enum Precision {
     F16,
     /// Bit-exact results (copies, gathers, integer ops).
     Exact,
+    /// FP8 inputs, fp32 accumulation, f32 output: the error against the f64 product of the
+    /// dequantised inputs is the accumulation's alone (≈ √k·2⁻²⁴ relative), bounded at 1e-4 for
+    /// reductions up to k ≈ 10⁵.
+    Fp8,
+    /// FP8 inputs accumulated by Hopper's tensor core alone (`wgmma_fast`, cuBLASLt's
+    /// FAST_ACCUM), f32 output: its adder keeps fewer mantissa bits than fp32, so the error grows
+    /// faster with k (bounded at 1e-3 for the checked k ≤ 8192).
+    Fp8FastAccum,
 }
 
 impl Precision {
@@ -38,6 +46,8 @@ impl Precision {
             Precision::Tf32 => 1e-3,
             Precision::Bf16 | Precision::F16 => 1e-2,
             Precision::Exact => 0.0,
+            Precision::Fp8 => 1e-4,
+            Precision::Fp8FastAccum => 1e-3,
         }
     }
 
@@ -49,6 +59,8 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::F16 => "f16",
             Precision::Exact => "exact",
+            Precision::Fp8 => "fp8",
+            Precision::Fp8FastAccum => "fp8-fast",
         }
     }
 }

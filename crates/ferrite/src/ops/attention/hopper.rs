@@ -6,6 +6,7 @@
 use super::flash::{self, Bwd, BwdGeom};
 use super::{Problem, Varlen, OP};
 use crate::core::cuda::jit::{KernelSource, Program};
+use crate::core::cuda::tma::{self, TmaDesc};
 use crate::core::cuda::{CudaDevice, KernelArgs, Stream};
 use crate::core::device::Arch;
 use crate::core::dtype::DType;
@@ -143,11 +144,6 @@ pub fn unfit_backward(p: &Problem, ptrs: &[u64], deterministic: bool) -> Option<
     unfit(p, ptrs)
 }
 
-/// A CUtensorMap as the kernel's `const __grid_constant__ TmaDesc` parameter (128 bytes).
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct TmaDesc([u64; 16]);
-
 /// Which tensor-map coordinate (1..=3) carries row, head and batch, as `MapOrder` in hopper.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -177,7 +173,6 @@ fn tensor_map(
     stride: [i64; 3],
     box_rows: u32,
 ) -> Result<(TmaDesc, MapOrder)> {
-    use cudarc::driver::sys;
     let es = dtype.size_in_bytes() as u64;
     // (extent, stride in bytes, which: 0 row, 1 head, 2 batch)
     let mut outer = [
@@ -199,44 +194,14 @@ fn tensor_map(
             boxd[slot + 1] = box_rows;
         }
     }
-    let estr = [1u32; 4];
-    let dt = match dtype {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: dims/box/element strides hold 4 entries and strides 3 (rank − 1), as the call
-    // reads; the map is written by the call.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dt,
-            4,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxd.as_ptr(),
-            estr.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::cuda(
-            format!("cuTensorMapEncodeTiled (dims {dims:?}, strides {strides:?}, box {boxd:?})"),
-            format!("{r:?}"),
-        ));
-    }
+    let map = tma::encode(dtype, ptr, dims, &strides, boxd, true)?;
     let order = MapOrder {
         row: order[0],
         head: order[1],
         batch: order[2],
         pad: 0,
     };
-    // SAFETY: initialised by the successful call above.
-    Ok((TmaDesc(unsafe { map.assume_init() }.opaque), order))
+    Ok((map, order))
 }
 
 /// The tensor maps of one call: padded, rows = the padded seq length per batch; varlen, rows =

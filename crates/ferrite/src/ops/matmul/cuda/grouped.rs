@@ -3,7 +3,7 @@
 //! `wgmma` with the GLU fused into its epilogue.
 
 use super::mma::{mma_program, MMA_STAGES, MMA_STAGE_BYTES};
-use super::tma::{tensor_map, tensor_map_encode, wgmma_maps, TmaDesc};
+use super::tma::{encode, tensor_map, wgmma_maps, TmaDesc};
 use super::wgmma::{
     wg_smem, wgmma_declines_unpadded, wgmma_program, Persistent, WGMMA_ARCH, WG_GROUP_M,
     WG_THREADS, WG_TILE,
@@ -231,15 +231,15 @@ pub fn launch_grouped_glu(
     let tc = tensor_map(g.dtype, p.c, nh, g.m, nh, 1, 0, [64, 16], true)?;
     // The pre-activations as (column, half, row): half 0 the gate's columns, 1 the up's.
     let th = match h {
-        Some(ph) => tensor_map_encode(
+        Some(ph) => encode(
             g.dtype,
             ph,
             [nh as u64, 2, rows],
-            [nh as u64 * es, g.n as u64 * es],
+            &[nh as u64 * es, g.n as u64 * es],
             [64, 1, 16],
             true,
         )?,
-        None => TmaDesc([0; 16]),
+        None => TmaDesc::UNUSED,
     };
     let tiles = ((g.m as u64).div_ceil(l.tile.0 as u64) + groups.groups as u64)
         * (nh as u64).div_ceil(l.tile.1 as u64);

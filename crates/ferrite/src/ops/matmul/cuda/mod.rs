@@ -37,7 +37,7 @@ pub use grouped::{
     grouped_layouts, grouped_specs, launch_grouped, launch_grouped_glu, plan_grouped,
     plan_grouped_glu, Grouping, Groups, MAX_GROUPS,
 };
-pub use peers::{cublas, LtPlan};
+pub use peers::{cublas, LtOperands, LtPlan};
 pub use skinny::{
     skinny_by_default, skinny_declines, skinny_refuses, SKINNY_DEFAULT_MAX_M, SKINNY_MAX_M,
 };
@@ -528,7 +528,7 @@ fn launch_inner(
     if let Some(pp) = l.persistent {
         let (ta, tb) = wgmma_maps(g, p, pp.cluster)?;
         let store = splits == 1 && pp.tma_store && wg_tma_store_ok(g, p.c, beta, &e);
-        let none = TmaDesc([0; 16]);
+        let none = TmaDesc::UNUSED;
         let (tc, tz) = if store {
             let tz = if e.z != 0 {
                 wgmma_out_map(g, e.z, e.ldz, e.stride_z)?

@@ -1,100 +1,12 @@
-//! TMA tensor maps (CUtensorMap) as the kernels take them: A and B of `wgmma`, its TMA-stored
-//! outputs, and B of `skinny` on sm_90.
+//! The TMA tensor maps of matmul's kernels: A and B of `wgmma`, its TMA-stored outputs, and B of
+//! `skinny` on sm_90 (encoded by `core::cuda::tma`).
 
 use super::wgmma::{wg_bk, WG_TILE};
 use super::Ptrs;
-use crate::core::dtype::DType;
+pub(super) use crate::core::cuda::tma::{encode, matrix_map as tensor_map, TmaDesc};
 use crate::core::error::{Error, Result};
 use crate::ops::matmul::epilogue::EpiPtrs;
 use crate::ops::matmul::{Gemm, OP};
-
-/// A CUtensorMap as the kernel's `const __grid_constant__ TmaDesc` parameter (128 bytes).
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-pub(super) struct TmaDesc(pub(super) [u64; 16]);
-
-/// The 3-D tensor map (contiguous dim, rows, batch) of one operand, boxes of `boxd`, zero fill
-/// outside; `swizzle`: the 128-byte swizzle wgmma reads, else dense rows.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn tensor_map(
-    dtype: DType,
-    ptr: u64,
-    inner: usize,
-    outer: usize,
-    ld: usize,
-    batch: usize,
-    batch_stride: usize,
-    boxd: [u32; 2],
-    swizzle: bool,
-) -> Result<TmaDesc> {
-    let es = dtype.size_in_bytes() as u64;
-    let (inner, outer) = (inner.max(1) as u64, outer.max(1) as u64);
-    let batch = if batch_stride == 0 {
-        1
-    } else {
-        batch.max(1) as u64
-    };
-    let dims = [inner, outer, batch];
-    let strides = [
-        ld as u64 * es,
-        if batch > 1 {
-            batch_stride as u64 * es
-        } else {
-            ld as u64 * es * outer
-        },
-    ];
-    tensor_map_encode(dtype, ptr, dims, strides, [boxd[0], boxd[1], 1], swizzle)
-}
-
-/// cuTensorMapEncodeTiled for a 3-D map (dims innermost first, byte strides of dims 1 and 2),
-/// zero fill outside; `swizzle`: 128-byte swizzle, else the box lands as dense rows.
-pub(super) fn tensor_map_encode(
-    dtype: DType,
-    ptr: u64,
-    dims: [u64; 3],
-    strides: [u64; 2],
-    boxd: [u32; 3],
-    swizzle: bool,
-) -> Result<TmaDesc> {
-    use cudarc::driver::sys;
-    let dt = match dtype {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        // tf32 inputs are loaded as the f32 bits they are (wgmma reads them as tf32).
-        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
-    let estr = [1u32; 3];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: every array holds `rank` (3, strides 2) entries; the map is written by the call.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dt,
-            3,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxd.as_ptr(),
-            estr.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            if swizzle {
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
-            } else {
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
-            },
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::cuda(
-            format!("cuTensorMapEncodeTiled (dims {dims:?}, strides {strides:?}, box {boxd:?})"),
-            format!("{r:?}"),
-        ));
-    }
-    // SAFETY: initialised by the successful call above.
-    Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
-}
 
 /// Whether a launch of a TMA-store `wgmma` kernel can store C (and Z) by TMA: beta = 0 (C is
 /// only written), k > 0, and the base, row pitch and batch stride of C and of a present Z
@@ -133,7 +45,7 @@ pub(super) fn wgmma_out_map(g: &Gemm, ptr: u64, ld: usize, batch_stride: usize) 
 /// only) is loaded in 64×64 boxes.
 pub(super) fn wgmma_maps(g: &Gemm, p: Ptrs, cluster: u32) -> Result<(TmaDesc, TmaDesc)> {
     if g.k == 0 {
-        return Ok((TmaDesc([0; 16]), TmaDesc([0; 16])));
+        return Ok((TmaDesc::UNUSED, TmaDesc::UNUSED));
     }
     if !p.a.is_multiple_of(16) || !p.b.is_multiple_of(16) {
         return Err(Error::NoVariant {
@@ -206,7 +118,7 @@ pub(super) fn skinny_b_map(g: &Gemm, b: u64, box_k: u32, sm90: bool) -> Result<T
         && (g.b.ld * es).is_multiple_of(16)
         && (g.b.batch_stride * es).is_multiple_of(16);
     if !sm90 || !aligned {
-        return Ok(TmaDesc([0; 16]));
+        return Ok(TmaDesc::UNUSED);
     }
     tensor_map(
         g.dtype,

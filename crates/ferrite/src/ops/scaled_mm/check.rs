@@ -1,0 +1,233 @@
+//! `ferrite check scaled_mm`: every rung against the f64 product of the dequantised inputs
+//! (the FP8 codes' exact values times the scales), outputs poisoned first; odd sizes, both
+//! formats on either side, tensor-wise and row-wise scales, bias, every output dtype, and a
+//! long k where the fast accumulation's error shows.
+
+use super::{scaled_mm_into, variants, wgmma_declines, Problem, ScaledMmOptions, OP};
+use crate::core::device::Device;
+use crate::core::dtype::DType;
+use crate::core::error::Result;
+use crate::core::harness::check::rel_error;
+use crate::core::harness::{CheckConfig, CheckRecord, Precision};
+use crate::core::rng::Rng;
+use crate::core::tensor::Tensor;
+use crate::core::variant::Backend;
+use rayon::prelude::*;
+
+/// One case: shape, formats, output dtype, scale granularity, bias.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: DType,
+    pub b: DType,
+    pub out: DType,
+    pub sa_row: bool,
+    pub sb_col: bool,
+    pub bias: bool,
+}
+
+const E4: DType = DType::F8E4M3;
+const E5: DType = DType::F8E5M2;
+
+#[allow(clippy::too_many_arguments)]
+const fn case(
+    (m, n, k): (usize, usize, usize),
+    a: DType,
+    b: DType,
+    out: DType,
+    sa_row: bool,
+    sb_col: bool,
+    bias: bool,
+) -> Case {
+    Case {
+        m,
+        n,
+        k,
+        a,
+        b,
+        out,
+        sa_row,
+        sb_col,
+        bias,
+    }
+}
+
+pub fn cases(quick: bool) -> Vec<Case> {
+    use DType::{BF16, F16, F32};
+    let mut v = vec![
+        case((1, 1, 1), E4, E4, F32, false, false, false),
+        case((7, 33, 40), E4, E4, BF16, true, true, true),
+        case((1, 300, 256), E4, E4, BF16, false, false, false),
+        case((130, 300, 272), E4, E4, F32, false, false, false),
+        case((130, 300, 272), E4, E5, BF16, true, false, true),
+        case((77, 129, 144), E5, E4, F16, false, true, false),
+        case((64, 260, 208), E5, E5, F32, true, true, false),
+        case((257, 520, 1024), E4, E4, BF16, true, true, true),
+        case((64, 256, 4096), E4, E4, F32, false, false, false),
+    ];
+    if !quick {
+        v.extend([
+            case((1000, 1000, 1008), E4, E4, BF16, false, false, true),
+            case((513, 2048, 4096), E4, E4, F32, true, true, false),
+            case((300, 768, 8192), E4, E5, F32, false, false, false),
+            case((2048, 2048, 2048), E4, E4, F16, false, true, true),
+        ]);
+    }
+    v
+}
+
+/// The case's inputs on the CPU: FP8 codes of uniform values (e4m3 in ±6, reaching its
+/// subnormals; e5m2 in ±100), scales in [0.01, 1) and a bias in ±1.
+struct Inputs {
+    a: Tensor,
+    b: Tensor,
+    sa: Tensor,
+    sb: Tensor,
+    bias: Option<Tensor>,
+}
+
+fn range(d: DType) -> f64 {
+    if d == E5 {
+        100.0
+    } else {
+        6.0
+    }
+}
+
+fn inputs(c: &Case, seed: u64) -> Result<Inputs> {
+    let cpu = Device::Cpu;
+    let a = Tensor::rand(&[c.m, c.k], c.a, cpu, seed, -range(c.a), range(c.a))?;
+    let b = Tensor::rand(&[c.n, c.k], c.b, cpu, seed ^ 1, -range(c.b), range(c.b))?;
+    let sa = Tensor::rand(&[if c.sa_row { c.m } else { 1 }], DType::F32, cpu, seed ^ 2, 0.01, 1.0)?;
+    let sb = Tensor::rand(&[if c.sb_col { c.n } else { 1 }], DType::F32, cpu, seed ^ 3, 0.01, 1.0)?;
+    let bias = if c.bias {
+        Some(Tensor::rand(&[c.n], c.out, cpu, seed ^ 4, -1.0, 1.0)?)
+    } else {
+        None
+    };
+    Ok(Inputs { a, b, sa, sb, bias })
+}
+
+/// D in f64 from the inputs' exact values.
+fn reference(c: &Case, x: &Inputs) -> Result<Vec<f64>> {
+    let (a, b) = (x.a.to_f64_vec()?, x.b.to_f64_vec()?);
+    let (sa, sb) = (x.sa.to_f64_vec()?, x.sb.to_f64_vec()?);
+    let bias = match &x.bias {
+        Some(t) => t.to_f64_vec()?,
+        None => vec![0.0; c.n],
+    };
+    let mut d = vec![0f64; c.m * c.n];
+    d.par_chunks_mut(c.n.max(1))
+        .enumerate()
+        .for_each(|(i, row)| {
+            let ar = &a[i * c.k..][..c.k];
+            for (j, dj) in row.iter_mut().enumerate() {
+                let br = &b[j * c.k..][..c.k];
+                let dot: f64 = ar.iter().zip(br).map(|(x, y)| x * y).sum();
+                let s = sa[if c.sa_row { i } else { 0 }] * sb[if c.sb_col { j } else { 0 }];
+                *dj = dot * s + bias[j];
+            }
+        });
+    Ok(d)
+}
+
+/// The precision contract of `variant` writing `out`.
+pub fn precision(variant: &str, out: DType) -> Precision {
+    match out {
+        DType::F32 if variant == "wgmma_fast" => Precision::Fp8FastAccum,
+        DType::F32 => Precision::Fp8,
+        d => Precision::of(d),
+    }
+}
+
+fn check_one(dev: Device, variant: &str, c: &Case, x: &Inputs, r: &[f64]) -> Result<f64> {
+    let on = |t: &Tensor| t.to_device(dev);
+    let (a, b, sa, sb) = (on(&x.a)?, on(&x.b)?, on(&x.sa)?, on(&x.sb)?);
+    let bias = x.bias.as_ref().map(on).transpose()?;
+    let out = Tensor::empty(&[c.m, c.n], c.out, dev)?;
+    out.poison(None)?;
+    scaled_mm_into(
+        &a,
+        &b,
+        &sa,
+        &sb,
+        bias.as_ref(),
+        &out,
+        &ScaledMmOptions {
+            variant: Some(variant.into()),
+            stream: None,
+        },
+    )?;
+    Ok(rel_error(&out.to_f64_vec()?, r))
+}
+
+pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
+    let mut rng = Rng::new(cfg.seed);
+    for c in cases(cfg.quick) {
+        if !cfg.wants_dtype(c.a) && !cfg.wants_dtype(c.b) {
+            continue;
+        }
+        let x = inputs(&c, rng.next_u64())?;
+        let r = reference(&c, &x)?;
+        let label = format!(
+            "{}×{}×{} {}×{}→{}{}{}{}",
+            c.m,
+            c.n,
+            c.k,
+            c.a,
+            c.b,
+            c.out,
+            if c.sa_row { " sa/row" } else { "" },
+            if c.sb_col { " sb/col" } else { "" },
+            if c.bias { " +bias" } else { "" }
+        );
+        for &dev in &cfg.devices {
+            let arch = match dev {
+                Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
+                Device::Cpu => None,
+            };
+            for v in variants()
+                .iter()
+                .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
+            {
+                if v.min_arch.is_some_and(|m| arch.is_some_and(|a| a < m)) {
+                    continue;
+                }
+                let p = Problem {
+                    m: c.m,
+                    n: c.n,
+                    k: c.k,
+                    lda: c.k,
+                    ldb: c.k,
+                    ldd: c.n,
+                    a_dtype: c.a,
+                    b_dtype: c.b,
+                    out_dtype: c.out,
+                    sa_row: c.sa_row,
+                    sb_col: c.sb_col,
+                    bias: c.bias,
+                    device: dev,
+                };
+                if v.name.starts_with("wgmma") && wgmma_declines(&p, arch, &[]).is_some() {
+                    continue;
+                }
+                out.push(match check_one(dev, v.name, &c, &x, &r) {
+                    Ok(e) => CheckRecord::compared(
+                        OP,
+                        v.name,
+                        dev,
+                        c.a,
+                        precision(v.name, c.out),
+                        label.clone(),
+                        e,
+                        String::new(),
+                    ),
+                    Err(e) => CheckRecord::errored(OP, v.name, dev, c.a, label.clone(), e.to_string()),
+                });
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,340 @@
+//! CUDA host code of the scaled GEMM: the rungs' programs and launches, and cuBLASLt's FP8
+//! matmul as the vendor peer.
+
+use super::{Problem, ScaledMmOptions, OP};
+use crate::core::cuda::jit::{KernelSource, Program};
+use crate::core::cuda::tma::matrix_map;
+use crate::core::cuda::{device, CudaDevice, Kernel, KernelArgs, Stream};
+use crate::core::device::{Arch, Device};
+use crate::core::dtype::DType;
+use crate::core::error::{Error, Result};
+use crate::core::harness::KernelSpec;
+use crate::core::tensor::Tensor;
+use crate::kernel_source;
+use std::sync::Arc;
+
+const NAIVE: KernelSource = kernel_source!("scaled_mm", "kernels/naive.cu");
+const WGMMA: KernelSource = kernel_source!("scaled_mm", "kernels/wgmma.cu");
+
+/// Threads of a `wgmma` block: a producer warpgroup and two consumer warpgroups.
+const WG_THREADS: u32 = 384;
+
+/// A `wgmma` build: tile columns, ring stages, promotion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WgBuild {
+    /// Columns of the 128-row tile (256 fast, 128 promoted).
+    pub bn: u32,
+    /// Stages of the TMA ring.
+    pub stages: u32,
+    /// Each stage's partial sum added into fp32 registers.
+    pub promote: bool,
+}
+
+/// `wgmma_fast`: 128×256 tiles, 4 stages of 48 KiB.
+pub const FAST: WgBuild = WgBuild {
+    bn: 256,
+    stages: 4,
+    promote: false,
+};
+/// `wgmma`: 128×128 tiles, 6 stages of 32 KiB, promotion.
+pub const PROMOTED: WgBuild = WgBuild {
+    bn: 128,
+    stages: 6,
+    promote: true,
+};
+
+impl WgBuild {
+    /// The build of a `wgmma` variant name.
+    pub fn of(variant: &str) -> Option<WgBuild> {
+        match variant {
+            "wgmma_fast" => Some(FAST),
+            "wgmma" => Some(PROMOTED),
+            _ => None,
+        }
+    }
+    /// Dynamic shared memory: the ring (A 128 rows + B `bn` rows of 128 bytes per stage), its
+    /// 2·stages mbarriers, 1 KiB of slack to align the ring to the 1024-byte swizzle atom.
+    pub fn smem(self) -> u32 {
+        self.stages * (128 + self.bn) * 128 + 16 * self.stages + 1024
+    }
+}
+
+fn fp8_defines(p: Program, a: DType, b: DType, out: DType) -> Program {
+    p.define("FE_OUT", out.cuda_name())
+        .define("FE_A_E5M2", (a == DType::F8E5M2) as u32)
+        .define("FE_B_E5M2", (b == DType::F8E5M2) as u32)
+}
+
+pub fn naive_program(a: DType, b: DType, out: DType) -> Program {
+    fp8_defines(Program::new(NAIVE), a, b, out)
+}
+
+pub fn wgmma_program(a: DType, b: DType, out: DType, w: WgBuild) -> Program {
+    fp8_defines(Program::new(WGMMA), a, b, out)
+        .define("FE_BN", w.bn)
+        .define("FE_STAGES", w.stages)
+        .define("FE_PROMOTE", w.promote as u32)
+}
+
+/// Every module the family compiles: the naive kernel for each (A, B, D) dtype triple, the
+/// `wgmma` builds for e4m3 × e4m3 and e4m3 × e5m2 into bf16 (what the kernel build check and
+/// the ptxas spill check see; the other triples compile the same source at first use).
+pub fn kernel_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for &a in super::FP8 {
+        for &b in super::FP8 {
+            for &o in super::OUT_DTYPES {
+                v.push(KernelSpec {
+                    program: naive_program(a, b, o),
+                    functions: vec!["scaled_mm_naive".into()],
+                    min_arch: Arch::SM80,
+                });
+            }
+        }
+    }
+    for b in [DType::F8E4M3, DType::F8E5M2] {
+        for w in [FAST, PROMOTED] {
+            v.push(KernelSpec {
+                program: wgmma_program(DType::F8E4M3, b, DType::BF16, w),
+                functions: vec!["scaled_mm_wgmma".into()],
+                min_arch: Arch::SM90,
+            });
+        }
+    }
+    v
+}
+
+/// Device pointers of one call: D, A, B, the scales, the bias (0: none).
+#[derive(Clone, Copy, Debug)]
+pub struct Ptrs {
+    pub d: u64,
+    pub a: u64,
+    pub b: u64,
+    pub scale_a: u64,
+    pub scale_b: u64,
+    pub bias: u64,
+}
+
+impl Ptrs {
+    #[allow(clippy::too_many_arguments)]
+    pub fn of(
+        a: &Tensor,
+        b: &Tensor,
+        scale_a: &Tensor,
+        scale_b: &Tensor,
+        bias: Option<&Tensor>,
+        out: &Tensor,
+    ) -> Result<Ptrs> {
+        Ok(Ptrs {
+            d: out.device_ptr()?,
+            a: a.device_ptr()?,
+            b: b.device_ptr()?,
+            scale_a: scale_a.device_ptr()?,
+            scale_b: scale_b.device_ptr()?,
+            bias: match bias {
+                Some(t) => t.device_ptr()?,
+                None => 0,
+            },
+        })
+    }
+}
+
+/// A planned launch: the kernel and, for `wgmma`, its build.
+pub struct Launch {
+    pub kernel: Kernel,
+    pub build: Option<WgBuild>,
+    /// What the bench's config column shows.
+    pub config: String,
+}
+
+/// The kernel of `variant` for `p` (compiled at first use, then cached by the device).
+pub fn plan(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch> {
+    match WgBuild::of(variant) {
+        Some(w) => {
+            let kernel = dev.kernel(
+                &wgmma_program(p.a_dtype, p.b_dtype, p.out_dtype, w),
+                "scaled_mm_wgmma",
+            )?;
+            kernel.allow_dynamic_smem(w.smem())?;
+            Ok(Launch {
+                kernel,
+                build: Some(w),
+                config: format!(
+                    "128×{} tiles, {} stages{}, persistent",
+                    w.bn,
+                    w.stages,
+                    if w.promote { ", promoted" } else { "" }
+                ),
+            })
+        }
+        None if variant == "naive" => Ok(Launch {
+            kernel: dev.kernel(
+                &naive_program(p.a_dtype, p.b_dtype, p.out_dtype),
+                "scaled_mm_naive",
+            )?,
+            build: None,
+            config: "16×16 outputs per block".into(),
+        }),
+        None => Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!("no CUDA variant named `{variant}`"),
+        }),
+    }
+}
+
+/// Queues the planned kernel on `p` with operands at `q`.
+pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Stream) -> Result<()> {
+    if p.m == 0 || p.n == 0 {
+        return Ok(());
+    }
+    let mut args = KernelArgs::new();
+    let Some(w) = l.build else {
+        args.push(q.d)
+            .push(q.a)
+            .push(q.b)
+            .push(q.scale_a)
+            .push(q.scale_b)
+            .push(q.bias)
+            .push(p.m as i64)
+            .push(p.n as i64)
+            .push(p.k as i64)
+            .push(p.lda as i64)
+            .push(p.ldb as i64)
+            .push(p.ldd as i64)
+            .push(p.sa_row as i32)
+            .push(p.sb_col as i32);
+        let grid = (
+            (p.n as u64).div_ceil(16).min(u32::MAX as u64) as u32,
+            (p.m as u64).div_ceil(16).clamp(1, 65535) as u32,
+            1,
+        );
+        return l.kernel.launch(stream, grid, (256, 1, 1), 0, &mut args);
+    };
+    if let Some(why) = super::wgmma_declines(p, Some(dev.arch()), &[q.a, q.b]) {
+        return Err(Error::NoVariant {
+            op: OP.into(),
+            msg: format!("CUDA variant `wgmma` {why}"),
+        });
+    }
+    // A: boxes of 128 bytes of k × 128 rows; B: 128 bytes × the tile's columns; 128-byte
+    // swizzle, zero fill past every edge.
+    let ta = matrix_map(p.a_dtype, q.a, p.k, p.m, p.lda, 1, 0, [128, 128], true)?;
+    let tb = matrix_map(p.b_dtype, q.b, p.k, p.n, p.ldb, 1, 0, [128, w.bn], true)?;
+    args.push(q.d)
+        .push(q.scale_a)
+        .push(q.scale_b)
+        .push(q.bias)
+        .push(p.m as i32)
+        .push(p.n as i32)
+        .push(p.k as i32)
+        .push(p.ldd as i64)
+        .push(p.sa_row as i32)
+        .push(p.sb_col as i32)
+        .push(ta)
+        .push(tb);
+    let tiles = (p.m as u64).div_ceil(128) * (p.n as u64).div_ceil(w.bn as u64);
+    let blocks = tiles.clamp(1, dev.props().sm_count as u64) as u32;
+    l.kernel
+        .launch(stream, (blocks, 1, 1), (WG_THREADS, 1, 1), w.smem(), &mut args)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    variant: &str,
+    p: &Problem,
+    a: &Tensor,
+    b: &Tensor,
+    scale_a: &Tensor,
+    scale_b: &Tensor,
+    bias: Option<&Tensor>,
+    out: &Tensor,
+    opts: &ScaledMmOptions,
+) -> Result<()> {
+    let Device::Cuda(i) = p.device else {
+        unreachable!("scaled_mm cuda path on {}", p.device)
+    };
+    let dev = device(i)?;
+    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
+    let l = plan(variant, p, &dev)?;
+    let q = Ptrs::of(a, b, scale_a, scale_b, bias, out)?;
+    launch(&l, p, q, &dev, &stream)
+}
+
+/// cuBLASLt's FP8 matmul on the same problem (tensor-wise scales only, as cuBLASLt takes them
+/// on Hopper; e5m2 × e5m2 is not offered): the peer of the checks and the bench. `fast_accum`:
+/// cuBLASLt's FAST_ACCUM (torch's `use_fast_accum=True`), else its promoted accumulation.
+pub struct LtFp8 {
+    plan: crate::ops::matmul::cuda::LtPlan,
+}
+
+impl LtFp8 {
+    /// Why cuBLASLt cannot run `p` (None: it can).
+    pub fn declines(p: &Problem) -> Option<&'static str> {
+        if p.sa_row || p.sb_col {
+            Some("row-wise scales (cuBLASLt takes one scale per tensor on Hopper)")
+        } else if p.a_dtype == DType::F8E5M2 && p.b_dtype == DType::F8E5M2 {
+            Some("e5m2 × e5m2")
+        } else if !p.lda.is_multiple_of(16) || !p.ldb.is_multiple_of(16) {
+            Some("row pitches not multiples of 16")
+        } else {
+            None
+        }
+    }
+
+    pub fn new(
+        dev: &Arc<CudaDevice>,
+        p: &Problem,
+        q: Ptrs,
+        fast_accum: bool,
+        stream: &Stream,
+    ) -> Result<LtFp8> {
+        use crate::ops::matmul::cuda::{LtOperands, LtPlan};
+        if let Some(why) = Self::declines(p) {
+            return Err(Error::NoVariant {
+                op: OP.into(),
+                msg: format!("cuBLASLt FP8 does not take {why}"),
+            });
+        }
+        // cuBLAS's column-major view of D = A·Bᵀ: Dᵀ (n × m) = op(B')·op(A') with its first
+        // operand our B ([n][k] rows: k × n column-major, transposed) and its second our A.
+        let plan = LtPlan::with_operands(
+            dev,
+            &LtOperands {
+                label: p.label(),
+                m: p.m,
+                n: p.n,
+                k: p.k,
+                a_dtype: p.a_dtype,
+                b_dtype: p.b_dtype,
+                c_dtype: p.out_dtype,
+                lda: p.lda,
+                ldb: p.ldb,
+                ldc: p.ldd,
+                scale_a: q.scale_a,
+                scale_b: q.scale_b,
+                bias: q.bias,
+                fast_accum,
+            },
+            stream,
+        )?;
+        Ok(LtFp8 { plan })
+    }
+
+    /// Queues D = sa·sb·A·Bᵀ (+ bias).
+    pub fn run(&self, q: Ptrs) -> Result<()> {
+        self.plan.run(
+            crate::ops::matmul::cuda::Ptrs {
+                a: q.a,
+                b: q.b,
+                c: q.d,
+            },
+            1.0,
+            0.0,
+        )
+    }
+
+    /// cuBLASLt's algorithm, for the bench's config column.
+    pub fn config(&self) -> &str {
+        &self.plan.config
+    }
+}

@@ -1,0 +1,323 @@
+// scaled_mm/wgmma — the Hopper rungs: FP8 × FP8 on the tensor cores at twice the bf16 rate
+// (sm_90a only), fed by the tensor memory accelerator, with the scales and the bias applied to
+// the fp32 accumulators on the way out.
+//
+// What changes vs `naive` (a thread per output, FP8 decoded in software, no reuse):
+// - Copies: one producer thread keeps a ring of FE_STAGES stages full by TMA — A 128 rows × 128
+//   bytes of k and B FE_BN rows × 128 bytes (128 FP8 values of k per row: one 128-byte swizzle
+//   row, the layout wgmma reads without bank conflicts); zero fill past every edge, so any m, n,
+//   k runs without predicates in the loop. Completion is counted in bytes on an mbarrier.
+// - Math: `wgmma.mma_async.m64nBNk32.f32.e4m3.e4m3` (or e5m2 for either operand): one
+//   instruction per warpgroup multiplies a 64×32 slice of A by a 32×BN slice of B straight from
+//   shared memory into fp32 accumulators. FP8 wgmma takes K-major operands only (no transpose
+//   bit, as for tf32): A is [m][k] and B is [n][k], k contiguous — what torch._scaled_mm takes
+//   (its b = weight.t()) and a linear layer's weight is.
+// - Warp specialisation and a persistent grid as in matmul's `wgmma`: warpgroup 0 produces
+//   (`setmaxnreg.dec` 40), warpgroups 1 and 2 consume 64 rows each (`setmaxnreg.inc` 232); one
+//   block per SM walks the C tiles in groups of 8 row tiles (tiles in flight share A and B in L2).
+// - Epilogue: D = acc · sa(row) · sb(col) + bias(col), rounded once to the output type; pairs of
+//   columns stored together where aligned, every store predicated at the edges.
+//
+// Two builds:
+// - FE_PROMOTE=0 (`wgmma_fast`, 128×256 tiles): the tensor core's accumulator holds the whole
+//   k sum. Hopper's FP8 MMA adds its products into that accumulator with fewer mantissa bits
+//   than fp32 (about 14 kept, reported by DeepSeek-V3), so the error grows with k: what
+//   torch._scaled_mm's `use_fast_accum=True` (cuBLASLt's FAST_ACCUM) does.
+// - FE_PROMOTE=1 (`wgmma`, 128×128 tiles): each stage's 128-deep partial product is computed
+//   into a fresh accumulator (scale-d = 0 on its first wgmma) and then added into a second set
+//   of fp32 registers — the periodic promotion of CUTLASS's and DeepGEMM's FP8 kernels, and what
+//   cuBLASLt does without FAST_ACCUM (torch's default). Two 64-register sets fit beside each
+//   other only with 128-column tiles (two sets of 128 would exceed the 232 registers a consumer
+//   thread gets). The promotion needs the stage's wgmmas finished (wait_group 0) before the
+//   adds: the warpgroup's tensor work pauses for 64 FADDs per stage, which the other consumer
+//   warpgroup's wgmmas fill.
+#include "hopper.cuh"
+
+using namespace ferrite;
+
+#ifndef FE_OUT
+#define FE_OUT float
+#endif
+#ifndef FE_A_E5M2
+#define FE_A_E5M2 0
+#endif
+#ifndef FE_B_E5M2
+#define FE_B_E5M2 0
+#endif
+#ifndef FE_BN
+#define FE_BN 256
+#endif
+#ifndef FE_PROMOTE
+#define FE_PROMOTE 0
+#endif
+#ifndef FE_STAGES
+#define FE_STAGES 4
+#endif
+#if FE_A_E5M2
+#define FE_A_TY "e5m2"
+#else
+#define FE_A_TY "e4m3"
+#endif
+#if FE_B_E5M2
+#define FE_B_TY "e5m2"
+#else
+#define FE_B_TY "e4m3"
+#endif
+typedef FE_OUT TO;
+
+constexpr int BM = 128, BN = FE_BN, BK = 128, STAGES = FE_STAGES, NTHREADS = 384;
+// Row tiles per group of the tile order.
+constexpr int GROUP_M = 8;
+constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+// fp32 accumulators per consumer thread: a warpgroup's 64 × BN over 128 threads.
+constexpr int NACC = BN / 2;
+static_assert(BN == 128 || BN == 256, "128- or 256-column tiles");
+static_assert(!FE_PROMOTE || BN == 128, "promotion keeps two accumulator sets: 128 columns");
+static_assert(STAGES * STAGE_BYTES + 1024 + 16 * STAGES <= 227 * 1024, "ring fits one block");
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
+__device__ __forceinline__ void acc_fence(float (&d)[NACC]) {
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64×BN fp32, wgmma accumulator layout) = [scale_d ? d : 0] + A(64×32, desc da)·B(32×BN,
+// desc db)ᵀ, both K-major.
+#if FE_BN == 256
+__device__ __forceinline__ void wgmma_fp8(float (&d)[NACC], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32." FE_A_TY "." FE_B_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, %128, %129, p, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+        "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+        "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+        "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+        "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+#else
+__device__ __forceinline__ void wgmma_fp8(float (&d)[NACC], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32." FE_A_TY "." FE_B_TY " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, %64, %65, p, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+#endif
+
+// Tile t of the grouped order: GROUP_M row tiles × every column tile per group.
+__device__ __forceinline__ void tile_of(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
+  const int per_group = GROUP_M * tiles_n;
+  const int first = t / per_group * GROUP_M;
+  const int rows = min(tiles_m - first, GROUP_M);
+  const int r = t % per_group;
+  tm = first + r % rows;
+  tn = r / rows;
+}
+
+__device__ __forceinline__ void store_pair(TO* p, float a, float b, bool pair) {
+  if (pair) {
+    if constexpr (sizeof(TO) == 4) {
+      *reinterpret_cast<float2*>(p) = make_float2(a, b);
+    } else {
+      TO v[2] = {from_float<TO>(a), from_float<TO>(b)};
+      *reinterpret_cast<unsigned*>(p) = *reinterpret_cast<const unsigned*>(v);
+    }
+  } else {
+    p[0] = from_float<TO>(a);
+    p[1] = from_float<TO>(b);
+  }
+}
+
+// D[m][n] (rows ldd apart) = sa(i)·sb(j)·Σ_p A[i][p]·B[j][p] + bias[j]; sa(i) = scale_a[sa_row ?
+// i : 0], sb(j) = scale_b[sb_col ? j : 0]; bias may be null. The host guarantees k > 0, m, n <
+// 2^31 − 256, 16-byte aligned bases and row pitches of A and B (TMA), and the dynamic shared
+// memory of the ring (checked below: a smaller one would overrun).
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    scaled_mm_wgmma(TO* __restrict__ D, const float* __restrict__ scale_a,
+                    const float* __restrict__ scale_b, const TO* __restrict__ bias, int m, int n,
+                    int k, i64 ldd, int sa_row, int sb_col,
+                    const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned raw = smem_u32(smem_raw);
+  const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
+  const unsigned full0 = base + STAGES * STAGE_BYTES;  // full[s] at full0 + 8s
+  const unsigned empty0 = full0 + STAGES * 8;          // empty[s] at empty0 + 8s
+  if (dynamic_smem_bytes() < (empty0 + STAGES * 8) - raw) __trap();
+
+  const int tiles_m = (int)ceil_div(m, BM), tiles_n = (int)ceil_div(n, BN);
+  const int total = tiles_m * tiles_n;
+  const int ktiles = (int)ceil_div(k, BK);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
+      int s = 0;
+      unsigned ph = 0;
+      for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        int tm, tn;
+        tile_of(t, tiles_m, tiles_n, tm, tn);
+        for (int kt = 0; kt < ktiles; ++kt) {
+          mbar_wait(empty0 + 8 * s, ph ^ 1);
+          const unsigned bar = full0 + 8 * s;
+          mbar_expect_tx(bar, STAGE_BYTES);
+          const unsigned sa = base + s * STAGE_BYTES;
+          tma_load(sa, &tma_a, bar, kt * BK, tm * BM, 0);
+          tma_load(sa + A_BYTES, &tma_b, bar, kt * BK, tn * BN, 0);
+          if (++s == STAGES) {
+            s = 0;
+            ph ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int c = wg - 1;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const bool pair_ok = ((u64)D % (2 * sizeof(TO)) == 0) && (ldd % 2 == 0);
+    float d[NACC];
+#if FE_PROMOTE
+    float acc[NACC];
+#endif
+    int s = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int tm, tn;
+      tile_of(t, tiles_m, tiles_n, tm, tn);
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) d[i] = 0.f;
+#if FE_PROMOTE
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+#endif
+      acc_fence(d);
+      int prev = -1;
+      for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(full0 + 8 * s, ph);
+        const unsigned sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 32; ++kk) {
+          // The kk-th 32-byte slice of every 128-byte row; 8-row groups 1024 bytes apart.
+          const u64 da = smem_desc(sa + c * 64 * 128 + kk * 32, 16, 1024);
+          const u64 db = smem_desc(sb + kk * 32, 16, 1024);
+          wgmma_fp8(d, da, db, FE_PROMOTE ? kk > 0 : 1);
+        }
+        wgmma_commit();
+#if FE_PROMOTE
+        // This stage's partial sum, in full fp32 into acc; the stage is free once read.
+        wgmma_wait<0>();
+        acc_fence(d);
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) acc[i] += d[i];
+#else
+        wgmma_wait<1>();
+        if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+        prev = s;
+#endif
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+#if FE_PROMOTE
+      const float(&out)[NACC] = acc;
+      (void)prev;
+#else
+      wgmma_wait<0>();
+      acc_fence(d);
+      if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+      const float(&out)[NACC] = d;
+#endif
+
+      // Thread holds rows r, r + 8 and column pairs 8j + 2(lane % 4) of its warp's 16 rows:
+      // out[4j + 2i + e] is row r + 8i, column 8j + 2(lane % 4) + e.
+      const int r0 = tm * BM + c * 64 + warp * 16 + lane / 4;
+      const int c0 = tn * BN + 2 * (lane % 4);
+      const float sb_all = scale_b[0];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = r0 + 8 * i;
+        if (row >= m) continue;
+        const float sa = scale_a[sa_row ? row : 0];
+        TO* drow = D + (i64)row * ldd;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int col = c0 + 8 * j;
+          if (col >= n) break;
+          const bool two = col + 1 < n;
+          const float sb0 = sb_col ? scale_b[col] : sb_all;
+          const float sb1 = sb_col && two ? scale_b[col + 1] : sb_all;
+          float v0 = out[4 * j + 2 * i] * sa * sb0, v1 = out[4 * j + 2 * i + 1] * sa * sb1;
+          if (bias) {
+            v0 += to_float(bias[col]);
+            if (two) v1 += to_float(bias[col + 1]);
+          }
+          if (two)
+            store_pair(drow + col, v0, v1, pair_ok);
+          else
+            drow[col] = from_float<TO>(v0);
+        }
+      }
+    }
+  }
+}
