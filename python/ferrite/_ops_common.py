@@ -59,7 +59,13 @@ def _check_tensors(op: str, named: Sequence[Tuple[str, Optional[Tensor]]]) -> No
 # calling the native module
 
 
-_DESC_NAMES = {**_DTYPE_NAMES, torch.int32: "int32", torch.int64: "int64"}
+_DESC_NAMES = {
+    **_DTYPE_NAMES,
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
 
 
 def _desc(t: Tensor):

@@ -27,6 +27,7 @@
 //! results are those of copy-in / copy-out semantics.
 
 mod attn;
+mod fp8;
 mod fused;
 mod moe;
 mod train;
@@ -86,7 +87,7 @@ fn parse_dtype(op: &str, arg: &str, name: &str) -> ferrite::Result<DType> {
         Error::bad_arg(
             op,
             arg,
-            "dtype float32, float16 or bfloat16 (or int32/uint8/uint16/uint32)",
+            "dtype float32, float16 or bfloat16 (or int32/uint8/uint16/uint32, float8_e4m3fn/float8_e5m2)",
             n,
         )
     })
@@ -421,6 +422,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::softmax_forward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::softmax_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rotary, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8::scaled_mm, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::glu_forward, m)?)?;

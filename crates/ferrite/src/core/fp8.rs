@@ -173,7 +173,9 @@ fn f64_exponent(a: f64) -> i32 {
 macro_rules! fp8_element {
     ($name:ident, $fmt:expr, $dtype:expr, $doc:literal) => {
         #[doc = $doc]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
+        #[derive(
+            Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable,
+        )]
         #[repr(transparent)]
         pub struct $name(pub u8);
 

@@ -236,7 +236,8 @@ impl Tensor {
         for (i, &x) in v.iter().enumerate() {
             write_from_f64(hb.as_bytes_mut(), dtype, i, x);
         }
-        Self::from_storage(Storage::Cpu(hb), self.shape(), dtype, Device::Cpu).to_device(self.device)
+        Self::from_storage(Storage::Cpu(hb), self.shape(), dtype, Device::Cpu)
+            .to_device(self.device)
     }
 
     /// Every element set to `v` (rounded to the dtype).

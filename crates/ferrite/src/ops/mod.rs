@@ -4,8 +4,8 @@
 //! Layers: every family builds on `crate::core` (tensors, dtypes, devices, errors, the CUDA
 //! runtime and NVRTC, the harness, the shared activation functions in `core::act`). Families do
 //! not reach into each other, except along the edges in [`FAMILY_DEPENDENCIES`]: `matmul` is the
-//! GEMM layer that `linear` and `moe` build on, and `moe`'s GLU runs the `activation` family's
-//! pass. A test reads the sources and fails on any other `crate::ops::<family>` path.
+//! GEMM layer that `linear` and `moe` build on (and whose cuBLASLt plan `scaled_mm` uses as its
+//! FP8 peer), and `moe`'s GLU runs the `activation` family's pass. A test reads the sources and fails on any other `crate::ops::<family>` path.
 
 pub mod activation;
 pub mod adamw;

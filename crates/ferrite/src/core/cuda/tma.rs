@@ -46,7 +46,11 @@ pub fn encode<const R: usize>(
     if !(2..=5).contains(&R) || strides.len() != R - 1 {
         return Err(Error::cuda(
             "cuTensorMapEncodeTiled",
-            format!("a rank-{R} map takes {} strides, got {}", R - 1, strides.len()),
+            format!(
+                "a rank-{R} map takes {} strides, got {}",
+                R - 1,
+                strides.len()
+            ),
         ));
     }
     let estr = [1u32; R];

@@ -125,7 +125,13 @@ fn bench_cpu(
             let st = time_cpu_op(Budget::cpu(), || {
                 super::scaled_mm_into(&o.a, &o.b, &o.sa, &o.sb, None, &o.out, &opts)
             })?;
-            let mut rec = record(&o.p, Device::Cpu, &crate::core::harness::cpu_name(), v.name, st);
+            let mut rec = record(
+                &o.p,
+                Device::Cpu,
+                &crate::core::harness::cpu_name(),
+                v.name,
+                st,
+            );
             rec.config = cpu_threads_note(v.name != "naive");
             group.push(rec);
         }
@@ -192,11 +198,16 @@ fn bench_gpu(
             .filter(|v| v.backend == Backend::Cuda && cfg.wants_variant(v.name))
         {
             if v.name == "naive" && o.p.flops() > NAIVE_MAX_FLOPS
-                || v.name.starts_with("wgmma") && super::wgmma_declines(&o.p, arch, &[q.a, q.b]).is_some()
+                || v.name.starts_with("wgmma")
+                    && super::wgmma_declines(&o.p, arch, &[q.a, q.b]).is_some()
             {
                 continue;
             }
-            runs.push((v.name.into(), Run::Ours(sc::plan(v.name, &o.p, dev)?), false));
+            runs.push((
+                v.name.into(),
+                Run::Ours(sc::plan(v.name, &o.p, dev)?),
+                false,
+            ));
         }
         if LtFp8::declines(&o.p).is_none() {
             for fast in [false, true] {
@@ -242,7 +253,10 @@ fn bench_gpu(
             .find(|r| r.variant == "cublaslt_fast")
             .map(|r| r.median_ms)
         {
-            for r in group.iter_mut().filter(|r| r.variant == "wgmma_fast") {
+            for r in group
+                .iter_mut()
+                .filter(|r| r.variant.starts_with("wgmma_fast"))
+            {
                 r.ratio_to_peer = Some(fast_ms / r.median_ms);
                 r.peer = "cublaslt_fast".into();
             }

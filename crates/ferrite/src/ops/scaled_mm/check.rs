@@ -100,8 +100,22 @@ fn inputs(c: &Case, seed: u64) -> Result<Inputs> {
     let cpu = Device::Cpu;
     let a = Tensor::rand(&[c.m, c.k], c.a, cpu, seed, -range(c.a), range(c.a))?;
     let b = Tensor::rand(&[c.n, c.k], c.b, cpu, seed ^ 1, -range(c.b), range(c.b))?;
-    let sa = Tensor::rand(&[if c.sa_row { c.m } else { 1 }], DType::F32, cpu, seed ^ 2, 0.01, 1.0)?;
-    let sb = Tensor::rand(&[if c.sb_col { c.n } else { 1 }], DType::F32, cpu, seed ^ 3, 0.01, 1.0)?;
+    let sa = Tensor::rand(
+        &[if c.sa_row { c.m } else { 1 }],
+        DType::F32,
+        cpu,
+        seed ^ 2,
+        0.01,
+        1.0,
+    )?;
+    let sb = Tensor::rand(
+        &[if c.sb_col { c.n } else { 1 }],
+        DType::F32,
+        cpu,
+        seed ^ 3,
+        0.01,
+        1.0,
+    )?;
     let bias = if c.bias {
         Some(Tensor::rand(&[c.n], c.out, cpu, seed ^ 4, -1.0, 1.0)?)
     } else {
@@ -136,11 +150,15 @@ fn reference(c: &Case, x: &Inputs) -> Result<Vec<f64>> {
 /// The precision contract of `variant` writing `out`.
 pub fn precision(variant: &str, out: DType) -> Precision {
     match out {
-        DType::F32 if variant == "wgmma_fast" => Precision::Fp8FastAccum,
+        DType::F32 if variant.ends_with("_fast") => Precision::Fp8FastAccum,
         DType::F32 => Precision::Fp8,
         d => Precision::of(d),
     }
 }
+
+/// The vendor library on the same case (`cublaslt`, `cublaslt_fast`): its error under the same
+/// contract shows the bound is the hardware's accumulation, not the kernels'.
+pub const PEERS: [&str; 2] = ["cublaslt", "cublaslt_fast"];
 
 fn check_one(dev: Device, variant: &str, c: &Case, x: &Inputs, r: &[f64]) -> Result<f64> {
     let on = |t: &Tensor| t.to_device(dev);
@@ -148,6 +166,16 @@ fn check_one(dev: Device, variant: &str, c: &Case, x: &Inputs, r: &[f64]) -> Res
     let bias = x.bias.as_ref().map(on).transpose()?;
     let out = Tensor::empty(&[c.m, c.n], c.out, dev)?;
     out.poison(None)?;
+    if let (Some(fast), Device::Cuda(i)) = (
+        PEERS.iter().position(|&p| p == variant).map(|i| i == 1),
+        dev,
+    ) {
+        let d = crate::core::cuda::device(i)?;
+        let q = super::cuda::Ptrs::of(&a, &b, &sa, &sb, bias.as_ref(), &out)?;
+        let p = problem(c, dev);
+        super::cuda::LtFp8::new(&d, &p, q, fast, d.stream())?.run(q)?;
+        return Ok(rel_error(&out.to_f64_vec()?, r));
+    }
     scaled_mm_into(
         &a,
         &b,
@@ -161,6 +189,48 @@ fn check_one(dev: Device, variant: &str, c: &Case, x: &Inputs, r: &[f64]) -> Res
         },
     )?;
     Ok(rel_error(&out.to_f64_vec()?, r))
+}
+
+fn problem(c: &Case, dev: Device) -> Problem {
+    Problem {
+        m: c.m,
+        n: c.n,
+        k: c.k,
+        lda: c.k,
+        ldb: c.k,
+        ldd: c.n,
+        a_dtype: c.a,
+        b_dtype: c.b,
+        out_dtype: c.out,
+        sa_row: c.sa_row,
+        sb_col: c.sb_col,
+        bias: c.bias,
+        device: dev,
+    }
+}
+
+fn record(
+    dev: Device,
+    variant: &str,
+    c: &Case,
+    x: &Inputs,
+    r: &[f64],
+    label: &str,
+    note: &str,
+) -> CheckRecord {
+    match check_one(dev, variant, c, x, r) {
+        Ok(e) => CheckRecord::compared(
+            OP,
+            variant,
+            dev,
+            c.a,
+            precision(variant, c.out),
+            label.into(),
+            e,
+            note.into(),
+        ),
+        Err(e) => CheckRecord::errored(OP, variant, dev, c.a, label.into(), e.to_string()),
+    }
 }
 
 pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
@@ -195,37 +265,19 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                 if v.min_arch.is_some_and(|m| arch.is_some_and(|a| a < m)) {
                     continue;
                 }
-                let p = Problem {
-                    m: c.m,
-                    n: c.n,
-                    k: c.k,
-                    lda: c.k,
-                    ldb: c.k,
-                    ldd: c.n,
-                    a_dtype: c.a,
-                    b_dtype: c.b,
-                    out_dtype: c.out,
-                    sa_row: c.sa_row,
-                    sb_col: c.sb_col,
-                    bias: c.bias,
-                    device: dev,
-                };
+                let p = problem(&c, dev);
                 if v.name.starts_with("wgmma") && wgmma_declines(&p, arch, &[]).is_some() {
                     continue;
                 }
-                out.push(match check_one(dev, v.name, &c, &x, &r) {
-                    Ok(e) => CheckRecord::compared(
-                        OP,
-                        v.name,
-                        dev,
-                        c.a,
-                        precision(v.name, c.out),
-                        label.clone(),
-                        e,
-                        String::new(),
-                    ),
-                    Err(e) => CheckRecord::errored(OP, v.name, dev, c.a, label.clone(), e.to_string()),
-                });
+                out.push(record(dev, v.name, &c, &x, &r, &label, ""));
+            }
+            // The peer where it takes the case (tensor-wise scales, no bias: its bias types
+            // differ by output dtype) and is asked for.
+            let p = problem(&c, dev);
+            if dev.is_cuda() && !c.bias && super::cuda::LtFp8::declines(&p).is_none() {
+                for peer in PEERS.into_iter().filter(|p| cfg.wants_variant(p)) {
+                    out.push(record(dev, peer, &c, &x, &r, &label, "peer"));
+                }
             }
         }
     }

@@ -52,6 +52,7 @@ impl WgBuild {
             _ => None,
         }
     }
+
     /// Dynamic shared memory: the ring (A 128 rows + B `bn` rows of 128 bytes per stage), its
     /// 2·stages mbarriers, 1 KiB of slack to align the ring to the 1024-byte swizzle atom.
     pub fn smem(self) -> u32 {
@@ -234,8 +235,13 @@ pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Strea
         .push(tb);
     let tiles = (p.m as u64).div_ceil(128) * (p.n as u64).div_ceil(w.bn as u64);
     let blocks = tiles.clamp(1, dev.props().sm_count as u64) as u32;
-    l.kernel
-        .launch(stream, (blocks, 1, 1), (WG_THREADS, 1, 1), w.smem(), &mut args)
+    l.kernel.launch(
+        stream,
+        (blocks, 1, 1),
+        (WG_THREADS, 1, 1),
+        w.smem(),
+        &mut args,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -274,8 +280,11 @@ impl LtFp8 {
             Some("row-wise scales (cuBLASLt takes one scale per tensor on Hopper)")
         } else if p.a_dtype == DType::F8E5M2 && p.b_dtype == DType::F8E5M2 {
             Some("e5m2 × e5m2")
-        } else if !p.lda.is_multiple_of(16) || !p.ldb.is_multiple_of(16) {
-            Some("row pitches not multiples of 16")
+        } else if !p.lda.is_multiple_of(16)
+            || !p.ldb.is_multiple_of(16)
+            || !(p.ldd * p.out_dtype.size_in_bytes()).is_multiple_of(16)
+        {
+            Some("row pitches that are not 16-byte multiples")
         } else {
             None
         }

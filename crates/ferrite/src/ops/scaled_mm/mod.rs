@@ -151,7 +151,9 @@ fn scale_of(op: &str, name: &str, t: &Tensor, per: usize, per_what: &str) -> Res
         return Err(Error::bad_arg(
             op,
             name,
-            format!("a contiguous f32 tensor of 1 element (per tensor) or {per} ({per_what}), rank ≤ 2"),
+            format!(
+                "a contiguous f32 tensor of 1 element (per tensor) or {per} ({per_what}), rank ≤ 2"
+            ),
             describe(t),
         ));
     }
@@ -202,7 +204,10 @@ fn validate(
             return Err(Error::bad_arg(
                 OP,
                 "bias",
-                format!("a contiguous [{n}] tensor of the output's dtype ({})", out.dtype()),
+                format!(
+                    "a contiguous [{n}] tensor of the output's dtype ({})",
+                    out.dtype()
+                ),
                 describe(bias),
             ));
         }
@@ -261,10 +266,7 @@ pub fn wgmma_declines(p: &Problem, arch: Option<Arch>, ptrs: &[u64]) -> Option<S
     if p.m > i32::MAX as usize - 256 || p.n > i32::MAX as usize - 256 {
         return Some("needs m, n < 2^31 − 256 (32-bit TMA coordinates)".into());
     }
-    for (name, ld, ptr) in [
-        ("a", p.lda, ptrs.first()),
-        ("b", p.ldb, ptrs.get(1)),
-    ] {
+    for (name, ld, ptr) in [("a", p.lda, ptrs.first()), ("b", p.ldb, ptrs.get(1))] {
         if !ld.is_multiple_of(16) || ptr.is_some_and(|q| !q.is_multiple_of(16)) {
             return Some(format!(
                 "needs `{name}` 16-byte aligned with a row pitch of a multiple of 16 elements (TMA); it has pitch {ld}"
@@ -348,7 +350,15 @@ pub fn scaled_mm(
         b.shape().first().copied().unwrap_or(0),
     );
     let out = Tensor::empty(&[m, n], out_dtype, a.device())?;
-    scaled_mm_into(a, b, scale_a, scale_b, bias, &out, &ScaledMmOptions::default())?;
+    scaled_mm_into(
+        a,
+        b,
+        scale_a,
+        scale_b,
+        bias,
+        &out,
+        &ScaledMmOptions::default(),
+    )?;
     Ok(out)
 }
 

@@ -7,7 +7,10 @@ use crate::core::fp8::{F8E4M3, F8E5M2};
 #[test]
 fn every_variant_passes_check() {
     // The CPU's two rungs on every case at least.
-    crate::core::harness::check::assert_quick_check_passes(check::run, 2 * check::cases(true).len());
+    crate::core::harness::check::assert_quick_check_passes(
+        check::run,
+        2 * check::cases(true).len(),
+    );
 }
 
 fn e4(v: &[f32], shape: &[usize]) -> Tensor {
@@ -80,7 +83,14 @@ fn bad_input_is_refused_with_the_argument_named() {
     let e = err(scaled_mm(&a, &b5, &one, &one, None, DType::BF16));
     assert!(e.contains("`b`") && e.contains("[n, 4]"), "{e}");
     // Scales: wrong count, wrong dtype.
-    let e = err(scaled_mm(&a, &b, &f32s(&[1.0, 2.0]), &one, None, DType::BF16));
+    let e = err(scaled_mm(
+        &a,
+        &b,
+        &f32s(&[1.0, 2.0]),
+        &one,
+        None,
+        DType::BF16,
+    ));
     assert!(e.contains("scale_a") && e.contains("3"), "{e}");
     let e = err(scaled_mm(&a, &b, &one, &f32s(&[1.0; 3]), None, DType::BF16));
     assert!(e.contains("scale_b"), "{e}");
@@ -90,15 +100,32 @@ fn bad_input_is_refused_with_the_argument_named() {
     // Scale values (checked where they live: the CPU).
     for bad in [0.0, f32::NAN, f32::INFINITY] {
         let e = err(scaled_mm(&a, &b, &one, &f32s(&[bad]), None, DType::BF16));
-        assert!(e.contains("scale_b") && e.contains("non-zero"), "{bad}: {e}");
+        assert!(
+            e.contains("scale_b") && e.contains("non-zero"),
+            "{bad}: {e}"
+        );
     }
     // Bias of another dtype or length; output dtype.
-    let e = err(scaled_mm(&a, &b, &one, &one, Some(&f32s(&[1.0, 2.0])), DType::BF16));
+    let e = err(scaled_mm(
+        &a,
+        &b,
+        &one,
+        &one,
+        Some(&f32s(&[1.0, 2.0])),
+        DType::BF16,
+    ));
     assert!(e.contains("bias") && e.contains("bf16"), "{e}");
     let e = err(scaled_mm(&a, &b, &one, &one, None, DType::I32));
     assert!(e.contains("`out`"), "{e}");
     // A transposed view (k not contiguous).
-    let e = err(scaled_mm(&a.t().unwrap(), &b, &one, &one, None, DType::BF16));
+    let e = err(scaled_mm(
+        &a.t().unwrap(),
+        &b,
+        &one,
+        &one,
+        None,
+        DType::BF16,
+    ));
     assert!(e.contains("`a`") && e.contains("unit column stride"), "{e}");
     // A variant of another device, an unknown one.
     let out = Tensor::empty(&[3, 2], DType::F32, Device::Cpu).unwrap();
@@ -107,7 +134,10 @@ fn bad_input_is_refused_with_the_argument_named() {
             variant: Some(v.into()),
             ..Default::default()
         };
-        assert!(scaled_mm_into(&a, &b, &one, &one, None, &out, &opts).is_err(), "{v}");
+        assert!(
+            scaled_mm_into(&a, &b, &one, &one, None, &out, &opts).is_err(),
+            "{v}"
+        );
     }
     // The output aliasing an input.
     let e = scaled_mm_into(&a, &b, &one, &one, None, &one, &ScaledMmOptions::default())
@@ -136,9 +166,18 @@ fn wgmma_declines_what_tma_cannot_load() {
     let hopper = Some(Arch::SM90);
     assert_eq!(wgmma_declines(&p, hopper, &[0x1000, 0x2000]), None);
     assert!(wgmma_declines(&p, Some(Arch::SM89), &[]).is_some());
-    assert!(wgmma_declines(&p, hopper, &[0x1008, 0x2000]).unwrap().contains("`a`"));
-    let odd = Problem { ldb: 250, k: 250, lda: 250, ..p };
+    assert!(wgmma_declines(&p, hopper, &[0x1008, 0x2000])
+        .unwrap()
+        .contains("`a`"));
+    let odd = Problem {
+        ldb: 250,
+        k: 250,
+        lda: 250,
+        ..p
+    };
     assert!(wgmma_declines(&odd, hopper, &[]).is_some());
     let empty = Problem { k: 0, ..p };
-    assert!(wgmma_declines(&empty, hopper, &[]).unwrap().contains("k > 0"));
+    assert!(wgmma_declines(&empty, hopper, &[])
+        .unwrap()
+        .contains("k > 0"));
 }

@@ -272,8 +272,17 @@ impl LtPlan {
             (Some(dt), Precision::Tf32) if g.dtype == DType::F32 => {
                 (dt, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32)
             }
-            (Some(dt), _) if g.dtype.is_float() => (dt, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F),
-            _ => return Err(Error::bad_arg("cublaslt", "dtype", "f32, f16 or bf16", g.dtype)),
+            (Some(dt), _) if g.dtype.is_float() => {
+                (dt, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F)
+            }
+            _ => {
+                return Err(Error::bad_arg(
+                    "cublaslt",
+                    "dtype",
+                    "f32, f16 or bf16",
+                    g.dtype,
+                ))
+            }
         };
         let mut plan = Self::open(dev, compute, &label, stream)?;
         // cuBLAS's column-major view: its A is our B (n × k), its B our A (k × m), C is n × m.
@@ -316,15 +325,25 @@ impl LtPlan {
         use sys::cublasLtMatmulDescAttributes_t as D;
         let label = &o.label;
         let ty = |d: DType| {
-            lt_type(d).ok_or_else(|| Error::bad_arg("cublaslt", "dtype", "an FP8 or float dtype", d))
+            lt_type(d)
+                .ok_or_else(|| Error::bad_arg("cublaslt", "dtype", "an FP8 or float dtype", d))
         };
         let (ta, tb, tc) = (ty(o.a_dtype)?, ty(o.b_dtype)?, ty(o.c_dtype)?);
-        let mut plan = Self::open(dev, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, label, stream)?;
+        let mut plan = Self::open(
+            dev,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            label,
+            stream,
+        )?;
         plan.set_attr(D::CUBLASLT_MATMUL_DESC_TRANSA, 1i32, label)?;
         plan.set_attr(D::CUBLASLT_MATMUL_DESC_TRANSB, 0i32, label)?;
         plan.set_attr(D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, o.scale_b, label)?;
         plan.set_attr(D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, o.scale_a, label)?;
-        plan.set_attr(D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, o.fast_accum as i8, label)?;
+        plan.set_attr(
+            D::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+            o.fast_accum as i8,
+            label,
+        )?;
         if o.bias != 0 {
             // CUBLASLT_EPILOGUE_BIAS = 4: a bias per row of cuBLAS's D (our columns).
             plan.set_attr(D::CUBLASLT_MATMUL_DESC_EPILOGUE, 4u32, label)?;

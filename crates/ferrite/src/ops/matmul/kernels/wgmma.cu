@@ -200,32 +200,6 @@ static_assert(!A_MN && !B_MN, "tf32 wgmma reads K-major operands only");
 static_assert(ES == 2, "16-bit wgmma kernel takes f16/bf16 storage");
 #endif
 
-// The same box into the same shared offset of every block in `mask`, completing on each one's
-// barrier at the same offset.
-__device__ __forceinline__ void tma_load_mc(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
-                                            int c1, int c2, unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;\n" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
-      : "memory");
-}
-// Arrives on the barrier at shared offset `bar` of cluster block `rank`.
-__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
-               : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
 // ---- the TMA-store epilogue ----
 // Box (c0 = column, c1 = row, c2 = batch) of the tensor map from shared memory at src, tracked
 // in this thread's bulk async-group.
