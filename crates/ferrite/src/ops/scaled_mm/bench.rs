@@ -237,7 +237,7 @@ fn bench_gpu(
             match r {
                 Run::Ours(l) => {
                     let threads = if l.build.is_some() { 384 } else { 256 };
-                    let smem = l.build.map_or(0, |w| w.smem());
+                    let smem = l.build.map_or(0, |w| w.smem(o.p.out_dtype));
                     rec = rec.with_kernel(&l.kernel, threads, smem)?;
                     rec.config = l.config.clone();
                 }

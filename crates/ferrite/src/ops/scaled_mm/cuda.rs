@@ -53,10 +53,31 @@ impl WgBuild {
         }
     }
 
-    /// Dynamic shared memory: the ring (A 128 rows + B `bn` rows of 128 bytes per stage), its
-    /// 2·stages mbarriers, 1 KiB of slack to align the ring to the 1024-byte swizzle atom.
-    pub fn smem(self) -> u32 {
-        self.stages * (128 + self.bn) * 128 + 16 * self.stages + 1024
+    /// Whether the build for D of `out` has the TMA-store epilogue (16-bit D).
+    pub fn tma_store(out: DType) -> bool {
+        out.size_in_bytes() == 2
+    }
+    /// Ring stages of the build for D of `out`: the fast rung's TMA-store build gives one stage
+    /// up for its staging area (3 × 48 KiB + 64 KiB).
+    pub fn stages_for(self, out: DType) -> u32 {
+        if Self::tma_store(out) && self.bn == 256 {
+            self.stages - 1
+        } else {
+            self.stages
+        }
+    }
+    /// Dynamic shared memory of the build for D of `out`: the ring (A 128 rows + B `bn` rows of
+    /// 128 bytes per stage), the TMA-store staging area (8 warps × 16 rows × `bn` 16-bit
+    /// values), the 2·stages mbarriers, 1 KiB of slack to align the ring to the 1024-byte
+    /// swizzle atom.
+    pub fn smem(self, out: DType) -> u32 {
+        let stages = self.stages_for(out);
+        let staging = if Self::tma_store(out) {
+            8 * 16 * self.bn * 2
+        } else {
+            0
+        };
+        stages * (128 + self.bn) * 128 + staging + 16 * stages + 1024
     }
 }
 
@@ -73,13 +94,14 @@ pub fn naive_program(a: DType, b: DType, out: DType) -> Program {
 pub fn wgmma_program(a: DType, b: DType, out: DType, w: WgBuild) -> Program {
     fp8_defines(Program::new(WGMMA), a, b, out)
         .define("FE_BN", w.bn)
-        .define("FE_STAGES", w.stages)
+        .define("FE_STAGES", w.stages_for(out))
         .define("FE_PROMOTE", w.promote as u32)
+        .define("FE_TMA_STORE", WgBuild::tma_store(out) as u32)
 }
 
 /// Every module the family compiles: the naive kernel for each (A, B, D) dtype triple, the
-/// `wgmma` builds for e4m3 × e4m3 and e4m3 × e5m2 into bf16 (what the kernel build check and
-/// the ptxas spill check see; the other triples compile the same source at first use).
+/// `wgmma` builds below (what the kernel build check and the ptxas spill check see; the other
+/// triples compile the same source at first use).
 pub fn kernel_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for &a in super::FP8 {
@@ -93,10 +115,16 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
             }
         }
     }
-    for b in [DType::F8E4M3, DType::F8E5M2] {
+    // e4m3 × {e4m3, e5m2} into bf16 (the TMA-store epilogue) and e4m3 × e4m3 into f32 (stores
+    // from the registers).
+    for (b, out) in [
+        (DType::F8E4M3, DType::BF16),
+        (DType::F8E5M2, DType::BF16),
+        (DType::F8E4M3, DType::F32),
+    ] {
         for w in [FAST, PROMOTED] {
             v.push(KernelSpec {
-                program: wgmma_program(DType::F8E4M3, b, DType::BF16, w),
+                program: wgmma_program(DType::F8E4M3, b, out, w),
                 functions: vec!["scaled_mm_wgmma".into()],
                 min_arch: Arch::SM90,
             });
@@ -156,15 +184,20 @@ pub fn plan(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch>
                 &wgmma_program(p.a_dtype, p.b_dtype, p.out_dtype, w),
                 "scaled_mm_wgmma",
             )?;
-            kernel.allow_dynamic_smem(w.smem())?;
+            kernel.allow_dynamic_smem(w.smem(p.out_dtype))?;
             Ok(Launch {
                 kernel,
                 build: Some(w),
                 config: format!(
-                    "128×{} tiles, {} stages{}, persistent",
+                    "128×{} tiles, {} stages{}{}, persistent",
                     w.bn,
-                    w.stages,
-                    if w.promote { ", promoted" } else { "" }
+                    w.stages_for(p.out_dtype),
+                    if w.promote { ", promoted" } else { "" },
+                    if WgBuild::tma_store(p.out_dtype) {
+                        ", TMA-store epilogue"
+                    } else {
+                        ""
+                    }
                 ),
             })
         }
@@ -233,13 +266,24 @@ pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Strea
         .push(p.sb_col as i32)
         .push(ta)
         .push(tb);
+    // The TMA store needs D 16-byte aligned with rows of 16-byte multiples; else the direct
+    // stores of the same build.
+    let es = p.out_dtype.size_in_bytes();
+    let store =
+        WgBuild::tma_store(p.out_dtype) && q.d.is_multiple_of(16) && (p.ldd * es).is_multiple_of(16);
+    let td = if store {
+        matrix_map(p.out_dtype, q.d, p.n, p.m, p.ldd, 1, 0, [64, 16], true)?
+    } else {
+        crate::core::cuda::tma::TmaDesc::UNUSED
+    };
+    args.push(td).push(store as i32);
     let tiles = (p.m as u64).div_ceil(128) * (p.n as u64).div_ceil(w.bn as u64);
     let blocks = tiles.clamp(1, dev.props().sm_count as u64) as u32;
     l.kernel.launch(
         stream,
         (blocks, 1, 1),
         (WG_THREADS, 1, 1),
-        w.smem(),
+        w.smem(p.out_dtype),
         &mut args,
     )
 }

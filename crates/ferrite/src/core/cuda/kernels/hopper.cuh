@@ -104,6 +104,41 @@ __device__ __forceinline__ unsigned cluster_rank() {
   return r;
 }
 
+// ---- TMA stores from shared memory (the GEMMs' TMA-store epilogues) ----
+// Box (c0 = column, c1 = row, c2 = batch) of the tensor map from shared memory at src, tracked
+// in this thread's bulk async-group.
+__device__ __forceinline__ void tma_store(const TmaDesc* map, unsigned src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<u64>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most N of this thread's bulk groups still read their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory made visible to the async proxy (the TMA store).
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Four 8×8 16-bit matrices from the mma fragment layout (thread t holds row t/4, columns
+// 2(t%4), +1 of each) to shared memory; lane l gives the address of row l%8 of matrix l/8.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2,
+                                            unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 }  // namespace ferrite
 
 #endif  // FERRITE_HOPPER_CUH

@@ -15,8 +15,11 @@
 // - Warp specialisation and a persistent grid as in matmul's `wgmma`: warpgroup 0 produces
 //   (`setmaxnreg.dec` 40), warpgroups 1 and 2 consume 64 rows each (`setmaxnreg.inc` 232); one
 //   block per SM walks the C tiles in groups of 8 row tiles (tiles in flight share A and B in L2).
-// - Epilogue: D = acc · sa(row) · sb(col) + bias(col), rounded once to the output type; pairs of
-//   columns stored together where aligned, every store predicated at the edges.
+// - Epilogue: D = acc · sa(row) · sb(col) + bias(col), rounded once to the output type. 16-bit D
+//   (-DFE_TMA_STORE=1, when D is 16-byte aligned with 16-byte rows): each warp stages its 16 rows
+//   in shared memory with stmatrix and the TMA unit stores them, clipped at the edges, while the
+//   warp starts its next tile; otherwise (f32 D, unaligned D) pairs of columns stored from the
+//   registers where aligned, every store predicated at the edges.
 //
 // Two builds:
 // - FE_PROMOTE=0 (`wgmma_fast`, 128×256 tiles): the tensor core's accumulator holds the whole
@@ -53,6 +56,11 @@ using namespace ferrite;
 #ifndef FE_STAGES
 #define FE_STAGES 4
 #endif
+// -DFE_TMA_STORE=1 (16-bit D): each consumer warp writes its 16 rows of the tile into a staging
+// area with stmatrix and hands each 16×64 box to the TMA unit (see store_tile_tma).
+#ifndef FE_TMA_STORE
+#define FE_TMA_STORE 0
+#endif
 #if FE_A_E5M2
 #define FE_A_TY "e5m2"
 #else
@@ -73,7 +81,13 @@ constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BY
 constexpr int NACC = BN / 2;
 static_assert(BN == 128 || BN == 256, "128- or 256-column tiles");
 static_assert(!FE_PROMOTE || BN == 128, "promotion keeps two accumulator sets: 128 columns");
-static_assert(STAGES * STAGE_BYTES + 1024 + 16 * STAGES <= 227 * 1024, "ring fits one block");
+// The staging area: per consumer warp, its 16 rows × BN columns as BN/64 boxes of 16×64 16-bit
+// values (2 KiB each, 128-byte swizzled: the layout the TMA store reads).
+constexpr int SBOX = 16 * 128;
+constexpr int STAGING_BYTES = FE_TMA_STORE ? 8 * (BN / 64) * SBOX : 0;
+static_assert(!FE_TMA_STORE || sizeof(TO) == 2, "TMA-store epilogue: 16-bit D");
+static_assert(STAGES * STAGE_BYTES + STAGING_BYTES + 1024 + 16 * STAGES <= 227 * 1024,
+              "ring and staging fit one block");
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
 __device__ __forceinline__ void acc_fence(float (&d)[NACC]) {
@@ -158,6 +172,14 @@ __device__ __forceinline__ void tile_of(int t, int tiles_m, int tiles_n, int& tm
   tn = r / rows;
 }
 
+// Two values rounded to TO and packed as one 32-bit word (16-bit TO).
+__device__ __forceinline__ unsigned pack2(float a, float b) {
+  TO v[2] = {from_float<TO>(a), from_float<TO>(b)};
+  unsigned u;
+  memcpy(&u, v, 4);
+  return u;
+}
+
 __device__ __forceinline__ void store_pair(TO* p, float a, float b, bool pair) {
   if (pair) {
     if constexpr (sizeof(TO) == 4) {
@@ -180,11 +202,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     scaled_mm_wgmma(TO* __restrict__ D, const float* __restrict__ scale_a,
                     const float* __restrict__ scale_b, const TO* __restrict__ bias, int m, int n,
                     int k, i64 ldd, int sa_row, int sb_col,
-                    const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b) {
+                    const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
+                    const __grid_constant__ TmaDesc tma_d, int store_tma) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
-  const unsigned full0 = base + STAGES * STAGE_BYTES;  // full[s] at full0 + 8s
+  const unsigned staging = base + STAGES * STAGE_BYTES;  // FE_TMA_STORE: D boxes, per warp
+  const unsigned full0 = staging + STAGING_BYTES;        // full[s] at full0 + 8s
   const unsigned empty0 = full0 + STAGES * 8;          // empty[s] at empty0 + 8s
   if (dynamic_smem_bytes() < (empty0 + STAGES * 8) - raw) __trap();
 
@@ -294,6 +318,51 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const int r0 = tm * BM + c * 64 + warp * 16 + lane / 4;
       const int c0 = tn * BN + 2 * (lane % 4);
       const float sb_all = scale_b[0];
+#if FE_TMA_STORE
+      if (store_tma) {
+        // The warp's 16 × BN slice through its staging boxes: scales and bias applied, rounded,
+        // packed in pairs; stmatrix.x4 writes 4 8×8 matrices (column groups j, j + 1 × row halves)
+        // into the 128-byte-swizzled box (16-byte chunk c of row r at r·128 + 16·(c ^ r % 8)),
+        // then lane 0 issues the box's TMA store, which clips everything outside D. The warp goes
+        // on to its next tile while the stores drain; the boxes are rewritten only after lane 0
+        // has seen them read out (a whole mainloop later).
+        const unsigned stg = staging + (c * 4 + warp) * (BN / 64) * SBOX;
+        if (lane == 0) bulk_wait_read<0>();
+        __syncwarp();
+        const float sa[2] = {r0 < m ? scale_a[sa_row ? r0 : 0] : 0.f,
+                             r0 + 8 < m ? scale_a[sa_row ? r0 + 8 : 0] : 0.f};
+        const unsigned lr = lane & 7, mat = lane >> 3;
+        const unsigned lane_row = ((mat & 1) * 8 + lr) * 128;
+#pragma unroll
+        for (int q = 0; q < BN / 64; ++q) {
+          const unsigned buf = stg + q * SBOX;
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            unsigned v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jj = 8 * q + 2 * p + e / 2, i = e % 2;
+              const int col = c0 + 8 * jj;
+              const float sb0 = sb_col ? (col < n ? scale_b[col] : 0.f) : sb_all;
+              const float sb1 = sb_col ? (col + 1 < n ? scale_b[col + 1] : 0.f) : sb_all;
+              float v0 = out[4 * jj + 2 * i] * sa[i] * sb0, v1 = out[4 * jj + 2 * i + 1] * sa[i] * sb1;
+              if (bias) {
+                v0 += col < n ? to_float(bias[col]) : 0.f;
+                v1 += col + 1 < n ? to_float(bias[col + 1]) : 0.f;
+              }
+              v[e] = pack2(v0, v1);
+            }
+            const unsigned chunk = 2 * p + (mat >> 1);
+            stmatrix_x4(buf + lane_row + ((chunk ^ lr) << 4), v[0], v[1], v[2], v[3]);
+          }
+          fence_async_smem();
+          __syncwarp();
+          if (lane == 0) tma_store(&tma_d, buf, tn * BN + 64 * q, r0 - lane / 4, 0);
+        }
+        if (lane == 0) bulk_commit();
+        continue;
+      }
+#endif
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int row = r0 + 8 * i;
@@ -319,5 +388,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
       }
     }
+#if FE_TMA_STORE
+    // Shared memory stays allocated until the last stores have read it.
+    if (lane == 0) bulk_wait<0>();
+#endif
   }
 }
