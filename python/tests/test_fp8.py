@@ -42,3 +42,20 @@ def test_scaled_mm_takes_torch_scale_shapes_and_refuses_bad_input():
         ferrite.scaled_mm(a, b, one, torch.ones(3))
     with pytest.raises(Exception, match="scale_a"):
         ferrite.scaled_mm(a, b, torch.zeros(1), one)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", [None, "wgmma_fast", "naive"])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm_cuda_matches_dequantised_product(variant, rowwise):
+    m, n, k = 200, 272, 512
+    a = fp8((m, k), torch.float8_e4m3fn, 5).cuda()
+    b = fp8((n, k), torch.float8_e4m3fn, 6).cuda()
+    sa = (torch.rand(m if rowwise else 1) + 0.1).cuda()
+    sb = (torch.rand(n if rowwise else 1) + 0.1).cuda()
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d = ferrite.scaled_mm(a, b, sa, sb, bias, out_dtype=torch.bfloat16, variant=variant)
+    ref = (a.double() * sa.double().reshape(-1, 1)) @ (b.double() * sb.double().reshape(-1, 1)).T + bias.double()
+    assert not d.isnan().any() and out.isnan().all()
+    assert ((d.double() - ref).norm() / ref.norm()).item() < 1e-2

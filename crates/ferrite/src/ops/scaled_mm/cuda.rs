@@ -169,6 +169,7 @@ impl Ptrs {
 }
 
 /// A planned launch: the kernel and, for `wgmma`, its build.
+#[derive(Clone)]
 pub struct Launch {
     pub kernel: Kernel,
     pub build: Option<WgBuild>,
@@ -269,8 +270,9 @@ pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Strea
     // The TMA store needs D 16-byte aligned with rows of 16-byte multiples; else the direct
     // stores of the same build.
     let es = p.out_dtype.size_in_bytes();
-    let store =
-        WgBuild::tma_store(p.out_dtype) && q.d.is_multiple_of(16) && (p.ldd * es).is_multiple_of(16);
+    let store = WgBuild::tma_store(p.out_dtype)
+        && q.d.is_multiple_of(16)
+        && (p.ldd * es).is_multiple_of(16);
     let td = if store {
         matrix_map(p.out_dtype, q.d, p.n, p.m, p.ldd, 1, 0, [64, 16], true)?
     } else {
@@ -288,9 +290,26 @@ pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Strea
     )
 }
 
+/// `plan`, remembered per (device, variant, dtypes): a call's host work is then its checks, the
+/// three tensor maps and the launch.
+fn planned(variant: &'static str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    type Key = (usize, &'static str, DType, DType, DType);
+    static PLANS: OnceLock<Mutex<HashMap<Key, Launch>>> = OnceLock::new();
+    let key = (dev.ordinal(), variant, p.a_dtype, p.b_dtype, p.out_dtype);
+    let plans = PLANS.get_or_init(Default::default);
+    if let Some(l) = plans.lock().unwrap().get(&key) {
+        return Ok(l.clone());
+    }
+    let l = plan(variant, p, dev)?;
+    plans.lock().unwrap().insert(key, l.clone());
+    Ok(l)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
-    variant: &str,
+    variant: &'static str,
     p: &Problem,
     a: &Tensor,
     b: &Tensor,
@@ -305,7 +324,7 @@ pub(super) fn run(
     };
     let dev = device(i)?;
     let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
-    let l = plan(variant, p, &dev)?;
+    let l = planned(variant, p, &dev)?;
     let q = Ptrs::of(a, b, scale_a, scale_b, bias, out)?;
     launch(&l, p, q, &dev, &stream)
 }
