@@ -66,6 +66,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
         case((64, 260, 208), E5, E5, F32, true, true, false),
         case((257, 520, 1024), E4, E4, BF16, true, true, true),
         case((64, 256, 4096), E4, E4, F32, false, false, false),
+        // Few tiles, long k: the wgmma rungs split k (partials, then the scaling pass).
+        case((48, 1000, 6144), E4, E4, BF16, true, true, true),
     ];
     if !quick {
         v.extend([

@@ -125,7 +125,7 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
         for w in [FAST, PROMOTED] {
             v.push(KernelSpec {
                 program: wgmma_program(DType::F8E4M3, b, out, w),
-                functions: vec!["scaled_mm_wgmma".into()],
+                functions: vec!["scaled_mm_wgmma".into(), "scaled_mm_splitk_reduce".into()],
                 min_arch: Arch::SM90,
             });
         }
@@ -168,11 +168,12 @@ impl Ptrs {
     }
 }
 
-/// A planned launch: the kernel and, for `wgmma`, its build.
+/// A planned launch: the kernel and, for `wgmma`, its build and its split-K reduce pass.
 #[derive(Clone)]
 pub struct Launch {
     pub kernel: Kernel,
     pub build: Option<WgBuild>,
+    pub reduce: Option<Kernel>,
     /// What the bench's config column shows.
     pub config: String,
 }
@@ -181,14 +182,14 @@ pub struct Launch {
 pub fn plan(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch> {
     match WgBuild::of(variant) {
         Some(w) => {
-            let kernel = dev.kernel(
-                &wgmma_program(p.a_dtype, p.b_dtype, p.out_dtype, w),
-                "scaled_mm_wgmma",
-            )?;
+            let program = wgmma_program(p.a_dtype, p.b_dtype, p.out_dtype, w);
+            let kernel = dev.kernel(&program, "scaled_mm_wgmma")?;
+            let reduce = Some(dev.kernel(&program, "scaled_mm_splitk_reduce")?);
             kernel.allow_dynamic_smem(w.smem(p.out_dtype))?;
             Ok(Launch {
                 kernel,
                 build: Some(w),
+                reduce,
                 config: format!(
                     "128×{} tiles, {} stages{}{}, persistent",
                     w.bn,
@@ -208,6 +209,7 @@ pub fn plan(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch>
                 "scaled_mm_naive",
             )?,
             build: None,
+            reduce: None,
             config: "16×16 outputs per block".into(),
         }),
         None => Err(Error::NoVariant {
@@ -218,7 +220,13 @@ pub fn plan(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch>
 }
 
 /// Queues the planned kernel on `p` with operands at `q`.
-pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Stream) -> Result<()> {
+pub fn launch(
+    l: &Launch,
+    p: &Problem,
+    q: Ptrs,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+) -> Result<()> {
     if p.m == 0 || p.n == 0 {
         return Ok(());
     }
@@ -279,15 +287,88 @@ pub fn launch(l: &Launch, p: &Problem, q: Ptrs, dev: &CudaDevice, stream: &Strea
         crate::core::cuda::tma::TmaDesc::UNUSED
     };
     args.push(td).push(store as i32);
-    let tiles = (p.m as u64).div_ceil(128) * (p.n as u64).div_ceil(w.bn as u64);
-    let blocks = tiles.clamp(1, dev.props().sm_count as u64) as u32;
+    let sms = dev.props().sm_count;
+    let splits = splits_for(p, w.bn, sms);
+    // Split-K's fp32 partials (stream-ordered: freed after the reduce pass is queued).
+    let part = if splits > 1 {
+        Some(dev.alloc(splits as usize * p.m * p.n * 4, stream)?)
+    } else {
+        None
+    };
+    args.push(part.as_ref().map_or(0, |b| b.ptr()))
+        .push(splits as i32);
+    let tiles = (p.m as u64).div_ceil(128) * (p.n as u64).div_ceil(w.bn as u64) * splits as u64;
+    let blocks = tiles.clamp(1, sms as u64) as u32;
     l.kernel.launch(
         stream,
         (blocks, 1, 1),
         (WG_THREADS, 1, 1),
         w.smem(p.out_dtype),
         &mut args,
-    )
+    )?;
+    match (&part, &l.reduce) {
+        (Some(part), Some(reduce)) => {
+            let mut args = KernelArgs::new();
+            args.push(q.d)
+                .push(part.ptr())
+                .push(q.scale_a)
+                .push(q.scale_b)
+                .push(q.bias)
+                .push(p.m as i32)
+                .push(p.n as i32)
+                .push(p.ldd as i64)
+                .push(p.sa_row as i32)
+                .push(p.sb_col as i32)
+                .push(splits as i32);
+            let blocks = ((p.m * p.n) as u64).div_ceil(1024).clamp(1, 4096) as u32;
+            reduce.launch(stream, (blocks, 1, 1), (256, 1, 1), 0, &mut args)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Fewest k tiles (of 128) per split: a split's pipeline fill and its partial's write need a few
+/// stages of work behind them.
+const MIN_SPLIT_KTILES: usize = 4;
+/// Most splits: beyond, the partials' traffic outgrows the gain.
+const MAX_SPLITS: usize = 16;
+/// Split-K's cost model (H200): µs per 128-deep k tile of one block's 128×256 tile at the FP8
+/// rate (half for 128×128), the second pass's fixed cost (the workspace's allocation, a launch
+/// behind the GEMM) and the rate its fp32 partials move at (bytes per µs).
+const SPLIT_US_PER_KTILE_256: f64 = 0.76;
+const SPLIT_REDUCE_US: f64 = 6.0;
+const SPLIT_BYTES_PER_US: f64 = 2.5e6;
+
+/// Splits of k for `p` on 128×`bn` tiles (1: none). Where fewer than half the SMs would have a
+/// tile (decode batches and small prefills against a weight: 64×4096 is 16 tiles of 128×256 on
+/// 132 SMs, each block walking all of k alone), k is split into s ranges — tiles·s ≤ SMs, at
+/// least 4 k tiles each, none empty — whose fp32 partials a second pass adds in order; s is the
+/// one whose k tiles saved per block most exceed that pass (measured on the H200: 64×4096×4096
+/// `wgmma_fast` 26.4 → 17.8 µs in 8 splits, `wgmma` 18.0 → 16.7 in 4; 1000×1000×1008 `wgmma`
+/// 11 → 19.5 µs in 2, which the model refuses).
+pub fn splits_for(p: &Problem, bn: u32, sms: u32) -> u32 {
+    let tiles = p.m.div_ceil(128) * p.n.div_ceil(bn as usize);
+    if tiles == 0 || tiles * 2 > sms as usize {
+        return 1;
+    }
+    let ktiles = p.k.div_ceil(128);
+    let most = (sms as usize / tiles)
+        .min(ktiles / MIN_SPLIT_KTILES)
+        .min(MAX_SPLITS);
+    let per_ktile = SPLIT_US_PER_KTILE_256 * bn as f64 / 256.0;
+    let mn = (p.m * p.n) as f64;
+    let gain = |s: usize| {
+        let saved = (ktiles - ktiles.div_ceil(s)) as f64 * per_ktile;
+        saved - SPLIT_REDUCE_US - 2.0 * s as f64 * mn * 4.0 / SPLIT_BYTES_PER_US
+    };
+    let Some(s) = (2..=most)
+        .max_by(|&a, &b| gain(a).total_cmp(&gain(b)))
+        .filter(|&s| gain(s) > 0.0)
+    else {
+        return 1;
+    };
+    // Split z starts at z·⌈ktiles/s⌉: as many splits as that needs, so none is empty.
+    ktiles.div_ceil(ktiles.div_ceil(s)) as u32
 }
 
 /// `plan`, remembered per (device, variant, dtypes): a call's host work is then its checks, the

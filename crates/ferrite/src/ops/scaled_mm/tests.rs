@@ -181,3 +181,47 @@ fn wgmma_declines_what_tma_cannot_load() {
         .unwrap()
         .contains("k > 0"));
 }
+
+#[test]
+fn splits_fill_idle_sms_without_empty_ranges() {
+    let p = |m: usize, n: usize, k: usize| Problem {
+        m,
+        n,
+        k,
+        lda: k,
+        ldb: k,
+        ldd: n,
+        a_dtype: DType::F8E4M3,
+        b_dtype: DType::F8E4M3,
+        out_dtype: DType::BF16,
+        sa_row: false,
+        sb_col: false,
+        bias: false,
+        device: Device::Cpu,
+    };
+    use cuda::splits_for;
+    // Decode against a 4096-wide weight: 16 tiles of 128×256 on 132 SMs.
+    assert!(splits_for(&p(64, 4096, 4096), 256, 132) > 1);
+    assert!(splits_for(&p(64, 4096, 14336), 128, 132) > 1);
+    // Enough tiles, too little k, or a pass that costs more than it saves: none.
+    assert_eq!(splits_for(&p(4096, 4096, 4096), 128, 132), 1);
+    assert_eq!(splits_for(&p(64, 4096, 384), 128, 132), 1);
+    assert_eq!(splits_for(&p(1000, 1000, 1008), 128, 132), 1);
+    for (m, n, k, bn) in [
+        (1, 256, 4296, 256),
+        (64, 260, 4096, 128),
+        (300, 768, 8192, 128),
+        (513, 2048, 4096, 256),
+    ] {
+        let s = splits_for(&p(m, n, k), bn, 132) as usize;
+        let ktiles = k.div_ceil(128);
+        let per = ktiles.div_ceil(s);
+        let tiles = m.div_ceil(128) * n.div_ceil(bn as usize);
+        assert!(s >= 1 && s <= 16 && s * tiles <= 132, "{m}×{n}×{k}: {s}");
+        assert!(s == 1 || per >= 4, "{m}×{n}×{k}: {s} splits of {per}");
+        assert!(
+            (s - 1) * per < ktiles,
+            "{m}×{n}×{k}: split {s} of {per} is empty"
+        );
+    }
+}

@@ -203,7 +203,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                     const float* __restrict__ scale_b, const TO* __restrict__ bias, int m, int n,
                     int k, i64 ldd, int sa_row, int sb_col,
                     const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
-                    const __grid_constant__ TmaDesc tma_d, int store_tma) {
+                    const __grid_constant__ TmaDesc tma_d, int store_tma,
+                    float* __restrict__ part, int splits) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
   const unsigned base = (raw + 1023) & ~1023u;  // 128B swizzle atoms are 1024-byte aligned
@@ -212,9 +213,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   const unsigned empty0 = full0 + STAGES * 8;          // empty[s] at empty0 + 8s
   if (dynamic_smem_bytes() < (empty0 + STAGES * 8) - raw) __trap();
 
+  // Split-K (splits > 1, few tiles): the walk is over (split, tile) pairs; split z takes k
+  // tiles [z·per, z·per + per) and writes its raw fp32 sums to part[z] ([m][n]), which
+  // scaled_mm_splitk_reduce adds up in split order (deterministic) and scales. The host never
+  // makes an empty split.
   const int tiles_m = (int)ceil_div(m, BM), tiles_n = (int)ceil_div(n, BN);
-  const int total = tiles_m * tiles_n;
-  const int ktiles = (int)ceil_div(k, BK);
+  const int tiles = tiles_m * tiles_n, total = tiles * splits;
+  const int ktiles_all = (int)ceil_div(k, BK), per = (int)ceil_div(ktiles_all, splits);
+  // Tile t of the walk: its row and column tile, first k tile and k tile count.
+  auto locate = [&](int t, int& tm, int& tn, int& kt0, int& nk) {
+    tile_of(t % tiles, tiles_m, tiles_n, tm, tn);
+    kt0 = t / tiles * per;
+    nk = min(per, ktiles_all - kt0);
+  };
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
@@ -235,9 +246,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       int s = 0;
       unsigned ph = 0;
       for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        int tm, tn;
-        tile_of(t, tiles_m, tiles_n, tm, tn);
-        for (int kt = 0; kt < ktiles; ++kt) {
+        int tm, tn, kt0, ktiles;
+        locate(t, tm, tn, kt0, ktiles);
+        for (int kt = kt0; kt < kt0 + ktiles; ++kt) {
           mbar_wait(empty0 + 8 * s, ph ^ 1);
           const unsigned bar = full0 + 8 * s;
           mbar_expect_tx(bar, STAGE_BYTES);
@@ -264,8 +275,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      int tm, tn;
-      tile_of(t, tiles_m, tiles_n, tm, tn);
+      int tm, tn, kt0, ktiles;
+      locate(t, tm, tn, kt0, ktiles);
+      (void)kt0;
 #pragma unroll
       for (int i = 0; i < NACC; ++i) d[i] = 0.f;
 #if FE_PROMOTE
@@ -318,6 +330,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const int r0 = tm * BM + c * 64 + warp * 16 + lane / 4;
       const int c0 = tn * BN + 2 * (lane % 4);
       const float sb_all = scale_b[0];
+      if (splits > 1) {
+        // This split's raw sums into its fp32 partial (pairs where n is even).
+        float* w = part + (i64)(t / tiles) * m * n;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int row = r0 + 8 * i;
+          if (row >= m) continue;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const int col = c0 + 8 * j;
+            if (col >= n) break;
+            float* q = w + (i64)row * n + col;
+            if (col + 1 < n && n % 2 == 0) {
+              *reinterpret_cast<float2*>(q) = make_float2(out[4 * j + 2 * i], out[4 * j + 2 * i + 1]);
+            } else {
+              q[0] = out[4 * j + 2 * i];
+              if (col + 1 < n) q[1] = out[4 * j + 2 * i + 1];
+            }
+          }
+        }
+        continue;
+      }
 #if FE_TMA_STORE
       if (store_tma) {
         // The warp's 16 × BN slice through its staging boxes: scales and bias applied, rounded,
@@ -392,5 +426,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // Shared memory stays allocated until the last stores have read it.
     if (lane == 0) bulk_wait<0>();
 #endif
+  }
+}
+
+// Split-K's second pass: D = (Σ_z part[z]) · sa(i) · sb(j) + bias[j], the splits added in order
+// (the same bits on every run), rounded once to TO.
+extern "C" __global__ void __launch_bounds__(256)
+    scaled_mm_splitk_reduce(TO* __restrict__ D, const float* __restrict__ part,
+                            const float* __restrict__ scale_a, const float* __restrict__ scale_b,
+                            const TO* __restrict__ bias, int m, int n, i64 ldd, int sa_row,
+                            int sb_col, int splits) {
+  const i64 mn = (i64)m * n;
+  for (i64 e = (i64)blockIdx.x * 256 + threadIdx.x; e < mn; e += (i64)gridDim.x * 256) {
+    const int i = (int)(e / n), j = (int)(e % n);
+    float acc = 0.f;
+    for (int z = 0; z < splits; ++z) acc += part[z * mn + e];
+    float v = acc * scale_a[sa_row ? i : 0] * scale_b[sb_col ? j : 0];
+    if (bias) v += to_float(bias[j]);
+    D[i * ldd + j] = from_float<TO>(v);
   }
 }
