@@ -6,7 +6,7 @@
 //! The scales are the dequantisation factors (A ≈ sa·A₈), f32 on the operands' device: one per
 //! tensor (`[1]`) or one per row of A (`[m]`) and one per row of B, i.e. per output column
 //! (`[n]`) — torch's tensor-wise and row-wise recipes. D is `[m, n]` in bf16, f16 or f32, bias
-//! `[n]` in D's dtype. Accumulation in fp32: D[i][j] = sa(i)·sb(j)·Σ_p A[i][p]·B[j][p] + bias[j].
+//! `[n]` in D's dtype. Accumulation in fp32: `D[i][j] = sa(i)·sb(j)·Σ_p A[i][p]·B[j][p] + bias[j]`.
 //!
 //! Variants — CPU: `naive` (one thread, each element decoded as it is read) → `parallel` (A and
 //! B decoded once through a 256-entry table, rows of D across cores). CUDA: `naive` (a thread

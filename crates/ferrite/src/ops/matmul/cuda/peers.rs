@@ -108,7 +108,7 @@ fn lt_err(what: &str, label: &str, e: cudarc::cublaslt::result::CublasError) -> 
     Error::cuda(format!("{what} ({label})"), format!("{e:?}"))
 }
 
-/// An FP8 problem for cuBLASLt (the scaled GEMM's peer): D[m][n] = sa·sb·A·Bᵀ (+ bias), A
+/// An FP8 problem for cuBLASLt (the scaled GEMM's peer): D `[m][n]` = sa·sb·A·Bᵀ (+ bias), A
 /// `[m][k]` and B `[n][k]` (k contiguous, rows `lda` / `ldb` apart), D rows `ldc` apart; the
 /// scales are device pointers to one f32 each, the bias (0: none) `[n]` in D's dtype.
 pub struct LtOperands {
