@@ -217,7 +217,10 @@ fn splits_fill_idle_sms_without_empty_ranges() {
         let ktiles = k.div_ceil(128);
         let per = ktiles.div_ceil(s);
         let tiles = m.div_ceil(128) * n.div_ceil(bn as usize);
-        assert!((1..=16).contains(&s) && s * tiles <= 132, "{m}×{n}×{k}: {s}");
+        assert!(
+            (1..=16).contains(&s) && s * tiles <= 132,
+            "{m}×{n}×{k}: {s}"
+        );
         assert!(s == 1 || per >= 4, "{m}×{n}×{k}: {s} splits of {per}");
         assert!(
             (s - 1) * per < ktiles,
