@@ -108,7 +108,7 @@ fn bench_cpu(
     let defaults: &[[usize; 3]] = if cfg.quick {
         &[[64, 128, 256]]
     } else {
-        &[[256, 512, 1024]]
+        &[[128, 256, 512]]
     };
     for s in shapes(cfg, defaults) {
         let o = operands(s, Device::Cpu)?;
