@@ -26,7 +26,9 @@ _OP = "ferrite.scaled_mm"
 
 def _check(a: Tensor, b: Tensor, out_dtype: torch.dtype):
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, Tensor) or t.dtype not in _FP8 or t.dim() != 2:
+        if not isinstance(t, Tensor):
+            _fail(_OP, name, "a 2-D float8_e4m3fn or float8_e5m2 tensor", type(t).__name__)
+        if t.dtype not in _FP8 or t.dim() != 2:
             _fail(_OP, name, "a 2-D float8_e4m3fn or float8_e5m2 tensor", _describe(t))
     if out_dtype not in _OUT:
         _fail(_OP, "out_dtype", "torch.bfloat16, torch.float16 or torch.float32", str(out_dtype))

@@ -36,6 +36,8 @@ def test_scaled_mm_takes_torch_scale_shapes_and_refuses_bad_input():
     assert torch.allclose(d, a.float() @ b.float().T)
     with pytest.raises(ValueError, match="`a`"):
         ferrite.scaled_mm(a.float(), b, one, one)
+    with pytest.raises(ValueError, match="`b`.*list"):
+        ferrite.scaled_mm(a, [1, 2], one, one)
     with pytest.raises(ValueError, match="out_dtype"):
         ferrite.scaled_mm(a, b, one, one, out_dtype=torch.int32)
     with pytest.raises(Exception, match="scale_b"):
