@@ -228,3 +228,30 @@ fn splits_fill_idle_sms_without_empty_ranges() {
         );
     }
 }
+
+#[test]
+fn promoted_tiles_are_picked_by_whole_waves() {
+    let p = |m: usize, n: usize, k: usize| Problem {
+        m,
+        n,
+        k,
+        lda: k,
+        ldb: k,
+        ldd: n,
+        a_dtype: DType::F8E4M3,
+        b_dtype: DType::F8E4M3,
+        out_dtype: DType::BF16,
+        sa_row: false,
+        sb_col: false,
+        bias: false,
+        device: Device::Cpu,
+    };
+    let bn = |m, n, k| cuda::promoted_for(&p(m, n, k), 132).bn;
+    // 4096³: 1024 tiles of 128 columns in 8 rounds beat 704 of 192 in 6; small problems fit one
+    // wave either way (the narrower tile is less work); large ones take 192.
+    assert_eq!(bn(4096, 4096, 4096), 128);
+    assert_eq!(bn(1000, 1000, 1008), 128);
+    assert_eq!(bn(8192, 8192, 8192), 192);
+    assert_eq!(bn(8192, 14336, 4096), 192);
+    assert_eq!(bn(8192, 4096, 14336), 192);
+}

@@ -57,7 +57,7 @@ using namespace ferrite;
 #define FE_STAGES 4
 #endif
 // -DFE_TMA_STORE=1 (16-bit D): each consumer warp writes its 16 rows of the tile into a staging
-// area with stmatrix and hands each 16×64 box to the TMA unit (see store_tile_tma).
+// area with stmatrix and hands each 16×64 box to the TMA unit (the consumers' epilogue).
 #ifndef FE_TMA_STORE
 #define FE_TMA_STORE 0
 #endif
@@ -66,6 +66,10 @@ using namespace ferrite;
 #define FE_DESC_A_SLOT 128
 #define FE_DESC_B_SLOT 129
 #define FE_SCALE_SLOT 130
+#elif FE_BN == 192
+#define FE_DESC_A_SLOT 96
+#define FE_DESC_B_SLOT 97
+#define FE_SCALE_SLOT 98
 #else
 #define FE_DESC_A_SLOT 64
 #define FE_DESC_B_SLOT 65
@@ -89,8 +93,8 @@ constexpr int GROUP_M = 8;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
 // fp32 accumulators per consumer thread: a warpgroup's 64 × BN over 128 threads.
 constexpr int NACC = BN / 2;
-static_assert(BN == 128 || BN == 256, "128- or 256-column tiles");
-static_assert(!FE_PROMOTE || BN == 128, "promotion keeps two accumulator sets: 128 columns");
+static_assert(BN == 128 || BN == 192 || BN == 256, "128-, 192- or 256-column tiles");
+static_assert(!FE_PROMOTE || BN <= 192, "promotion keeps two accumulator sets: ≤ 192 columns");
 // The staging area: per consumer warp, its 16 rows × BN columns as BN/64 boxes of 16×64 16-bit
 // values (2 KiB each, 128-byte swizzled: the layout the TMA store reads).
 constexpr int SBOX = 16 * 128;
@@ -110,6 +114,9 @@ __device__ __forceinline__ void acc_fence(float (&d)[NACC]) {
 #if FE_BN == 256
 #define FE_ACC(d) FE_ACC128(d)
 #define FE_ACC_SLOTS FE_ACC_SLOTS128
+#elif FE_BN == 192
+#define FE_ACC(d) FE_ACC96(d)
+#define FE_ACC_SLOTS FE_ACC_SLOTS96
 #else
 #define FE_ACC(d) FE_ACC64(d)
 #define FE_ACC_SLOTS FE_ACC_SLOTS64
