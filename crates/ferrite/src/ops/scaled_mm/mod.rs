@@ -11,9 +11,9 @@
 //! Variants — CPU: `naive` (one thread, each element decoded as it is read) → `parallel` (A and
 //! B decoded once through a 256-entry table, rows of D across cores). CUDA: `naive` (a thread
 //! per output, software decoding, any GPU) → `wgmma_fast` (Hopper FP8 tensor cores, 128×256
-//! tiles, the whole k sum in the tensor core's accumulator) → `wgmma` (128×128 tiles, each
-//! 128-deep partial sum promoted into fp32 registers: the accuracy of cuBLASLt's default). See
-//! kernels/wgmma.cu and docs/scaled_mm.md.
+//! tiles, the whole k sum in the tensor core's accumulator) → `wgmma` (128×192 or 128×128
+//! tiles, each 128-deep partial sum promoted into fp32 registers: the accuracy of cuBLASLt's
+//! default). See kernels/wgmma.cu and docs/scaled_mm.md.
 //!
 //! Scales are read where they live: on the CPU their values are checked (finite, non-zero);
 //! on the GPU they are read by the kernel (a check would cost a synchronisation per call), so
@@ -69,7 +69,7 @@ pub fn variants() -> Vec<VariantInfo> {
             dtypes: FP8,
             min_arch: Some(Arch::SM90),
             constraints: "as `wgmma_fast`",
-            summary: "128×128 tiles; each 128-deep partial sum added into fp32 registers (promotion: cuBLASLt's accuracy without FAST_ACCUM)",
+            summary: "128×192 tiles (128×128 where whole waves favour them); each 128-deep partial sum added into fp32 registers (promotion: cuBLASLt's accuracy without FAST_ACCUM)",
             rank: 3,
         },
     ]
