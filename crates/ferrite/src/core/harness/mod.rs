@@ -79,6 +79,22 @@ impl BenchConfig {
     pub fn wants_dtype(&self, d: DType) -> bool {
         self.dtypes.is_empty() || self.dtypes.contains(&d)
     }
+    /// The requested GEMM-like shapes as [m, n, k] (a single number means a cube, two mean
+    /// [m, n, n]), or `defaults`.
+    pub fn shapes_3d(&self, defaults: &[[usize; 3]]) -> Vec<[usize; 3]> {
+        if self.shapes.is_empty() {
+            return defaults.to_vec();
+        }
+        self.shapes
+            .iter()
+            .filter_map(|s| match s[..] {
+                [n] => Some([n, n, n]),
+                [m, n] => Some([m, n, n]),
+                [m, n, k, ..] => Some([m, n, k]),
+                [] => None,
+            })
+            .collect()
+    }
     /// The requested shapes as [rows, cols] (a single number means a square), or `default`.
     pub fn shapes_2d(&self, default: [usize; 2]) -> Vec<[usize; 2]> {
         if self.shapes.is_empty() {

@@ -25,21 +25,6 @@ use std::time::Duration;
 /// The epilogue the forward rows are timed with.
 const ACT: Activation = Activation::GeluTanh;
 
-/// [tokens, out, in] from the config, or the defaults.
-fn shapes(cfg: &BenchConfig, defaults: &[[usize; 3]]) -> Vec<[usize; 3]> {
-    if cfg.shapes.is_empty() {
-        return defaults.to_vec();
-    }
-    cfg.shapes
-        .iter()
-        .map(|s| match s.as_slice() {
-            [m, n, k] => [*m, *n, *k],
-            [m, n] => [*m, *n, *n],
-            other => [other[0]; 3],
-        })
-        .collect()
-}
-
 pub fn run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,
@@ -261,7 +246,7 @@ fn bench_gpu(
             DType::F16 => (Precision::F16, "f16"),
             _ => (Precision::Bf16, "bf16"),
         };
-        for shape in shapes(cfg, defaults) {
+        for shape in cfg.shapes_3d(defaults) {
             let [m, n, k] = shape;
             let l = Layer::new(d, dtype, shape)?;
             let flops = 2.0 * (m * n * k) as f64;

@@ -16,21 +16,6 @@ use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use std::sync::Arc;
 
-/// [m, n, k] from the config: a single number means a cube.
-fn shapes(cfg: &BenchConfig, defaults: &[[usize; 3]]) -> Vec<[usize; 3]> {
-    if cfg.shapes.is_empty() {
-        return defaults.to_vec();
-    }
-    cfg.shapes
-        .iter()
-        .map(|s| match s.as_slice() {
-            [n] => [*n, *n, *n],
-            [m, n, k] => [*m, *n, *k],
-            other => [other[0], other[0], other[0]],
-        })
-        .collect()
-}
-
 pub fn run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,
@@ -66,7 +51,7 @@ fn bench_cpu(
     let explicit = !cfg.shapes.is_empty();
     let threads = rayon::current_num_threads();
     let name = crate::core::harness::cpu_name();
-    for [m, n, k] in shapes(cfg, defaults) {
+    for [m, n, k] in cfg.shapes_3d(defaults) {
         let a = Tensor::rand(&[m, k], DType::F32, Device::Cpu, 1, -1.0, 1.0)?;
         let b = Tensor::rand(&[k, n], DType::F32, Device::Cpu, 2, -1.0, 1.0)?;
         let c = Tensor::empty(&[m, n], DType::F32, Device::Cpu)?;
@@ -287,7 +272,8 @@ fn bench_gpu(
         if !cfg.quick && prec != Precision::F32 {
             defaults.extend_from_slice(TC_LARGE);
         }
-        let mut runs_of: Vec<([usize; 3], bool)> = shapes(cfg, &defaults)
+        let mut runs_of: Vec<([usize; 3], bool)> = cfg
+            .shapes_3d(&defaults)
             .into_iter()
             .map(|s| (s, false))
             .collect();

@@ -39,22 +39,6 @@ pub fn run(
     Ok(())
 }
 
-/// The bench's shapes: `--m/--n/--k` (or `--size`) when given, else the defaults.
-fn shapes(cfg: &BenchConfig, defaults: &[[usize; 3]]) -> Vec<[usize; 3]> {
-    if cfg.shapes.is_empty() {
-        return defaults.to_vec();
-    }
-    cfg.shapes
-        .iter()
-        .map(|s| match s.len() {
-            0 => [1, 1, 1],
-            1 => [s[0]; 3],
-            2 => [s[0], s[1], s[1]],
-            _ => [s[0], s[1], s[2]],
-        })
-        .collect()
-}
-
 struct Operands {
     p: Problem,
     a: Tensor,
@@ -71,21 +55,7 @@ fn operands([m, n, k]: [usize; 3], dev: Device) -> Result<Operands> {
     let sa = Tensor::full(&[1], DType::F32, dev, 0.05)?;
     let sb = Tensor::full(&[1], DType::F32, dev, 0.02)?;
     let out = Tensor::empty(&[m, n], DType::BF16, dev)?;
-    let p = Problem {
-        m,
-        n,
-        k,
-        lda: k,
-        ldb: k,
-        ldd: n,
-        a_dtype: e4,
-        b_dtype: e4,
-        out_dtype: DType::BF16,
-        sa_row: false,
-        sb_col: false,
-        bias: false,
-        device: dev,
-    };
+    let p = Problem::dense((m, n, k), (e4, e4, DType::BF16), dev);
     Ok(Operands {
         p,
         a,
@@ -110,7 +80,7 @@ fn bench_cpu(
     } else {
         &[[128, 256, 512]]
     };
-    for s in shapes(cfg, defaults) {
+    for s in cfg.shapes_3d(defaults) {
         let o = operands(s, Device::Cpu)?;
         let mut group = Vec::new();
         for v in variants()
@@ -187,7 +157,7 @@ fn bench_gpu(
     let ceiling = ceilings
         .gpu_gemm("bf16")
         .map(|g| ("2 × cuBLAS bf16 at 4096³", 2.0 * g, true));
-    for s in shapes(cfg, defaults) {
+    for s in cfg.shapes_3d(defaults) {
         let o = operands(s, d)?;
         let q = Ptrs::of(&o.a, &o.b, &o.sa, &o.sb, None, &o.out)?;
         let arch = Some(dev.arch());

@@ -195,19 +195,10 @@ fn check_one(dev: Device, variant: &str, c: &Case, x: &Inputs, r: &[f64]) -> Res
 
 fn problem(c: &Case, dev: Device) -> Problem {
     Problem {
-        m: c.m,
-        n: c.n,
-        k: c.k,
-        lda: c.k,
-        ldb: c.k,
-        ldd: c.n,
-        a_dtype: c.a,
-        b_dtype: c.b,
-        out_dtype: c.out,
         sa_row: c.sa_row,
         sb_col: c.sb_col,
         bias: c.bias,
-        device: dev,
+        ..Problem::dense((c.m, c.n, c.k), (c.a, c.b, c.out), dev)
     }
 }
 
@@ -260,6 +251,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                 Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
                 Device::Cpu => None,
             };
+            let p = problem(&c, dev);
             for v in variants()
                 .iter()
                 .filter(|v| v.backend == Backend::of(dev) && cfg.wants_variant(v.name))
@@ -267,7 +259,6 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
                 if v.min_arch.is_some_and(|m| arch.is_some_and(|a| a < m)) {
                     continue;
                 }
-                let p = problem(&c, dev);
                 if v.name.starts_with("wgmma") && wgmma_declines(&p, arch, &[]).is_some() {
                     continue;
                 }
@@ -275,7 +266,6 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             }
             // The peer where it takes the case (tensor-wise scales, no bias: its bias types
             // differ by output dtype) and is asked for.
-            let p = problem(&c, dev);
             if dev.is_cuda() && !c.bias && super::cuda::LtFp8::declines(&p).is_none() {
                 for peer in PEERS.into_iter().filter(|p| cfg.wants_variant(p)) {
                     out.push(record(dev, peer, &c, &x, &r, &label, "peer"));

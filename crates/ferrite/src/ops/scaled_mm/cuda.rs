@@ -247,7 +247,8 @@ pub fn plan(variant: &str, p: &Problem, dev: &Arc<CudaDevice>) -> Result<Launch>
     }
 }
 
-/// Queues the planned kernel on `p` with operands at `q`.
+/// Queues the planned kernel on `p` with operands at `q` (and, after a split-K `wgmma`, its
+/// reduce pass).
 pub fn launch(
     l: &Launch,
     p: &Problem,
@@ -258,29 +259,44 @@ pub fn launch(
     if p.m == 0 || p.n == 0 {
         return Ok(());
     }
+    match l.build {
+        None => launch_naive(&l.kernel, p, q, stream),
+        Some(w) => launch_wgmma(l, w, p, q, dev, stream),
+    }
+}
+
+fn launch_naive(kernel: &Kernel, p: &Problem, q: Ptrs, stream: &Stream) -> Result<()> {
     let mut args = KernelArgs::new();
-    let Some(w) = l.build else {
-        args.push(q.d)
-            .push(q.a)
-            .push(q.b)
-            .push(q.scale_a)
-            .push(q.scale_b)
-            .push(q.bias)
-            .push(p.m as i64)
-            .push(p.n as i64)
-            .push(p.k as i64)
-            .push(p.lda as i64)
-            .push(p.ldb as i64)
-            .push(p.ldd as i64)
-            .push(p.sa_row as i32)
-            .push(p.sb_col as i32);
-        let grid = (
-            (p.n as u64).div_ceil(16).min(u32::MAX as u64) as u32,
-            (p.m as u64).div_ceil(16).clamp(1, 65535) as u32,
-            1,
-        );
-        return l.kernel.launch(stream, grid, (256, 1, 1), 0, &mut args);
-    };
+    args.push(q.d)
+        .push(q.a)
+        .push(q.b)
+        .push(q.scale_a)
+        .push(q.scale_b)
+        .push(q.bias)
+        .push(p.m as i64)
+        .push(p.n as i64)
+        .push(p.k as i64)
+        .push(p.lda as i64)
+        .push(p.ldb as i64)
+        .push(p.ldd as i64)
+        .push(p.sa_row as i32)
+        .push(p.sb_col as i32);
+    let grid = (
+        (p.n as u64).div_ceil(16).min(u32::MAX as u64) as u32,
+        (p.m as u64).div_ceil(16).clamp(1, 65535) as u32,
+        1,
+    );
+    kernel.launch(stream, grid, (256, 1, 1), 0, &mut args)
+}
+
+fn launch_wgmma(
+    l: &Launch,
+    w: WgBuild,
+    p: &Problem,
+    q: Ptrs,
+    dev: &Arc<CudaDevice>,
+    stream: &Stream,
+) -> Result<()> {
     if let Some(why) = super::wgmma_declines(p, Some(dev.arch()), &[q.a, q.b]) {
         return Err(Error::NoVariant {
             op: OP.into(),
@@ -291,18 +307,6 @@ pub fn launch(
     // swizzle, zero fill past every edge.
     let ta = matrix_map(p.a_dtype, q.a, p.k, p.m, p.lda, 1, 0, [128, 128], true)?;
     let tb = matrix_map(p.b_dtype, q.b, p.k, p.n, p.ldb, 1, 0, [128, w.bn], true)?;
-    args.push(q.d)
-        .push(q.scale_a)
-        .push(q.scale_b)
-        .push(q.bias)
-        .push(p.m as i32)
-        .push(p.n as i32)
-        .push(p.k as i32)
-        .push(p.ldd as i64)
-        .push(p.sa_row as i32)
-        .push(p.sb_col as i32)
-        .push(ta)
-        .push(tb);
     // The TMA store needs D 16-byte aligned with rows of 16-byte multiples; else the direct
     // stores of the same build.
     let es = p.out_dtype.size_in_bytes();
@@ -314,7 +318,6 @@ pub fn launch(
     } else {
         crate::core::cuda::tma::TmaDesc::UNUSED
     };
-    args.push(td).push(store as i32);
     let sms = dev.props().sm_count;
     let splits = splits_for(p, w.bn, sms);
     // Split-K's fp32 partials (stream-ordered: freed after the reduce pass is queued).
@@ -323,7 +326,22 @@ pub fn launch(
     } else {
         None
     };
-    args.push(part.as_ref().map_or(0, |b| b.ptr()))
+    let mut args = KernelArgs::new();
+    args.push(q.d)
+        .push(q.scale_a)
+        .push(q.scale_b)
+        .push(q.bias)
+        .push(p.m as i32)
+        .push(p.n as i32)
+        .push(p.k as i32)
+        .push(p.ldd as i64)
+        .push(p.sa_row as i32)
+        .push(p.sb_col as i32)
+        .push(ta)
+        .push(tb)
+        .push(td)
+        .push(store as i32)
+        .push(part.as_ref().map_or(0, |b| b.ptr()))
         .push(splits as i32);
     let tiles = (p.m as u64).div_ceil(128) * (p.n as u64).div_ceil(w.bn as u64) * splits as u64;
     let blocks = tiles.clamp(1, sms as u64) as u32;
@@ -335,24 +353,34 @@ pub fn launch(
         &mut args,
     )?;
     match (&part, &l.reduce) {
-        (Some(part), Some(reduce)) => {
-            let mut args = KernelArgs::new();
-            args.push(q.d)
-                .push(part.ptr())
-                .push(q.scale_a)
-                .push(q.scale_b)
-                .push(q.bias)
-                .push(p.m as i32)
-                .push(p.n as i32)
-                .push(p.ldd as i64)
-                .push(p.sa_row as i32)
-                .push(p.sb_col as i32)
-                .push(splits as i32);
-            let blocks = ((p.m * p.n) as u64).div_ceil(1024).clamp(1, 4096) as u32;
-            reduce.launch(stream, (blocks, 1, 1), (256, 1, 1), 0, &mut args)
-        }
+        (Some(part), Some(reduce)) => launch_reduce(reduce, p, q, part.ptr(), splits, stream),
         _ => Ok(()),
     }
+}
+
+/// Split-K's second pass: the `splits` partials at `part` summed in order, scaled, into D.
+fn launch_reduce(
+    reduce: &Kernel,
+    p: &Problem,
+    q: Ptrs,
+    part: u64,
+    splits: u32,
+    stream: &Stream,
+) -> Result<()> {
+    let mut args = KernelArgs::new();
+    args.push(q.d)
+        .push(part)
+        .push(q.scale_a)
+        .push(q.scale_b)
+        .push(q.bias)
+        .push(p.m as i32)
+        .push(p.n as i32)
+        .push(p.ldd as i64)
+        .push(p.sa_row as i32)
+        .push(p.sb_col as i32)
+        .push(splits as i32);
+    let blocks = ((p.m * p.n) as u64).div_ceil(1024).clamp(1, 4096) as u32;
+    reduce.launch(stream, (blocks, 1, 1), (256, 1, 1), 0, &mut args)
 }
 
 /// Fewest k tiles (of 128) per split: a split's pipeline fill and its partial's write need a few

@@ -116,6 +116,29 @@ pub struct Problem {
 }
 
 impl Problem {
+    /// Dense operands (rows k, k and n elements apart), tensor-wise scales, no bias: tests,
+    /// checks and benches set the other fields as they need.
+    pub fn dense(
+        (m, n, k): (usize, usize, usize),
+        (a_dtype, b_dtype, out_dtype): (DType, DType, DType),
+        device: Device,
+    ) -> Problem {
+        Problem {
+            m,
+            n,
+            k,
+            lda: k,
+            ldb: k,
+            ldd: n,
+            a_dtype,
+            b_dtype,
+            out_dtype,
+            sa_row: false,
+            sb_col: false,
+            bias: false,
+            device,
+        }
+    }
     /// `m×n×k a×b→out` for labels.
     pub fn label(&self) -> String {
         format!(

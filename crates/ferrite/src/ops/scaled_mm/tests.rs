@@ -148,21 +148,11 @@ fn bad_input_is_refused_with_the_argument_named() {
 
 #[test]
 fn wgmma_declines_what_tma_cannot_load() {
-    let p = Problem {
-        m: 100,
-        n: 200,
-        k: 256,
-        lda: 256,
-        ldb: 256,
-        ldd: 200,
-        a_dtype: DType::F8E4M3,
-        b_dtype: DType::F8E4M3,
-        out_dtype: DType::BF16,
-        sa_row: false,
-        sb_col: false,
-        bias: false,
-        device: Device::Cpu,
-    };
+    let p = Problem::dense(
+        (100, 200, 256),
+        (DType::F8E4M3, DType::F8E4M3, DType::BF16),
+        Device::Cpu,
+    );
     let hopper = Some(Arch::SM90);
     assert_eq!(wgmma_declines(&p, hopper, &[0x1000, 0x2000]), None);
     assert!(wgmma_declines(&p, Some(Arch::SM89), &[]).is_some());
@@ -184,20 +174,12 @@ fn wgmma_declines_what_tma_cannot_load() {
 
 #[test]
 fn splits_fill_idle_sms_without_empty_ranges() {
-    let p = |m: usize, n: usize, k: usize| Problem {
-        m,
-        n,
-        k,
-        lda: k,
-        ldb: k,
-        ldd: n,
-        a_dtype: DType::F8E4M3,
-        b_dtype: DType::F8E4M3,
-        out_dtype: DType::BF16,
-        sa_row: false,
-        sb_col: false,
-        bias: false,
-        device: Device::Cpu,
+    let p = |m: usize, n: usize, k: usize| {
+        Problem::dense(
+            (m, n, k),
+            (DType::F8E4M3, DType::F8E4M3, DType::BF16),
+            Device::Cpu,
+        )
     };
     use cuda::splits_for;
     // Decode against a 4096-wide weight: 16 tiles of 128×256 on 132 SMs.
@@ -231,20 +213,12 @@ fn splits_fill_idle_sms_without_empty_ranges() {
 
 #[test]
 fn promoted_tiles_are_picked_by_whole_waves() {
-    let p = |m: usize, n: usize, k: usize| Problem {
-        m,
-        n,
-        k,
-        lda: k,
-        ldb: k,
-        ldd: n,
-        a_dtype: DType::F8E4M3,
-        b_dtype: DType::F8E4M3,
-        out_dtype: DType::BF16,
-        sa_row: false,
-        sb_col: false,
-        bias: false,
-        device: Device::Cpu,
+    let p = |m: usize, n: usize, k: usize| {
+        Problem::dense(
+            (m, n, k),
+            (DType::F8E4M3, DType::F8E4M3, DType::BF16),
+            Device::Cpu,
+        )
     };
     let bn = |m, n, k| cuda::promoted_for(&p(m, n, k), 132).bn;
     // 4096³: 1024 tiles of 128 columns in 8 rounds beat 704 of 192 in 6; small problems fit one
