@@ -558,6 +558,10 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
 #define FE_BWD_STAGES 2
 #endif
 constexpr int B_BN = 128, B_BM = 64, B_STAGES = FE_BWD_STAGES;
+// Named barriers of the backward: 1 joins the consumer warps; ROWS_BAR + s hands stage s's lse/Δ
+// rows back from the consumers (arrive) to the warp that rewrites them (sync).
+constexpr int ROWS_BAR = 2, ROWS_BAR_THREADS = 256 + 32;
+static_assert(ROWS_BAR + B_STAGES <= 16, "named barrier ids");
 constexpr int B_K_BYTES = B_BN * D * 2, B_Q_BYTES = B_BM * D * 2;
 constexpr int B_STAGE_BYTES = 2 * B_Q_BYTES;  // Q then dO
 constexpr int B_DS_BYTES = B_BN * B_BM * 2;   // one dSᵀ tile: 128 rows of 64 × 16 bits = 128 B
@@ -636,7 +640,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
   if (threadIdx.x == 0) {
     mbar_init(kvbar, 1);
     for (int s = 0; s < B_STAGES; ++s) {
-      mbar_init(full(s), 2);    // the TMA thread's expect_tx + the lse/Δ warp
+      mbar_init(full(s), 33);   // the TMA thread's expect_tx + every lane of the lse/Δ warp
       mbar_init(empty(s), 8);   // one arrival per consumer warp
     }
     fence_barrier_init();
@@ -686,6 +690,11 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       unsigned ph = 0;
       for (int it = 0; it < steps; ++it) {
         mbar_wait(empty(s), ph ^ 1);
+        // The consumers' reads of these rows from step it - B_STAGES are done (their
+        // named_arrive): a barrier every thread passes, so the write-after-read order is one
+        // compute-sanitizer racecheck follows (it does not see through a warp's single mbarrier
+        // arrival after __syncwarp).
+        if (it >= B_STAGES) named_sync(ROWS_BAR + s, ROWS_BAR_THREADS);
         const i64 m0 = (i64)(mb_lo + mi) * B_BM;
         float* rs = reinterpret_cast<float*>(smem_raw + (rows_of(s) - smem_u32(smem_raw)));
 #pragma unroll
@@ -700,8 +709,9 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
           rs[r] = l;
           rs[B_BM + r] = dl;
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full(s));
+        // Each lane releases its own writes (compute-sanitizer racecheck does not follow one
+        // lane's arrival after a __syncwarp as releasing the other lanes' stores).
+        mbar_arrive(full(s));
         if (++mi == mtiles) {
           mi = 0;
           ++h;
@@ -811,6 +821,8 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       for (int e = 0; e < 4; ++e)
         dp[4 * j + e] = st[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
     }
+    // The last read of this stage's rows: hand them back to warp 1 if it will rewrite them.
+    if (it + B_STAGES < steps) named_arrive(ROWS_BAR + s, ROWS_BAR_THREADS);
     unsigned da[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
@@ -848,9 +860,8 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     reg_fence(dq);
     reg_fence(dv_acc);
     reg_fence(dk_acc);
-    // Every lane's reads of the stage's lse/Δ rows (lds_f2 above) are ordered before lane 0's
-    // release of the stage: the producer warp rewrites them once the arrivals are in
-    // (compute-sanitizer racecheck reported the write-after-read hazard without this).
+    // Every lane's reads of the stage (lds_f2 of its rows above) are ordered before lane 0's
+    // release of it.
     __syncwarp();
     if (lane == 0) mbar_arrive(empty(s));
 
