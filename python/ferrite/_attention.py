@@ -856,13 +856,32 @@ def paged_decode_errors(plan: Tensor) -> None:
     _native_call(_native.paged_decode_plan_errors, plan, device=dev, stream=stream)
 
 
-@torch.library.custom_op("ferrite::append_kv", mutates_args=("key_cache", "value_cache"))
-def _append_kv(k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+def _append_kv_check(k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+    """What append_kv can check from the tensors' metadata alone: run by the op and by its fake,
+    so a traced or meta call refuses what an eager one would (the slot values are checked by the
+    native call)."""
     op = "ferrite.append_kv"
     _check_tensors(op, [("key_cache", key_cache), ("value_cache", value_cache), ("k", k), ("v", v)])
     _check_index(op, "slot_mapping", slot_mapping, key_cache, 1)
-    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        _fail(op, "key_cache", "contiguous caches (written in place)", _describe(key_cache))
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dim() != 4:
+            _fail(op, name, "a 4-D [num_blocks, block_size, Hkv, D] tensor", _describe(c))
+        if not c.is_contiguous():
+            _fail(op, name, "a contiguous cache (written in place)", _describe(c))
+    if value_cache.shape != key_cache.shape:
+        _fail(op, "value_cache", f"the shape of `key_cache` {list(key_cache.shape)}", _describe(value_cache))
+    t = k.shape[0] if k.dim() > 0 else 0
+    row = [t, key_cache.shape[2], key_cache.shape[3]]
+    for name, x in (("k", k), ("v", v)):
+        if list(x.shape) != row:
+            _fail(op, name, f"shape [T, Hkv, D] = {row} (Hkv, D of the caches)", _describe(x))
+    if list(slot_mapping.shape) != [t]:
+        _fail(op, "slot_mapping", f"shape [T] = [{t}] (one slot per token of `k`)", _describe(slot_mapping))
+
+
+@torch.library.custom_op("ferrite::append_kv", mutates_args=("key_cache", "value_cache"))
+def _append_kv(k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+    _append_kv_check(k, v, key_cache, value_cache, slot_mapping)
     dev, stream = _where(key_cache)
     _native_call(
         _native.append_kv,
@@ -878,6 +897,7 @@ def _append_kv(k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, slo
 
 @_append_kv.register_fake
 def _(k, v, key_cache, value_cache, slot_mapping):
+    _append_kv_check(k, v, key_cache, value_cache, slot_mapping)
     return None
 
 

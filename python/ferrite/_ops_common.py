@@ -55,6 +55,19 @@ def _check_tensors(op: str, named: Sequence[Tuple[str, Optional[Tensor]]]) -> No
             _fail(op, name, f"a tensor on {fdev} (like `{first}`)", _describe(t))
 
 
+# The GEMMs (ferrite's kernels, cuBLAS) index each extent with 32-bit integers.
+_GEMM_EXTENT_MAX = 2**31 - 1
+
+
+def _check_gemm_extents(op: str, extents: Sequence[Tuple[str, str, int]]) -> None:
+    """Each (argument, what, size) at most _GEMM_EXTENT_MAX: refused from the shapes, before an
+    output is allocated or an operand copied (an expanded view of 2^31 rows would otherwise be
+    made contiguous first — tens of GB — only for the native call to refuse it)."""
+    for name, what, v in extents:
+        if v > _GEMM_EXTENT_MAX:
+            _fail(op, name, f"at most {_GEMM_EXTENT_MAX} {what} (the GEMM's 32-bit extents)", f"{v}")
+
+
 # ----------------------------------------------------------------------------------------------
 # calling the native module
 

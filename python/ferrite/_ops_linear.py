@@ -12,6 +12,7 @@ from . import _native
 from ._eager import eager
 from ._ops_common import (
     _activation,
+    _check_gemm_extents,
     _check_tensors,
     _describe,
     _empty,
@@ -37,6 +38,14 @@ def _linear_shape(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) ->
         _fail(op, "weight", f"[out_features, {x.shape[-1]}] (input is {list(x.shape)})", _describe(weight))
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         _fail(op, "bias", f"a 1-D tensor [{weight.shape[0]}] (out_features)", _describe(bias))
+    _check_gemm_extents(
+        op,
+        [
+            ("input", "rows (all leading dims)", math.prod(x.shape[:-1])),
+            ("input", "in_features", x.shape[-1]),
+            ("weight", "out_features", weight.shape[0]),
+        ],
+    )
     return list(x.shape[:-1]) + [weight.shape[0]]
 
 

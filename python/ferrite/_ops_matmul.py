@@ -8,7 +8,7 @@ from torch import Tensor
 
 from . import _native
 from ._eager import eager
-from ._ops_common import _check_tensors, _describe, _empty, _fail, _native_call, _tf32, _where
+from ._ops_common import _check_gemm_extents, _check_tensors, _describe, _empty, _fail, _native_call, _tf32, _where
 
 
 # ----------------------------------------------------------------------------------------------
@@ -37,8 +37,11 @@ def _matmul_shape(op: str, a: Tensor, b: Tensor) -> List[int]:
         _fail(op, "b", f"{k} rows (a is {list(a.shape)}: inner dims must match)", _describe(b))
     n = b.shape[-1]
     if b.dim() == 2:
+        # [..., m, k] @ [k, n] is one GEMM over all of a's rows
+        _check_gemm_extents(op, [("a", "rows (all leading dims)", math.prod(a.shape[:-1])), ("a", "columns (k)", k), ("b", "columns (n)", n)])
         return list(a.shape[:-1]) + [n]
     if a.dim() == 2:
+        _check_gemm_extents(op, [("a", "rows (m)", m), ("a", "columns (k)", k), ("b", "columns (n)", n), ("b", "batches", math.prod(b.shape[:-2]))])
         return list(b.shape[:-2]) + [m, n]
     if a.shape[:-2] != b.shape[:-2]:
         _fail(
@@ -47,6 +50,7 @@ def _matmul_shape(op: str, a: Tensor, b: Tensor) -> List[int]:
             f"batch dims {list(a.shape[:-2])} (like a; only a 2-D a or b broadcasts)",
             _describe(b),
         )
+    _check_gemm_extents(op, [("a", "rows (m)", m), ("a", "columns (k)", k), ("b", "columns (n)", n), ("a", "batches", math.prod(a.shape[:-2]))])
     return list(a.shape[:-2]) + [m, n]
 
 

@@ -155,3 +155,49 @@ def test_attention_with_no_query_rows_is_empty_not_an_error():
     assert o2.shape == q2.shape and torch.isfinite(o2).all()
     o2.sum().backward()
     assert (q2.grad == 0).all()
+
+
+def test_append_kv_checks_meta_and_fake_calls():
+    """append_kv returns nothing, so its fake used to check nothing: a meta slot_mapping (routed to
+    the fake by the dispatcher) or a mis-shaped call under fake tensors went through silently."""
+    t, h, d, blocks, bs = 3, 2, 8, 4, 16
+    k, v = torch.randn(t, h, d), torch.randn(t, h, d)
+    kc, vc = torch.zeros(blocks, bs, h, d), torch.zeros(blocks, bs, h, d)
+    slots = torch.tensor([0, 5, 17], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"argument `slot_mapping`: expected a tensor on cpu .*got int32\[3\] on meta"):
+        ferrite.append_kv(k, v, kc, vc, slots.to("meta"))
+    assert kc.abs().sum() == 0  # nothing was written
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fk, fkc, fs = torch.empty(t, h, d), torch.empty(blocks, bs, h, d), torch.empty(t, dtype=torch.int32)
+        ops.append_kv(fk, fk, fkc, fkc.clone(), fs)  # well-formed: no error
+        with pytest.raises(ValueError, match=r"argument `k`: expected shape \[T, Hkv, D\] = \[3, 2, 8\]"):
+            ops.append_kv(torch.empty(t, h, d + 1), fk, fkc, fkc.clone(), fs)
+        with pytest.raises(ValueError, match=r"argument `slot_mapping`: expected shape \[T\] = \[3\]"):
+            ops.append_kv(fk, fk, fkc, fkc.clone(), torch.empty(t + 1, dtype=torch.int32))
+        with pytest.raises(ValueError, match=r"argument `slot_mapping`: expected an int32 tensor of rank 1"):
+            ops.append_kv(fk, fk, fkc, fkc.clone(), torch.empty(t))
+        with pytest.raises(ValueError, match=r"argument `value_cache`: expected the shape of `key_cache`"):
+            ops.append_kv(fk, fk, fkc, torch.empty(blocks, bs, h, d + 8), fs)
+
+
+def test_gemm_extents_refused_before_any_copy():
+    """An expanded view of 2^31 rows is refused from its shape (the GEMM's 32-bit extents), not
+    made contiguous first (32 GB and tens of seconds before the native call refused it)."""
+    big = 2**31
+    with pytest.raises(ValueError, match=r"ferrite.matmul: argument `a`: expected at most 2147483647 rows \(all leading dims\).*got 2147483648"):
+        ferrite.matmul(torch.randn(1, 4).expand(big, 4), torch.randn(4, 2))
+    with pytest.raises(ValueError, match=r"argument `a`: expected at most 2147483647 rows \(all leading dims\)"):
+        ferrite.matmul(torch.randn(1, 1, 4).expand(2, big // 2, 4), torch.randn(4, 2))
+    with pytest.raises(ValueError, match=r"argument `b`: expected at most 2147483647 batches"):
+        ferrite.matmul(torch.randn(3, 4), torch.randn(1, 4, 2).expand(big, 4, 2))
+    with pytest.raises(ValueError, match=r"ferrite.linear: argument `input`: expected at most 2147483647 rows"):
+        ferrite.linear(torch.randn(1, 64).expand(big, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match=r"argument `weight`: expected at most 2147483647 out_features"):
+        ferrite.linear(torch.randn(2, 3), torch.randn(1, 3).expand(big, 3))
+    # the fakes check too: torch.compile refuses at trace time
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(ValueError, match="rows"):
+        ops.matmul(torch.empty(1, 4).expand(big, 4), torch.empty(4, 2))

@@ -51,8 +51,9 @@ pub struct TrainArgs {
     /// Evaluate on --val-data every N steps (0: never).
     #[arg(long, default_value_t = 0)]
     val_every: usize,
-    #[arg(long, default_value_t = 8)]
-    val_batches: usize,
+    /// Batches per evaluation (default 8).
+    #[arg(long)]
+    val_batches: Option<usize>,
     /// Attention backward without atomics: the same bits every run.
     #[arg(long)]
     deterministic: bool,
@@ -304,10 +305,71 @@ fn loss_svg(log: &[StepLog], title: &str) -> String {
     s
 }
 
+const DEFAULT_VAL_BATCHES: usize = 8;
+
+/// Flags that only mean something beside another one, and 1-based or positive counts, checked
+/// before any work: a flag the run would not read is refused, not ignored. (`TrainConfig`
+/// checks the training numbers themselves.)
+fn check_flags(a: &TrainArgs) -> Result<()> {
+    let needs =
+        |flag: &str, what: &str, given: String| Err(Error::bad_arg("train", flag, what, given));
+    if a.val_data.is_some() && a.val_every == 0 {
+        return needs(
+            "--val-data",
+            "--val-every N ≥ 1 (how often to evaluate on it)",
+            "no --val-every".into(),
+        );
+    }
+    if a.val_data.is_none() && a.val_every > 0 {
+        return needs(
+            "--val-every",
+            "--val-data (the shards to evaluate on)",
+            a.val_every.to_string(),
+        );
+    }
+    match a.val_batches {
+        Some(0) => return needs("--val-batches", "≥ 1", "0".into()),
+        Some(n) if a.val_data.is_none() => {
+            return needs(
+                "--val-batches",
+                "--val-data (the shards to evaluate on)",
+                n.to_string(),
+            )
+        }
+        _ => {}
+    }
+    if a.save_every > 0 && a.save.is_none() {
+        return needs(
+            "--save-every",
+            "--save DIR (where checkpoints go)",
+            a.save_every.to_string(),
+        );
+    }
+    if let Some(p) = a.profile_step {
+        if p == 0 || p > a.steps {
+            return needs(
+                "--profile-step",
+                &format!("a step in 1..={} (1-based, at most --steps)", a.steps),
+                p.to_string(),
+            );
+        }
+    }
+    if a.print_every == 0 {
+        return needs("--print-every", "≥ 1", "0".into());
+    }
+    for (flag, path) in [("--json", &a.json), ("--svg", &a.svg)] {
+        if let Some(p) = path {
+            crate::check_output_path(flag, p)?;
+        }
+    }
+    Ok(())
+}
+
 pub fn run(a: TrainArgs) -> Result<bool> {
     if a.nproc == 0 {
         return Err(Error::bad_arg("train", "--nproc", "≥ 1", 0));
     }
+    check_flags(&a)?;
     let dist = ferrite::dist::DistEnv::from_env()?;
     if dist.is_none() && a.nproc > 1 {
         return launch(a.nproc, a.device.as_deref());
@@ -342,12 +404,22 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         None => device_of(a.device.as_deref())?,
     };
     let lead = dist.as_ref().is_none_or(|d| d.rank == 0);
-    if a.zero && dist.is_none() {
+    for (flag, set) in [("--zero", a.zero), ("--no-overlap", a.no_overlap)] {
+        if set && dist.is_none() {
+            return Err(Error::bad_arg(
+                "train",
+                flag,
+                "several processes (--nproc N with N ≥ 2, or a launcher's WORLD_SIZE ≥ 2)",
+                "one process",
+            ));
+        }
+    }
+    if a.no_graph && !device.is_cuda() {
         return Err(Error::bad_arg(
             "train",
-            "--zero",
-            "several processes (--nproc N with N ≥ 2, or a launcher's WORLD_SIZE ≥ 2)",
-            "one process",
+            "--no-graph",
+            "a CUDA device (only the GPU step replays a CUDA graph)",
+            device.to_string(),
         ));
     }
     let model = ModelConfig::preset(&a.model)?;
@@ -369,13 +441,10 @@ pub fn run(a: TrainArgs) -> Result<bool> {
         clip: a.clip,
         seed: a.seed,
         val_every: a.val_every,
-        val_batches: a.val_batches,
+        val_batches: a.val_batches.unwrap_or(DEFAULT_VAL_BATCHES),
         skip_nonfinite: a.skip_nonfinite,
         ..Default::default()
     };
-    if a.print_every == 0 {
-        return Err(Error::bad_arg("train", "--print-every", "≥ 1", 0));
-    }
     let peak = match a.peak_tflops {
         Some(p) if p.is_finite() && p > 0.0 => p,
         Some(p) => return Err(Error::bad_arg("train", "--peak-tflops", "a number > 0", p)),

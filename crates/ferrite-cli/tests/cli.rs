@@ -459,3 +459,60 @@ fn train_nproc_runs_data_parallel_processes() {
     assert!(!ok && e.contains("--nproc"), "{e}");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// `train` flags that only mean something beside another one, or out of range, are refused
+/// before any work (the corpus is not even opened: it does not exist here).
+#[test]
+fn train_refuses_flags_it_would_ignore() {
+    let base = [
+        "train",
+        "--data",
+        "/nonexistent-corpus",
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+    ];
+    let cases: [(&[&str], &str); 10] = [
+        (&["--val-every", "2"], "`--val-every`: expected --val-data"),
+        (
+            &["--val-data", "/x"],
+            "`--val-data`: expected --val-every N ≥ 1",
+        ),
+        (
+            &["--val-batches", "4"],
+            "`--val-batches`: expected --val-data",
+        ),
+        (
+            &["--val-data", "/x", "--val-every", "1", "--val-batches", "0"],
+            "`--val-batches`: expected ≥ 1",
+        ),
+        (
+            &["--save-every", "2"],
+            "`--save-every`: expected --save DIR",
+        ),
+        (
+            &["--profile-step", "0"],
+            "`--profile-step`: expected a step in 1..=3",
+        ),
+        (
+            &["--profile-step", "4"],
+            "`--profile-step`: expected a step in 1..=3",
+        ),
+        (
+            &["--no-overlap"],
+            "`--no-overlap`: expected several processes",
+        ),
+        (&["--no-graph"], "`--no-graph`: expected a CUDA device"),
+        (
+            &["--svg", "/nonexistent-dir/loss.svg"],
+            "`--svg`: expected a path in an existing folder",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend(extra);
+        let (ok, _, e) = ferrite(&args);
+        assert!(!ok && e.contains(want), "{args:?}: {e}");
+    }
+}
