@@ -33,9 +33,9 @@ pub struct PackArgs {
     /// ferrite (.ftok), llmc (llm.c v1 .bin, u16) or llmc7 (llm.c v7 .bin, u32).
     #[arg(long, default_value = "ferrite")]
     format: String,
-    /// Token dtype of ferrite shards: u16 or u32.
-    #[arg(long, default_value = "u16")]
-    dtype: String,
+    /// Token dtype of ferrite shards: u16 or u32 (default u16; llm.c's formats fix their own).
+    #[arg(long)]
+    dtype: Option<String>,
     /// Tokens per shard.
     #[arg(long, default_value_t = 100_000_000)]
     shard_tokens: u64,
@@ -215,10 +215,22 @@ fn pack(a: PackArgs) -> Result<()> {
             ))
         }
     };
-    let dtype = match a.dtype.as_str() {
-        "u16" => DType::U16,
-        "u32" => DType::U32,
-        d => return Err(Error::bad_arg("data pack", "--dtype", "u16 or u32", d)),
+    let dtype = match (a.dtype.as_deref(), format) {
+        (None | Some("u16"), ShardFormat::Ferrite) => DType::U16,
+        (Some("u32"), ShardFormat::Ferrite) => DType::U32,
+        (Some(d), ShardFormat::Ferrite) => {
+            return Err(Error::bad_arg("data pack", "--dtype", "u16 or u32", d))
+        }
+        // llm.c's formats carry their dtype in the format itself (v1 u16, v7 u32).
+        (Some(d), _) => {
+            return Err(Error::bad_arg(
+                "data pack",
+                "--dtype",
+                "no --dtype with --format llmc (u16) or llmc7 (u32): the format fixes it",
+                d,
+            ))
+        }
+        (None, _) => DType::U16,
     };
     let files = inputs(&a.inputs)?;
     let cfg = PackConfig {

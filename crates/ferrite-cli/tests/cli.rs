@@ -233,6 +233,22 @@ fn data_pack_walks_subfolders_and_names_what_it_skips() {
         root.join("o3").to_str().unwrap(),
     ]);
     assert!(!ok && err.contains(".txt or .jsonl"), "{err}");
+    // --dtype is a ferrite-format setting: llm.c's formats fix theirs, so it is refused there.
+    let (ok, _, err) = ferrite(&[
+        "data",
+        "pack",
+        src.to_str().unwrap(),
+        "-o",
+        root.join("o4").to_str().unwrap(),
+        "--format",
+        "llmc",
+        "--dtype",
+        "u32",
+    ]);
+    assert!(
+        !ok && err.contains("`--dtype`") && err.contains("the format fixes it"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&root).unwrap();
 }
 
