@@ -1,4 +1,5 @@
-"""FP8 GEMM with scales as a custom op: ``scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)``.
+"""FP8 GEMM with scales as a custom op: ``scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)``,
+and the quantisation that feeds it: ``quantize_fp8(x, dtype, rowwise, scale)``.
 
 ``D = (scale_a * a.float()) @ (scale_b * b.float()).T + bias`` with ``a`` ``[m, k]`` and ``b``
 ``[n, k]`` in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (k contiguous: a linear layer's
@@ -10,7 +11,7 @@ promotion of every 128-deep partial sum (``variant="wgmma_fast"``: the tensor co
 all of k, like ``use_fast_accum=True``).
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -83,3 +84,72 @@ def scaled_mm(
     # Every argument positional: the eager fast path (no dispatcher) takes the call when nothing
     # but plain eager PyTorch runs.
     return eager.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, variant)
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize_fp8
+
+_QOP = "ferrite.quantize_fp8"
+_QIN = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _qshapes(x: Tensor, dtype: torch.dtype, rowwise: bool, scale: Optional[Tensor]):
+    """The scale tensors' shape ([rows, 1] row-wise, [1] per tensor), after the checks."""
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in _QIN:
+        got = _describe(x) if isinstance(x, Tensor) else type(x).__name__
+        _fail(_QOP, "x", "a 2-D float32, float16 or bfloat16 tensor [rows, cols]", got)
+    if dtype not in _FP8:
+        _fail(_QOP, "dtype", "torch.float8_e4m3fn or torch.float8_e5m2", str(dtype))
+    shape = (x.shape[0], 1) if rowwise else (1,)
+    if scale is not None:
+        n = x.shape[0] if rowwise else 1
+        if not isinstance(scale, Tensor) or scale.dtype != torch.float32 or scale.numel() != n or scale.device != x.device:
+            got = _describe(scale) if isinstance(scale, Tensor) else type(scale).__name__
+            _fail(_QOP, "scale", f"a float32 tensor of {n} element(s) on {x.device}", got)
+    return shape
+
+
+@torch.library.custom_op("ferrite::quantize_fp8", mutates_args=())
+def _quantize_fp8(x: Tensor, dtype: torch.dtype, rowwise: bool, scale: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    shape = _qshapes(x, dtype, rowwise, scale)
+    q = x.new_empty(x.shape, dtype=dtype)
+    amax = x.new_empty(shape, dtype=torch.float32)
+    inv = x.new_empty(shape, dtype=torch.float32)
+    dev, stream = _where(x)
+    _native_call(
+        _native.quantize_fp8,
+        x.contiguous(),
+        None if scale is None else scale.reshape(-1).contiguous(),
+        q,
+        amax,
+        inv,
+        device=dev,
+        stream=stream,
+    )
+    return q, inv, amax
+
+
+@_quantize_fp8.register_fake
+def _(x, dtype, rowwise, scale):
+    shape = _qshapes(x, dtype, rowwise, scale)
+    return (
+        x.new_empty(x.shape, dtype=dtype),
+        x.new_empty(shape, dtype=torch.float32),
+        x.new_empty(shape, dtype=torch.float32),
+    )
+
+
+def quantize_fp8(
+    x: Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    rowwise: bool = False,
+    scale: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(q, inv_scale, amax)``: ``q = fp8(x * s)`` rounded to nearest-even and saturated, per
+    tensor or per row (``rowwise``) of a 2-D ``x``; ``s`` the given ``scale`` (delayed scaling)
+    or ``FMAX / amax`` (current scaling: the largest |x| on the format's largest finite value);
+    ``amax = max |x|``; ``inv_scale = 1 / s``, ready as :func:`scaled_mm`'s ``scale_a`` /
+    ``scale_b`` (shape ``[rows, 1]`` row-wise, ``[1]`` per tensor; ``amax`` the same). An inf or
+    NaN in x gives NaN codes for its tensor (row); an all-zero row gets s = 1. Not differentiable.
+    """
+    return eager.quantize_fp8(x, dtype, rowwise, scale)

@@ -61,3 +61,74 @@ def test_scaled_mm_cuda_matches_dequantised_product(variant, rowwise):
     ref = (a.double() * sa.double().reshape(-1, 1)) @ (b.double() * sb.double().reshape(-1, 1)).T + bias.double()
     assert not d.isnan().any() and out.isnan().all()
     assert ((d.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def _torch_quantize(x, dtype, rowwise):
+    """The definition in torch: amax per row / tensor, s = FMAX / amax (1 for 0), the f32 product
+    clamped to the finite range (torch's cast does not saturate) and rounded to nearest-even."""
+    fmax = torch.finfo(dtype).max
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True) if rowwise else xf.abs().amax().reshape(1)
+    s = torch.where(amax == 0, torch.ones_like(amax), torch.tensor(fmax, dtype=torch.float32) / amax)
+    q = (xf * s).clamp(-fmax, fmax).to(dtype)
+    return q, 1.0 / s, amax
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_quantize_fp8_matches_torch_bit_for_bit(dtype, in_dtype, rowwise):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(37, 129, generator=g) * torch.logspace(-3, 3, 129)).to(in_dtype)
+    x[5] = 0  # an all-zero row: s = 1
+    q, inv, amax = ferrite.quantize_fp8(x, dtype, rowwise=rowwise)
+    rq, rinv, ramax = _torch_quantize(x, dtype, rowwise)
+    assert q.dtype == dtype and q.shape == x.shape
+    assert inv.shape == ((37, 1) if rowwise else (1,)) and amax.shape == inv.shape
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(amax, ramax.reshape(amax.shape))
+    assert torch.equal(inv, rinv.reshape(inv.shape))
+
+
+def test_quantize_then_scaled_mm_approximates_the_product():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(96, 256, generator=g)
+    qx, sx, _ = ferrite.quantize_fp8(x, rowwise=True)
+    qw, sw, _ = ferrite.quantize_fp8(w, rowwise=True)
+    d = ferrite.scaled_mm(qx, qw, sx, sw.reshape(1, -1), out_dtype=torch.float32)
+    ref = x.double() @ w.double().T
+    assert (d.double() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_quantize_fp8_given_scale_non_finite_and_bad_input():
+    x = torch.tensor([[1.0, float("inf")], [3.0, 1e6]])
+    q, inv, amax = ferrite.quantize_fp8(x, rowwise=True)
+    assert torch.isnan(inv[0]).all() and torch.isnan(q[0].float()).all()  # inf → NaN codes, visible
+    q, inv, amax = ferrite.quantize_fp8(x, rowwise=True, scale=torch.ones(2))
+    assert q[1, 1].float() == 448.0 and amax[1, 0] == 1e6  # saturates under a given scale
+    assert torch.equal(inv, torch.ones(2, 1))
+    with pytest.raises(ValueError, match="`x`"):
+        ferrite.quantize_fp8(torch.ones(4))
+    with pytest.raises(ValueError, match="`dtype`"):
+        ferrite.quantize_fp8(torch.ones(2, 2), torch.bfloat16)
+    with pytest.raises(ValueError, match="`scale`"):
+        ferrite.quantize_fp8(torch.ones(3, 2), rowwise=True, scale=torch.ones(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_quantize_fp8_cuda_matches_cpu(dtype, in_dtype, rowwise):
+    g = torch.Generator().manual_seed(11)
+    for rows, cols in [(1, 1), (3, 5), (300, 1001), (64, 4096), (0, 7), (5, 0)]:
+        x = (torch.randn(rows, cols, generator=g) * torch.logspace(-2, 2, cols)).to(in_dtype)
+        if rows > 2:
+            x[1] = 0
+        n = rows if rowwise else 1
+        for scale in [None, torch.rand(n, generator=g) + 0.5]:
+            cpu = ferrite.quantize_fp8(x, dtype, rowwise, scale)
+            gpu = ferrite.quantize_fp8(x.cuda(), dtype, rowwise, None if scale is None else scale.cuda())
+            what = f"{rows}x{cols} given={scale is not None}"
+            assert torch.equal(cpu[0].view(torch.uint8), gpu[0].cpu().view(torch.uint8)), what
+            assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[2], gpu[2].cpu()), what

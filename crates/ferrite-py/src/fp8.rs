@@ -38,3 +38,37 @@ pub fn scaled_mm(
         out.write_back()
     })
 }
+
+/// q = fp8(x · s), amax = max |x|, inv_scale = 1 / s: x `[rows, cols]` f32/f16/bf16, q of the same
+/// shape in float8, amax and inv_scale f32 of 1 or `rows` elements (per tensor / per row), `scale`
+/// the same count or None (current scaling: s = FMAX / amax).
+#[pyfunction]
+#[pyo3(signature = (x, scale, q, amax, inv_scale, device=-1, stream=0))]
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_fp8(
+    py: Python<'_>,
+    x: Desc,
+    scale: Option<Desc>,
+    q: Desc,
+    amax: Desc,
+    inv_scale: Desc,
+    device: i64,
+    stream: u64,
+) -> PyResult<()> {
+    const OP: &str = "ferrite.quantize_fp8";
+    run(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let x = wrap(OP, "x", &x, &tgt)?;
+        let scale = wrap_opt(OP, "scale", &scale, &tgt)?;
+        let q = wrap(OP, "q", &q, &tgt)?;
+        let amax = wrap(OP, "amax", &amax, &tgt)?;
+        let inv = wrap(OP, "inv_scale", &inv_scale, &tgt)?;
+        let opts = fsm::quantize::QuantizeOptions {
+            stream: tgt.stream(),
+        };
+        fsm::quantize::quantize_fp8_into(&x.t, opt_ref(&scale), &q.t, &amax.t, &inv.t, &opts)?;
+        q.write_back()?;
+        amax.write_back()?;
+        inv.write_back()
+    })
+}

@@ -423,6 +423,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::softmax_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rotary, m)?)?;
     m.add_function(wrap_pyfunction!(fp8::scaled_mm, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8::quantize_fp8, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::glu_forward, m)?)?;

@@ -27,6 +27,7 @@ pub mod check;
 pub mod cpu;
 #[doc(hidden)]
 pub mod cuda;
+pub mod quantize;
 
 use crate::core::cuda::Stream;
 use crate::core::device::{Arch, Device};
@@ -408,7 +409,9 @@ impl OpFamily for ScaledMm {
         bench::run(cfg, ceilings, progress, out)
     }
     fn kernels(&self) -> Vec<KernelSpec> {
-        cuda::kernel_specs()
+        let mut v = cuda::kernel_specs();
+        v.extend(quantize::kernel_specs());
+        v
     }
 }
 
