@@ -226,8 +226,193 @@ fn record(
     }
 }
 
+/// A `quantize_fp8` case: x `[rows, cols]` of `input` to `fmt`, per row or per tensor, current
+/// or given scales, with an all-zero row (and, where `special`, an inf and a NaN row).
+#[derive(Clone, Copy, Debug)]
+pub struct QuantCase {
+    pub rows: usize,
+    pub cols: usize,
+    pub input: DType,
+    pub fmt: DType,
+    pub per_row: bool,
+    pub given: bool,
+    pub special: bool,
+}
+
+/// `quantize_fp8`'s cases (the pseudo-variant `quantize` of the records).
+pub fn quant_cases(quick: bool) -> Vec<QuantCase> {
+    use DType::{BF16, F16, F32};
+    let q = |rows, cols, input, fmt, per_row, given, special| QuantCase {
+        rows,
+        cols,
+        input,
+        fmt,
+        per_row,
+        given,
+        special,
+    };
+    let mut v = vec![
+        q(1, 1, F32, E4, false, false, false),
+        q(7, 33, F32, E4, true, false, true),
+        q(5, 129, BF16, E5, false, false, true),
+        q(64, 1001, BF16, E4, true, true, false),
+        q(33, 40, F16, E5, true, false, false),
+        q(0, 9, F32, E4, false, true, false),
+    ];
+    if !quick {
+        v.push(q(300, 4096, BF16, E4, false, false, false));
+        v.push(q(1000, 777, F16, E4, true, false, true));
+    }
+    v
+}
+
+/// Mismatches of `quantize_fp8` on `dev` against the definition computed here (amax by a
+/// NaN-propagating max, s = FMAX / amax — 1 for 0, NaN for non-finite — or the given scale, each
+/// code the nearest-even saturating encoding of the f32 product): codes, amax and inv_scale
+/// that differ (NaN equal to NaN).
+fn check_quantize(c: &QuantCase, dev: Device, seed: u64) -> Result<f64> {
+    use super::quantize::{quantize_fp8_into, QuantizeOptions};
+    use crate::core::fp8::Fp8Format;
+    let mut rng = Rng::new(seed);
+    let mut xs: Vec<f32> = (0..c.rows * c.cols)
+        .map(|i| ((rng.next_f64() * 2.0 - 1.0) * 10f64.powi((i % 9) as i32 - 4)) as f32)
+        .collect();
+    if c.rows > 1 {
+        xs[c.cols..2 * c.cols].fill(0.0);
+    }
+    if c.special && c.rows > 3 {
+        xs[2 * c.cols] = f32::INFINITY;
+        xs[3 * c.cols + c.cols / 2] = f32::NAN;
+    }
+    let x = Tensor::from_vec(xs, &[c.rows, c.cols])?.to_dtype(c.input)?;
+    let xv = x.to_f32_vec()?; // the values as the op reads them
+    let n = if c.per_row && c.rows != 1 { c.rows } else { 1 };
+    let group = if n == 1 { xv.len() } else { c.cols };
+    let fmt = Fp8Format::of(c.fmt).expect("an FP8 format");
+    let given: Vec<f32> = (0..n)
+        .map(|_| (rng.next_f64() * 4.0 + 0.25) as f32)
+        .collect();
+    let mut amax = vec![0f32; n];
+    for (g, m) in amax.iter_mut().enumerate() {
+        *m = xv[g * group..(g + 1) * group].iter().fold(0f32, |m, v| {
+            if v.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(v.abs())
+            }
+        });
+    }
+    let s: Vec<f32> = if c.given {
+        given.clone()
+    } else {
+        amax.iter()
+            .map(|&a| match a {
+                0.0 => 1.0,
+                a if a.is_finite() => fmt.max_finite() / a,
+                _ => f32::NAN,
+            })
+            .collect()
+    };
+    let want: Vec<u8> = xv
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| fmt.encode(v * s[i / group.max(1)]))
+        .collect();
+    let xd = x.to_device(dev)?;
+    let q = Tensor::empty(&[c.rows, c.cols], c.fmt, dev)?;
+    let (am, inv) = (
+        Tensor::empty(&[n], DType::F32, dev)?,
+        Tensor::empty(&[n], DType::F32, dev)?,
+    );
+    for t in [&am, &inv] {
+        t.poison(None)?;
+    }
+    q.poison(None)?;
+    let scale = if c.given {
+        Some(Tensor::from_vec(given, &[n])?.to_device(dev)?)
+    } else {
+        None
+    };
+    quantize_fp8_into(
+        &xd,
+        scale.as_ref(),
+        &q,
+        &am,
+        &inv,
+        &QuantizeOptions::default(),
+    )?;
+    let got = q.to_dtype(DType::F32)?.to_vec::<f32>()?;
+    let same = |a: f32, b: f32| a == b || (a.is_nan() && b.is_nan());
+    let mut bad = want
+        .iter()
+        .zip(&got)
+        .filter(|(&w, &g)| {
+            let w = fmt.decode(w);
+            !(same(w, g) && w.is_sign_negative() == g.is_sign_negative())
+        })
+        .count();
+    bad += amax
+        .iter()
+        .zip(&am.to_f32_vec()?)
+        .filter(|(a, b)| !same(**a, **b))
+        .count();
+    let inv_want = s.iter().map(|v| 1.0 / v);
+    bad += inv_want
+        .zip(inv.to_f32_vec()?)
+        .filter(|(a, b)| !same(*a, *b))
+        .count();
+    Ok(bad as f64)
+}
+
+fn quantize_records(cfg: &CheckConfig, rng: &mut Rng, out: &mut Vec<CheckRecord>) -> Result<()> {
+    if !cfg.wants_variant("quantize") {
+        return Ok(());
+    }
+    for c in quant_cases(cfg.quick) {
+        let seed = rng.next_u64();
+        if !cfg.wants_dtype(c.input) && !cfg.wants_dtype(c.fmt) {
+            continue;
+        }
+        let label = format!(
+            "quantize {}×{} {}→{} {}{}{}",
+            c.rows,
+            c.cols,
+            c.input,
+            c.fmt,
+            if c.per_row { "per row" } else { "per tensor" },
+            if c.given { ", given scales" } else { "" },
+            if c.special { ", inf/NaN rows" } else { "" }
+        );
+        for &dev in &cfg.devices {
+            if let Device::Cuda(i) = dev {
+                if crate::core::cuda::device(i)?.arch() < crate::core::device::Arch::SM89 {
+                    continue;
+                }
+            }
+            let note = "codes, amax and inv_scale that differ from the definition";
+            out.push(match check_quantize(&c, dev, seed) {
+                Ok(e) => CheckRecord::compared(
+                    OP,
+                    "quantize",
+                    dev,
+                    c.input,
+                    Precision::Exact,
+                    label.clone(),
+                    e,
+                    note.into(),
+                ),
+                Err(e) => {
+                    CheckRecord::errored(OP, "quantize", dev, c.input, label.clone(), e.to_string())
+                }
+            });
+        }
+    }
+    Ok(())
+}
+
 pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     let mut rng = Rng::new(cfg.seed);
+    quantize_records(cfg, &mut rng, out)?;
     for c in cases(cfg.quick) {
         if !cfg.wants_dtype(c.a) && !cfg.wants_dtype(c.b) {
             continue;

@@ -408,6 +408,12 @@ impl OpFamily for ScaledMm {
     ) -> Result<()> {
         bench::run(cfg, ceilings, progress, out)
     }
+    fn peers(&self) -> Vec<&'static str> {
+        // cuBLASLt's rows, and `quantize` (the quantisation's own records).
+        let mut v = check::PEERS.to_vec();
+        v.push("quantize");
+        v
+    }
     fn kernels(&self) -> Vec<KernelSpec> {
         let mut v = cuda::kernel_specs();
         v.extend(quantize::kernel_specs());

@@ -9,7 +9,7 @@ fn every_variant_passes_check() {
     // The CPU's two rungs on every case at least.
     crate::core::harness::check::assert_quick_check_passes(
         check::run,
-        2 * check::cases(true).len(),
+        2 * check::cases(true).len() + check::quant_cases(true).len(),
     );
 }
 
