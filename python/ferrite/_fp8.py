@@ -153,3 +153,62 @@ def quantize_fp8(
     NaN in x gives NaN codes for its tensor (row); an all-zero row gets s = 1. Not differentiable.
     """
     return eager.quantize_fp8(x, dtype, rowwise, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# linear in FP8 (``ferrite.linear(..., fp8=recipe)``)
+
+_RECIPES = ("tensorwise", "rowwise")
+_E4, _E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _qmm(a: Tensor, a_fmt, b: Tensor, b_fmt, rowwise: bool, bias: Optional[Tensor], out_dtype) -> Tensor:
+    """``a @ b.T`` (+ bias) through FP8: each operand quantised from its high-precision values
+    (current scaling, per row of a and of b when ``rowwise``: the dims that are not summed over),
+    then ``scaled_mm``."""
+    qa, sa, _ = quantize_fp8(a, a_fmt, rowwise)
+    qb, sb, _ = quantize_fp8(b, b_fmt, rowwise)
+    return scaled_mm(qa, qb, sa, sb, bias, out_dtype)
+
+
+class _LinearFP8(torch.autograd.Function):
+    """y = x·wᵀ + b with all three GEMMs in FP8 (e4m3 for x and w, e5m2 for the gradient dy: the
+    "hybrid" formats), every operand quantised with current scaling from the high-precision
+    tensor, transposed first where the GEMM sums over its rows (dX sums over w's rows, dW over
+    the tokens)."""
+
+    @staticmethod
+    def forward(ctx, x2: Tensor, w: Tensor, bias: Optional[Tensor], rowwise: bool) -> Tensor:
+        ctx.save_for_backward(x2, w)
+        ctx.rowwise, ctx.has_bias = rowwise, bias is not None
+        return _qmm(x2, _E4, w, _E4, rowwise, bias, x2.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2, w = ctx.saved_tensors
+        rw = ctx.rowwise
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # dX [m, k] = dY [m, n] · W [n, k]
+            dx = _qmm(dy, _E5, w.t().contiguous(), _E4, rw, None, x2.dtype)
+        if ctx.needs_input_grad[1]:  # dW [n, k] = dYᵀ [n, m] · X [m, k]
+            dw = _qmm(dy.t().contiguous(), _E5, x2.t().contiguous(), _E4, rw, None, w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.float().sum(0).to(dy.dtype)
+        return dx, dw, db, None
+
+
+def linear_fp8(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str) -> Tensor:
+    """``ferrite.linear(x, weight, bias, fp8=recipe)``: forward and backward GEMMs in FP8 with
+    current scaling — ``"tensorwise"`` (one scale per operand) or ``"rowwise"`` (one per row of
+    each operand: a token's, an output feature's). Output and gradients in the input's dtype."""
+    op = "ferrite.linear"
+    if recipe not in _RECIPES:
+        _fail(op, "fp8", "None, 'tensorwise' or 'rowwise'", repr(recipe))
+    if not isinstance(x, Tensor) or x.dim() < 1 or x.dtype not in _QIN:
+        _fail(op, "input", "a float32, float16 or bfloat16 tensor [..., in_features]", _describe(x) if isinstance(x, Tensor) else type(x).__name__)
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
+        got = _describe(weight) if isinstance(weight, Tensor) else type(weight).__name__
+        _fail(op, "weight", f"[out_features, {x.shape[-1]}] of the input's dtype", got)
+    y = _LinearFP8.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe == "rowwise")
+    return y.reshape(*x.shape[:-1], weight.shape[0])

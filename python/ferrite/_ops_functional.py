@@ -32,11 +32,28 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     return eager.matmul(input, other)
 
 
-def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
+def linear(
+    input: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: Optional[str] = None,
+    fp8: Optional[str] = None,
+) -> Tensor:
     """``torch.nn.functional.linear`` (``input @ weight.T + bias``), optionally followed by a fused
     activation: ``activation`` None, ``"relu"``, ``"gelu"`` (exact, erf), ``"gelu_tanh"`` or
     ``"silu"``. Bias and activation run in the GEMM's epilogue; with an activation the
-    pre-activation is kept for the backward only when a gradient will be needed."""
+    pre-activation is kept for the backward only when a gradient will be needed.
+
+    ``fp8="tensorwise"`` or ``"rowwise"``: the forward and both backward GEMMs in FP8 (e4m3
+    operands, e5m2 gradients), each operand quantised with current scaling by
+    :func:`quantize_fp8` — per tensor, or per row of each operand — then :func:`scaled_mm`
+    (no activation with ``fp8``)."""
+    if fp8 is not None:
+        if activation is not None:
+            _fail("ferrite.linear", "activation", "None with fp8 (the FP8 path has no activation epilogue yet)", repr(activation))
+        from ._fp8 import linear_fp8
+
+        return linear_fp8(input, weight, bias, fp8)
     act = _activation("ferrite.linear", activation)
     if act == "none":
         return eager.linear(input, weight, bias)

@@ -132,3 +132,53 @@ def test_quantize_fp8_cuda_matches_cpu(dtype, in_dtype, rowwise):
             what = f"{rows}x{cols} given={scale is not None}"
             assert torch.equal(cpu[0].view(torch.uint8), gpu[0].cpu().view(torch.uint8)), what
             assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[2], gpu[2].cpu()), what
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_fp8_forward_and_backward_track_the_high_precision_layer(recipe, dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 13, 64, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.1).to(dtype).requires_grad_()
+    b = torch.randn(48, generator=g).to(dtype).requires_grad_()
+    y = ferrite.linear(x, w, b, fp8=recipe)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    y.backward(dy)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    yr = torch.nn.functional.linear(xr, wr, br)
+    yr.backward(dy.double())
+    assert y.shape == (3, 13, 48) and y.dtype == dtype
+    # Rounding to e4m3 (3 mantissa bits: ≤ 3.1% per element, ≈ 1.8% RMS) of both operands gives
+    # ≈ 2.5% relative error in y; the gradients also round dy to e5m2 (2 bits: ≈ 3.6% RMS), ≈ 6%
+    # measured. A wrong scale or transpose is off by 100% or more.
+    assert _rel(y, yr) < 0.035
+    assert _rel(x.grad, xr.grad) < 0.09
+    assert _rel(w.grad, wr.grad) < 0.09
+    assert _rel(b.grad, br.grad) < 1e-2
+
+
+def test_linear_fp8_bad_input():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match="`fp8`"):
+        ferrite.linear(x, w, fp8="blockwise")
+    with pytest.raises(ValueError, match="`activation`"):
+        ferrite.linear(x, w, activation="relu", fp8="rowwise")
+    with pytest.raises(ValueError, match="`weight`"):
+        ferrite.linear(x, torch.randn(6, 7), fp8="rowwise")
+
+
+def test_linear_fp8_under_torch_compile():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 32, generator=g, requires_grad=True)
+    w = torch.randn(24, 32, generator=g, requires_grad=True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: ferrite.linear(x, w, fp8="rowwise").sum(), fullgraph=True, backend="aot_eager")
+    f(x, w).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ferrite.linear(x, w, fp8="rowwise").sum().backward()
+    assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
