@@ -49,6 +49,16 @@ struct Quant {
     device: Device,
 }
 
+/// The tensors of one quantisation.
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    x: &'a Tensor,
+    scale: Option<&'a Tensor>,
+    q: &'a Tensor,
+    amax: &'a Tensor,
+    inv_scale: &'a Tensor,
+}
+
 fn check_f32_vec(name: &str, t: &Tensor, count: usize, device: Device) -> Result<()> {
     if t.dtype() != DType::F32 || !t.is_contiguous() || t.numel() != count || t.device() != device {
         return Err(Error::bad_arg(
@@ -61,13 +71,14 @@ fn check_f32_vec(name: &str, t: &Tensor, count: usize, device: Device) -> Result
     Ok(())
 }
 
-fn validate(
-    x: &Tensor,
-    scale: Option<&Tensor>,
-    q: &Tensor,
-    amax: &Tensor,
-    inv_scale: &Tensor,
-) -> Result<Quant> {
+fn validate(o: Operands) -> Result<Quant> {
+    let Operands {
+        x,
+        scale,
+        q,
+        amax,
+        inv_scale,
+    } = o;
     // An empty tensor's strides say nothing (torch gives [5, 0] strides [1, 1]): contiguous.
     let dense = |t: &Tensor| t.numel() == 0 || t.is_contiguous();
     if x.rank() != 2 || !dense(x) || !QUANTIZE_INPUTS.contains(&x.dtype()) {
@@ -160,10 +171,17 @@ pub fn quantize_fp8_into(
     inv_scale: &Tensor,
     opts: &QuantizeOptions,
 ) -> Result<()> {
-    let p = validate(x, scale, q, amax, inv_scale)?;
+    let o = Operands {
+        x,
+        scale,
+        q,
+        amax,
+        inv_scale,
+    };
+    let p = validate(o)?;
     match p.device {
-        Device::Cpu => cpu(&p, x, scale, q, amax, inv_scale),
-        Device::Cuda(_) => cuda(&p, x, scale, q, amax, inv_scale, opts),
+        Device::Cpu => cpu(&p, o),
+        Device::Cuda(_) => cuda(&p, o, opts),
     }
 }
 
@@ -200,14 +218,14 @@ pub fn quantize_fp8(x: &Tensor, dtype: DType, per_row: bool) -> Result<(Tensor, 
 }
 
 /// The CPU path: amax per group (NaN-propagating), the scales, then every element encoded.
-fn cpu(
-    p: &Quant,
-    x: &Tensor,
-    scale: Option<&Tensor>,
-    q: &Tensor,
-    amax: &Tensor,
-    inv_scale: &Tensor,
-) -> Result<()> {
+fn cpu(p: &Quant, o: Operands) -> Result<()> {
+    let Operands {
+        x,
+        scale,
+        q,
+        amax,
+        inv_scale,
+    } = o;
     let xs = x.to_f32_vec()?;
     let groups = if p.per_row { p.rows } else { 1 };
     let per_group = if p.per_row { p.cols } else { p.rows * p.cols };
@@ -269,15 +287,14 @@ pub fn kernel_specs() -> Vec<KernelSpec> {
     v
 }
 
-fn cuda(
-    p: &Quant,
-    x: &Tensor,
-    scale: Option<&Tensor>,
-    q: &Tensor,
-    amax: &Tensor,
-    inv_scale: &Tensor,
-    opts: &QuantizeOptions,
-) -> Result<()> {
+fn cuda(p: &Quant, o: Operands, opts: &QuantizeOptions) -> Result<()> {
+    let Operands {
+        x,
+        scale,
+        q,
+        amax,
+        inv_scale,
+    } = o;
     let Device::Cuda(i) = p.device else {
         unreachable!("quantize_fp8's CUDA path on {}", p.device)
     };
