@@ -9,6 +9,7 @@ use crate::core::error::Result;
 use crate::core::host;
 use crate::core::tensor::Tensor;
 use crate::ops::activation::cpu::act_fg;
+use crate::ops::matmul::cpu as mm;
 use rayon::prelude::*;
 
 /// v as the dtype stores it.
@@ -147,6 +148,44 @@ pub fn plan(
     (pos, src, ends, counts, dropped)
 }
 
+/// The `parallel` rung's GEMMs: c `[m, n]` = op(a)·op(b) by matmul's packed SIMD kernel on every
+/// core (a fixed blocking, so the same bits on every run), then each output rounded to `dtype`.
+/// The `naive` rung's dot-product loops below walk B down its columns, ~50× slower.
+#[allow(clippy::too_many_arguments)]
+fn simd_gemm(
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    lda: usize,
+    a_trans: bool,
+    b: &[f32],
+    ldb: usize,
+    b_trans: bool,
+    dtype: DType,
+    c: &mut [f32],
+) {
+    mm::parallel(
+        mm::Sgemm {
+            m,
+            n,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            a,
+            lda: lda.max(1),
+            a_trans,
+            b,
+            ldb: ldb.max(1),
+            b_trans,
+            c,
+            ldc: n.max(1),
+        },
+        0,
+    );
+    if dtype != DType::F32 {
+        c.par_iter_mut().for_each(|v| *v = round(dtype, *v));
+    }
+}
+
 /// c[r] = a[r]·op(b) for rows r of `a` (`k` wide): b `[k, n]` row-major, or with `bt` stored
 /// `[n, k]` (read transposed). fp32 accumulate, rounded to `dtype`.
 #[allow(clippy::too_many_arguments)]
@@ -160,6 +199,11 @@ fn gemm_rows(
     dtype: DType,
     c: &mut [f32],
 ) {
+    if par {
+        let rows = c.len().checked_div(n).unwrap_or(0);
+        let ldb = if bt { k } else { n };
+        return simd_gemm((rows, n, k), a, k, false, b, ldb, bt, dtype, c);
+    }
     rows_mut(par, c, n, |r, o| {
         let ar = &a[r * k..(r + 1) * k];
         for (j, oj) in o.iter_mut().enumerate() {
@@ -176,6 +220,9 @@ fn gemm_rows(
 /// c = aᵀ·b for a `[rows, m]`, b `[rows, n]` → c `[m, n]`, rounded to `dtype`.
 fn gemm_tn(par: bool, a: &[f32], m: usize, b: &[f32], n: usize, dtype: DType, c: &mut [f32]) {
     let rows = a.len().checked_div(m).unwrap_or(0);
+    if par {
+        return simd_gemm((m, n, rows), a, m, true, b, n, false, dtype, c);
+    }
     rows_mut(par, c, n, |i, o| {
         for (j, oj) in o.iter_mut().enumerate() {
             let mut acc = 0f32;
