@@ -201,6 +201,29 @@ pub fn sum_lanes(v: &[f32]) -> f64 {
         .sum()
 }
 
+/// Σ (v − c)², vectorised as [`sum_lanes`] (16 f32 lanes per 1024-element block, the blocks'
+/// partials in f64): a row's variance about its mean without a serial f64 chain.
+pub fn sum_sq_dev_lanes(v: &[f32], c: f32) -> f64 {
+    v.chunks(1024)
+        .map(|b| {
+            let mut acc = [0f32; 16];
+            let mut chunks = b.chunks_exact(16);
+            for ch in &mut chunks {
+                for (a, &x) in acc.iter_mut().zip(ch) {
+                    let d = x - c;
+                    *a += d * d;
+                }
+            }
+            let tail: f64 = chunks
+                .remainder()
+                .iter()
+                .map(|&x| ((x - c) * (x - c)) as f64)
+                .sum();
+            acc.iter().map(|&x| x as f64).sum::<f64>() + tail
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
