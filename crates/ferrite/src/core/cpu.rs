@@ -240,7 +240,10 @@ mod tests {
             assert!((sum_lanes(&v) - s).abs() <= 1e-5 * mag.max(1.0), "n = {n}");
             let c = 3.25f32;
             let sq: f64 = v.iter().map(|&x| (x as f64 - c as f64).powi(2)).sum();
-            assert!((sum_sq_dev_lanes(&v, c) - sq).abs() <= 1e-5 * sq.max(1.0), "n = {n}");
+            assert!(
+                (sum_sq_dev_lanes(&v, c) - sq).abs() <= 1e-5 * sq.max(1.0),
+                "n = {n}"
+            );
         }
         assert_eq!(max_lanes(&[1.0, f32::NAN, 3.0]), 3.0);
     }

@@ -25,8 +25,8 @@
 //! a[rows of g]·b[g]` for cumulative row ends `offs` (int32 `[G]`, nondecreasing, the last = the
 //! rows of a).
 //!
-//! Variants — CPU: `naive` (one thread, expert by expert), `parallel` (experts' GEMMs across
-//! cores). CUDA: `naive` (a loop over experts calling matmul with the host reading the counts:
+//! Variants — CPU: `naive` (one thread, expert by expert), `parallel` (matmul's packed SIMD
+//! GEMM per expert on every core). CUDA: `naive` (a loop over experts calling matmul with the host reading the counts:
 //! what a PyTorch user writes), `grouped` (the device plans the layout, one grouped `mma.sync`
 //! launch per GEMM, no host synchronisation: graph-capturable), `wgmma` (the same with Hopper's
 //! persistent TMA + wgmma grouped kernels), `fused` (`wgmma` with the GLU computed in the up
@@ -70,7 +70,7 @@ const HALFS: &[DType] = &[DType::F16, DType::BF16];
 pub fn variants() -> Vec<VariantInfo> {
     vec![
         VariantInfo { name: "naive", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "one thread: router, layout, then each expert's GEMMs in turn", rank: 1 },
-        VariantInfo { name: "parallel", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "the experts' GEMMs and the per-token loops across cores", rank: 2 },
+        VariantInfo { name: "parallel", backend: Backend::Cpu, dtypes: FLOATS, min_arch: None, constraints: "any shape", summary: "the per-token loops across cores, each expert's GEMMs on matmul's packed SIMD kernel", rank: 2 },
         VariantInfo { name: "naive", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "a loop over experts calling matmul (cuBLAS-class per-expert GEMMs); the host waits for the routing to size each call", rank: 1 },
         VariantInfo { name: "grouped", backend: Backend::Cuda, dtypes: FLOATS, min_arch: Some(Arch::SM80), constraints: "any shape", summary: "layout planned on the device, one grouped mma.sync launch per GEMM over every expert; no host synchronisation (CUDA-graph safe)", rank: 2 },
         VariantInfo { name: "wgmma", backend: Backend::Cuda, dtypes: HALFS, min_arch: Some(Arch::SM90), constraints: "16-byte aligned rows (H, I multiples of 8)", summary: "the grouped launches on Hopper's persistent TMA + wgmma kernel (walks every expert's tiles)", rank: 3 },
