@@ -13,46 +13,6 @@ use rayon::prelude::*;
 /// depend on the thread count.
 pub const DB_CHUNK: usize = 256;
 
-/// C = op(A)·op(B) on compact f32 operands with the variant's GEMM (`naive`: the matmul ladder's
-/// triple loop; `parallel`: its packed multi-core kernel).
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    parallel: bool,
-    threads: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    a_trans: bool,
-    b: &[f32],
-    ldb: usize,
-    b_trans: bool,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    let s = mm::Sgemm {
-        m,
-        n,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        a,
-        lda: lda.max(1),
-        a_trans,
-        b,
-        ldb: ldb.max(1),
-        b_trans,
-        c,
-        ldc: ldc.max(1),
-    };
-    if parallel {
-        mm::parallel(s, threads)
-    } else {
-        mm::naive(s)
-    }
-}
-
 /// Reference forward loops: one f32 dot product per output, X rows against W rows.
 fn gemm_rows_naive(xs: &[f32], ws: &[f32], ys: &mut [f32], m: usize, n: usize, k: usize) {
     for i in 0..m {
@@ -90,12 +50,10 @@ pub fn forward(
         with_f32(i.w, |ws| {
             with_f32_out(o.y, |ys| {
                 if parallel {
-                    gemm(
+                    mm::product(
                         true,
                         opts.threads,
-                        m,
-                        n,
-                        k,
+                        (m, n, k),
                         xs,
                         k,
                         false,
@@ -200,7 +158,7 @@ pub fn backward(
         };
         with_f32(i.w, |ws| {
             with_f32_out(dx, |d| {
-                gemm(parallel, th, m, k, n, &dz, n, false, ws, k, false, d, k);
+                mm::product(parallel, th, (m, k, n), &dz, n, false, ws, k, false, d, k);
                 // The layer below's dZ: dX ⊙ act_in'(Z_in), before the one rounding to dx.
                 if let Some((z, act)) = &z_in {
                     dz_in_place(d, Some(z), *act, k, parallel);
@@ -218,7 +176,7 @@ pub fn backward(
         let x2 = rows_view(OP_BWD, "x", i.x)?;
         with_f32(&x2, |xs| {
             with_f32_out(dw, |d| {
-                gemm(parallel, th, n, k, m, &dz, n, true, xs, k, false, d, k)
+                mm::product(parallel, th, (n, k, m), &dz, n, true, xs, k, false, d, k)
             })
         })??;
     }

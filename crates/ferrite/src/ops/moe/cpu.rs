@@ -163,24 +163,7 @@ fn simd_gemm(
     dtype: DType,
     c: &mut [f32],
 ) {
-    mm::parallel(
-        mm::Sgemm {
-            m,
-            n,
-            k,
-            alpha: 1.0,
-            beta: 0.0,
-            a,
-            lda: lda.max(1),
-            a_trans,
-            b,
-            ldb: ldb.max(1),
-            b_trans,
-            c,
-            ldc: n.max(1),
-        },
-        0,
-    );
+    mm::product(true, 0, (m, n, k), a, lda, a_trans, b, ldb, b_trans, c, n);
     if dtype != DType::F32 {
         c.par_iter_mut().for_each(|v| *v = round(dtype, *v));
     }

@@ -44,6 +44,45 @@ pub struct Sgemm<'a> {
     pub ldc: usize,
 }
 
+/// C = op(A)·op(B) on compact f32 operands (alpha 1, beta 0): the ladder's `parallel` kernel on
+/// `threads` cores (0 = all) when `parallel`, else its `naive` triple loop. What other families'
+/// CPU paths call (linear, moe).
+#[allow(clippy::too_many_arguments)]
+pub fn product(
+    parallel: bool,
+    threads: usize,
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    lda: usize,
+    a_trans: bool,
+    b: &[f32],
+    ldb: usize,
+    b_trans: bool,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    let s = Sgemm {
+        m,
+        n,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        a,
+        lda: lda.max(1),
+        a_trans,
+        b,
+        ldb: ldb.max(1),
+        b_trans,
+        c,
+        ldc: ldc.max(1),
+    };
+    if parallel {
+        self::parallel(s, threads)
+    } else {
+        naive(s)
+    }
+}
+
 impl Sgemm<'_> {
     /// op(A)(i, p), bounds-checked. For the simple variants and packing edges.
     #[inline(always)]
