@@ -148,22 +148,10 @@ pub fn plan(
     (pos, src, ends, counts, dropped)
 }
 
-/// The `parallel` rung's GEMMs: c `[m, n]` = op(a)·op(b) by matmul's packed SIMD kernel on every
-/// core (a fixed blocking, so the same bits on every run), then each output rounded to `dtype`.
-/// The `naive` rung's dot-product loops below walk B down its columns, ~50× slower.
-#[allow(clippy::too_many_arguments)]
-fn simd_gemm(
-    (m, n, k): (usize, usize, usize),
-    a: &[f32],
-    lda: usize,
-    a_trans: bool,
-    b: &[f32],
-    ldb: usize,
-    b_trans: bool,
-    dtype: DType,
-    c: &mut [f32],
-) {
-    mm::product(true, 0, (m, n, k), a, lda, a_trans, b, ldb, b_trans, c, n);
+/// Every value of `c` rounded to `dtype` (after the `parallel` rung's GEMMs, which run in f32 on
+/// matmul's packed SIMD kernel: a fixed blocking, so the same bits on every run; the `naive`
+/// rung's dot-product loops below walk B down its columns, ~30× slower).
+fn round_all(dtype: DType, c: &mut [f32]) {
     if dtype != DType::F32 {
         c.par_iter_mut().for_each(|v| *v = round(dtype, *v));
     }
@@ -185,7 +173,8 @@ fn gemm_rows(
     if par {
         let rows = c.len().checked_div(n).unwrap_or(0);
         let ldb = if bt { k } else { n };
-        return simd_gemm((rows, n, k), a, k, false, b, ldb, bt, dtype, c);
+        mm::product(true, 0, (rows, n, k), a, k, false, b, ldb, bt, c, n);
+        return round_all(dtype, c);
     }
     rows_mut(par, c, n, |r, o| {
         let ar = &a[r * k..(r + 1) * k];
@@ -204,7 +193,8 @@ fn gemm_rows(
 fn gemm_tn(par: bool, a: &[f32], m: usize, b: &[f32], n: usize, dtype: DType, c: &mut [f32]) {
     let rows = a.len().checked_div(m).unwrap_or(0);
     if par {
-        return simd_gemm((m, n, rows), a, m, true, b, n, false, dtype, c);
+        mm::product(true, 0, (m, n, rows), a, m, true, b, n, false, c, n);
+        return round_all(dtype, c);
     }
     rows_mut(par, c, n, |i, o| {
         for (j, oj) in o.iter_mut().enumerate() {
