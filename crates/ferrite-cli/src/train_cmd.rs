@@ -591,14 +591,15 @@ pub struct SampleArgs {
     /// 0: greedy.
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
-    /// Keep the k most likely tokens (0: all).
-    #[arg(long, default_value_t = 50)]
-    top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches p.
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Keep the k most likely tokens (0: all; default 50).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches p (default 0.95).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// The sampler's seed (default 0).
+    #[arg(long)]
+    seed: Option<u64>,
     /// cpu, cuda or cuda:N (default: cuda:0 when a GPU is usable, else cpu).
     #[arg(long)]
     device: Option<String>,
@@ -606,13 +607,30 @@ pub struct SampleArgs {
 
 pub fn sample(a: SampleArgs) -> Result<bool> {
     use ferrite::train::sample;
-    if !(a.temperature >= 0.0 && a.temperature.is_finite() && a.top_p > 0.0 && a.top_p <= 1.0) {
+    let top_p = a.top_p.unwrap_or(0.95);
+    if !(a.temperature >= 0.0 && a.temperature.is_finite() && top_p > 0.0 && top_p <= 1.0) {
         return Err(Error::bad_arg(
             "sample",
             "--temperature/--top-p",
             "temperature ≥ 0 and top-p in (0, 1]",
-            format!("{}/{}", a.temperature, a.top_p),
+            format!("{}/{}", a.temperature, top_p),
         ));
+    }
+    // Greedy decoding draws nothing: the sampling flags would be ignored.
+    if a.temperature == 0.0 {
+        let given = [
+            ("--top-k", a.top_k.is_some()),
+            ("--top-p", a.top_p.is_some()),
+            ("--seed", a.seed.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|g| g.1) {
+            return Err(Error::bad_arg(
+                "sample",
+                *flag,
+                "no sampling flag with --temperature 0 (greedy decoding draws nothing)",
+                "given",
+            ));
+        }
     }
     let device = device_of(a.device.as_deref())?;
     let model = sample::load(&a.ckpt, device)?;
@@ -625,9 +643,9 @@ pub fn sample(a: SampleArgs) -> Result<bool> {
         a.tokens,
         &sample::SampleOptions {
             temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            seed: a.seed,
+            top_k: a.top_k.unwrap_or(50),
+            top_p,
+            seed: a.seed.unwrap_or(0),
         },
     )?;
     let secs = t0.elapsed().as_secs_f64();

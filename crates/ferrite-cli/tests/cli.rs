@@ -532,3 +532,25 @@ fn train_refuses_flags_it_would_ignore() {
         assert!(!ok && e.contains(want), "{args:?}: {e}");
     }
 }
+
+/// `sample --temperature 0` is greedy: a sampling flag beside it would be ignored, so it is
+/// refused (before the checkpoint is opened).
+#[test]
+fn sample_refuses_sampling_flags_when_greedy() {
+    for flag in [["--top-k", "5"], ["--top-p", "0.5"], ["--seed", "3"]] {
+        let args = [
+            "sample",
+            "--ckpt",
+            "/nonexistent-ckpt",
+            "--temperature",
+            "0",
+            flag[0],
+            flag[1],
+        ];
+        let (ok, _, e) = ferrite(&args);
+        assert!(
+            !ok && e.contains(&format!("`{}`", flag[0])) && e.contains("greedy"),
+            "{args:?}: {e}"
+        );
+    }
+}
