@@ -173,26 +173,38 @@ def _qmm(a: Tensor, a_fmt, b: Tensor, b_fmt, rowwise: bool, bias: Optional[Tenso
 
 class _LinearFP8(torch.autograd.Function):
     """y = x·wᵀ + b with all three GEMMs in FP8 (e4m3 for x and w, e5m2 for the gradient dy: the
-    "hybrid" formats), every operand quantised with current scaling from the high-precision
-    tensor, transposed first where the GEMM sums over its rows (dX sums over w's rows, dW over
-    the tokens)."""
+    "hybrid" formats), every operand quantised with current scaling, transposed where the GEMM
+    sums over its rows (dX sums over w's rows, dW over the tokens). Per tensor, a transpose's
+    codes are the transposed codes under the same scale: the backward transposes the forward's
+    codes (1 byte each) and quantises dy once. Per row, the scaled axis changes with the
+    transpose: the backward quantises wᵀ, xᵀ and dyᵀ from the high-precision tensors."""
 
     @staticmethod
     def forward(ctx, x2: Tensor, w: Tensor, bias: Optional[Tensor], rowwise: bool) -> Tensor:
-        ctx.save_for_backward(x2, w)
-        ctx.rowwise, ctx.has_bias = rowwise, bias is not None
-        return _qmm(x2, _E4, w, _E4, rowwise, bias, x2.dtype)
+        qx, sx, _ = quantize_fp8(x2, _E4, rowwise)
+        qw, sw, _ = quantize_fp8(w, _E4, rowwise)
+        ctx.rowwise, ctx.has_bias, ctx.dtypes = rowwise, bias is not None, (x2.dtype, w.dtype)
+        ctx.save_for_backward(*((x2, w) if rowwise else (qx, sx, qw, sw)))
+        return scaled_mm(qx, qw, sx, sw, bias, x2.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x2, w = ctx.saved_tensors
-        rw = ctx.rowwise
+        x_dtype, w_dtype = ctx.dtypes
         dy = dy.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dX [m, k] = dY [m, n] · W [n, k]
-            dx = _qmm(dy, _E5, w.t().contiguous(), _E4, rw, None, x2.dtype)
-        if ctx.needs_input_grad[1]:  # dW [n, k] = dYᵀ [n, m] · X [m, k]
-            dw = _qmm(dy.t().contiguous(), _E5, x2.t().contiguous(), _E4, rw, None, w.dtype)
+        if ctx.rowwise:
+            x2, w = ctx.saved_tensors
+            if ctx.needs_input_grad[0]:  # dX [m, k] = dY [m, n] · W [n, k]
+                dx = _qmm(dy, _E5, w.t().contiguous(), _E4, True, None, x_dtype)
+            if ctx.needs_input_grad[1]:  # dW [n, k] = dYᵀ [n, m] · X [m, k]
+                dw = _qmm(dy.t().contiguous(), _E5, x2.t().contiguous(), _E4, True, None, w_dtype)
+        else:
+            qx, sx, qw, sw = ctx.saved_tensors
+            qg, sg, _ = quantize_fp8(dy, _E5, False)
+            if ctx.needs_input_grad[0]:
+                dx = scaled_mm(qg, qw.t().contiguous(), sg, sw, None, x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), sg, sx, None, w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(dy.dtype)
         return dx, dw, db, None
