@@ -203,13 +203,14 @@ fn sum_lanes_of(v: &[f32], f: impl Fn(f32) -> f32 + Copy) -> f64 {
         .sum()
 }
 
-/// Σ v, as [`sum_lanes_of`] describes.
+/// Σ v, vectorised: 16 f32 lanes over blocks of 1024 elements (each lane adds 64 values: error
+/// ≲ 64 ulps of a partial, ~4e−6 relative), the blocks' partials summed in f64.
 pub fn sum_lanes(v: &[f32]) -> f64 {
     sum_lanes_of(v, |x| x)
 }
 
-/// Σ (v − c)², as [`sum_lanes_of`] describes: a row's variance about its mean without a serial
-/// f64 chain.
+/// Σ (v − c)², vectorised as `sum_lanes`: a row's variance about its mean without a serial f64
+/// chain.
 pub fn sum_sq_dev_lanes(v: &[f32], c: f32) -> f64 {
     sum_lanes_of(v, |x| (x - c) * (x - c))
 }
