@@ -14,15 +14,7 @@ mkdir -p "$out"
 model="${1:-gpt2-124m}"; b="${2:-16}"; t="${3:-1024}"; steps="${4:-30}"
 data="$here/data/shakespeare"
 export PYTHONUNBUFFERED=1
-# ferrite loads NCCL as libnccl.so (cudarc's loader); torch's wheels ship libnccl.so.2: link it.
-lib=$(python3 -c '
-import glob, os, site
-for d in site.getsitepackages():
-    for f in sorted(glob.glob(os.path.join(d, "nvidia", "**", "libnccl.so*"), recursive=True)):
-        print(f); raise SystemExit' 2>/dev/null)
-mkdir -p /tmp/ferrite-nccl && [ -n "$lib" ] && ln -sf "$lib" /tmp/ferrite-nccl/libnccl.so
-echo "NCCL library: ${lib:-not found}" | tee "$out/nccl-lib.txt"
-export LD_LIBRARY_PATH="/tmp/ferrite-nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+source "$here/nccl-env.sh"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
 nvidia-smi topo -m | tee "$out/topo.txt"
 echo "== NCCL collectives and the 2-GPU trainer test (two ranks, one per GPU)"

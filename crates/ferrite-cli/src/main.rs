@@ -118,6 +118,11 @@ struct BenchArgs {
     /// grid; `--variant` adds named rungs beside the default.
     #[arg(long)]
     sweep: bool,
+    /// moe: the expert-parallel layer on N ranks (threads of this process, one per GPU, NCCL
+    /// between them; CPU ranks with `--device cpu`) against the one-device layer on the same
+    /// tokens, and NCCL's all-to-all at the dispatch's size.
+    #[arg(long)]
+    ep: Option<usize>,
 }
 
 #[derive(Args)]
@@ -381,6 +386,75 @@ fn check_output_path(flag: &str, p: &std::path::Path) -> Result<()> {
 
 /// The bench flags' values, checked before anything runs: sizes positive, `--size` only for
 /// families that read it, `--config` only with a GPU, output folders present.
+/// `bench moe --ep N`: the expert-parallel layer's table (and JSON).
+fn bench_ep(a: &BenchArgs, n: usize) -> Result<()> {
+    if a.common.op != "moe" {
+        return Err(Error::bad_arg("ferrite", "--ep", "op `moe`", &a.common.op));
+    }
+    let gpu = match a.common.device.as_str() {
+        "cpu" => false,
+        "cuda" | "all" => ferrite::core::cuda::availability().unwrap_or(0) > 0,
+        other => {
+            return Err(Error::bad_arg(
+                "ferrite",
+                "--device",
+                "cpu, cuda or all with --ep (ranks take cuda:0..N)",
+                other,
+            ))
+        }
+    };
+    if let Some(p) = &a.common.json {
+        check_output_path("--json", p)?;
+    }
+    let recs = ferrite::ops::moe::ep::bench::run(n, gpu, a.common.quick)?;
+    println!(
+        "{:<18} {:<30} {:>5} {:>9} {:>12} {:>12} {:>8} {:>9} {:>9} {:>10}",
+        "layer",
+        "shape",
+        "ranks",
+        "ep fwd",
+        "ep fwd+bwd",
+        "1 dev f+b",
+        "speedup",
+        "a2a ms",
+        "a2a GB/s",
+        "a2a/seg ms"
+    );
+    for r in &recs {
+        println!(
+            "{:<18} {:<30} {:>5} {:>9.3} {:>12.3} {:>12.3} {:>7.2}× {:>9.3} {:>9.1} {:>10.3}",
+            r.shape,
+            r.label,
+            r.world,
+            r.ep_fwd_ms,
+            r.ep_fwd_bwd_ms,
+            r.one_device_fwd_bwd_ms,
+            r.speedup,
+            r.all_to_all_ms,
+            r.all_to_all_gbps,
+            r.all_to_all_per_segment_ms
+        );
+    }
+    for r in &recs {
+        for (rank, ph) in r.phases.iter().enumerate() {
+            let cells: Vec<String> = ph.iter().map(|(n, t)| format!("{n} {t:.2}")).collect();
+            println!(
+                "{} rank {rank} phases (ms, each waited for): {}",
+                r.shape,
+                cells.join(" · ")
+            );
+        }
+    }
+    if let Some(d) = recs.first() {
+        println!("device: {} ({}), times in ms (medians)", d.device, d.dtype);
+    }
+    if let Some(p) = &a.common.json {
+        write_json(p, &serde_json::json!({ "expert_parallel": recs }))?;
+        println!("json: {}", p.display());
+    }
+    Ok(())
+}
+
 fn validate_bench_args(
     a: &BenchArgs,
     fams: &[&'static dyn ferrite::core::harness::OpFamily],
@@ -455,6 +529,9 @@ fn validate_bench_args(
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(n) = a.ep {
+        return bench_ep(&a, n);
+    }
     let mut shapes: Vec<Vec<usize>> = a.size.iter().map(|&s| vec![s]).collect();
     if let (Some(m), Some(n), Some(k)) = (a.m, a.n, a.k) {
         shapes.push(vec![m, n, k]);

@@ -554,3 +554,15 @@ fn sample_refuses_sampling_flags_when_greedy() {
         );
     }
 }
+
+/// `bench moe --ep 2` on CPU ranks: the expert-parallel table; `--ep` on another family is refused.
+#[test]
+fn bench_moe_ep_runs_cpu_ranks() {
+    let (ok, out, e) = ferrite(&["bench", "moe", "--ep", "2", "--device", "cpu"]);
+    assert!(ok, "{e}");
+    assert!(out.contains("speedup") && out.contains("E8 k2"), "{out}");
+    let (ok, _, e) = ferrite(&["bench", "matmul", "--ep", "2", "--device", "cpu"]);
+    assert!(!ok && e.contains("--ep"), "{e}");
+    let (ok, _, e) = ferrite(&["bench", "moe", "--ep", "1", "--device", "cpu"]);
+    assert!(!ok && e.contains("--ep"), "{e}");
+}

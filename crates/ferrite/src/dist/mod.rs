@@ -425,6 +425,169 @@ impl ProcessGroup {
     }
 }
 
+impl ProcessGroup {
+    /// All-to-all with ranges of any sizes: `sends[d]` lists the `(offset, len)` element ranges of
+    /// `send` that go to rank d, `recvs[s]` the ranges of `recv` that the data from rank s lands
+    /// in, matched in order (a range sent and the one it lands in have the same length — the
+    /// caller agrees on them beforehand, as an expert-parallel layer does by exchanging its
+    /// counts first). NCCL's grouped send/recv on the GPU (queued on ferrite's stream); on the
+    /// CPU (f32 or i32) through the rendezvous, which checks the lengths.
+    pub fn all_to_all_v(
+        &self,
+        send: &Tensor,
+        sends: &[Chunks],
+        recv: &Tensor,
+        recvs: &[Chunks],
+    ) -> Result<()> {
+        let op = "dist::all_to_all";
+        let w = self.env.world;
+        if send.dtype() != recv.dtype() || send.device() != recv.device() {
+            return Err(Error::bad_arg(
+                op,
+                "recv",
+                format!("{} on {} (send's)", send.dtype(), send.device()),
+                format!("{} on {}", recv.dtype(), recv.device()),
+            ));
+        }
+        for (name, t, lists) in [("sends", send, sends), ("recvs", recv, recvs)] {
+            if lists.len() != w {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    format!("one list of ranges per rank ({w})"),
+                    lists.len(),
+                ));
+            }
+            if !t.is_contiguous() {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    "a contiguous tensor",
+                    "a strided view",
+                ));
+            }
+            let n = t.numel();
+            if let Some(&(o, l)) = lists
+                .iter()
+                .flatten()
+                .find(|(o, l)| o.checked_add(*l).is_none_or(|e| e > n))
+            {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    format!("ranges inside the tensor's {n} elements"),
+                    format!("{o}..{}", o.saturating_add(l)),
+                ));
+            }
+        }
+        match (send.device(), &self.nccl) {
+            (Device::Cuda(_), Some(c)) => c.all_to_all_v(send, sends, recv, recvs),
+            (Device::Cuda(_), None) => Err(Self::not_attached(op)),
+            (Device::Cpu, _) => self.all_to_all_v_host(send, sends, recv, recvs),
+        }
+    }
+
+    fn all_to_all_v_host(
+        &self,
+        send: &Tensor,
+        sends: &[Chunks],
+        recv: &Tensor,
+        recvs: &[Chunks],
+    ) -> Result<()> {
+        let op = "dist::all_to_all";
+        if !matches!(send.dtype(), DType::F32 | DType::I32) {
+            return Err(Error::bad_arg(
+                op,
+                "send",
+                "f32 or i32 (CPU collectives)",
+                send.dtype(),
+            ));
+        }
+        let bytes = send.to_bytes()?;
+        // This rank's payload: per destination, its byte count and its ranges' bytes in order.
+        let mut mine = Vec::new();
+        for list in sends {
+            let n: usize = list.iter().map(|c| c.1 * 4).sum();
+            mine.extend_from_slice(&(n as u64).to_le_bytes());
+            for &(o, l) in list {
+                mine.extend_from_slice(&bytes[o * 4..(o + l) * 4]);
+            }
+        }
+        let all = self.store.exchange("all_to_all", &mine, |all| {
+            let mut out = Vec::new();
+            for p in all {
+                out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+                out.extend_from_slice(p);
+            }
+            Ok(out)
+        })?;
+        let (me, w) = (self.env.rank, self.env.world);
+        let mut got = vec![0u8; recv.numel() * 4];
+        let mut at = 0usize;
+        let word =
+            |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
+        for (src, list) in recvs.iter().enumerate().take(w) {
+            let len = word(&all, at);
+            let payload = &all[at + 8..at + 8 + len];
+            at += 8 + len;
+            // Skip to the part for this rank.
+            let mut q = 0usize;
+            for _ in 0..me {
+                q += 8 + word(payload, q);
+            }
+            let n = word(payload, q);
+            let part = &payload[q + 8..q + 8 + n];
+            let want: usize = list.iter().map(|c| c.1 * 4).sum();
+            if n != want {
+                return Err(Error::Other(format!(
+                    "{op}: rank {src} sends {} elements to rank {me}, which expects {}",
+                    n / 4,
+                    want / 4
+                )));
+            }
+            let mut r = 0usize;
+            for &(o, l) in list {
+                got[o * 4..(o + l) * 4].copy_from_slice(&part[r..r + l * 4]);
+                r += l * 4;
+            }
+        }
+        // Ranges not received keep their values.
+        let covered: Vec<(usize, usize)> = recvs.iter().flatten().copied().collect();
+        match recv.dtype() {
+            DType::F32 => recv.with_cpu_mut::<f32, _>(|d| put(d, &got, &covered)),
+            _ => recv.with_cpu_mut::<i32, _>(|d| put(d, &got, &covered)),
+        }
+    }
+}
+
+/// Element ranges `(offset, len)` of a tensor, in the order they travel (one list per peer of an
+/// all-to-all).
+pub type Chunks = Vec<(usize, usize)>;
+
+/// Writes the received ranges' 4-byte elements into `d`.
+fn put<T: Copy + FromLe4>(d: &mut [T], got: &[u8], ranges: &[(usize, usize)]) {
+    for &(o, l) in ranges {
+        for i in o..o + l {
+            d[i] = T::from_le4(got[i * 4..i * 4 + 4].try_into().unwrap());
+        }
+    }
+}
+
+/// A 4-byte element read from little-endian bytes.
+trait FromLe4 {
+    fn from_le4(b: [u8; 4]) -> Self;
+}
+impl FromLe4 for f32 {
+    fn from_le4(b: [u8; 4]) -> Self {
+        f32::from_le_bytes(b)
+    }
+}
+impl FromLe4 for i32 {
+    fn from_le4(b: [u8; 4]) -> Self {
+        i32::from_le_bytes(b)
+    }
+}
+
 /// Gradient buckets all-reduced on a stream of their own while the backward continues on the
 /// main stream (data parallelism's overlap): each bucket waits for the main stream's work queued
 /// so far, and the main stream waits for every bucket before it reads the gradients. Stream
@@ -531,4 +694,4 @@ impl Drop for Watchdog {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -171,6 +171,68 @@ impl NcclComm {
     }
 }
 
+impl NcclComm {
+    /// Point-to-point exchange in one NCCL group: `sends[d]`'s element ranges of `send` go to rank
+    /// d, `recvs[s]`'s ranges of `recv` come from rank s, matched in order per peer (the caller
+    /// gives a sent range and the range it lands in the same length; empty ranges are skipped on
+    /// both sides).
+    pub(crate) fn all_to_all_v(
+        &self,
+        send: &Tensor,
+        sends: &[super::Chunks],
+        recv: &Tensor,
+        recvs: &[super::Chunks],
+    ) -> Result<()> {
+        let dt = self.check("dist::all_to_all", send)?;
+        self.check("dist::all_to_all", recv)?;
+        let es = send.dtype().size_in_bytes() as u64;
+        let (ps, pr) = (send.device_ptr()?, recv.device_ptr()?);
+        self.dev.bind()?;
+        result::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let mut queued = Ok(());
+        'peers: for (peer, (out, inn)) in sends.iter().zip(recvs).enumerate() {
+            for &(o, l) in out.iter().filter(|c| c.1 > 0) {
+                // SAFETY: the range lies inside `send` (checked by the process group), on this
+                // communicator's device; NCCL reads it in stream order.
+                let r = unsafe {
+                    result::send(
+                        (ps + o as u64 * es) as *const core::ffi::c_void,
+                        l,
+                        dt,
+                        peer as i32,
+                        self.comm,
+                        self.raw_stream(),
+                    )
+                };
+                if let Err(e) = r {
+                    queued = Err(nccl_err("ncclSend", e));
+                    break 'peers;
+                }
+            }
+            for &(o, l) in inn.iter().filter(|c| c.1 > 0) {
+                // SAFETY: as above, a range inside `recv` that NCCL writes.
+                let r = unsafe {
+                    result::recv(
+                        (pr + o as u64 * es) as *mut core::ffi::c_void,
+                        l,
+                        dt,
+                        peer as i32,
+                        self.comm,
+                        self.raw_stream(),
+                    )
+                };
+                if let Err(e) = r {
+                    queued = Err(nccl_err("ncclRecv", e));
+                    break 'peers;
+                }
+            }
+        }
+        // The group is closed whatever happened inside it.
+        let closed = result::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+        queued.and(closed.map(|_| ()))
+    }
+}
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
         // SAFETY: the communicator was initialised and is destroyed once; pending work on the

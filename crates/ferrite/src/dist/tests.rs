@@ -3,7 +3,7 @@
 use super::*;
 use std::net::TcpListener;
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -11,7 +11,7 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn env(rank: usize, world: usize, port: u16) -> DistEnv {
+pub(crate) fn env(rank: usize, world: usize, port: u16) -> DistEnv {
     DistEnv {
         rank,
         world,
@@ -22,7 +22,7 @@ fn env(rank: usize, world: usize, port: u16) -> DistEnv {
 }
 
 /// Runs `f(rank's group)` on `world` threads; returns each rank's result in rank order.
-fn ranks<T: Send + 'static>(
+pub(crate) fn ranks<T: Send + 'static>(
     world: usize,
     timeout: Duration,
     f: impl Fn(Result<ProcessGroup>) -> T + Send + Sync + 'static,
@@ -270,6 +270,74 @@ fn gpu_nccl_collectives_on_two_gpus() {
         assert_eq!(g[1037], 3.0 + 3.0, "rank {r}: the padding element");
         assert_eq!(c, &vec![3.0; 5]);
     }
+}
+
+#[test]
+fn host_all_to_all_moves_ranges_in_order_and_checks_lengths() {
+    // Rank r sends r+1+d values to rank d (as two ranges, the first empty for d = 0); rank d
+    // lays what it gets from s out at its own offsets.
+    let out = ranks(3, T, |pg| {
+        let pg = pg.unwrap();
+        let (r, w) = (pg.rank(), pg.world());
+        let lens: Vec<usize> = (0..w).map(|d| r + 1 + d).collect();
+        let total: usize = lens.iter().sum();
+        let send =
+            Tensor::from_vec((0..total).map(|i| (100 * r + i) as i32).collect(), &[total]).unwrap();
+        let mut at = 0;
+        let sends: Vec<Chunks> = lens
+            .iter()
+            .map(|&l| {
+                let c = vec![(at, d_first(l)), (at + d_first(l), l - d_first(l))];
+                at += l;
+                c
+            })
+            .collect();
+        let from: Vec<usize> = (0..w).map(|s| s + 1 + r).collect();
+        let n: usize = from.iter().sum();
+        let recv = Tensor::from_vec(vec![-1i32; n + 2], &[n + 2]).unwrap();
+        let mut at = 2; // two leading elements nobody writes
+        let recvs: Vec<Chunks> = from
+            .iter()
+            .map(|&l| {
+                let c = vec![(at, l)];
+                at += l;
+                c
+            })
+            .collect();
+        pg.all_to_all_v(&send, &sends, &recv, &recvs).unwrap();
+        // a receiver expecting one element too many: every rank names the mismatch
+        let mut wrong = recvs.clone();
+        if r == 1 {
+            wrong[0][0].1 += 1;
+        }
+        let big = Tensor::from_vec(vec![0i32; n + 3], &[n + 3]).unwrap();
+        let e = pg
+            .all_to_all_v(&send, &sends, &big, &wrong)
+            .err()
+            .map(|e| e.to_string());
+        (recv.to_vec::<i32>().unwrap(), e)
+    });
+    for (r, (got, e)) in out.iter().enumerate() {
+        assert_eq!(&got[..2], &[-1, -1], "rank {r}: untouched elements");
+        let mut want = Vec::new();
+        for s in 0..3 {
+            let skip: usize = (0..r).map(|d| s + 1 + d).sum();
+            want.extend((0..s + 1 + r).map(|i| (100 * s + skip + i) as i32));
+        }
+        assert_eq!(&got[2..], &want[..], "rank {r}");
+        if r == 1 {
+            let e = e.as_ref().expect("rank 1's mismatch is an error");
+            assert!(
+                e.contains("rank 0 sends 2 elements to rank 1, which expects 3"),
+                "{e}"
+            );
+        }
+    }
+}
+
+/// The first range's length of a send of `l`: empty for the shortest sends, to exercise skips.
+fn d_first(l: usize) -> usize {
+    l / 2
 }
 
 #[test]

@@ -219,13 +219,37 @@ impl CudaDevice {
         let stream = ctx
             .new_stream()
             .map_err(|e| Error::cuda("cuStreamCreate", e))?;
-        Ok(CudaDevice {
+        let d = CudaDevice {
             ctx,
             stream,
             arch,
             props,
             modules: Mutex::new(HashMap::new()),
-        })
+        };
+        d.keep_freed_memory()?;
+        Ok(d)
+    }
+
+    /// Lets the device's memory pool keep up to a quarter of the device's memory of freed
+    /// blocks across synchronisations (its release threshold, 0 by default). With 0, every
+    /// host wait hands the pool's free memory back to the driver, and the next large
+    /// `cuMemAllocAsync` maps fresh pages — about a millisecond per GB, paid again after each
+    /// wait (a layer that reads a count back mid-call paid it several times per call). A cache
+    /// like PyTorch's, bounded so that other allocators in the process keep room; `alloc`
+    /// trims it when an allocation fails.
+    fn keep_freed_memory(&self) -> Result<()> {
+        let pool = self.mem_pool()?;
+        let mut keep: u64 = self.props.total_mem / 4;
+        // SAFETY: RELEASE_THRESHOLD takes a cuuint64_t, read from `keep`.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut c_void,
+            )
+            .result()
+        }
+        .map_err(|e| Error::cuda("cuMemPoolSetAttribute(RELEASE_THRESHOLD)", e))
     }
 
     /// The architecture kernels are compiled for on this device.
@@ -317,7 +341,20 @@ impl CudaDevice {
             0
         } else {
             // SAFETY: the context is bound; the pointer is freed exactly once in Drop.
-            unsafe { drv::malloc_async(stream.cu_stream(), bytes) }.map_err(|e| {
+            let first = unsafe { drv::malloc_async(stream.cu_stream(), bytes) };
+            let again = || {
+                // Out of memory with freed blocks cached in the pool: give them back and retry.
+                let pool = self.mem_pool()?;
+                // SAFETY: trims unused pool memory (blocks in use are kept by the driver).
+                let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+                // SAFETY: as above.
+                Ok::<_, Error>(unsafe { drv::malloc_async(stream.cu_stream(), bytes) })
+            };
+            match first {
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => again()?,
+                r => r,
+            }
+            .map_err(|e| {
                 Error::cuda(
                     format!("cuMemAllocAsync of {bytes} bytes on {}", self.props.name),
                     e,

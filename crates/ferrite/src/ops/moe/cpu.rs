@@ -214,20 +214,19 @@ fn seg(ends: &[i32], e: usize) -> (usize, usize) {
     )
 }
 
-pub fn forward(
-    variant: &str,
+/// The routing and layout steps (logits, router, plan, x into the layout) into the forward's
+/// buffers: everything but `out`, `losses` and `hpre`.
+pub fn route_into(
+    par: bool,
     p: &Problem,
     x: &Tensor,
-    w: &MoeWeights,
+    router: &Tensor,
     cfg: &MoeConfig,
     f: &MoeForward,
 ) -> Result<()> {
-    let par = variant == "parallel";
-    let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
+    let (t, h, e, k, dt) = (p.tokens, p.hidden, p.experts, p.top_k, p.dtype);
     let xs = x.to_f32_vec()?;
-    let router = w.router.to_f32_vec()?;
-    let wu = w.w_up.to_f32_vec()?;
-    let wd = w.w_down.to_f32_vec()?;
+    let router = router.to_f32_vec()?;
     let mut logits = host::zeroed::<f32>(t * e, "moe: the CPU path's `logits` buffer")?;
     gemm_rows(par, &xs, h, &router, e, true, dt, &mut logits);
     let routes: Vec<_> = if par {
@@ -249,11 +248,49 @@ pub fn forward(
             o.copy_from_slice(&xs[tok * h..(tok + 1) * h]);
         }
     });
-    let mut hpre = host::zeroed::<f32>(rows_cap * 2 * i, "moe: the CPU path's `hpre` buffer")?;
-    let mut hh = host::zeroed::<f32>(rows_cap * i, "moe: the CPU path's `hh` buffer")?;
-    let mut y = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `y` buffer")?;
-    for ex in 0..e {
-        let (s, en) = seg(&ends, ex);
+    for (t, v) in [
+        (&f.logits, &logits),
+        (&f.probs, &probs),
+        (&f.lse, &lse),
+        (&f.weights, &weights),
+        (&f.xp, &xp),
+    ] {
+        t.write_f32(v)?;
+    }
+    let idx: Vec<i32> = idx.iter().map(|&v| v as i32).collect();
+    let stats = [dropped as i32, used as i32];
+    for (t, v) in [
+        (&f.idx, &idx[..]),
+        (&f.pos, &pos[..]),
+        (&f.src, &src[..]),
+        (&f.ends, &ends[..]),
+        (&f.counts, &counts[..]),
+        (&f.stats, &stats[..]),
+    ] {
+        write_i32(t, v)?;
+    }
+    Ok(())
+}
+
+/// The experts' half of the forward over the padded segments ending at `ends` (`rows` rows of
+/// `xp`, `[rows, H]`): returns (hpre `[rows, 2I]`, y `[rows, H]`), values rounded to the dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_forward(
+    par: bool,
+    p: &Problem,
+    ends: &[i32],
+    rows: usize,
+    xp: &[f32],
+    wu: &[f32],
+    wd: &[f32],
+    act: crate::core::act::Activation,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (h, i, dt) = (p.hidden, p.inter, p.dtype);
+    let mut hpre = host::zeroed::<f32>(rows * 2 * i, "moe: the CPU path's `hpre` buffer")?;
+    let mut hh = host::zeroed::<f32>(rows * i, "moe: the CPU path's `hh` buffer")?;
+    let mut y = host::zeroed::<f32>(rows * h, "moe: the CPU path's `y` buffer")?;
+    for ex in 0..ends.len() {
+        let (s, en) = seg(ends, ex);
         gemm_rows(
             par,
             &xp[s * h..en * h],
@@ -268,7 +305,7 @@ pub fn forward(
         rows_mut(par, &mut hh[s * i..en * i], i, |r, o| {
             for (c, oc) in o.iter_mut().enumerate() {
                 let (g, u) = (hp[r * 2 * i + c], hp[r * 2 * i + i + c]);
-                *oc = round(dt, act_fg(cfg.act, g).0 * u);
+                *oc = round(dt, act_fg(act, g).0 * u);
             }
         });
         gemm_rows(
@@ -282,6 +319,25 @@ pub fn forward(
             &mut y[s * h..en * h],
         );
     }
+    Ok((hpre, y))
+}
+
+/// `out[t] = Σ_j w[t,j]·y[pos[t,j]]` and the losses (mean score per expert, aux, z), into the
+/// forward's buffers (its routing already there).
+pub fn combine_into(
+    par: bool,
+    p: &Problem,
+    cfg: &MoeConfig,
+    f: &MoeForward,
+    y: &[f32],
+) -> Result<()> {
+    let (t, h, e, k, dt) = (p.tokens, p.hidden, p.experts, p.top_k, p.dtype);
+    let (pos, weights) = (f.pos.to_vec::<i32>()?, f.weights.to_f32_vec()?);
+    let (probs, lse, counts) = (
+        f.probs.to_f32_vec()?,
+        f.lse.to_f32_vec()?,
+        f.counts.to_vec::<i32>()?,
+    );
     let mut out = host::zeroed::<f32>(t * h, "moe: the CPU path's `out` buffer")?;
     rows_mut(par, &mut out, h, |tok, o| {
         for (c, oc) in o.iter_mut().enumerate() {
@@ -295,7 +351,6 @@ pub fn forward(
             *oc = round(dt, acc);
         }
     });
-    // Losses: mean score per expert, aux and z.
     let mut losses = vec![0f32; 2 + e];
     let mut aux = 0f32;
     for ex in 0..e {
@@ -305,31 +360,26 @@ pub fn forward(
     }
     losses[0] = cfg.aux_loss_coef * e as f32 * aux;
     losses[1] = cfg.z_loss_coef * lse.iter().map(|l| l * l).sum::<f32>() / t as f32;
-    let idx: Vec<i32> = idx.iter().map(|&v| v as i32).collect();
-    for (t, v) in [
-        (&f.out, &out),
-        (&f.logits, &logits),
-        (&f.probs, &probs),
-        (&f.lse, &lse),
-        (&f.weights, &weights),
-        (&f.losses, &losses),
-        (&f.xp, &xp),
-        (&f.hpre, &hpre),
-    ] {
-        t.write_f32(v)?;
-    }
-    let stats = [dropped as i32, used as i32];
-    for (t, v) in [
-        (&f.idx, &idx[..]),
-        (&f.pos, &pos[..]),
-        (&f.src, &src[..]),
-        (&f.ends, &ends[..]),
-        (&f.counts, &counts[..]),
-        (&f.stats, &stats[..]),
-    ] {
-        write_i32(t, v)?;
-    }
-    Ok(())
+    f.out.write_f32(&out)?;
+    f.losses.write_f32(&losses)
+}
+
+pub fn forward(
+    variant: &str,
+    p: &Problem,
+    x: &Tensor,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+    f: &MoeForward,
+) -> Result<()> {
+    let par = variant == "parallel";
+    route_into(par, p, x, w.router, cfg, f)?;
+    let ends = f.ends.to_vec::<i32>()?;
+    let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
+    let xp = f.xp.to_f32_vec()?;
+    let (hpre, y) = experts_forward(par, p, &ends, p.rows_cap(), &xp, &wu, &wd, cfg.act)?;
+    f.hpre.write_f32(&hpre)?;
+    combine_into(par, p, cfg, f, &y)
 }
 
 /// dlogits of one token (kernels/moe.cu's moe_router_bwd).
@@ -378,66 +428,68 @@ pub fn router_grad(
         .collect()
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    variant: &str,
-    p: &Problem,
-    dout: &Tensor,
-    x: &Tensor,
-    w: &MoeWeights,
-    f: &MoeForward,
-    cfg: &MoeConfig,
-    loss_grad: Option<&Tensor>,
-    g_out: &MoeGrads,
-) -> Result<()> {
-    // The losses' incoming gradients scale their terms (None: 1 each).
+/// The losses' incoming gradients folded into the coefficients (None: 1 each).
+pub fn scaled_losses(cfg: &MoeConfig, loss_grad: Option<&Tensor>) -> Result<MoeConfig> {
     let lg = match loss_grad {
         Some(t) => t.to_f32_vec()?,
         None => vec![1.0, 1.0],
     };
-    let cfg = &MoeConfig {
+    Ok(MoeConfig {
         aux_loss_coef: cfg.aux_loss_coef * lg[0],
         z_loss_coef: cfg.z_loss_coef * lg[1],
         ..cfg.clone()
-    };
-    let par = variant == "parallel";
-    let (t, h, i, e, k, dt) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k, p.dtype);
-    let rows_cap = p.rows_cap();
-    let g = dout.to_f32_vec()?;
-    let xs = x.to_f32_vec()?;
-    let router = w.router.to_f32_vec()?;
-    let wu = w.w_up.to_f32_vec()?;
-    let wd = w.w_down.to_f32_vec()?;
-    let (src, pos, ends) = (
-        f.src.to_vec::<i32>()?,
-        f.pos.to_vec::<i32>()?,
-        f.ends.to_vec::<i32>()?,
-    );
-    let (weights, hpre, xp) = (
-        f.weights.to_f32_vec()?,
-        f.hpre.to_f32_vec()?,
-        f.xp.to_f32_vec()?,
-    );
-    let used = ends[e - 1] as usize;
-    // dout's rows in the layout, unscaled (zeros on padding).
-    let mut dyu = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `dyu` buffer")?;
+    })
+}
+
+/// dout's rows in the layout, unscaled (zeros on padding): `rows` rows, row r from token
+/// `src[r] / k`.
+pub fn spread(par: bool, p: &Problem, g: &[f32], src: &[i32], used: usize) -> Result<Vec<f32>> {
+    let (h, k) = (p.hidden, p.top_k);
+    let mut dyu = host::zeroed::<f32>(src.len() * h, "moe: the CPU path's `dyu` buffer")?;
     rows_mut(par, &mut dyu[..used * h], h, |r, o| {
         if src[r] >= 0 {
             let tok = src[r] as usize / k;
             o.copy_from_slice(&g[tok * h..(tok + 1) * h]);
         }
     });
-    // Per row (kernels/moe.cu's moe_glu_bwd): gu = dyu·W_downᵀ, the GLU output a recomputed from
-    // hpre, the gate's gradient <gu, a>, s·a for dW_down and the GLU backward of s·gu.
-    let mut gu = host::zeroed::<f32>(rows_cap * i, "moe: the CPU path's `gu` buffer")?;
-    let mut wa = host::zeroed::<f32>(rows_cap * i, "moe: the CPU path's `wa` buffer")?;
-    let mut dots = host::zeroed::<f32>(rows_cap, "moe: the CPU path's `dots` buffer")?;
-    let mut dhpre = host::zeroed::<f32>(rows_cap * 2 * i, "moe: the CPU path's `dhpre` buffer")?;
-    let mut dxp = host::zeroed::<f32>(rows_cap * h, "moe: the CPU path's `dxp` buffer")?;
+    Ok(dyu)
+}
+
+/// What the experts' backward produced: the gates' gradient of each row (`<gu, a>`), dxp =
+/// dhpre·W_upᵀ `[rows, H]`, and the experts' weight gradients.
+pub struct ExpertGrads {
+    pub dots: Vec<f32>,
+    pub dxp: Vec<f32>,
+    pub dw_up: Vec<f32>,
+    pub dw_down: Vec<f32>,
+}
+
+/// The experts' half of the backward over the segments ending at `ends` (`rows` rows; `scale[r]`
+/// is row r's gate weight, 0 on padding). Per row (kernels/moe.cu's moe_glu_bwd): gu =
+/// dyu·W_downᵀ, the GLU output a recomputed from hpre, the gate's gradient <gu, a>, s·a for
+/// dW_down and the GLU backward of s·gu.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_backward(
+    par: bool,
+    p: &Problem,
+    ends: &[i32],
+    scale: &[f32],
+    (dyu, xp, hpre): (&[f32], &[f32], &[f32]),
+    wu: &[f32],
+    wd: &[f32],
+    act: crate::core::act::Activation,
+) -> Result<ExpertGrads> {
+    let (h, i, dt) = (p.hidden, p.inter, p.dtype);
+    let (rows, e) = (scale.len(), ends.len());
+    let mut gu = host::zeroed::<f32>(rows * i, "moe: the CPU path's `gu` buffer")?;
+    let mut wa = host::zeroed::<f32>(rows * i, "moe: the CPU path's `wa` buffer")?;
+    let mut dots = host::zeroed::<f32>(rows, "moe: the CPU path's `dots` buffer")?;
+    let mut dhpre = host::zeroed::<f32>(rows * 2 * i, "moe: the CPU path's `dhpre` buffer")?;
+    let mut dxp = host::zeroed::<f32>(rows * h, "moe: the CPU path's `dxp` buffer")?;
     let mut dw_up = host::zeroed::<f32>(e * h * 2 * i, "moe: the CPU path's `dw_up` buffer")?;
     let mut dw_down = host::zeroed::<f32>(e * i * h, "moe: the CPU path's `dw_down` buffer")?;
     for ex in 0..e {
-        let (s, en) = seg(&ends, ex);
+        let (s, en) = seg(ends, ex);
         let wd_e = &wd[ex * i * h..(ex + 1) * i * h];
         // gu = dyu·W_downᵀ (W_down [I, H] read as [n = I, k = H] transposed).
         gemm_rows(
@@ -452,17 +504,13 @@ pub fn backward(
         );
         let (hp, gus) = (&hpre[s * 2 * i..en * 2 * i], &gu[s * i..en * i]);
         let row = |r: usize| {
-            let sc = if src[s + r] >= 0 {
-                weights[src[s + r] as usize]
-            } else {
-                0.0
-            };
+            let sc = scale[s + r];
             let mut d = vec![0f32; 2 * i];
             let mut wr = vec![0f32; i];
             let mut dot = 0f32;
             for c in 0..i {
                 let (gt, u) = (hp[r * 2 * i + c], hp[r * 2 * i + i + c]);
-                let (a, da) = act_fg(cfg.act, gt);
+                let (a, da) = act_fg(act, gt);
                 let gv = gus[r * i + c];
                 let hv = round(dt, a * u);
                 let dd = sc * gv;
@@ -513,20 +561,37 @@ pub fn backward(
             &mut dw_up[ex * h * 2 * i..(ex + 1) * h * 2 * i],
         );
     }
-    // The gates' gradients (dropped pairs: 0).
-    let mut dw = host::zeroed::<f32>(t * k, "moe: the CPU path's `dw` buffer")?;
-    for r in 0..used {
-        if src[r] >= 0 {
-            dw[src[r] as usize] = dots[r];
-        }
-    }
-    // Router: dlogits per token, then dx += dlogits·router, d_router = dlogitsᵀ·x.
-    let (idx, probs, lse, logits, counts) = (
+    Ok(ExpertGrads {
+        dots,
+        dxp,
+        dw_up,
+        dw_down,
+    })
+}
+
+/// The routing's half of the backward into `g.dx` and `g.d_router`: dx = `Σ_j dxp[pos]` +
+/// dlogits·router, d_router = dlogitsᵀ·x, dlogits from the gates' gradients `dw` (per pair) and
+/// the losses (`cfg`'s coefficients already scaled by their incoming gradients).
+#[allow(clippy::too_many_arguments)]
+pub fn router_backward(
+    par: bool,
+    p: &Problem,
+    x: &Tensor,
+    router: &Tensor,
+    f: &MoeForward,
+    cfg: &MoeConfig,
+    (dxp, dw): (&[f32], &[f32]),
+    g_out: &MoeGrads,
+) -> Result<()> {
+    let (t, h, e, k, dt) = (p.tokens, p.hidden, p.experts, p.top_k, p.dtype);
+    let (xs, router) = (x.to_f32_vec()?, router.to_f32_vec()?);
+    let (idx, probs, lse, logits, counts, pos) = (
         f.idx.to_vec::<i32>()?,
         f.probs.to_f32_vec()?,
         f.lse.to_f32_vec()?,
         f.logits.to_f32_vec()?,
         f.counts.to_vec::<i32>()?,
+        f.pos.to_vec::<i32>()?,
     );
     let mut dlogits = host::zeroed::<f32>(t * e, "moe: the CPU path's `dlogits` buffer")?;
     rows_mut(par, &mut dlogits, e, |tok, o| {
@@ -565,9 +630,47 @@ pub fn backward(
     let mut d_router = vec![0f32; e * h];
     gemm_tn(par, &dlogits, e, &xs, h, dt, &mut d_router);
     g_out.dx.write_f32(&dx)?;
-    g_out.d_router.write_f32(&d_router)?;
-    g_out.dw_up.write_f32(&dw_up)?;
-    g_out.dw_down.write_f32(&dw_down)
+    g_out.d_router.write_f32(&d_router)
+}
+
+/// Each row's gate weight in the layout (0 on padding rows).
+pub fn row_scales(src: &[i32], weights: &[f32]) -> Vec<f32> {
+    src.iter()
+        .map(|&q| if q >= 0 { weights[q as usize] } else { 0.0 })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    variant: &str,
+    p: &Problem,
+    dout: &Tensor,
+    x: &Tensor,
+    w: &MoeWeights,
+    f: &MoeForward,
+    cfg: &MoeConfig,
+    loss_grad: Option<&Tensor>,
+    g_out: &MoeGrads,
+) -> Result<()> {
+    let cfg = &scaled_losses(cfg, loss_grad)?;
+    let par = variant == "parallel";
+    let (src, ends) = (f.src.to_vec::<i32>()?, f.ends.to_vec::<i32>()?);
+    let used = ends[p.experts - 1] as usize;
+    let dyu = spread(par, p, &dout.to_f32_vec()?, &src, used)?;
+    let scale = row_scales(&src, &f.weights.to_f32_vec()?);
+    let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
+    let (xp, hpre) = (f.xp.to_f32_vec()?, f.hpre.to_f32_vec()?);
+    let eg = experts_backward(par, p, &ends, &scale, (&dyu, &xp, &hpre), &wu, &wd, cfg.act)?;
+    // The gates' gradients (dropped pairs: 0).
+    let mut dw = host::zeroed::<f32>(p.tokens * p.top_k, "moe: the CPU path's `dw` buffer")?;
+    for r in 0..used {
+        if src[r] >= 0 {
+            dw[src[r] as usize] = eg.dots[r];
+        }
+    }
+    router_backward(par, p, x, w.router, f, cfg, (&eg.dxp, &dw), g_out)?;
+    g_out.dw_up.write_f32(&eg.dw_up)?;
+    g_out.dw_down.write_f32(&eg.dw_down)
 }
 
 /// grouped_mm on the CPU: each group's rows times its matrix, fp32 accumulate.

@@ -18,7 +18,7 @@ use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
-const FUNCS: [&str; 17] = [
+const FUNCS: [&str; 22] = [
     "moe_router",
     "moe_fill_i32",
     "moe_zero_bytes",
@@ -36,6 +36,11 @@ const FUNCS: [&str; 17] = [
     "moe_router_bwd",
     "moe_stats_partial",
     "moe_stats_final",
+    "moe_ep_seg_sizes",
+    "moe_ep_row_weights",
+    "moe_ep_pair_values",
+    "moe_iota",
+    "moe_ep_gather_rows",
 ];
 /// kernels/moe.cu's CHUNK and SCATTER_THREADS.
 const CHUNK: usize = 2048;
@@ -72,14 +77,14 @@ pub fn wgmma_unfit(p: &Problem) -> Option<String> {
 }
 
 /// The device, stream and kernel module of one call.
-struct Ctx {
+pub(crate) struct Ctx {
     dev: Arc<CudaDevice>,
     stream: Stream,
     program: Program,
 }
 
 impl Ctx {
-    fn new(p: &Problem, opts: &MoeOptions) -> Result<Ctx> {
+    pub(crate) fn new(p: &Problem, opts: &MoeOptions) -> Result<Ctx> {
         let Device::Cuda(i) = p.device else {
             return Err(Error::Other("moe::cuda on a CPU problem".into()));
         };
@@ -92,7 +97,7 @@ impl Ctx {
         })
     }
 
-    fn launch(
+    pub(crate) fn launch(
         &self,
         f: &str,
         grid: u32,
@@ -108,24 +113,24 @@ impl Ctx {
     }
 
     /// A grid-stride kernel's block count for `work` items of `per_block`.
-    fn grid(&self, work: usize, per_block: usize) -> u32 {
+    pub(crate) fn grid(&self, work: usize, per_block: usize) -> u32 {
         let most = self.dev.props().sm_count as usize * 16;
         work.div_ceil(per_block.max(1)).clamp(1, most) as u32
     }
 
     /// A workspace in stream order on the call's stream.
-    fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    pub(crate) fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::empty_on(shape, dtype, &self.dev, &self.stream)
     }
 
-    fn fill_i32(&self, t: &Tensor, v: i32) -> Result<()> {
+    pub(crate) fn fill_i32(&self, t: &Tensor, v: i32) -> Result<()> {
         let n = t.numel();
         let mut a = KernelArgs::new();
         a.push(t.device_ptr()?).push(n as i64).push(v);
         self.launch("moe_fill_i32", self.grid(n, 256), 256, 0, &mut a)
     }
 
-    fn zero(&self, t: &Tensor) -> Result<()> {
+    pub(crate) fn zero(&self, t: &Tensor) -> Result<()> {
         let n = t.nbytes();
         let mut a = KernelArgs::new();
         a.push(t.device_ptr()?).push(n as i64);
@@ -195,7 +200,28 @@ fn grouped_gemm(
     }
 }
 
-/// One expert GEMM of the layer over every expert: M-grouped `c[rows] = a[rows]·op(b[e])`
+/// The padded expert-contiguous rows an expert stage walks: `rows` rows of buffer, `experts`
+/// segments ending at `ends` (int32 on the device), and the host's copy of the ends when it has
+/// one (`naive` needs it; an expert-parallel layer always has it).
+#[derive(Clone, Copy)]
+pub(crate) struct Segs<'a> {
+    pub rows: usize,
+    pub experts: usize,
+    pub ends: &'a Tensor,
+    pub host: Option<&'a [i32]>,
+}
+
+impl Segs<'_> {
+    /// Rows in use: the last end when the host knows it, else the whole buffer (rows past the
+    /// used ones are never read).
+    fn used(&self) -> usize {
+        self.host
+            .and_then(|v| v.last())
+            .map_or(self.rows, |&u| u as usize)
+    }
+}
+
+/// One expert GEMM over every segment of `s`: M-grouped `c[rows] = a[rows]·op(b[e])`
 /// (b `[E, k, n]`, or `[E, n, k]` read transposed when `bt`), or K-grouped `c[e] =
 /// a[rows of e]ᵀ·b[rows of e]` (a `[rows, m]`, b `[rows, n]`, c `[E, m, n]`).
 #[allow(clippy::too_many_arguments)]
@@ -209,10 +235,9 @@ fn expert_gemm(
     b: &Tensor,
     bt: bool,
     c: &Tensor,
-    ends: &Tensor,
-    host_ends: Option<&[i32]>,
+    s: Segs,
 ) -> Result<()> {
-    let e = p.experts;
+    let e = s.experts;
     if let Some(kind) = grouped_kernel(variant) {
         let g = grouped_gemm(mode, e, (m, n, k), bt, p.dtype, p.device);
         let l = mm::plan_grouped(kind, &g, mode, &x.dev)?;
@@ -223,13 +248,15 @@ fn expert_gemm(
         };
         let groups = Groups {
             mode,
-            ends: ends.device_ptr()?,
+            ends: s.ends.device_ptr()?,
             groups: e,
         };
         return mm::launch_grouped(&l, &g, ptrs, groups, 1.0, 0.0, &x.stream);
     }
     // naive: one matmul call per expert, sized from the host's copy of the ends.
-    let ends = host_ends.ok_or_else(|| Error::Other("moe naive: ends not on the host".into()))?;
+    let ends = s
+        .host
+        .ok_or_else(|| Error::Other("moe naive: ends not on the host".into()))?;
     let opts = x.matmul_opts();
     for ex in 0..e {
         let s = if ex > 0 { ends[ex - 1] as usize } else { 0 };
@@ -265,7 +292,7 @@ fn expert_gemm(
 
 /// The routing and layout steps shared by every variant (logits, router, plan, scatter,
 /// gather), into the forward's buffers.
-fn route(
+pub(crate) fn route(
     x: &Ctx,
     p: &Problem,
     xt: &Tensor,
@@ -341,7 +368,13 @@ fn route(
 
 /// `dst[pos[t, j]] = rows[t]` for every kept slot, zeros on the padding rows (kernels/moe.cu's
 /// moe_spread_rows): x into the layout (forward), dout into it (backward).
-fn spread_rows(x: &Ctx, p: &Problem, rows: &Tensor, f: &MoeForward, dst: &Tensor) -> Result<()> {
+pub(crate) fn spread_rows(
+    x: &Ctx,
+    p: &Problem,
+    rows: &Tensor,
+    f: &MoeForward,
+    dst: &Tensor,
+) -> Result<()> {
     let (pr, pd) = (rows.device_ptr()?, dst.device_ptr()?);
     let mut a = KernelArgs::new();
     a.push(pr)
@@ -382,67 +415,83 @@ pub fn forward(
     opts: &MoeOptions,
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
-    let (t, h, k) = (p.tokens, p.hidden, p.top_k);
     route(&x, p, xt, w, cfg, f)?;
     let he = host_ends(variant, &f.ends)?;
-    // The GLU output and the down projection are the forward's own workspaces (the backward
-    // needs neither): back to the pool, in stream order, once the combine has read them.
-    let (a, y) = acts(&x, p)?;
-    up_proj(
+    let s = Segs {
+        rows: p.rows_cap(),
+        experts: p.experts,
+        ends: &f.ends,
+        host: he.as_deref(),
+    };
+    let y = experts_forward(
         &x,
         variant,
         p,
+        s,
+        (&f.xp, &f.hpre),
         w,
         cfg,
-        f,
-        &a,
         !opts.forward_only,
-        he.as_deref(),
     )?;
+    combine(&x, p, cfg, f, &y)
+}
+
+/// The experts' half of the forward over the rows of `s`: up projection of `xp` into `hpre`
+/// (`fused`: the GLU from the same accumulators, `hpre` only when `keep_pre`), the GLU, and the
+/// down projection; returns the experts' outputs `y` `[s.rows, H]` (a workspace in stream order).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn experts_forward(
+    x: &Ctx,
+    variant: &str,
+    p: &Problem,
+    s: Segs,
+    (xp, hpre): (&Tensor, &Tensor),
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+    keep_pre: bool,
+) -> Result<Tensor> {
+    // The GLU output is the forward's own workspace (the backward recomputes it from `hpre`):
+    // back to the pool, in stream order, once the down projection has read it.
+    let a = x.empty(&[s.rows, p.inter], p.dtype)?;
+    let y = x.empty(&[s.rows, p.hidden], p.dtype)?;
+    up_proj(x, variant, p, s, (xp, hpre), w.w_up, cfg, &a, keep_pre)?;
     if variant != "fused" {
-        glu(&x, p, cfg, f, &a, he.as_deref())?;
+        glu(x, s, cfg, hpre, &a)?;
     }
-    down_proj(&x, variant, p, w, f, &a, &y, he.as_deref())?;
-    drop(a);
-    let (py, po) = (y.device_ptr()?, f.out.device_ptr()?);
-    let mut args = KernelArgs::new();
-    args.push(py)
-        .push(h as i64)
-        .push(f.pos.device_ptr()?)
-        .push(f.weights.device_ptr()?)
-        .push(k as i32)
-        .push(t as i32)
-        .push(rows_vec(p, &[py, po]) as i32)
-        .push(po);
-    x.launch("moe_combine", x.grid(t, 1), 256, 0, &mut args)?;
-    stats(&x, p, cfg, f)
+    down_proj(x, variant, p, s, &a, w.w_down, &y)?;
+    Ok(y)
 }
 
-/// The forward's GLU output `[rows_cap, I]` and down projection `[rows_cap, H]` workspaces.
-fn acts(x: &Ctx, p: &Problem) -> Result<(Tensor, Tensor)> {
-    let r = p.rows_cap();
-    Ok((
-        x.empty(&[r, p.inter], p.dtype)?,
-        x.empty(&[r, p.hidden], p.dtype)?,
-    ))
-}
-
-/// `a = act(gate) ⊙ up` of the up projection, over the used rows when the host knows them, else
-/// over the whole buffer (rows past the used ones are never read).
-fn glu(
+/// `out[t] = Σ_j w[t,j]·y[pos[t,j]]`, then the losses.
+pub(crate) fn combine(
     x: &Ctx,
     p: &Problem,
     cfg: &MoeConfig,
     f: &MoeForward,
-    a: &Tensor,
-    he: Option<&[i32]>,
+    y: &Tensor,
 ) -> Result<()> {
-    let used = he.map_or(p.rows_cap(), |v| v[p.experts - 1] as usize);
+    let (py, po) = (y.device_ptr()?, f.out.device_ptr()?);
+    let mut args = KernelArgs::new();
+    args.push(py)
+        .push(p.hidden as i64)
+        .push(f.pos.device_ptr()?)
+        .push(f.weights.device_ptr()?)
+        .push(p.top_k as i32)
+        .push(p.tokens as i32)
+        .push(rows_vec(p, &[py, po]) as i32)
+        .push(po);
+    x.launch("moe_combine", x.grid(p.tokens, 1), 256, 0, &mut args)?;
+    stats(x, p, cfg, f)
+}
+
+/// `a = act(gate) ⊙ up` of the up projection over the used rows of `s`.
+fn glu(x: &Ctx, s: Segs, cfg: &MoeConfig, hpre: &Tensor, a: &Tensor) -> Result<()> {
+    let used = s.used();
     if used == 0 {
         return Ok(());
     }
     activation::glu_into(
-        &f.hpre.narrow(0, 0, used)?,
+        &hpre.narrow(0, 0, used)?,
         &a.narrow(0, 0, used)?,
         &GluOptions {
             act: cfg.act,
@@ -452,85 +501,59 @@ fn glu(
     )
 }
 
-/// The up projection of every expert: `hpre = xp·W_up[e]` over the layout's rows (`fused`:
+/// The up projection of every expert: `hpre = xp·W_up[e]` over the rows of `s` (`fused`:
 /// `a = act(gate) ⊙ up` from the same accumulators, and `hpre` only when `keep_pre`).
 #[allow(clippy::too_many_arguments)]
 fn up_proj(
     x: &Ctx,
     variant: &str,
     p: &Problem,
-    w: &MoeWeights,
+    s: Segs,
+    (xp, hpre): (&Tensor, &Tensor),
+    w_up: &Tensor,
     cfg: &MoeConfig,
-    f: &MoeForward,
     a: &Tensor,
     keep_pre: bool,
-    he: Option<&[i32]>,
 ) -> Result<()> {
-    let dims = (p.rows_cap(), 2 * p.inter, p.hidden);
+    let dims = (s.rows, 2 * p.inter, p.hidden);
     if variant == "fused" {
-        let mut g = grouped_gemm(Grouping::M, p.experts, dims, false, p.dtype, p.device);
+        let mut g = grouped_gemm(Grouping::M, s.experts, dims, false, p.dtype, p.device);
         g.c.ld = p.inter;
         let l = mm::plan_grouped_glu(&g, cfg.act, &x.dev)?;
         let ptrs = Ptrs {
-            a: f.xp.device_ptr()?,
-            b: w.w_up.device_ptr()?,
+            a: xp.device_ptr()?,
+            b: w_up.device_ptr()?,
             c: a.device_ptr()?,
         };
         let groups = Groups {
             mode: Grouping::M,
-            ends: f.ends.device_ptr()?,
-            groups: p.experts,
+            ends: s.ends.device_ptr()?,
+            groups: s.experts,
         };
         return mm::launch_grouped_glu(
             &l,
             &g,
             ptrs,
-            keep_pre.then(|| f.hpre.device_ptr()).transpose()?,
+            keep_pre.then(|| hpre.device_ptr()).transpose()?,
             groups,
             &x.stream,
         );
     }
-    expert_gemm(
-        x,
-        variant,
-        Grouping::M,
-        p,
-        dims,
-        &f.xp,
-        w.w_up,
-        false,
-        &f.hpre,
-        &f.ends,
-        he,
-    )
+    expert_gemm(x, variant, Grouping::M, p, dims, xp, w_up, false, hpre, s)
 }
 
-/// The down projection of every expert: `y = a·W_down[e]` over the layout's rows.
-#[allow(clippy::too_many_arguments)]
+/// The down projection of every expert: `y = a·W_down[e]` over the rows of `s`.
 fn down_proj(
     x: &Ctx,
     variant: &str,
     p: &Problem,
-    w: &MoeWeights,
-    f: &MoeForward,
+    s: Segs,
     a: &Tensor,
+    w_down: &Tensor,
     y: &Tensor,
-    he: Option<&[i32]>,
 ) -> Result<()> {
-    let dims = (p.rows_cap(), p.hidden, p.inter);
-    expert_gemm(
-        x,
-        variant,
-        Grouping::M,
-        p,
-        dims,
-        a,
-        w.w_down,
-        false,
-        y,
-        &f.ends,
-        he,
-    )
+    let dims = (s.rows, p.hidden, p.inter);
+    expert_gemm(x, variant, Grouping::M, p, dims, a, w_down, false, y, s)
 }
 
 /// The forward's two expert GEMMs alone (up into `hpre` — `fused`: and the GLU output — down
@@ -543,8 +566,12 @@ pub struct ExpertGemms {
 
 impl ExpertGemms {
     pub fn new(p: &Problem, opts: &MoeOptions) -> Result<ExpertGemms> {
-        let (a, y) = acts(&Ctx::new(p, opts)?, p)?;
-        Ok(ExpertGemms { a, y })
+        let x = Ctx::new(p, opts)?;
+        let r = p.rows_cap();
+        Ok(ExpertGemms {
+            a: x.empty(&[r, p.inter], p.dtype)?,
+            y: x.empty(&[r, p.hidden], p.dtype)?,
+        })
     }
 
     pub fn run(
@@ -558,8 +585,24 @@ impl ExpertGemms {
     ) -> Result<()> {
         let x = Ctx::new(p, opts)?;
         let he = host_ends(variant, &f.ends)?;
-        up_proj(&x, variant, p, w, cfg, f, &self.a, true, he.as_deref())?;
-        down_proj(&x, variant, p, w, f, &self.a, &self.y, he.as_deref())
+        let s = Segs {
+            rows: p.rows_cap(),
+            experts: p.experts,
+            ends: &f.ends,
+            host: he.as_deref(),
+        };
+        up_proj(
+            &x,
+            variant,
+            p,
+            s,
+            (&f.xp, &f.hpre),
+            w.w_up,
+            cfg,
+            &self.a,
+            true,
+        )?;
+        down_proj(&x, variant, p, s, &self.a, w.w_down, &self.y)
     }
 }
 
@@ -603,97 +646,162 @@ pub fn backward(
     opts: &MoeOptions,
 ) -> Result<()> {
     let x = Ctx::new(p, opts)?;
-    let (t, h, i, e, k) = (p.tokens, p.hidden, p.inter, p.experts, p.top_k);
-    let rows_cap = p.rows_cap();
     let he = host_ends(variant, &f.ends)?;
-    // dout's rows in the layout, unscaled (zeros on padding), then gu = dyu·W_downᵀ.
-    let dyu = x.empty(&[rows_cap, h], p.dtype)?;
+    let s = Segs {
+        rows: p.rows_cap(),
+        experts: p.experts,
+        ends: &f.ends,
+        host: he.as_deref(),
+    };
+    // dout's rows in the layout, unscaled (zeros on padding).
+    let dyu = x.empty(&[s.rows, p.hidden], p.dtype)?;
     spread_rows(&x, p, dout, f, &dyu)?;
-    let gu = x.empty(&[rows_cap, i], p.dtype)?;
-    expert_gemm(
+    let dw = x.empty(&[p.tokens * p.top_k], DType::F32)?;
+    x.zero(&dw)?;
+    let dxp = experts_backward(
         &x,
+        variant,
+        p,
+        s,
+        ExpertGrads {
+            dyu,
+            xp: &f.xp,
+            hpre: &f.hpre,
+            src: &f.src,
+            weights: &f.weights,
+            dw: &dw,
+            dw_up: &gr.dw_up,
+            dw_down: &gr.dw_down,
+        },
+        w,
+        cfg,
+    )?;
+    router_backward(&x, p, xt, w.router, f, cfg, (&dxp, &dw), gr, loss_grad)
+}
+
+/// What the experts' backward reads and writes: `dyu` (dout's rows in the layout, unscaled,
+/// zeros on padding; consumed), the forward's `xp` and `hpre`, each row's pair `src` (< 0:
+/// padding) and the pairs' gate `weights`; out: the gates' gradients `dw` (per pair, f32) and the
+/// experts' weight gradients.
+pub(crate) struct ExpertGrads<'a> {
+    pub dyu: Tensor,
+    pub xp: &'a Tensor,
+    pub hpre: &'a Tensor,
+    pub src: &'a Tensor,
+    pub weights: &'a Tensor,
+    pub dw: &'a Tensor,
+    pub dw_up: &'a Tensor,
+    pub dw_down: &'a Tensor,
+}
+
+/// The experts' half of the backward over the rows of `s` (w: the experts' `w_up`/`w_down`);
+/// returns dxp = dhpre·W_upᵀ `[s.rows, H]` (a workspace in stream order).
+pub(crate) fn experts_backward(
+    x: &Ctx,
+    variant: &str,
+    p: &Problem,
+    s: Segs,
+    g: ExpertGrads,
+    w: &MoeWeights,
+    cfg: &MoeConfig,
+) -> Result<Tensor> {
+    let (h, i, rows) = (p.hidden, p.inter, s.rows);
+    // gu = dyu·W_downᵀ.
+    let gu = x.empty(&[rows, i], p.dtype)?;
+    expert_gemm(
+        x,
         variant,
         Grouping::M,
         p,
-        (rows_cap, i, h),
-        &dyu,
+        (rows, i, h),
+        &g.dyu,
         w.w_down,
         true,
         &gu,
-        &f.ends,
-        he.as_deref(),
+        s,
     )?;
     // The GLU backward with the gates folded in: dhpre, s·a (dW_down's operand, written over gu
     // in place) and the gates' gradients, from hpre and gu (kernels/moe.cu, moe_glu_bwd).
-    let dw = x.empty(&[t * k], DType::F32)?;
-    x.zero(&dw)?;
-    let dhpre = x.empty(&[rows_cap, 2 * i], p.dtype)?;
+    let dhpre = x.empty(&[rows, 2 * i], p.dtype)?;
     let wa = gu;
-    let (pgu, php, pdh) = (wa.device_ptr()?, f.hpre.device_ptr()?, dhpre.device_ptr()?);
-    let pwa = pgu;
+    let (pgu, php, pdh) = (wa.device_ptr()?, g.hpre.device_ptr()?, dhpre.device_ptr()?);
     let vec = (i * p.dtype.size_in_bytes()).is_multiple_of(16)
         && [pgu, php, pdh].iter().all(|q| q.is_multiple_of(16));
     let mut a = KernelArgs::new();
     a.push(pgu)
         .push(php)
         .push(i as i64)
-        .push(f.src.device_ptr()?)
-        .push(f.weights.device_ptr()?)
-        .push(f.ends.device_ptr()?)
-        .push(e as i32)
+        .push(g.src.device_ptr()?)
+        .push(g.weights.device_ptr()?)
+        .push(s.ends.device_ptr()?)
+        .push(s.experts as i32)
         .push(vec as i32)
         .push(pdh)
-        .push(pwa)
-        .push(dw.device_ptr()?);
+        .push(pgu)
+        .push(g.dw.device_ptr()?);
     let glu_bwd = format!("moe_glu_bwd_{}", cfg.act.code());
-    x.launch(&glu_bwd, x.grid(rows_cap, 8), 256, 0, &mut a)?;
+    x.launch(&glu_bwd, x.grid(rows, 8), 256, 0, &mut a)?;
     // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
     // is queued, so the next ones reuse the memory.
     // dW_down[e] = (s·a)_eᵀ·dyu_e.
     expert_gemm(
-        &x,
+        x,
         variant,
         Grouping::K,
         p,
-        (i, h, rows_cap),
+        (i, h, rows),
         &wa,
-        &dyu,
+        &g.dyu,
         false,
-        &gr.dw_down,
-        &f.ends,
-        he.as_deref(),
+        g.dw_down,
+        s,
     )?;
     drop(wa);
-    drop(dyu);
+    drop(g.dyu);
     // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
-    let dxp = x.empty(&[rows_cap, h], p.dtype)?;
+    let dxp = x.empty(&[rows, h], p.dtype)?;
     expert_gemm(
-        &x,
+        x,
         variant,
         Grouping::M,
         p,
-        (rows_cap, h, 2 * i),
+        (rows, h, 2 * i),
         &dhpre,
         w.w_up,
         true,
         &dxp,
-        &f.ends,
-        he.as_deref(),
+        s,
     )?;
     expert_gemm(
-        &x,
+        x,
         variant,
         Grouping::K,
         p,
-        (h, 2 * i, rows_cap),
-        &f.xp,
+        (h, 2 * i, rows),
+        g.xp,
         &dhpre,
         false,
-        &gr.dw_up,
-        &f.ends,
-        he.as_deref(),
+        g.dw_up,
+        s,
     )?;
-    // dx = Σ_j dxp[pos] + dlogits·router; d_router = dlogitsᵀ·x.
+    Ok(dxp)
+}
+
+/// The routing's half of the backward: dx = `Σ_j dxp[pos]` + dlogits·router, d_router =
+/// dlogitsᵀ·x, dlogits from the gates' gradients `dw` and the losses.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn router_backward(
+    x: &Ctx,
+    p: &Problem,
+    xt: &Tensor,
+    router: &Tensor,
+    f: &MoeForward,
+    cfg: &MoeConfig,
+    (dxp, dw): (&Tensor, &Tensor),
+    gr: &MoeGrads,
+    loss_grad: Option<&Tensor>,
+) -> Result<()> {
+    let (t, h, e, k) = (p.tokens, p.hidden, p.experts, p.top_k);
     let dx = &gr.dx;
     let (pd, px) = (dxp.device_ptr()?, dx.device_ptr()?);
     let mut a = KernelArgs::new();
@@ -735,7 +843,7 @@ pub fn backward(
     let mo = x.router_opts();
     matmul::matmul_into(
         &dlogits,
-        w.router,
+        router,
         dx,
         &MatmulOptions {
             beta: 1.0,
@@ -743,6 +851,70 @@ pub fn backward(
         },
     )?;
     matmul::matmul_into(&dlogits.t()?, xt, &gr.d_router, &mo)
+}
+
+/// Expert parallelism's bookkeeping kernels (kernels/moe.cu, moe_ep_*).
+impl Ctx {
+    /// `[E]` i32: each padded expert segment's rows, from the layout's ends.
+    pub(crate) fn seg_sizes(&self, ends: &Tensor, e: usize) -> Result<Tensor> {
+        let out = self.empty(&[e], DType::I32)?;
+        let mut a = KernelArgs::new();
+        a.push(ends.device_ptr()?)
+            .push(e as i32)
+            .push(out.device_ptr()?);
+        self.launch("moe_ep_seg_sizes", self.grid(e, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
+
+    /// `[rows]` f32: each layout row's gate weight (0 on padding and unused rows).
+    pub(crate) fn row_weights(&self, f: &MoeForward, rows: usize) -> Result<Tensor> {
+        let out = self.empty(&[rows], DType::F32)?;
+        let mut a = KernelArgs::new();
+        a.push(f.src.device_ptr()?)
+            .push(f.weights.device_ptr()?)
+            .push(rows as i64)
+            .push(out.device_ptr()?);
+        self.launch("moe_ep_row_weights", self.grid(rows, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
+
+    /// `[pairs]` f32: `rowv[pos[p]]` for each kept pair, 0 for a dropped one.
+    pub(crate) fn pair_values(&self, rowv: &Tensor, pos: &Tensor) -> Result<Tensor> {
+        let n = pos.numel();
+        let out = self.empty(&[n], DType::F32)?;
+        let mut a = KernelArgs::new();
+        a.push(rowv.device_ptr()?)
+            .push(pos.device_ptr()?)
+            .push(n as i64)
+            .push(out.device_ptr()?);
+        self.launch("moe_ep_pair_values", self.grid(n, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
+
+    /// `dst[r] = src[map[r]]` for the first `map.numel()` rows (contiguous, equal row sizes).
+    pub(crate) fn gather_rows(&self, src: &Tensor, map: &Tensor, dst: &Tensor) -> Result<()> {
+        let n = map.numel();
+        let row_bytes = dst.nbytes() / dst.shape()[0].max(1);
+        let (ps, pd) = (src.device_ptr()?, dst.device_ptr()?);
+        let vec = row_bytes.is_multiple_of(16) && ps.is_multiple_of(16) && pd.is_multiple_of(16);
+        let mut a = KernelArgs::new();
+        a.push(ps)
+            .push(row_bytes as i64)
+            .push(map.device_ptr()?)
+            .push(n as i64)
+            .push(vec as i32)
+            .push(pd);
+        self.launch("moe_ep_gather_rows", self.grid(n, 8), 256, 0, &mut a)
+    }
+
+    /// `[n]` i32: 0, 1, …, n − 1.
+    pub(crate) fn iota(&self, n: usize) -> Result<Tensor> {
+        let out = self.empty(&[n], DType::I32)?;
+        let mut a = KernelArgs::new();
+        a.push(out.device_ptr()?).push(n as i64);
+        self.launch("moe_iota", self.grid(n, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
 }
 
 /// grouped_mm on the GPU: the M-grouped kernel of the best variant that fits.

@@ -43,6 +43,9 @@ pub mod check;
 pub mod cpu;
 #[doc(hidden)]
 pub mod cuda;
+pub mod ep;
+
+pub use ep::{EpForward, ExpertParallel};
 
 pub use crate::core::act::Activation;
 use crate::core::cuda::Stream;
@@ -489,9 +492,20 @@ impl MoeForward {
 
     /// Buffers for a forward of `p` (uninitialised on a GPU).
     pub fn alloc(p: &Problem, stream: Option<&Stream>) -> Result<MoeForward> {
+        Self::alloc_with(p, stream, true)
+    }
+
+    /// As `alloc`, with `hpre` empty (`[0, 2I]`) unless `with_hpre`: the routing rank's state
+    /// of an expert-parallel layer, whose experts' activations live on the ranks owning them.
+    fn alloc_with(p: &Problem, stream: Option<&Stream>, with_hpre: bool) -> Result<MoeForward> {
         let mut ts = Self::layout(p)
             .into_iter()
-            .map(|(_, shape, dt)| alloc_like(p, &shape, dt, stream))
+            .map(|(name, mut shape, dt)| {
+                if name == "hpre" && !with_hpre {
+                    shape[0] = 0;
+                }
+                alloc_like(p, &shape, dt, stream)
+            })
             .collect::<Result<Vec<_>>>()?
             .into_iter();
         let mut next = || ts.next().unwrap();
