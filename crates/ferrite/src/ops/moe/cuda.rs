@@ -18,7 +18,7 @@ use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
-const FUNCS: [&str; 21] = [
+const FUNCS: [&str; 22] = [
     "moe_router",
     "moe_fill_i32",
     "moe_zero_bytes",
@@ -40,6 +40,7 @@ const FUNCS: [&str; 21] = [
     "moe_ep_row_weights",
     "moe_ep_pair_values",
     "moe_iota",
+    "moe_ep_gather_rows",
 ];
 /// kernels/moe.cu's CHUNK and SCATTER_THREADS.
 const CHUNK: usize = 2048;
@@ -78,7 +79,7 @@ pub fn wgmma_unfit(p: &Problem) -> Option<String> {
 /// The device, stream and kernel module of one call.
 pub(crate) struct Ctx {
     dev: Arc<CudaDevice>,
-    pub(crate) stream: Stream,
+    stream: Stream,
     program: Program,
 }
 
@@ -229,28 +230,12 @@ fn expert_gemm(
     variant: &str,
     mode: Grouping,
     p: &Problem,
-    dims: (usize, usize, usize),
+    (m, n, k): (usize, usize, usize),
     a: &Tensor,
     b: &Tensor,
     bt: bool,
     c: &Tensor,
     s: Segs,
-) -> Result<()> {
-    expert_gemm_beta(x, variant, mode, p, dims, (a, b, bt), c, s, 0.0)
-}
-
-/// `expert_gemm` with `c = product + beta·c`.
-#[allow(clippy::too_many_arguments)]
-fn expert_gemm_beta(
-    x: &Ctx,
-    variant: &str,
-    mode: Grouping,
-    p: &Problem,
-    (m, n, k): (usize, usize, usize),
-    (a, b, bt): (&Tensor, &Tensor, bool),
-    c: &Tensor,
-    s: Segs,
-    beta: f32,
 ) -> Result<()> {
     let e = s.experts;
     if let Some(kind) = grouped_kernel(variant) {
@@ -266,16 +251,13 @@ fn expert_gemm_beta(
             ends: s.ends.device_ptr()?,
             groups: e,
         };
-        return mm::launch_grouped(&l, &g, ptrs, groups, 1.0, beta, &x.stream);
+        return mm::launch_grouped(&l, &g, ptrs, groups, 1.0, 0.0, &x.stream);
     }
     // naive: one matmul call per expert, sized from the host's copy of the ends.
     let ends = s
         .host
         .ok_or_else(|| Error::Other("moe naive: ends not on the host".into()))?;
-    let opts = MatmulOptions {
-        beta,
-        ..x.matmul_opts()
-    };
+    let opts = x.matmul_opts();
     for ex in 0..e {
         let s = if ex > 0 { ends[ex - 1] as usize } else { 0 };
         let len = ends[ex] as usize - s;
@@ -296,9 +278,7 @@ fn expert_gemm_beta(
             Grouping::K => {
                 let ce = c.narrow(0, ex, 1)?.reshape(&[m, n])?;
                 if len == 0 {
-                    if beta == 0.0 {
-                        x.zero(&ce)?;
-                    }
+                    x.zero(&ce)?;
                     continue;
                 }
                 let ae = a.narrow(0, s, len)?.t()?;
@@ -443,13 +423,12 @@ pub fn forward(
         ends: &f.ends,
         host: he.as_deref(),
     };
-    let y = x.empty(&[s.rows, p.hidden], p.dtype)?;
-    experts_forward(
+    let y = experts_forward(
         &x,
         variant,
         p,
         s,
-        (&f.xp, &f.hpre, &y),
+        (&f.xp, &f.hpre),
         w,
         cfg,
         !opts.forward_only,
@@ -459,26 +438,28 @@ pub fn forward(
 
 /// The experts' half of the forward over the rows of `s`: up projection of `xp` into `hpre`
 /// (`fused`: the GLU from the same accumulators, `hpre` only when `keep_pre`), the GLU, and the
-/// down projection into the experts' outputs `y` `[s.rows, H]`.
+/// down projection; returns the experts' outputs `y` `[s.rows, H]` (a workspace in stream order).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn experts_forward(
     x: &Ctx,
     variant: &str,
     p: &Problem,
     s: Segs,
-    (xp, hpre, y): (&Tensor, &Tensor, &Tensor),
+    (xp, hpre): (&Tensor, &Tensor),
     w: &MoeWeights,
     cfg: &MoeConfig,
     keep_pre: bool,
-) -> Result<()> {
+) -> Result<Tensor> {
     // The GLU output is the forward's own workspace (the backward recomputes it from `hpre`):
     // back to the pool, in stream order, once the down projection has read it.
     let a = x.empty(&[s.rows, p.inter], p.dtype)?;
+    let y = x.empty(&[s.rows, p.hidden], p.dtype)?;
     up_proj(x, variant, p, s, (xp, hpre), w.w_up, cfg, &a, keep_pre)?;
     if variant != "fused" {
         glu(x, s, cfg, hpre, &a)?;
     }
-    down_proj(x, variant, p, s, &a, w.w_down, y)
+    down_proj(x, variant, p, s, &a, w.w_down, &y)?;
+    Ok(y)
 }
 
 /// `out[t] = Σ_j w[t,j]·y[pos[t,j]]`, then the losses.
@@ -677,8 +658,7 @@ pub fn backward(
     spread_rows(&x, p, dout, f, &dyu)?;
     let dw = x.empty(&[p.tokens * p.top_k], DType::F32)?;
     x.zero(&dw)?;
-    let dxp = x.empty(&[s.rows, p.hidden], p.dtype)?;
-    experts_backward(
+    let dxp = experts_backward(
         &x,
         variant,
         p,
@@ -689,11 +669,9 @@ pub fn backward(
             hpre: &f.hpre,
             src: &f.src,
             weights: &f.weights,
-            dxp: &dxp,
             dw: &dw,
             dw_up: &gr.dw_up,
             dw_down: &gr.dw_down,
-            accumulate: false,
         },
         w,
         cfg,
@@ -703,23 +681,21 @@ pub fn backward(
 
 /// What the experts' backward reads and writes: `dyu` (dout's rows in the layout, unscaled,
 /// zeros on padding; consumed), the forward's `xp` and `hpre`, each row's pair `src` (< 0:
-/// padding) and the pairs' gate `weights`; out: dxp = dhpre·W_upᵀ `[rows, H]`, the gates'
-/// gradients `dw` (per pair, f32) and the experts' weight gradients (added to what they hold
-/// when `accumulate`).
+/// padding) and the pairs' gate `weights`; out: the gates' gradients `dw` (per pair, f32) and the
+/// experts' weight gradients.
 pub(crate) struct ExpertGrads<'a> {
     pub dyu: Tensor,
     pub xp: &'a Tensor,
     pub hpre: &'a Tensor,
     pub src: &'a Tensor,
     pub weights: &'a Tensor,
-    pub dxp: &'a Tensor,
     pub dw: &'a Tensor,
     pub dw_up: &'a Tensor,
     pub dw_down: &'a Tensor,
-    pub accumulate: bool,
 }
 
-/// The experts' half of the backward over the rows of `s` (w: the experts' `w_up`/`w_down`).
+/// The experts' half of the backward over the rows of `s` (w: the experts' `w_up`/`w_down`);
+/// returns dxp = dhpre·W_upᵀ `[s.rows, H]` (a workspace in stream order).
 pub(crate) fn experts_backward(
     x: &Ctx,
     variant: &str,
@@ -728,9 +704,8 @@ pub(crate) fn experts_backward(
     g: ExpertGrads,
     w: &MoeWeights,
     cfg: &MoeConfig,
-) -> Result<()> {
+) -> Result<Tensor> {
     let (h, i, rows) = (p.hidden, p.inter, s.rows);
-    let beta = if g.accumulate { 1.0 } else { 0.0 };
     // gu = dyu·W_downᵀ.
     let gu = x.empty(&[rows, i], p.dtype)?;
     expert_gemm(
@@ -769,28 +744,47 @@ pub(crate) fn experts_backward(
     // Workspaces go back to the pool (in stream order) as soon as the last kernel reading them
     // is queued, so the next ones reuse the memory.
     // dW_down[e] = (s·a)_eᵀ·dyu_e.
-    let dims = (i, h, rows);
-    let ops = (&wa, &g.dyu, false);
-    expert_gemm_beta(x, variant, Grouping::K, p, dims, ops, g.dw_down, s, beta)?;
+    expert_gemm(
+        x,
+        variant,
+        Grouping::K,
+        p,
+        (i, h, rows),
+        &wa,
+        &g.dyu,
+        false,
+        g.dw_down,
+        s,
+    )?;
     drop(wa);
     drop(g.dyu);
     // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
-    let dims = (rows, h, 2 * i);
+    let dxp = x.empty(&[rows, h], p.dtype)?;
     expert_gemm(
         x,
         variant,
         Grouping::M,
         p,
-        dims,
+        (rows, h, 2 * i),
         &dhpre,
         w.w_up,
         true,
-        g.dxp,
+        &dxp,
         s,
     )?;
-    let dims = (h, 2 * i, rows);
-    let ops = (g.xp, &dhpre, false);
-    expert_gemm_beta(x, variant, Grouping::K, p, dims, ops, g.dw_up, s, beta)
+    expert_gemm(
+        x,
+        variant,
+        Grouping::K,
+        p,
+        (h, 2 * i, rows),
+        g.xp,
+        &dhpre,
+        false,
+        g.dw_up,
+        s,
+    )?;
+    Ok(dxp)
 }
 
 /// The routing's half of the backward: dx = `Σ_j dxp[pos]` + dlogits·router, d_router =
@@ -897,9 +891,20 @@ impl Ctx {
         Ok(out)
     }
 
-    /// Waits for the call's stream (before the host reads what it wrote).
-    pub(crate) fn sync(&self) -> Result<()> {
-        self.dev.synchronize(&self.stream, "moe")
+    /// `dst[r] = src[map[r]]` for the first `map.numel()` rows (contiguous, equal row sizes).
+    pub(crate) fn gather_rows(&self, src: &Tensor, map: &Tensor, dst: &Tensor) -> Result<()> {
+        let n = map.numel();
+        let row_bytes = dst.nbytes() / dst.shape()[0].max(1);
+        let (ps, pd) = (src.device_ptr()?, dst.device_ptr()?);
+        let vec = row_bytes.is_multiple_of(16) && ps.is_multiple_of(16) && pd.is_multiple_of(16);
+        let mut a = KernelArgs::new();
+        a.push(ps)
+            .push(row_bytes as i64)
+            .push(map.device_ptr()?)
+            .push(n as i64)
+            .push(vec as i32)
+            .push(pd);
+        self.launch("moe_ep_gather_rows", self.grid(n, 8), 256, 0, &mut a)
     }
 
     /// `[n]` i32: 0, 1, …, n − 1.

@@ -5,29 +5,28 @@
 //! own tokens with the whole (replicated) router. A forward, per rank:
 //! 1. **route** its tokens exactly as the one-GPU layer does (router, top-k, capacity, the padded
 //!    expert-contiguous layout `xp`): expert e's rows are one padded segment, and the experts of
-//!    rank d are consecutive, so what goes to d is one run of whole segments — itself a padded
-//!    expert-contiguous layout of d's experts;
+//!    rank d are consecutive, so what goes to d is a run of whole segments;
 //! 2. **exchange the segment sizes on the device** (an all-to-all of `E/W` int32 per peer), then
 //!    read them, with this rank's own layout ends, in one device→host copy: NCCL's receives need
 //!    their sizes on the host, and this is the layer's only host synchronisation;
-//! 3. **dispatch** on a second stream and NCCL communicator: one send/recv per peer of its run
-//!    (padding rows included, so every block that arrives is a valid layout as it lies) and of each
-//!    row's gate weight. Meanwhile the main stream runs the experts over **this rank's own run**,
-//!    which never leaves the device: the exchange hides behind that GEMM work;
-//! 4. the experts over each block that arrived (the one-GPU layer's expert stage: grouped up
-//!    projection, GLU, grouped down projection, the variant chosen for the local experts);
-//! 5. **return** the blocks' outputs by the reverse exchange into this rank's layout (its own
-//!    run's outputs are already there), and **combine** (`out[t] = Σ_j w[t,j]·y[pos[t,j]]`) and
-//!    the losses as the layer does.
+//! 3. **dispatch**: an all-to-all of the segments (NCCL grouped send/recv, one contiguous run per
+//!    peer — the destination's experts are consecutive in the layout — padding rows included so
+//!    every received segment stays a multiple of 128 rows) and of each row's gate weight; the
+//!    owner moves the rows from their order of arrival (by sending rank) to expert-major order
+//!    (`[expert j: from rank 0 | from rank 1 | …]`, again a padded expert-contiguous layout) with
+//!    one row gather (one NCCL send per peer instead of one per expert segment: at 128 experts,
+//!    per-segment sends made the exchanges slower than the experts' GEMMs);
+//! 4. **experts**: the one-GPU layer's expert stage (grouped up projection, GLU, grouped down
+//!    projection; the variant chosen for the local experts) over the received rows;
+//! 5. **return** the outputs by the reverse all-to-all into this rank's layout, and **combine**
+//!    (`out[t] = Σ_j w[t,j]·y[pos[t,j]]`) and the losses as the layer does.
 //!
-//! The backward runs the same way: dout spread into the layout, the peers' runs dispatched while
-//! the experts' backward runs on the own run, then on each block that arrived (the gate weights
-//! that came with the rows fold in as in the one-GPU kernel, and each row's gate gradient comes
-//! from the same GEMM; the blocks' weight gradients add to the own run's), dX rows and gate
-//! gradients returned, then the router's backward on the routing rank. Each rank's expert weight
-//! gradients cover every rank's tokens routed to its experts; the router's gradient covers this
-//! rank's tokens (the router is replicated: sum it over the ranks as for any data-parallel
-//! weight).
+//! The backward runs the same way: dout spread into the layout, dispatched, the experts' backward
+//! on the owner (the gate weights it received fold in as in the one-GPU kernel, and each row's
+//! gate gradient comes from the same GEMM), dX rows and gate gradients returned, then the router's
+//! backward on the routing rank. Each rank's expert weight gradients cover every rank's tokens
+//! routed to its experts; the router's gradient covers this rank's tokens (the router is
+//! replicated: sum it over the ranks as for any data-parallel weight).
 //!
 //! Semantics per rank are those of `moe_forward` on that rank's tokens — capacity is
 //! `ceil(T_r·k/E·factor)` of the rank's own T_r, the losses are the rank's — so a rank's output
@@ -40,7 +39,7 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::tensor::{describe, Tensor};
-use crate::dist::{Chunks, ProcessGroup, SideStream};
+use crate::dist::{Chunks, ProcessGroup};
 
 /// This rank's part of an expert-parallel layer: the run's configuration, checked the same on
 /// every rank when made.
@@ -51,8 +50,6 @@ pub struct ExpertParallel<'g> {
     inter: usize,
     dtype: DType,
     device: Device,
-    /// The exchanges' communicator and stream (GPU).
-    side: Option<SideStream>,
     /// Per-phase wall times of the calls since `profile_phases(true)` (each phase waited for).
     phases: std::cell::RefCell<Option<(std::time::Instant, Vec<(&'static str, f64)>)>>,
 }
@@ -70,32 +67,49 @@ impl std::fmt::Debug for ExpertParallel<'_> {
     }
 }
 
-/// Rows of one layout that one expert stage walks: `rows` rows from `start`, the local experts'
-/// segment ends relative to `start`.
-#[derive(Clone, Debug)]
-struct Block {
-    start: usize,
-    rows: usize,
-    ends: Vec<i32>,
-}
-
-/// Which rows move where: per peer, the `(first row, rows)` run of this rank's layout that goes to
-/// it (`to`) and the run of the arrival buffer its rows land in (`from`; none for this rank);
-/// this rank's own run (in its layout) and each arrived block (in the arrival buffer), as the
-/// expert stages walk them.
+/// Which rows move where: per peer, the `(first row, rows)` run of the routing rank's layout
+/// (`to`) and of the owner's arrival buffer (`from`); the local experts' ends in expert-major
+/// order; `order[r]`: the arrival row of expert-major row r, `back` its inverse.
 struct Plan {
     to: Vec<Chunks>,
     from: Vec<Chunks>,
-    own: Block,
-    arrived: Vec<Block>,
-    /// Rows of the arrival buffer.
+    ends: Vec<i32>,
     rows: usize,
+    order: Vec<i32>,
+    back: Vec<i32>,
 }
 
-impl Plan {
-    /// Every expert stage: the own run first (in the layout), then the arrived blocks.
-    fn stages(&self) -> impl Iterator<Item = (bool, &Block)> {
-        std::iter::once((true, &self.own)).chain(self.arrived.iter().map(|b| (false, b)))
+/// A plan's row orders on the layer's device (int32).
+struct Maps {
+    order: Tensor,
+    back: Tensor,
+}
+
+/// `out[r] = src[map[r]]` (rows of a contiguous `[n, …]` tensor; `host_map` is `map`'s values).
+fn reorder(
+    ctx: Option<&cuda::Ctx>,
+    src: &Tensor,
+    map: &Tensor,
+    host_map: &[i32],
+) -> Result<Tensor> {
+    match ctx {
+        Some(c) => {
+            let out = c.empty(src.shape(), src.dtype())?;
+            c.gather_rows(src, map, &out)?;
+            Ok(out)
+        }
+        None => {
+            let v = src.to_f32_vec()?;
+            let width = v.len() / src.shape()[0].max(1);
+            let mut o = vec![0f32; v.len()];
+            for (r, &m) in host_map.iter().enumerate() {
+                let m = m as usize;
+                o[r * width..(r + 1) * width].copy_from_slice(&v[m * width..(m + 1) * width]);
+            }
+            let out = Tensor::empty(src.shape(), src.dtype(), Device::Cpu)?;
+            out.write_f32(&o)?;
+            Ok(out)
+        }
     }
 }
 
@@ -111,17 +125,16 @@ pub struct EpForward {
     /// This rank's tokens: output `out`, routing (`idx`, `weights`, `pos`, …), layout `xp`,
     /// `metrics()`; its `hpre` is empty (the activations live with the experts).
     pub routing: MoeForward,
-    /// The rows that arrived from the other ranks for this rank's experts `[R, H]`.
+    /// The rows this rank's experts received, expert-major `[R, H]`.
     pub received: Tensor,
-    /// The up projection `[own rows + R, 2I]` (gate | up) of the own run, then of the arrivals.
+    /// Their up projection `[R, 2I]` (gate | up).
     hpre: Tensor,
-    /// Each layout row's gate weight `[rows_cap]` and each arrived row's `[R]` (f32, 0 on
-    /// padding).
-    row_w: Tensor,
+    /// Each received row's gate weight `[R]` f32 (0 on padding).
     gates: Tensor,
-    /// The local experts' ends of every stage (int32 `[stages, E/W]`).
+    /// The local experts' segment ends in `received` (int32 `[E/W]`).
     ends: Tensor,
     plan: Plan,
+    maps: Maps,
     backward_ready: bool,
 }
 
@@ -163,10 +176,6 @@ impl<'g> ExpertParallel<'g> {
             "the expert-parallel MoE layer",
             &format!("{cfg:?} H{hidden} I{inter} {dtype} {kind}"),
         )?;
-        let side = match device {
-            Device::Cuda(_) => Some(pg.side_stream(device)?),
-            Device::Cpu => None,
-        };
         Ok(ExpertParallel {
             pg,
             cfg: cfg.clone(),
@@ -174,7 +183,6 @@ impl<'g> ExpertParallel<'g> {
             inter,
             dtype,
             device,
-            side,
             phases: Default::default(),
         })
     }
@@ -280,22 +288,11 @@ impl<'g> ExpertParallel<'g> {
         }
     }
 
-    /// Exchanges the padded segment sizes and plans the exchanges (the host synchronisation).
+    /// Exchanges the padded segment sizes and plans the all-to-alls (the host synchronisation).
     fn plan(&self, f: &MoeForward, ctx: Option<&cuda::Ctx>) -> Result<Plan> {
-        let (w, el, e, me) = (
-            self.pg.world(),
-            self.local(),
-            self.cfg.experts,
-            self.pg.rank(),
-        );
+        let (w, el, e) = (self.pg.world(), self.local(), self.cfg.experts);
         let segs = match ctx {
-            Some(x) => {
-                let s = x.seg_sizes(&f.ends, e)?;
-                // The process group's communicator runs on the device's stream: the sizes
-                // must be there before it reads them.
-                x.sync()?;
-                s
-            }
+            Some(x) => x.seg_sizes(&f.ends, e)?,
             None => {
                 let ends = f.ends.to_vec::<i32>()?;
                 let s: Vec<i32> = (0..e)
@@ -312,50 +309,30 @@ impl<'g> ExpertParallel<'g> {
         self.pg.all_to_all_v(&segs, &per_peer, &got, &per_peer)?;
         let ends = f.ends.to_vec::<i32>()?;
         let got = got.to_vec::<i32>()?;
+        let start = |x: usize| if x > 0 { ends[x - 1] as usize } else { 0 };
+        let to = (0..w)
+            .map(|d| {
+                let (a, b) = (start(d * el), ends[(d + 1) * el - 1] as usize);
+                vec![(a, b - a)]
+            })
+            .collect();
         if let Some(&n) = got.iter().find(|&&n| n < 0) {
             return Err(Error::Other(format!(
-                "moe expert parallel: rank {me} received a segment size of {n}"
+                "moe expert parallel: rank {} received a segment size of {n}",
+                self.pg.rank()
             )));
         }
-        let start = |x: usize| if x > 0 { ends[x - 1] as usize } else { 0 };
-        let run = |d: usize| {
-            (
-                start(d * el),
-                ends[(d + 1) * el - 1] as usize - start(d * el),
-            )
-        };
-        let to = (0..w)
-            .map(|d| if d == me { vec![] } else { vec![run(d)] })
-            .collect();
-        let (s0, n0) = run(me);
-        let own = Block {
-            start: s0,
-            rows: n0,
-            ends: (me * el..(me + 1) * el)
-                .map(|x| ends[x] - s0 as i32)
-                .collect(),
-        };
-        // Arrivals: by sending rank, each block its sender's segments for this rank's experts.
-        let (mut from, mut arrived) = (Vec::with_capacity(w), Vec::new());
+        // Arrival order: by sending rank, each rank's segments in expert order.
+        let mut from: Vec<Chunks> = Vec::with_capacity(w);
+        let mut seg_at = vec![0usize; w * el];
         let mut at = 0usize;
         for s in 0..w {
-            if s == me {
-                from.push(vec![]);
-                continue;
-            }
-            let mut run = 0usize;
-            let mut bends = Vec::with_capacity(el);
+            let first = at;
             for j in 0..el {
-                run += got[s * el + j] as usize;
-                bends.push(run as i32);
+                seg_at[s * el + j] = at;
+                at += got[s * el + j] as usize;
             }
-            from.push(vec![(at, run)]);
-            arrived.push(Block {
-                start: at,
-                rows: run,
-                ends: bends,
-            });
-            at += run;
+            from.push(vec![(first, at - first)]);
         }
         if at > i32::MAX as usize {
             return Err(Error::bad_arg(
@@ -365,12 +342,30 @@ impl<'g> ExpertParallel<'g> {
                 at,
             ));
         }
+        // Expert-major order: expert j's segments from rank 0, 1, … .
+        let mut local_ends = Vec::with_capacity(el);
+        let mut order = Vec::with_capacity(at.max(1));
+        for j in 0..el {
+            for s in 0..w {
+                let a = seg_at[s * el + j];
+                order.extend((a..a + got[s * el + j] as usize).map(|r| r as i32));
+            }
+            local_ends.push(order.len() as i32);
+        }
+        let mut back = vec![0i32; at.max(1)];
+        for (r, &a) in order.iter().enumerate() {
+            back[a as usize] = r as i32;
+        }
+        if order.is_empty() {
+            order.push(0);
+        }
         Ok(Plan {
             to,
             from,
-            own,
-            arrived,
+            ends: local_ends,
             rows: at,
+            order,
+            back,
         })
     }
 
@@ -382,44 +377,72 @@ impl<'g> ExpertParallel<'g> {
         }
     }
 
-    /// Rows `width` wide of `src` (runs `send`, per peer) into `dst` (runs `recv`): on the side
-    /// stream after the main stream's work so far (GPU; the caller joins the main stream back
-    /// before reading `dst`), through the rendezvous on the CPU.
+    /// `rows` `[n, width]` of `src` (runs `send`) into a new `[m, width]` tensor (runs `recv`).
+    #[allow(clippy::too_many_arguments)]
     fn exchange(
         &self,
         ctx: Option<&cuda::Ctx>,
-        (src, send): (&Tensor, &[Chunks]),
-        (dst, recv): (&Tensor, &[Chunks]),
+        src: &Tensor,
+        send: &[Chunks],
+        recv: &[Chunks],
+        m: usize,
         width: usize,
-    ) -> Result<()> {
-        let (send, recv) = (widen(send, width), widen(recv, width));
-        match (ctx, &self.side) {
-            (Some(c), Some(side)) => {
-                side.stream()
-                    .join(&c.stream)
-                    .map_err(|e| Error::cuda("moe expert parallel: side stream waits", e))?;
-                side.all_to_all_v(src, &send, dst, &recv)
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let shape: &[usize] = if width == 1 { &[m] } else { &[m, width] };
+        // The CPU collectives carry f32: a CPU layer's values travel as f32 (bf16/f16 values
+        // are exact in it) and are stored back in the dtype.
+        let (src, dt) = match (ctx, dtype) {
+            (None, d) if d != DType::F32 && d != DType::I32 => {
+                (src.to_dtype(DType::F32)?, DType::F32)
             }
-            _ if matches!(src.dtype(), DType::F32 | DType::I32) => {
-                self.pg.all_to_all_v(src, &send, dst, &recv)
-            }
-            _ => {
-                // The CPU collectives carry f32: bf16/f16 values travel exactly as f32.
-                let (s32, d32) = (src.to_dtype(DType::F32)?, dst.to_dtype(DType::F32)?);
-                self.pg.all_to_all_v(&s32, &send, &d32, &recv)?;
-                dst.write_f32(&d32.to_f32_vec()?)
-            }
+            _ => (src.clone(), dtype),
+        };
+        let out = self.empty(ctx, shape, dt)?;
+        self.pg
+            .all_to_all_v(&src, &widen(send, width), &out, &widen(recv, width))?;
+        if dt != dtype {
+            return out.to_dtype(dtype);
         }
+        Ok(out)
     }
 
-    /// The main stream waits for the side stream's exchanges (GPU).
-    fn join_side(&self, ctx: Option<&cuda::Ctx>) -> Result<()> {
-        if let (Some(c), Some(side)) = (ctx, &self.side) {
-            c.stream
-                .join(side.stream())
-                .map_err(|e| Error::cuda("moe expert parallel: waiting for the exchange", e))?;
-        }
-        Ok(())
+    /// Rows of this rank's layout `src` (`width` wide) to the experts' owners, in expert-major
+    /// order there (`[plan.rows.max(1), width]`).
+    fn dispatch(
+        &self,
+        ctx: Option<&cuda::Ctx>,
+        src: &Tensor,
+        (plan, maps): (&Plan, &Maps),
+        width: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let arrived = self.exchange(
+            ctx,
+            src,
+            &plan.to,
+            &plan.from,
+            plan.rows.max(1),
+            width,
+            dtype,
+        )?;
+        reorder(ctx, &arrived, &maps.order, &plan.order)
+    }
+
+    /// The reverse: expert-major rows `src` back into the routing ranks' layouts (`[rows_cap,
+    /// width]`; rows not sent back — padding, unused — are left unwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn collect(
+        &self,
+        ctx: Option<&cuda::Ctx>,
+        src: &Tensor,
+        (plan, maps): (&Plan, &Maps),
+        rows_cap: usize,
+        width: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let arrival = reorder(ctx, src, &maps.back, &plan.back)?;
+        self.exchange(ctx, &arrival, &plan.from, &plan.to, rows_cap, width, dtype)
     }
 
     /// The forward on this rank's tokens x `[T, H]` (w: the whole router and this rank's
@@ -441,15 +464,24 @@ impl<'g> ExpertParallel<'g> {
         }
         self.mark("fwd route")?;
         let plan = self.plan(&f, ctx)?;
-        let pl = self.local_problem(&p, plan.rows.max(plan.own.rows));
+        let pl = self.local_problem(&p, plan.rows);
         let variant = select(&pl, opts.variant.as_deref())?;
-        let (h, i, dt, el) = (p.hidden, p.inter, p.dtype, self.local());
-        let stages: Vec<(bool, Block)> = plan.stages().map(|(o, b)| (o, b.clone())).collect();
-        let mut all_ends = Vec::with_capacity(stages.len() * el);
-        for (_, b) in &stages {
-            all_ends.extend_from_slice(&b.ends);
-        }
-        let ends = Tensor::from_vec(all_ends, &[stages.len(), el])?.to_device(p.device)?;
+        let rows = plan.rows.max(1);
+        let (h, i, dt) = (p.hidden, p.inter, p.dtype);
+        // The local ends and both row orders in one host→device copy.
+        let (no, nb, el) = (plan.order.len(), plan.back.len(), self.local());
+        let mut all = Vec::with_capacity(el + no + nb);
+        all.extend_from_slice(&plan.ends);
+        all.extend_from_slice(&plan.order);
+        all.extend_from_slice(&plan.back);
+        let all = Tensor::from_vec(all, &[el + no + nb])?.to_device(p.device)?;
+        let ends = all.narrow(0, 0, el)?;
+        let maps = Maps {
+            order: all.narrow(0, el, no)?,
+            back: all.narrow(0, el + no, nb)?,
+        };
+        self.mark("fwd plan")?;
+        let xr = self.dispatch(ctx, &f.xp, (&plan, &maps), h, dt)?;
         let row_w = match ctx {
             Some(c) => c.row_weights(&f, p.rows_cap())?,
             None => {
@@ -457,68 +489,40 @@ impl<'g> ExpertParallel<'g> {
                 Tensor::from_vec(v, &[p.rows_cap()])?
             }
         };
-        let r = plan.rows.max(1);
-        let received = self.empty(ctx, &[r, h], dt)?;
-        let gates = self.empty(ctx, &[r], DType::F32)?;
-        let hpre = self.empty(ctx, &[plan.own.rows + r, 2 * i], dt)?;
-        let y = self.empty(ctx, &[p.rows_cap(), h], dt)?;
-        let y_arr = self.empty(ctx, &[r, h], dt)?;
-        self.mark("fwd plan")?;
-        // The peers' runs travel while the experts run over the own run.
-        self.exchange(ctx, (&f.xp, &plan.to), (&received, &plan.from), h)?;
-        self.exchange(ctx, (&row_w, &plan.to), (&gates, &plan.from), 1)?;
-        let (wu, wd) = match ctx {
-            Some(_) => (Vec::new(), Vec::new()),
-            None => (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?),
+        let gates = self.dispatch(ctx, &row_w, (&plan, &maps), 1, DType::F32)?;
+        drop(row_w);
+        self.mark("fwd dispatch")?;
+        let hpre = self.empty(ctx, &[rows, 2 * i], dt)?;
+        let y = match ctx {
+            Some(c) => {
+                let s = cuda::Segs {
+                    rows,
+                    experts: self.local(),
+                    ends: &ends,
+                    host: Some(&plan.ends),
+                };
+                cuda::experts_forward(c, variant, &pl, s, (&xr, &hpre), w, cfg, !opts.forward_only)?
+            }
+            None => {
+                let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
+                let (hp, y) = cpu::experts_forward(
+                    variant == "parallel",
+                    &pl,
+                    &plan.ends,
+                    rows,
+                    &xr.to_f32_vec()?,
+                    &wu,
+                    &wd,
+                    cfg.act,
+                )?;
+                hpre.write_f32(&hp)?;
+                let yt = Tensor::empty(&[rows, h], dt, Device::Cpu)?;
+                yt.write_f32(&y)?;
+                yt
+            }
         };
-        for (n, (own, b)) in stages.iter().enumerate() {
-            if !own && n == 1 {
-                self.mark("fwd experts (own rows)")?;
-                self.join_side(ctx)?;
-                self.mark("fwd dispatch (rest)")?;
-            }
-            if b.rows == 0 {
-                continue;
-            }
-            let (src, out) = if *own {
-                (&f.xp, &y)
-            } else {
-                (&received, &y_arr)
-            };
-            let xs = src.narrow(0, b.start, b.rows)?;
-            let ys = out.narrow(0, b.start, b.rows)?;
-            let hp = hpre.narrow(0, if *own { 0 } else { plan.own.rows + b.start }, b.rows)?;
-            match ctx {
-                Some(c) => {
-                    let e = ends.narrow(0, n, 1)?.reshape(&[el])?;
-                    let s = cuda::Segs {
-                        rows: b.rows,
-                        experts: el,
-                        ends: &e,
-                        host: Some(&b.ends),
-                    };
-                    let fo = !opts.forward_only;
-                    cuda::experts_forward(c, variant, &pl, s, (&xs, &hp, &ys), w, cfg, fo)?;
-                }
-                None => {
-                    let (hv, yv) = cpu::experts_forward(
-                        variant == "parallel",
-                        &pl,
-                        &b.ends,
-                        b.rows,
-                        &xs.to_f32_vec()?,
-                        &wu,
-                        &wd,
-                        cfg.act,
-                    )?;
-                    hp.write_f32(&hv)?;
-                    ys.write_f32(&yv)?;
-                }
-            }
-        }
-        self.mark("fwd experts (arrived rows)")?;
-        self.exchange(ctx, (&y_arr, &plan.from), (&y, &plan.to), h)?;
-        self.join_side(ctx)?;
+        self.mark("fwd experts")?;
+        let y = self.collect(ctx, &y, (&plan, &maps), p.rows_cap(), h, dt)?;
         self.mark("fwd return")?;
         match ctx {
             Some(c) => cuda::combine(c, &p, cfg, &f, &y)?,
@@ -527,12 +531,12 @@ impl<'g> ExpertParallel<'g> {
         self.mark("fwd combine")?;
         Ok(EpForward {
             routing: f,
-            received,
+            received: xr,
             hpre,
-            row_w,
             gates,
             ends,
             plan,
+            maps,
             backward_ready: !opts.forward_only,
         })
     }
@@ -578,24 +582,24 @@ impl<'g> ExpertParallel<'g> {
                 ));
             }
         }
-        let (f, plan) = (&fwd.routing, &fwd.plan);
+        let (f, plan, maps) = (&fwd.routing, &fwd.plan, &fwd.maps);
         let ctx = match p.device {
             Device::Cuda(_) => Some(cuda::Ctx::new(&p, opts)?),
             Device::Cpu => None,
         };
         let ctx = ctx.as_ref();
         let par = opts.variant.as_deref() != Some("naive");
-        let pl = self.local_problem(&p, plan.rows.max(plan.own.rows));
+        let pl = self.local_problem(&p, plan.rows);
         let variant = select(&pl, opts.variant.as_deref())?;
         let (t, h, i, el, dt) = (p.tokens, p.hidden, p.inter, self.local(), p.dtype);
-        let r = plan.rows.max(1);
+        let rows = plan.rows.max(1);
         let g = MoeGrads {
             dx: self.empty(ctx, &[t, h], dt)?,
             d_router: self.empty(ctx, &[p.experts, h], dt)?,
             dw_up: self.empty(ctx, &[el, h, 2 * i], dt)?,
             dw_down: self.empty(ctx, &[el, i, h], dt)?,
         };
-        // dout's rows in the layout, unscaled (zeros on padding).
+        // dout's rows in the layout, unscaled (zeros on padding), to the experts' owners.
         let dyu = match ctx {
             Some(c) => {
                 let d = c.empty(&[p.rows_cap(), h], dt)?;
@@ -611,155 +615,72 @@ impl<'g> ExpertParallel<'g> {
                     &f.src.to_vec::<i32>()?,
                     ends[p.experts - 1] as usize,
                 )?;
-                Tensor::from_vec(v, &[p.rows_cap(), h])?.to_dtype(dt)?
+                Tensor::from_vec(v, &[p.rows_cap(), h])?
             }
-        };
-        let dyu_arr = self.empty(ctx, &[r, h], dt)?;
-        let dxp = self.empty(ctx, &[p.rows_cap(), h], dt)?;
-        let dxr = self.empty(ctx, &[r, h], dt)?;
-        let dw_rows = self.empty(ctx, &[p.rows_cap()], DType::F32)?;
-        let dw_arr = self.empty(ctx, &[r], DType::F32)?;
-        let iota = match ctx {
-            Some(c) => c.iota(r.max(plan.own.rows))?,
-            None => Tensor::from_vec(
-                (0..r.max(plan.own.rows) as i32).collect::<Vec<_>>(),
-                &[r.max(plan.own.rows)],
-            )?,
         };
         self.mark("bwd spread")?;
-        self.exchange(ctx, (&dyu, &plan.to), (&dyu_arr, &plan.from), h)?;
-        let (wu, wd) = match ctx {
-            Some(_) => (Vec::new(), Vec::new()),
-            None => (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?),
-        };
-        // Host sums of the CPU stages' weight gradients.
-        let (mut up_sum, mut down_sum): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
-        let mut written = false;
-        for (n, (own, b)) in plan.stages().enumerate() {
-            if !own && n == 1 {
-                self.mark("bwd experts (own rows)")?;
-                self.join_side(ctx)?;
-                self.mark("bwd dispatch (rest)")?;
-            }
-            if b.rows == 0 {
-                continue;
-            }
-            // Own run: rows of the layout, its gate weights and gate-gradient rows 0-based in
-            // the run; arrived blocks: rows of the arrival buffers, indexed by arrival row.
-            let (dy, xs, dxo) = if own {
-                (&dyu, &f.xp, &dxp)
-            } else {
-                (&dyu_arr, &fwd.received, &dxr)
-            };
-            let dy = dy.narrow(0, b.start, b.rows)?;
-            let xs = xs.narrow(0, b.start, b.rows)?;
-            let dxo = dxo.narrow(0, b.start, b.rows)?;
-            let hp = fwd
-                .hpre
-                .narrow(0, if own { 0 } else { plan.own.rows + b.start }, b.rows)?;
-            let (src, wts, dwo) = if own {
-                (
-                    iota.narrow(0, 0, b.rows)?,
-                    fwd.row_w.narrow(0, b.start, b.rows)?,
-                    dw_rows.narrow(0, b.start, b.rows)?,
-                )
-            } else {
-                (
-                    iota.narrow(0, b.start, b.rows)?,
-                    fwd.gates.clone(),
-                    dw_arr.clone(),
-                )
-            };
-            match ctx {
-                Some(c) => {
-                    let e = fwd.ends.narrow(0, n, 1)?.reshape(&[el])?;
-                    let s = cuda::Segs {
-                        rows: b.rows,
-                        experts: el,
-                        ends: &e,
-                        host: Some(&b.ends),
-                    };
-                    cuda::experts_backward(
-                        c,
-                        variant,
-                        &pl,
-                        s,
-                        cuda::ExpertGrads {
-                            dyu: dy,
-                            xp: &xs,
-                            hpre: &hp,
-                            src: &src,
-                            weights: &wts,
-                            dxp: &dxo,
-                            dw: &dwo,
-                            dw_up: &g.dw_up,
-                            dw_down: &g.dw_down,
-                            accumulate: written,
-                        },
-                        w,
-                        &self.cfg,
-                    )?;
-                }
-                None => {
-                    let eg = cpu::experts_backward(
-                        variant == "parallel",
-                        &pl,
-                        &b.ends,
-                        // the block's own rows of the gate weights
-                        &if own {
-                            wts.to_f32_vec()?
-                        } else {
-                            wts.narrow(0, b.start, b.rows)?.to_f32_vec()?
-                        },
-                        (&dy.to_f32_vec()?, &xs.to_f32_vec()?, &hp.to_f32_vec()?),
-                        &wu,
-                        &wd,
-                        self.cfg.act,
-                    )?;
-                    dxo.write_f32(&eg.dxp)?;
-                    if own {
-                        dwo.write_f32(&eg.dots)?;
-                    } else {
-                        // Arrival rows: this block's part of the arrival buffer.
-                        dw_arr.narrow(0, b.start, b.rows)?.write_f32(&eg.dots)?;
-                    }
-                    if written {
-                        up_sum.iter_mut().zip(&eg.dw_up).for_each(|(a, v)| *a += v);
-                        down_sum
-                            .iter_mut()
-                            .zip(&eg.dw_down)
-                            .for_each(|(a, v)| *a += v);
-                    } else {
-                        (up_sum, down_sum) = (eg.dw_up, eg.dw_down);
-                    }
-                }
-            }
-            written = true;
-        }
-        match ctx {
-            Some(c) if !written => {
-                // No rows reached this rank's experts: their gradients are zero.
-                c.zero(&g.dw_up)?;
-                c.zero(&g.dw_down)?;
-            }
-            Some(_) => {}
-            None if !written => {
-                g.dw_up.write_f32(&vec![0.0; g.dw_up.numel()])?;
-                g.dw_down.write_f32(&vec![0.0; g.dw_down.numel()])?;
+        let dyu_r = self.dispatch(ctx, &dyu, (plan, maps), h, dt)?;
+        drop(dyu);
+        self.mark("bwd dispatch")?;
+        let (dxr, dw_r) = match ctx {
+            Some(c) => {
+                let s = cuda::Segs {
+                    rows,
+                    experts: el,
+                    ends: &fwd.ends,
+                    host: Some(&plan.ends),
+                };
+                // Every received row is its own "pair": src = the row, its gate weight received.
+                let src = c.iota(rows)?;
+                let dw = c.empty(&[rows], DType::F32)?;
+                c.zero(&dw)?;
+                let dxr = cuda::experts_backward(
+                    c,
+                    variant,
+                    &pl,
+                    s,
+                    cuda::ExpertGrads {
+                        dyu: dyu_r,
+                        xp: &fwd.received,
+                        hpre: &fwd.hpre,
+                        src: &src,
+                        weights: &fwd.gates,
+                        dw: &dw,
+                        dw_up: &g.dw_up,
+                        dw_down: &g.dw_down,
+                    },
+                    w,
+                    &self.cfg,
+                )?;
+                (dxr, dw)
             }
             None => {
-                let r = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x = cpu::round(dt, *x));
-                r(&mut up_sum);
-                r(&mut down_sum);
-                g.dw_up.write_f32(&up_sum)?;
-                g.dw_down.write_f32(&down_sum)?;
+                let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
+                let eg = cpu::experts_backward(
+                    variant == "parallel",
+                    &pl,
+                    &plan.ends,
+                    &fwd.gates.to_f32_vec()?,
+                    (
+                        &dyu_r.to_f32_vec()?,
+                        &fwd.received.to_f32_vec()?,
+                        &fwd.hpre.to_f32_vec()?,
+                    ),
+                    &wu,
+                    &wd,
+                    self.cfg.act,
+                )?;
+                g.dw_up.write_f32(&eg.dw_up)?;
+                g.dw_down.write_f32(&eg.dw_down)?;
+                let dxr = Tensor::empty(&[rows, h], dt, Device::Cpu)?;
+                dxr.write_f32(&eg.dxp)?;
+                (dxr, Tensor::from_vec(eg.dots, &[rows])?)
             }
-        }
-        self.mark("bwd experts (arrived rows)")?;
+        };
+        self.mark("bwd experts")?;
         // dX rows and the gates' gradients back to the routing ranks.
-        self.exchange(ctx, (&dxr, &plan.from), (&dxp, &plan.to), h)?;
-        self.exchange(ctx, (&dw_arr, &plan.from), (&dw_rows, &plan.to), 1)?;
-        self.join_side(ctx)?;
+        let dxp = self.collect(ctx, &dxr, (plan, maps), p.rows_cap(), h, dt)?;
+        let dw_rows = self.collect(ctx, &dw_r, (plan, maps), p.rows_cap(), 1, DType::F32)?;
         self.mark("bwd return")?;
         match ctx {
             Some(c) => {

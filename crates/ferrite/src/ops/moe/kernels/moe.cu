@@ -658,3 +658,24 @@ extern "C" __global__ void moe_iota(int* __restrict__ p, i64 n) {
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
     p[i] = (int)i;
 }
+
+// dst[r] = src[map[r]] for rows of row_bytes (r < n), one warp per row: an expert-parallel
+// layer's rows between the order they arrive in (by sending rank) and the experts' order.
+// 16-byte moves when rows and bases allow (vec), bytes otherwise.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_ep_gather_rows(const unsigned char* __restrict__ src, i64 row_bytes,
+                       const int* __restrict__ map, i64 n, int vec,
+                       unsigned char* __restrict__ dst) {
+  const int lane = threadIdx.x % 32;
+  const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+  for (i64 r = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < n; r += warps) {
+    const unsigned char* s = src + (i64)map[r] * row_bytes;
+    unsigned char* d = dst + r * row_bytes;
+    if (vec) {
+      for (i64 c = lane; c < row_bytes / 16; c += 32)
+        reinterpret_cast<uint4*>(d)[c] = reinterpret_cast<const uint4*>(s)[c];
+    } else {
+      for (i64 c = lane; c < row_bytes; c += 32) d[c] = s[c];
+    }
+  }
+}
