@@ -907,6 +907,11 @@ impl Ctx {
         self.launch("moe_ep_gather_rows", self.grid(n, 8), 256, 0, &mut a)
     }
 
+    /// Waits for the call's stream (before another stream or the host reads what it wrote).
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.dev.synchronize(&self.stream, "moe")
+    }
+
     /// `[n]` i32: 0, 1, …, n − 1.
     pub(crate) fn iota(&self, n: usize) -> Result<Tensor> {
         let out = self.empty(&[n], DType::I32)?;

@@ -292,7 +292,13 @@ impl<'g> ExpertParallel<'g> {
     fn plan(&self, f: &MoeForward, ctx: Option<&cuda::Ctx>) -> Result<Plan> {
         let (w, el, e) = (self.pg.world(), self.local(), self.cfg.experts);
         let segs = match ctx {
-            Some(x) => x.seg_sizes(&f.ends, e)?,
+            Some(x) => {
+                let s = x.seg_sizes(&f.ends, e)?;
+                // The process group's communicator runs on the device's own stream: the sizes
+                // (written on the call's stream, maybe a caller's) must be there first.
+                x.sync()?;
+                s
+            }
             None => {
                 let ends = f.ends.to_vec::<i32>()?;
                 let s: Vec<i32> = (0..e)
