@@ -3,7 +3,7 @@
 //! mma.sync, `wgmma`: Hopper's persistent TMA kernel; `fused`: `wgmma` with the GLU in the up
 //! projection's epilogue).
 
-use super::{MoeConfig, MoeForward, MoeGrads, MoeOptions, MoeWeights, Problem, OP};
+use super::{MoeConfig, MoeForward, MoeGrads, MoeOptions, MoeWeights, Problem};
 use crate::core::cuda::jit::{KernelSource, Program};
 use crate::core::cuda::{device, CudaDevice, KernelArgs, Stream};
 use crate::core::device::{Arch, Device};
@@ -84,6 +84,20 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
+    /// Waits for the call's stream (before another stream or the host reads what it wrote).
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.dev.synchronize(&self.stream, "moe")
+    }
+
+    /// The module of `dtype` on `dev`, launching on `stream`.
+    pub(crate) fn on(dev: Arc<CudaDevice>, stream: Stream, dtype: DType) -> Ctx {
+        Ctx {
+            dev,
+            stream,
+            program: program(dtype),
+        }
+    }
+
     pub(crate) fn new(p: &Problem, opts: &MoeOptions) -> Result<Ctx> {
         let Device::Cuda(i) = p.device else {
             return Err(Error::Other("moe::cuda on a CPU problem".into()));
@@ -166,7 +180,7 @@ fn grouped_kernel(variant: &str) -> Option<&'static str> {
 /// (a `[m, k]` row-major, b `[e, k, n]`, or `[e, n, k]` read transposed when `bt`, c `[m, n]`),
 /// or K-grouped `c[g] = a[rows of g]ᵀ·b[rows of g]` (a `[k, m]`, b `[k, n]`, c `[e, m, n]`).
 #[allow(clippy::too_many_arguments)]
-fn grouped_gemm(
+pub(crate) fn grouped_gemm(
     mode: Grouping,
     e: usize,
     (m, n, k): (usize, usize, usize),
@@ -851,205 +865,4 @@ pub(crate) fn router_backward(
         },
     )?;
     matmul::matmul_into(&dlogits.t()?, xt, &gr.d_router, &mo)
-}
-
-/// Expert parallelism's bookkeeping kernels (kernels/moe.cu, moe_ep_*).
-impl Ctx {
-    /// `[E]` i32: each padded expert segment's rows, from the layout's ends.
-    pub(crate) fn seg_sizes(&self, ends: &Tensor, e: usize) -> Result<Tensor> {
-        let out = self.empty(&[e], DType::I32)?;
-        let mut a = KernelArgs::new();
-        a.push(ends.device_ptr()?)
-            .push(e as i32)
-            .push(out.device_ptr()?);
-        self.launch("moe_ep_seg_sizes", self.grid(e, 256), 256, 0, &mut a)?;
-        Ok(out)
-    }
-
-    /// `[rows]` f32: each layout row's gate weight (0 on padding and unused rows).
-    pub(crate) fn row_weights(&self, f: &MoeForward, rows: usize) -> Result<Tensor> {
-        let out = self.empty(&[rows], DType::F32)?;
-        let mut a = KernelArgs::new();
-        a.push(f.src.device_ptr()?)
-            .push(f.weights.device_ptr()?)
-            .push(rows as i64)
-            .push(out.device_ptr()?);
-        self.launch("moe_ep_row_weights", self.grid(rows, 256), 256, 0, &mut a)?;
-        Ok(out)
-    }
-
-    /// `[pairs]` f32: `rowv[pos[p]]` for each kept pair, 0 for a dropped one.
-    pub(crate) fn pair_values(&self, rowv: &Tensor, pos: &Tensor) -> Result<Tensor> {
-        let n = pos.numel();
-        let out = self.empty(&[n], DType::F32)?;
-        let mut a = KernelArgs::new();
-        a.push(rowv.device_ptr()?)
-            .push(pos.device_ptr()?)
-            .push(n as i64)
-            .push(out.device_ptr()?);
-        self.launch("moe_ep_pair_values", self.grid(n, 256), 256, 0, &mut a)?;
-        Ok(out)
-    }
-
-    /// `dst[r] = src[map[r]]` for the first `map.numel()` rows (contiguous, equal row sizes).
-    pub(crate) fn gather_rows(&self, src: &Tensor, map: &Tensor, dst: &Tensor) -> Result<()> {
-        let n = map.numel();
-        let row_bytes = dst.nbytes() / dst.shape()[0].max(1);
-        let (ps, pd) = (src.device_ptr()?, dst.device_ptr()?);
-        let vec = row_bytes.is_multiple_of(16) && ps.is_multiple_of(16) && pd.is_multiple_of(16);
-        let mut a = KernelArgs::new();
-        a.push(ps)
-            .push(row_bytes as i64)
-            .push(map.device_ptr()?)
-            .push(n as i64)
-            .push(vec as i32)
-            .push(pd);
-        self.launch("moe_ep_gather_rows", self.grid(n, 8), 256, 0, &mut a)
-    }
-
-    /// Waits for the call's stream (before another stream or the host reads what it wrote).
-    pub(crate) fn sync(&self) -> Result<()> {
-        self.dev.synchronize(&self.stream, "moe")
-    }
-
-    /// `[n]` i32: 0, 1, …, n − 1.
-    pub(crate) fn iota(&self, n: usize) -> Result<Tensor> {
-        let out = self.empty(&[n], DType::I32)?;
-        let mut a = KernelArgs::new();
-        a.push(out.device_ptr()?).push(n as i64);
-        self.launch("moe_iota", self.grid(n, 256), 256, 0, &mut a)?;
-        Ok(out)
-    }
-}
-
-/// grouped_mm on the GPU: the M-grouped kernel of the best variant that fits.
-pub fn grouped_mm(
-    a: &Tensor,
-    b: &Tensor,
-    offs: &Tensor,
-    out: &Tensor,
-    (m, k, n, g, bt): (usize, usize, usize, usize, bool),
-    opts: &MoeOptions,
-) -> Result<()> {
-    let Device::Cuda(di) = a.device() else {
-        return Err(Error::Other("moe::cuda::grouped_mm on the CPU".into()));
-    };
-    let dev = device(di)?;
-    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let gm = grouped_gemm(Grouping::M, g, (m, n, k), bt, a.dtype(), a.device());
-    let ptrs = Ptrs {
-        a: a.device_ptr()?,
-        b: b.device_ptr()?,
-        c: out.device_ptr()?,
-    };
-    let wants = opts.variant.as_deref();
-    let kind = match wants {
-        Some("grouped") => "mma_pipelined",
-        Some("wgmma") => "wgmma",
-        Some(other) => {
-            return Err(Error::bad_arg(
-                "grouped_mm",
-                "variant",
-                "grouped or wgmma (CUDA)",
-                other,
-            ))
-        }
-        None => {
-            let aligned = [ptrs.a, ptrs.b, ptrs.c]
-                .iter()
-                .all(|p| p.is_multiple_of(16));
-            if dev.arch().major == 9
-                && a.dtype() != DType::F32
-                && aligned
-                && mm::wgmma_declines_unpadded(&gm).is_none()
-            {
-                "wgmma"
-            } else {
-                "mma_pipelined"
-            }
-        }
-    };
-    if k == 0 {
-        // Every row's sum is empty: zeros.
-        let x = Ctx {
-            dev: dev.clone(),
-            stream: stream.clone(),
-            program: program(a.dtype()),
-        };
-        return x.zero(out);
-    }
-    let l = mm::plan_grouped(kind, &gm, Grouping::M, &dev)?;
-    let groups = Groups {
-        mode: Grouping::M,
-        ends: offs.device_ptr()?,
-        groups: g,
-    };
-    mm::launch_grouped(&l, &gm, ptrs, groups, 1.0, 0.0, &stream).map_err(|e| match e {
-        Error::NoVariant { msg, .. } => Error::NoVariant { op: OP.into(), msg },
-        e => e,
-    })
-}
-
-/// `db[g] = a[rows of g]ᵀ·dout[rows of g]` (grouped_mm's weight gradient, a K-grouped GEMM):
-/// `wgmma` when every boundary is a multiple of 64 rows (whole TMA k slices), else the mma.sync
-/// kernel, which predicates k against each group's own length.
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_mm_weight_grad(
-    a: &Tensor,
-    dout: &Tensor,
-    offs: &Tensor,
-    db: &Tensor,
-    (m, k, n, g): (usize, usize, usize, usize),
-    aligned: bool,
-    opts: &MoeOptions,
-) -> Result<()> {
-    let Device::Cuda(di) = a.device() else {
-        return Err(Error::Other(
-            "moe::cuda::grouped_mm_weight_grad on the CPU".into(),
-        ));
-    };
-    let dev = device(di)?;
-    let stream = opts.stream.clone().unwrap_or_else(|| dev.stream().clone());
-    let x = Ctx {
-        dev: dev.clone(),
-        stream: stream.clone(),
-        program: program(a.dtype()),
-    };
-    if k == 0 || n == 0 {
-        return Ok(());
-    }
-    if m == 0 {
-        return x.zero(db);
-    }
-    let gm = grouped_gemm(Grouping::K, g, (k, n, m), false, a.dtype(), a.device());
-    let ptrs = Ptrs {
-        a: a.device_ptr()?,
-        b: dout.device_ptr()?,
-        c: db.device_ptr()?,
-    };
-    let fits = [ptrs.a, ptrs.b, ptrs.c]
-        .iter()
-        .all(|p| p.is_multiple_of(16));
-    let kind = match opts.variant.as_deref() {
-        Some("grouped") => "mma_pipelined",
-        _ if aligned
-            && fits
-            && dev.arch().major == 9
-            && a.dtype() != DType::F32
-            && mm::wgmma_declines_unpadded(&gm).is_none() =>
-        {
-            "wgmma"
-        }
-        _ => "mma_pipelined",
-    };
-    let l = mm::plan_grouped(kind, &gm, Grouping::K, &dev)?;
-    let groups = Groups {
-        mode: Grouping::K,
-        ends: offs.device_ptr()?,
-        groups: g,
-    };
-    mm::launch_grouped(&l, &gm, ptrs, groups, 1.0, 0.0, &stream)
 }

@@ -35,6 +35,7 @@
 use super::{
     cpu, cuda, expect, select, MoeConfig, MoeForward, MoeGrads, MoeOptions, MoeWeights, Problem, OP,
 };
+use crate::core::cuda::KernelArgs;
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
@@ -717,6 +718,70 @@ impl<'g> ExpertParallel<'g> {
         }
         self.mark("bwd router")?;
         Ok(g)
+    }
+}
+
+/// Expert parallelism's bookkeeping kernels (kernels/moe.cu, moe_ep_*).
+impl cuda::Ctx {
+    /// `[E]` i32: each padded expert segment's rows, from the layout's ends.
+    pub(crate) fn seg_sizes(&self, ends: &Tensor, e: usize) -> Result<Tensor> {
+        let out = self.empty(&[e], DType::I32)?;
+        let mut a = KernelArgs::new();
+        a.push(ends.device_ptr()?)
+            .push(e as i32)
+            .push(out.device_ptr()?);
+        self.launch("moe_ep_seg_sizes", self.grid(e, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
+
+    /// `[rows]` f32: each layout row's gate weight (0 on padding and unused rows).
+    pub(crate) fn row_weights(&self, f: &MoeForward, rows: usize) -> Result<Tensor> {
+        let out = self.empty(&[rows], DType::F32)?;
+        let mut a = KernelArgs::new();
+        a.push(f.src.device_ptr()?)
+            .push(f.weights.device_ptr()?)
+            .push(rows as i64)
+            .push(out.device_ptr()?);
+        self.launch("moe_ep_row_weights", self.grid(rows, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
+
+    /// `[pairs]` f32: `rowv[pos[p]]` for each kept pair, 0 for a dropped one.
+    pub(crate) fn pair_values(&self, rowv: &Tensor, pos: &Tensor) -> Result<Tensor> {
+        let n = pos.numel();
+        let out = self.empty(&[n], DType::F32)?;
+        let mut a = KernelArgs::new();
+        a.push(rowv.device_ptr()?)
+            .push(pos.device_ptr()?)
+            .push(n as i64)
+            .push(out.device_ptr()?);
+        self.launch("moe_ep_pair_values", self.grid(n, 256), 256, 0, &mut a)?;
+        Ok(out)
+    }
+
+    /// `dst[r] = src[map[r]]` for the first `map.numel()` rows (contiguous, equal row sizes).
+    pub(crate) fn gather_rows(&self, src: &Tensor, map: &Tensor, dst: &Tensor) -> Result<()> {
+        let n = map.numel();
+        let row_bytes = dst.nbytes() / dst.shape()[0].max(1);
+        let (ps, pd) = (src.device_ptr()?, dst.device_ptr()?);
+        let vec = row_bytes.is_multiple_of(16) && ps.is_multiple_of(16) && pd.is_multiple_of(16);
+        let mut a = KernelArgs::new();
+        a.push(ps)
+            .push(row_bytes as i64)
+            .push(map.device_ptr()?)
+            .push(n as i64)
+            .push(vec as i32)
+            .push(pd);
+        self.launch("moe_ep_gather_rows", self.grid(n, 8), 256, 0, &mut a)
+    }
+
+    /// `[n]` i32: 0, 1, …, n − 1.
+    pub(crate) fn iota(&self, n: usize) -> Result<Tensor> {
+        let out = self.empty(&[n], DType::I32)?;
+        let mut a = KernelArgs::new();
+        a.push(out.device_ptr()?).push(n as i64);
+        self.launch("moe_iota", self.grid(n, 256), 256, 0, &mut a)?;
+        Ok(out)
     }
 }
 
