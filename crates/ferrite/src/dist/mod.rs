@@ -284,9 +284,9 @@ impl ProcessGroup {
     }
 
     /// A second communicator over every rank, on a stream of its own on `device` (a GPU this
-    /// group is attached to): collectives there overlap the main stream's work (see
-    /// [`SideStream`]). A collective: every rank calls it.
-    pub fn side_stream(&self, device: Device) -> Result<SideStream> {
+    /// group is attached to): gradients all-reduced there while the backward goes on (see
+    /// [`GradientStream`]). A collective: every rank calls it.
+    pub fn gradient_stream(&self, device: Device) -> Result<GradientStream> {
         let Device::Cuda(i) = device else {
             return Err(Error::bad_arg(
                 "dist::gradient_stream",
@@ -305,10 +305,10 @@ impl ProcessGroup {
         let side = dev
             .context()
             .new_stream()
-            .map_err(|e| Error::cuda("cuStreamCreate (side stream)", e))?;
-        let id = self.nccl_id("nccl id (side stream)")?;
+            .map_err(|e| Error::cuda("cuStreamCreate (gradient stream)", e))?;
+        let id = self.nccl_id("nccl id (gradient stream)")?;
         let comm = nccl::NcclComm::new(dev, side.clone(), self.env.rank, self.env.world, id)?;
-        Ok(SideStream { comm, side })
+        Ok(GradientStream { comm, side })
     }
 
     /// CPU collectives take contiguous f32 tensors (the rendezvous carries them).
@@ -439,8 +439,47 @@ impl ProcessGroup {
         recv: &Tensor,
         recvs: &[Chunks],
     ) -> Result<()> {
-        check_all_to_all(self.env.world, send, sends, recv, recvs)?;
         let op = "dist::all_to_all";
+        let w = self.env.world;
+        if send.dtype() != recv.dtype() || send.device() != recv.device() {
+            return Err(Error::bad_arg(
+                op,
+                "recv",
+                format!("{} on {} (send's)", send.dtype(), send.device()),
+                format!("{} on {}", recv.dtype(), recv.device()),
+            ));
+        }
+        for (name, t, lists) in [("sends", send, sends), ("recvs", recv, recvs)] {
+            if lists.len() != w {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    format!("one list of ranges per rank ({w})"),
+                    lists.len(),
+                ));
+            }
+            if !t.is_contiguous() {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    "a contiguous tensor",
+                    "a strided view",
+                ));
+            }
+            let n = t.numel();
+            if let Some(&(o, l)) = lists
+                .iter()
+                .flatten()
+                .find(|(o, l)| o.checked_add(*l).is_none_or(|e| e > n))
+            {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    format!("ranges inside the tensor's {n} elements"),
+                    format!("{o}..{}", o.saturating_add(l)),
+                ));
+            }
+        }
         match (send.device(), &self.nccl) {
             (Device::Cuda(_), Some(c)) => c.all_to_all_v(send, sends, recv, recvs),
             (Device::Cuda(_), None) => Err(Self::not_attached(op)),
@@ -521,58 +560,6 @@ impl ProcessGroup {
     }
 }
 
-/// all_to_all_v's arguments: same dtype and device, contiguous, one list of ranges per rank, every
-/// range inside its tensor.
-fn check_all_to_all(
-    w: usize,
-    send: &Tensor,
-    sends: &[Chunks],
-    recv: &Tensor,
-    recvs: &[Chunks],
-) -> Result<()> {
-    let op = "dist::all_to_all";
-    if send.dtype() != recv.dtype() || send.device() != recv.device() {
-        return Err(Error::bad_arg(
-            op,
-            "recv",
-            format!("{} on {} (send's)", send.dtype(), send.device()),
-            format!("{} on {}", recv.dtype(), recv.device()),
-        ));
-    }
-    for (name, t, lists) in [("sends", send, sends), ("recvs", recv, recvs)] {
-        if lists.len() != w {
-            return Err(Error::bad_arg(
-                op,
-                name,
-                format!("one list of ranges per rank ({w})"),
-                lists.len(),
-            ));
-        }
-        if !t.is_contiguous() {
-            return Err(Error::bad_arg(
-                op,
-                name,
-                "a contiguous tensor",
-                "a strided view",
-            ));
-        }
-        let n = t.numel();
-        if let Some(&(o, l)) = lists
-            .iter()
-            .flatten()
-            .find(|(o, l)| o.checked_add(*l).is_none_or(|e| e > n))
-        {
-            return Err(Error::bad_arg(
-                op,
-                name,
-                format!("ranges inside the tensor's {n} elements"),
-                format!("{o}..{}", o.saturating_add(l)),
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Element ranges `(offset, len)` of a tensor, in the order they travel (one list per peer of an
 /// all-to-all).
 pub type Chunks = Vec<(usize, usize)>;
@@ -601,42 +588,22 @@ impl FromLe4 for i32 {
     }
 }
 
-/// A second communicator on a stream of its own: collectives there overlap the main stream's
-/// compute. Data parallelism all-reduces gradient buckets on it while the backward continues
-/// (each bucket waits for the main stream's work queued so far, and the main stream waits for
-/// every bucket before it reads the gradients); an expert-parallel MoE layer exchanges rows on it
-/// while its own rows' experts run. Stream order only (events), so it can be captured in a CUDA
-/// graph.
-pub struct SideStream {
+/// Gradient buckets all-reduced on a stream of their own while the backward continues on the
+/// main stream (data parallelism's overlap): each bucket waits for the main stream's work queued
+/// so far, and the main stream waits for every bucket before it reads the gradients. Stream
+/// order only (events), so it can be captured in a CUDA graph with the backward.
+pub struct GradientStream {
     comm: nccl::NcclComm,
     side: crate::core::cuda::Stream,
 }
 
-impl std::fmt::Debug for SideStream {
+impl std::fmt::Debug for GradientStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SideStream")
+        f.write_str("GradientStream")
     }
 }
 
-impl SideStream {
-    /// The side stream.
-    pub fn stream(&self) -> &crate::core::cuda::Stream {
-        &self.side
-    }
-
-    /// [`ProcessGroup::all_to_all_v`] on the side communicator, queued on the side stream (order
-    /// it against other streams with `join`; GPU tensors only).
-    pub fn all_to_all_v(
-        &self,
-        send: &Tensor,
-        sends: &[Chunks],
-        recv: &Tensor,
-        recvs: &[Chunks],
-    ) -> Result<()> {
-        check_all_to_all(sends.len(), send, sends, recv, recvs)?;
-        self.comm.all_to_all_v(send, sends, recv, recvs)
-    }
-
+impl GradientStream {
     /// `t ← Σ_ranks t` on the gradient stream, after the work queued on `main` so far.
     pub fn all_reduce_after(&self, t: &Tensor, main: &crate::core::cuda::Stream) -> Result<()> {
         self.side

@@ -40,7 +40,7 @@ pub struct FlatState {
 /// rest once the backward ends (embeddings: the classifier's gradient is finished by the
 /// embedding backward, the last pass; biases and norm gains).
 struct Overlap {
-    gs: crate::dist::SideStream,
+    gs: crate::dist::GradientStream,
     layers: Vec<Tensor>,
     rest: Vec<Tensor>,
 }
@@ -487,7 +487,7 @@ impl Model {
         if !self.device.is_cuda() || self.acc_whole.is_some() || self.shard.is_some() {
             return Ok(false);
         }
-        let gs = pg.side_stream(self.device)?;
+        let gs = pg.gradient_stream(self.device)?;
         let find = |name: &str| -> Result<(usize, usize)> {
             self.layout
                 .layout

@@ -79,7 +79,7 @@ pub fn wgmma_unfit(p: &Problem) -> Option<String> {
 /// The device, stream and kernel module of one call.
 pub(crate) struct Ctx {
     dev: Arc<CudaDevice>,
-    pub(crate) stream: Stream,
+    stream: Stream,
     program: Program,
 }
 
@@ -437,13 +437,12 @@ pub fn forward(
         ends: &f.ends,
         host: he.as_deref(),
     };
-    let y = x.empty(&[s.rows, p.hidden], p.dtype)?;
-    experts_forward(
+    let y = experts_forward(
         &x,
         variant,
         p,
         s,
-        (&f.xp, &f.hpre, &y),
+        (&f.xp, &f.hpre),
         w,
         cfg,
         !opts.forward_only,
@@ -453,26 +452,28 @@ pub fn forward(
 
 /// The experts' half of the forward over the rows of `s`: up projection of `xp` into `hpre`
 /// (`fused`: the GLU from the same accumulators, `hpre` only when `keep_pre`), the GLU, and the
-/// down projection into the experts' outputs `y` `[s.rows, H]`.
+/// down projection; returns the experts' outputs `y` `[s.rows, H]` (a workspace in stream order).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn experts_forward(
     x: &Ctx,
     variant: &str,
     p: &Problem,
     s: Segs,
-    (xp, hpre, y): (&Tensor, &Tensor, &Tensor),
+    (xp, hpre): (&Tensor, &Tensor),
     w: &MoeWeights,
     cfg: &MoeConfig,
     keep_pre: bool,
-) -> Result<()> {
+) -> Result<Tensor> {
     // The GLU output is the forward's own workspace (the backward recomputes it from `hpre`):
     // back to the pool, in stream order, once the down projection has read it.
     let a = x.empty(&[s.rows, p.inter], p.dtype)?;
+    let y = x.empty(&[s.rows, p.hidden], p.dtype)?;
     up_proj(x, variant, p, s, (xp, hpre), w.w_up, cfg, &a, keep_pre)?;
     if variant != "fused" {
         glu(x, s, cfg, hpre, &a)?;
     }
-    down_proj(x, variant, p, s, &a, w.w_down, y)
+    down_proj(x, variant, p, s, &a, w.w_down, &y)?;
+    Ok(y)
 }
 
 /// `out[t] = Σ_j w[t,j]·y[pos[t,j]]`, then the losses.
@@ -671,8 +672,7 @@ pub fn backward(
     spread_rows(&x, p, dout, f, &dyu)?;
     let dw = x.empty(&[p.tokens * p.top_k], DType::F32)?;
     x.zero(&dw)?;
-    let dxp = x.empty(&[s.rows, p.hidden], p.dtype)?;
-    experts_backward(
+    let dxp = experts_backward(
         &x,
         variant,
         p,
@@ -683,7 +683,6 @@ pub fn backward(
             hpre: &f.hpre,
             src: &f.src,
             weights: &f.weights,
-            dxp: &dxp,
             dw: &dw,
             dw_up: &gr.dw_up,
             dw_down: &gr.dw_down,
@@ -696,21 +695,21 @@ pub fn backward(
 
 /// What the experts' backward reads and writes: `dyu` (dout's rows in the layout, unscaled,
 /// zeros on padding; consumed), the forward's `xp` and `hpre`, each row's pair `src` (< 0:
-/// padding) and the pairs' gate `weights`; out: dxp = dhpre·W_upᵀ `[rows, H]`, the gates'
-/// gradients `dw` (per pair, f32) and the experts' weight gradients.
+/// padding) and the pairs' gate `weights`; out: the gates' gradients `dw` (per pair, f32) and the
+/// experts' weight gradients.
 pub(crate) struct ExpertGrads<'a> {
     pub dyu: Tensor,
     pub xp: &'a Tensor,
     pub hpre: &'a Tensor,
     pub src: &'a Tensor,
     pub weights: &'a Tensor,
-    pub dxp: &'a Tensor,
     pub dw: &'a Tensor,
     pub dw_up: &'a Tensor,
     pub dw_down: &'a Tensor,
 }
 
-/// The experts' half of the backward over the rows of `s` (w: the experts' `w_up`/`w_down`).
+/// The experts' half of the backward over the rows of `s` (w: the experts' `w_up`/`w_down`);
+/// returns dxp = dhpre·W_upᵀ `[s.rows, H]` (a workspace in stream order).
 pub(crate) fn experts_backward(
     x: &Ctx,
     variant: &str,
@@ -719,7 +718,7 @@ pub(crate) fn experts_backward(
     g: ExpertGrads,
     w: &MoeWeights,
     cfg: &MoeConfig,
-) -> Result<()> {
+) -> Result<Tensor> {
     let (h, i, rows) = (p.hidden, p.inter, s.rows);
     // gu = dyu·W_downᵀ.
     let gu = x.empty(&[rows, i], p.dtype)?;
@@ -774,6 +773,7 @@ pub(crate) fn experts_backward(
     drop(wa);
     drop(g.dyu);
     // Up projection: dxp = dhpre·W_upᵀ, dW_up[e] = xp_eᵀ·dhpre_e.
+    let dxp = x.empty(&[rows, h], p.dtype)?;
     expert_gemm(
         x,
         variant,
@@ -783,7 +783,7 @@ pub(crate) fn experts_backward(
         &dhpre,
         w.w_up,
         true,
-        g.dxp,
+        &dxp,
         s,
     )?;
     expert_gemm(
@@ -797,7 +797,8 @@ pub(crate) fn experts_backward(
         false,
         g.dw_up,
         s,
-    )
+    )?;
+    Ok(dxp)
 }
 
 /// The routing's half of the backward: dx = `Σ_j dxp[pos]` + dlogits·router, d_router =

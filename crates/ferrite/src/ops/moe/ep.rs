@@ -40,7 +40,7 @@ use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
 use crate::core::tensor::{describe, Tensor};
-use crate::dist::{Chunks, ProcessGroup, SideStream};
+use crate::dist::{Chunks, ProcessGroup};
 
 /// This rank's part of an expert-parallel layer: the run's configuration, checked the same on
 /// every rank when made.
@@ -51,8 +51,6 @@ pub struct ExpertParallel<'g> {
     inter: usize,
     dtype: DType,
     device: Device,
-    /// The exchanges' communicator and stream (GPU).
-    side: Option<SideStream>,
     /// Per-phase wall times of the calls since `profile_phases(true)` (each phase waited for).
     phases: std::cell::RefCell<Option<(std::time::Instant, Vec<(&'static str, f64)>)>>,
 }
@@ -70,55 +68,48 @@ impl std::fmt::Debug for ExpertParallel<'_> {
     }
 }
 
-/// One part of the pipeline: this rank's experts `j0..j1`, the per-peer runs of the routing
-/// rank's layout that go to the peer (`to`) and of the arrival buffer they land in (`from`),
-/// the part's rows `start..start + rows` (the same range in arrival and in expert-major order),
-/// and its experts' segment ends relative to `start`.
-struct Part {
-    j0: usize,
-    j1: usize,
+/// Which rows move where: per peer, the `(first row, rows)` run of the routing rank's layout
+/// (`to`) and of the owner's arrival buffer (`from`); the local experts' ends in expert-major
+/// order; `order[r]`: the arrival row of expert-major row r, `back` its inverse.
+struct Plan {
     to: Vec<Chunks>,
     from: Vec<Chunks>,
-    start: usize,
-    rows: usize,
     ends: Vec<i32>,
-}
-
-/// Which rows move where: the parts in order; the arrival buffer's rows; `order[r]`: the
-/// arrival row of expert-major row r, `back` its inverse.
-struct Plan {
-    parts: Vec<Part>,
     rows: usize,
     order: Vec<i32>,
     back: Vec<i32>,
 }
 
-/// A plan's row orders and ends on the layer's device (int32).
+/// A plan's row orders on the layer's device (int32).
 struct Maps {
     order: Tensor,
     back: Tensor,
-    /// `[E/W]`: each part's experts' ends, relative to the part's start.
-    ends: Tensor,
 }
 
-/// `dst[r] = src[map[r]]` over `dst`'s rows (`host_map`: `map`'s values).
+/// `out[r] = src[map[r]]` (rows of a contiguous `[n, …]` tensor; `host_map` is `map`'s values).
 fn reorder(
     ctx: Option<&cuda::Ctx>,
     src: &Tensor,
-    (map, host_map): (&Tensor, &[i32]),
-    dst: &Tensor,
-) -> Result<()> {
+    map: &Tensor,
+    host_map: &[i32],
+) -> Result<Tensor> {
     match ctx {
-        Some(c) => c.gather_rows(src, map, dst),
+        Some(c) => {
+            let out = c.empty(src.shape(), src.dtype())?;
+            c.gather_rows(src, map, &out)?;
+            Ok(out)
+        }
         None => {
             let v = src.to_f32_vec()?;
             let width = v.len() / src.shape()[0].max(1);
-            let mut o = vec![0f32; host_map.len() * width];
+            let mut o = vec![0f32; v.len()];
             for (r, &m) in host_map.iter().enumerate() {
                 let m = m as usize;
                 o[r * width..(r + 1) * width].copy_from_slice(&v[m * width..(m + 1) * width]);
             }
-            dst.write_f32(&o)
+            let out = Tensor::empty(src.shape(), src.dtype(), Device::Cpu)?;
+            out.write_f32(&o)?;
+            Ok(out)
         }
     }
 }
@@ -141,6 +132,8 @@ pub struct EpForward {
     hpre: Tensor,
     /// Each received row's gate weight `[R]` f32 (0 on padding).
     gates: Tensor,
+    /// The local experts' segment ends in `received` (int32 `[E/W]`).
+    ends: Tensor,
     plan: Plan,
     maps: Maps,
     backward_ready: bool,
@@ -184,10 +177,6 @@ impl<'g> ExpertParallel<'g> {
             "the expert-parallel MoE layer",
             &format!("{cfg:?} H{hidden} I{inter} {dtype} {kind}"),
         )?;
-        let side = match device {
-            Device::Cuda(_) => Some(pg.side_stream(device)?),
-            Device::Cpu => None,
-        };
         Ok(ExpertParallel {
             pg,
             cfg: cfg.clone(),
@@ -195,7 +184,6 @@ impl<'g> ExpertParallel<'g> {
             inter,
             dtype,
             device,
-            side,
             phases: Default::default(),
         })
     }
@@ -301,7 +289,7 @@ impl<'g> ExpertParallel<'g> {
         }
     }
 
-    /// Exchanges the padded segment sizes and plans the exchanges (the host synchronisation).
+    /// Exchanges the padded segment sizes and plans the all-to-alls (the host synchronisation).
     fn plan(&self, f: &MoeForward, ctx: Option<&cuda::Ctx>) -> Result<Plan> {
         let (w, el, e) = (self.pg.world(), self.local(), self.cfg.experts);
         let segs = match ctx {
@@ -328,59 +316,30 @@ impl<'g> ExpertParallel<'g> {
         self.pg.all_to_all_v(&segs, &per_peer, &got, &per_peer)?;
         let ends = f.ends.to_vec::<i32>()?;
         let got = got.to_vec::<i32>()?;
+        let start = |x: usize| if x > 0 { ends[x - 1] as usize } else { 0 };
+        let to = (0..w)
+            .map(|d| {
+                let (a, b) = (start(d * el), ends[(d + 1) * el - 1] as usize);
+                vec![(a, b - a)]
+            })
+            .collect();
         if let Some(&n) = got.iter().find(|&&n| n < 0) {
             return Err(Error::Other(format!(
                 "moe expert parallel: rank {} received a segment size of {n}",
                 self.pg.rank()
             )));
         }
-        let start = |x: usize| if x > 0 { ends[x - 1] as usize } else { 0 };
-        // Two parts (the first half of the local experts, then the rest) when there are two
-        // experts to split: the second part's rows travel while the first part's experts run.
-        let bounds: Vec<(usize, usize)> = if el >= 2 {
-            vec![(0, el / 2), (el / 2, el)]
-        } else {
-            vec![(0, el)]
-        };
-        let (mut parts, mut order) = (Vec::new(), Vec::new());
+        // Arrival order: by sending rank, each rank's segments in expert order.
+        let mut from: Vec<Chunks> = Vec::with_capacity(w);
+        let mut seg_at = vec![0usize; w * el];
         let mut at = 0usize;
-        for (j0, j1) in bounds {
-            let to = (0..w)
-                .map(|d| {
-                    let (a, b) = (start(d * el + j0), ends[d * el + j1 - 1] as usize);
-                    vec![(a, b - a)]
-                })
-                .collect();
-            // Arrival: by sending rank, each rank's segments of these experts in expert order.
+        for s in 0..w {
             let first = at;
-            let mut seg_at = vec![0usize; w * el];
-            let mut from = Vec::with_capacity(w);
-            for s in 0..w {
-                let run = at;
-                for j in j0..j1 {
-                    seg_at[s * el + j] = at;
-                    at += got[s * el + j] as usize;
-                }
-                from.push(vec![(run, at - run)]);
+            for j in 0..el {
+                seg_at[s * el + j] = at;
+                at += got[s * el + j] as usize;
             }
-            // Expert-major: expert j's segments from rank 0, 1, … .
-            let mut part_ends = Vec::with_capacity(j1 - j0);
-            for j in j0..j1 {
-                for s in 0..w {
-                    let a = seg_at[s * el + j];
-                    order.extend((a..a + got[s * el + j] as usize).map(|r| r as i32));
-                }
-                part_ends.push((order.len() - first) as i32);
-            }
-            parts.push(Part {
-                j0,
-                j1,
-                to,
-                from,
-                start: first,
-                rows: at - first,
-                ends: part_ends,
-            });
+            from.push(vec![(first, at - first)]);
         }
         if at > i32::MAX as usize {
             return Err(Error::bad_arg(
@@ -390,32 +349,30 @@ impl<'g> ExpertParallel<'g> {
                 at,
             ));
         }
-        let mut back = vec![0i32; at];
+        // Expert-major order: expert j's segments from rank 0, 1, … .
+        let mut local_ends = Vec::with_capacity(el);
+        let mut order = Vec::with_capacity(at.max(1));
+        for j in 0..el {
+            for s in 0..w {
+                let a = seg_at[s * el + j];
+                order.extend((a..a + got[s * el + j] as usize).map(|r| r as i32));
+            }
+            local_ends.push(order.len() as i32);
+        }
+        let mut back = vec![0i32; at.max(1)];
         for (r, &a) in order.iter().enumerate() {
             back[a as usize] = r as i32;
         }
+        if order.is_empty() {
+            order.push(0);
+        }
         Ok(Plan {
-            parts,
+            to,
+            from,
+            ends: local_ends,
             rows: at,
             order,
             back,
-        })
-    }
-
-    /// The plan's orders and ends on the layer's device, in one host→device copy.
-    fn maps(&self, plan: &Plan, device: Device) -> Result<Maps> {
-        let (n, el) = (plan.order.len(), self.local());
-        let mut all = Vec::with_capacity(2 * n + el);
-        all.extend_from_slice(&plan.order);
-        all.extend_from_slice(&plan.back);
-        for p in &plan.parts {
-            all.extend_from_slice(&p.ends);
-        }
-        let all = Tensor::from_vec(all, &[2 * n + el])?.to_device(device)?;
-        Ok(Maps {
-            order: all.narrow(0, 0, n)?,
-            back: all.narrow(0, n, n)?,
-            ends: all.narrow(0, 2 * n, el)?,
         })
     }
 
@@ -427,114 +384,72 @@ impl<'g> ExpertParallel<'g> {
         }
     }
 
-    /// Rows `width` wide of `src` (runs `send`, per peer) into `dst` (runs `recv`): on the side
-    /// stream after the main stream's work so far (GPU; `join_side` before reading `dst`),
-    /// through the rendezvous on the CPU.
+    /// `rows` `[n, width]` of `src` (runs `send`) into a new `[m, width]` tensor (runs `recv`).
+    #[allow(clippy::too_many_arguments)]
     fn exchange(
         &self,
         ctx: Option<&cuda::Ctx>,
-        (src, send): (&Tensor, &[Chunks]),
-        (dst, recv): (&Tensor, &[Chunks]),
+        src: &Tensor,
+        send: &[Chunks],
+        recv: &[Chunks],
+        m: usize,
         width: usize,
-    ) -> Result<()> {
-        let (send, recv) = (widen(send, width), widen(recv, width));
-        match (ctx, &self.side) {
-            (Some(c), Some(side)) => {
-                side.stream()
-                    .join(&c.stream)
-                    .map_err(|e| Error::cuda("moe expert parallel: side stream waits", e))?;
-                side.all_to_all_v(src, &send, dst, &recv)
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let shape: &[usize] = if width == 1 { &[m] } else { &[m, width] };
+        // The CPU collectives carry f32: a CPU layer's values travel as f32 (bf16/f16 values
+        // are exact in it) and are stored back in the dtype.
+        let (src, dt) = match (ctx, dtype) {
+            (None, d) if d != DType::F32 && d != DType::I32 => {
+                (src.to_dtype(DType::F32)?, DType::F32)
             }
-            _ if matches!(src.dtype(), DType::F32 | DType::I32) => {
-                self.pg.all_to_all_v(src, &send, dst, &recv)
-            }
-            _ => {
-                // The CPU collectives carry f32: bf16/f16 values travel exactly as f32.
-                let (s32, d32) = (src.to_dtype(DType::F32)?, dst.to_dtype(DType::F32)?);
-                self.pg.all_to_all_v(&s32, &send, &d32, &recv)?;
-                dst.write_f32(&d32.to_f32_vec()?)
-            }
+            _ => (src.clone(), dtype),
+        };
+        let out = self.empty(ctx, shape, dt)?;
+        self.pg
+            .all_to_all_v(&src, &widen(send, width), &out, &widen(recv, width))?;
+        if dt != dtype {
+            return out.to_dtype(dtype);
         }
+        Ok(out)
     }
 
-    /// The main stream waits for the exchanges queued on the side stream so far (GPU).
-    fn join_side(&self, ctx: Option<&cuda::Ctx>) -> Result<()> {
-        if let (Some(c), Some(side)) = (ctx, &self.side) {
-            c.stream
-                .join(side.stream())
-                .map_err(|e| Error::cuda("moe expert parallel: waiting for the exchange", e))?;
-        }
-        Ok(())
-    }
-
-    /// The part's rows `[start, start + rows)` of a `[R, …]` buffer.
-    fn rows_of(t: &Tensor, p: &Part) -> Result<Tensor> {
-        t.narrow(0, p.start, p.rows)
-    }
-
-    /// The pipeline over the parts: part k's rows arrive (the next part's travel meanwhile), go
-    /// to expert order, run `stage`, go back to arrival order, and return while the next part
-    /// runs. `arrive`: (this rank's layout rows, the arrival buffer, width); `leave`: (the stage's
-    /// expert-major output, its arrival-order buffer, this rank's layout buffer, width) — each a
-    /// list, exchanged together.
-    #[allow(clippy::type_complexity)]
-    fn pipeline(
+    /// Rows of this rank's layout `src` (`width` wide) to the experts' owners, in expert-major
+    /// order there (`[plan.rows.max(1), width]`).
+    fn dispatch(
         &self,
         ctx: Option<&cuda::Ctx>,
+        src: &Tensor,
         (plan, maps): (&Plan, &Maps),
-        arrive: &[(&Tensor, &Tensor, &Tensor, usize)],
-        leave: &[(&Tensor, &Tensor, &Tensor, usize)],
-        mut stage: impl FnMut(usize, &Part) -> Result<()>,
-        names: [&'static str; 2],
-    ) -> Result<()> {
-        let n = plan.parts.len();
-        for &(src, arr, _, wd) in arrive {
-            self.exchange(
-                ctx,
-                (src, &plan.parts[0].to),
-                (arr, &plan.parts[0].from),
-                wd,
-            )?;
-        }
-        self.join_side(ctx)?;
-        self.mark(names[0])?;
-        for (k, part) in plan.parts.iter().enumerate() {
-            if k + 1 < n {
-                let next = &plan.parts[k + 1];
-                for &(src, arr, _, wd) in arrive {
-                    self.exchange(ctx, (src, &next.to), (arr, &next.from), wd)?;
-                }
-            }
-            if part.rows > 0 {
-                let ord = Self::rows_of(&maps.order, part)?;
-                let hord = &plan.order[part.start..part.start + part.rows];
-                for &(_, arr, em, _) in arrive {
-                    reorder(ctx, arr, (&ord, hord), &Self::rows_of(em, part)?)?;
-                }
-                stage(k, part)?;
-                let bk = Self::rows_of(&maps.back, part)?;
-                let hbk = &plan.back[part.start..part.start + part.rows];
-                for &(em, arr, _, _) in leave {
-                    reorder(ctx, em, (&bk, hbk), &Self::rows_of(arr, part)?)?;
-                }
-            }
-            // The next part has arrived; this part's results go back while it runs.
-            self.join_side(ctx)?;
-            for &(_, arr, dst, wd) in leave {
-                self.exchange(ctx, (arr, &part.from), (dst, &part.to), wd)?;
-            }
-        }
-        self.join_side(ctx)?;
-        self.mark(names[1])
+        width: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let arrived = self.exchange(
+            ctx,
+            src,
+            &plan.to,
+            &plan.from,
+            plan.rows.max(1),
+            width,
+            dtype,
+        )?;
+        reorder(ctx, &arrived, &maps.order, &plan.order)
     }
 
-    /// This rank's experts `j0..j1` of `w` (views), and the problem their stage runs.
-    fn part_weights<'w>(w: &MoeWeights<'w>, part: &Part) -> Result<(Tensor, Tensor)> {
-        let n = part.j1 - part.j0;
-        Ok((
-            w.w_up.narrow(0, part.j0, n)?,
-            w.w_down.narrow(0, part.j0, n)?,
-        ))
+    /// The reverse: expert-major rows `src` back into the routing ranks' layouts (`[rows_cap,
+    /// width]`; rows not sent back — padding, unused — are left unwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn collect(
+        &self,
+        ctx: Option<&cuda::Ctx>,
+        src: &Tensor,
+        (plan, maps): (&Plan, &Maps),
+        rows_cap: usize,
+        width: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let arrival = reorder(ctx, src, &maps.back, &plan.back)?;
+        self.exchange(ctx, &arrival, &plan.from, &plan.to, rows_cap, width, dtype)
     }
 
     /// The forward on this rank's tokens x `[T, H]` (w: the whole router and this rank's
@@ -556,11 +471,24 @@ impl<'g> ExpertParallel<'g> {
         }
         self.mark("fwd route")?;
         let plan = self.plan(&f, ctx)?;
-        let maps = self.maps(&plan, p.device)?;
         let pl = self.local_problem(&p, plan.rows);
         let variant = select(&pl, opts.variant.as_deref())?;
-        let r = plan.rows.max(1);
+        let rows = plan.rows.max(1);
         let (h, i, dt) = (p.hidden, p.inter, p.dtype);
+        // The local ends and both row orders in one host→device copy.
+        let (no, nb, el) = (plan.order.len(), plan.back.len(), self.local());
+        let mut all = Vec::with_capacity(el + no + nb);
+        all.extend_from_slice(&plan.ends);
+        all.extend_from_slice(&plan.order);
+        all.extend_from_slice(&plan.back);
+        let all = Tensor::from_vec(all, &[el + no + nb])?.to_device(p.device)?;
+        let ends = all.narrow(0, 0, el)?;
+        let maps = Maps {
+            order: all.narrow(0, el, no)?,
+            back: all.narrow(0, el + no, nb)?,
+        };
+        self.mark("fwd plan")?;
+        let xr = self.dispatch(ctx, &f.xp, (&plan, &maps), h, dt)?;
         let row_w = match ctx {
             Some(c) => c.row_weights(&f, p.rows_cap())?,
             None => {
@@ -568,74 +496,41 @@ impl<'g> ExpertParallel<'g> {
                 Tensor::from_vec(v, &[p.rows_cap()])?
             }
         };
-        let (x_arr, received) = (self.empty(ctx, &[r, h], dt)?, self.empty(ctx, &[r, h], dt)?);
-        let (g_arr, gates) = (
-            self.empty(ctx, &[r], DType::F32)?,
-            self.empty(ctx, &[r], DType::F32)?,
-        );
-        let hpre = self.empty(ctx, &[r, 2 * i], dt)?;
-        let (y_em, y_arr) = (self.empty(ctx, &[r, h], dt)?, self.empty(ctx, &[r, h], dt)?);
-        let y = self.empty(ctx, &[p.rows_cap(), h], dt)?;
-        let host_w = match ctx {
-            Some(_) => None,
-            None => Some((w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?)),
-        };
-        self.mark("fwd plan")?;
-        let stage = |_: usize, part: &Part| -> Result<()> {
-            if part.rows == 0 {
-                return Ok(());
+        let gates = self.dispatch(ctx, &row_w, (&plan, &maps), 1, DType::F32)?;
+        drop(row_w);
+        self.mark("fwd dispatch")?;
+        let hpre = self.empty(ctx, &[rows, 2 * i], dt)?;
+        let y = match ctx {
+            Some(c) => {
+                let s = cuda::Segs {
+                    rows,
+                    experts: self.local(),
+                    ends: &ends,
+                    host: Some(&plan.ends),
+                };
+                cuda::experts_forward(c, variant, &pl, s, (&xr, &hpre), w, cfg, !opts.forward_only)?
             }
-            let n = part.j1 - part.j0;
-            let pk = Problem { experts: n, ..pl };
-            let (xs, hp, ys) = (
-                Self::rows_of(&received, part)?,
-                Self::rows_of(&hpre, part)?,
-                Self::rows_of(&y_em, part)?,
-            );
-            match ctx {
-                Some(c) => {
-                    let (wu, wd) = Self::part_weights(w, part)?;
-                    let wk = MoeWeights {
-                        router: w.router,
-                        w_up: &wu,
-                        w_down: &wd,
-                    };
-                    let ends = maps.ends.narrow(0, part.j0, n)?;
-                    let s = cuda::Segs {
-                        rows: part.rows,
-                        experts: n,
-                        ends: &ends,
-                        host: Some(&part.ends),
-                    };
-                    let keep = !opts.forward_only;
-                    cuda::experts_forward(c, variant, &pk, s, (&xs, &hp, &ys), &wk, cfg, keep)
-                }
-                None => {
-                    let (wu, wd) = host_w.as_ref().expect("host weights on the CPU");
-                    let (su, sd) = (h * 2 * i, i * h);
-                    let (hv, yv) = cpu::experts_forward(
-                        variant == "parallel",
-                        &pk,
-                        &part.ends,
-                        part.rows,
-                        &xs.to_f32_vec()?,
-                        &wu[part.j0 * su..part.j1 * su],
-                        &wd[part.j0 * sd..part.j1 * sd],
-                        cfg.act,
-                    )?;
-                    hp.write_f32(&hv)?;
-                    ys.write_f32(&yv)
-                }
+            None => {
+                let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
+                let (hp, y) = cpu::experts_forward(
+                    variant == "parallel",
+                    &pl,
+                    &plan.ends,
+                    rows,
+                    &xr.to_f32_vec()?,
+                    &wu,
+                    &wd,
+                    cfg.act,
+                )?;
+                hpre.write_f32(&hp)?;
+                let yt = Tensor::empty(&[rows, h], dt, Device::Cpu)?;
+                yt.write_f32(&y)?;
+                yt
             }
         };
-        self.pipeline(
-            ctx,
-            (&plan, &maps),
-            &[(&f.xp, &x_arr, &received, h), (&row_w, &g_arr, &gates, 1)],
-            &[(&y_em, &y_arr, &y, h)],
-            stage,
-            ["fwd dispatch (first part)", "fwd experts and exchanges"],
-        )?;
+        self.mark("fwd experts")?;
+        let y = self.collect(ctx, &y, (&plan, &maps), p.rows_cap(), h, dt)?;
+        self.mark("fwd return")?;
         match ctx {
             Some(c) => cuda::combine(c, &p, cfg, &f, &y)?,
             None => cpu::combine_into(par, &p, cfg, &f, &y.to_f32_vec()?)?,
@@ -643,9 +538,10 @@ impl<'g> ExpertParallel<'g> {
         self.mark("fwd combine")?;
         Ok(EpForward {
             routing: f,
-            received,
+            received: xr,
             hpre,
             gates,
+            ends,
             plan,
             maps,
             backward_ready: !opts.forward_only,
@@ -703,14 +599,14 @@ impl<'g> ExpertParallel<'g> {
         let pl = self.local_problem(&p, plan.rows);
         let variant = select(&pl, opts.variant.as_deref())?;
         let (t, h, i, el, dt) = (p.tokens, p.hidden, p.inter, self.local(), p.dtype);
-        let r = plan.rows.max(1);
+        let rows = plan.rows.max(1);
         let g = MoeGrads {
             dx: self.empty(ctx, &[t, h], dt)?,
             d_router: self.empty(ctx, &[p.experts, h], dt)?,
             dw_up: self.empty(ctx, &[el, h, 2 * i], dt)?,
             dw_down: self.empty(ctx, &[el, i, h], dt)?,
         };
-        // dout's rows in the layout, unscaled (zeros on padding).
+        // dout's rows in the layout, unscaled (zeros on padding), to the experts' owners.
         let dyu = match ctx {
             Some(c) => {
                 let d = c.empty(&[p.rows_cap(), h], dt)?;
@@ -726,111 +622,73 @@ impl<'g> ExpertParallel<'g> {
                     &f.src.to_vec::<i32>()?,
                     ends[p.experts - 1] as usize,
                 )?;
-                Tensor::from_vec(v, &[p.rows_cap(), h])?.to_dtype(dt)?
+                Tensor::from_vec(v, &[p.rows_cap(), h])?
             }
-        };
-        let (dy_arr, dy_em) = (self.empty(ctx, &[r, h], dt)?, self.empty(ctx, &[r, h], dt)?);
-        let (dx_em, dx_arr) = (self.empty(ctx, &[r, h], dt)?, self.empty(ctx, &[r, h], dt)?);
-        let (dw_em, dw_arr) = (
-            self.empty(ctx, &[r], DType::F32)?,
-            self.empty(ctx, &[r], DType::F32)?,
-        );
-        let dxp = self.empty(ctx, &[p.rows_cap(), h], dt)?;
-        let dw_rows = self.empty(ctx, &[p.rows_cap()], DType::F32)?;
-        let most = plan.parts.iter().map(|q| q.rows).max().unwrap_or(0).max(1);
-        let iota = match ctx {
-            Some(c) => Some(c.iota(most)?),
-            None => None,
-        };
-        let host_w = match ctx {
-            Some(_) => None,
-            None => Some((w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?)),
         };
         self.mark("bwd spread")?;
-        let stage = |_: usize, part: &Part| -> Result<()> {
-            let n = part.j1 - part.j0;
-            let (du, dd) = (
-                g.dw_up.narrow(0, part.j0, n)?,
-                g.dw_down.narrow(0, part.j0, n)?,
-            );
-            if part.rows == 0 {
-                // No rows reached these experts: their gradients are zero.
-                return match ctx {
-                    Some(c) => c.zero(&du).and_then(|_| c.zero(&dd)),
-                    None => du
-                        .write_f32(&vec![0.0; du.numel()])
-                        .and_then(|_| dd.write_f32(&vec![0.0; dd.numel()])),
+        let dyu_r = self.dispatch(ctx, &dyu, (plan, maps), h, dt)?;
+        drop(dyu);
+        self.mark("bwd dispatch")?;
+        let (dxr, dw_r) = match ctx {
+            Some(c) => {
+                let s = cuda::Segs {
+                    rows,
+                    experts: el,
+                    ends: &fwd.ends,
+                    host: Some(&plan.ends),
                 };
-            }
-            let pk = Problem { experts: n, ..pl };
-            let rows = |t: &Tensor| Self::rows_of(t, part);
-            match ctx {
-                Some(c) => {
-                    let (wu, wd) = Self::part_weights(w, part)?;
-                    let wk = MoeWeights {
-                        router: w.router,
-                        w_up: &wu,
-                        w_down: &wd,
-                    };
-                    let ends = maps.ends.narrow(0, part.j0, n)?;
-                    let s = cuda::Segs {
-                        rows: part.rows,
-                        experts: n,
-                        ends: &ends,
-                        host: Some(&part.ends),
-                    };
-                    // Every row is its own "pair": src = the row, its gate weight received.
-                    let src = iota
-                        .as_ref()
-                        .expect("iota on the GPU")
-                        .narrow(0, 0, part.rows)?;
-                    let (hp, xs, dxo) = (rows(&fwd.hpre)?, rows(&fwd.received)?, rows(&dx_em)?);
-                    let (wts, dwo) = (rows(&fwd.gates)?, rows(&dw_em)?);
-                    let grads = cuda::ExpertGrads {
-                        dyu: rows(&dy_em)?,
-                        xp: &xs,
-                        hpre: &hp,
+                // Every received row is its own "pair": src = the row, its gate weight received.
+                let src = c.iota(rows)?;
+                let dw = c.empty(&[rows], DType::F32)?;
+                c.zero(&dw)?;
+                let dxr = cuda::experts_backward(
+                    c,
+                    variant,
+                    &pl,
+                    s,
+                    cuda::ExpertGrads {
+                        dyu: dyu_r,
+                        xp: &fwd.received,
+                        hpre: &fwd.hpre,
                         src: &src,
-                        weights: &wts,
-                        dxp: &dxo,
-                        dw: &dwo,
-                        dw_up: &du,
-                        dw_down: &dd,
-                    };
-                    cuda::experts_backward(c, variant, &pk, s, grads, &wk, &self.cfg)
-                }
-                None => {
-                    let (wu, wd) = host_w.as_ref().expect("host weights on the CPU");
-                    let (su, sd) = (h * 2 * i, i * h);
-                    let eg = cpu::experts_backward(
-                        variant == "parallel",
-                        &pk,
-                        &part.ends,
-                        &rows(&fwd.gates)?.to_f32_vec()?,
-                        (
-                            &rows(&dy_em)?.to_f32_vec()?,
-                            &rows(&fwd.received)?.to_f32_vec()?,
-                            &rows(&fwd.hpre)?.to_f32_vec()?,
-                        ),
-                        &wu[part.j0 * su..part.j1 * su],
-                        &wd[part.j0 * sd..part.j1 * sd],
-                        self.cfg.act,
-                    )?;
-                    rows(&dx_em)?.write_f32(&eg.dxp)?;
-                    rows(&dw_em)?.write_f32(&eg.dots)?;
-                    du.write_f32(&eg.dw_up)?;
-                    dd.write_f32(&eg.dw_down)
-                }
+                        weights: &fwd.gates,
+                        dw: &dw,
+                        dw_up: &g.dw_up,
+                        dw_down: &g.dw_down,
+                    },
+                    w,
+                    &self.cfg,
+                )?;
+                (dxr, dw)
+            }
+            None => {
+                let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
+                let eg = cpu::experts_backward(
+                    variant == "parallel",
+                    &pl,
+                    &plan.ends,
+                    &fwd.gates.to_f32_vec()?,
+                    (
+                        &dyu_r.to_f32_vec()?,
+                        &fwd.received.to_f32_vec()?,
+                        &fwd.hpre.to_f32_vec()?,
+                    ),
+                    &wu,
+                    &wd,
+                    self.cfg.act,
+                )?;
+                g.dw_up.write_f32(&eg.dw_up)?;
+                g.dw_down.write_f32(&eg.dw_down)?;
+                let dxr = Tensor::empty(&[rows, h], dt, Device::Cpu)?;
+                dxr.write_f32(&eg.dxp)?;
+                (dxr, Tensor::from_vec(eg.dots, &[rows])?)
             }
         };
-        self.pipeline(
-            ctx,
-            (plan, maps),
-            &[(&dyu, &dy_arr, &dy_em, h)],
-            &[(&dx_em, &dx_arr, &dxp, h), (&dw_em, &dw_arr, &dw_rows, 1)],
-            stage,
-            ["bwd dispatch (first part)", "bwd experts and exchanges"],
-        )?;
+        self.mark("bwd experts")?;
+        // dX rows and the gates' gradients back to the routing ranks.
+        let dxp = self.collect(ctx, &dxr, (plan, maps), p.rows_cap(), h, dt)?;
+        let dw_rows = self.collect(ctx, &dw_r, (plan, maps), p.rows_cap(), 1, DType::F32)?;
+        self.mark("bwd return")?;
         match ctx {
             Some(c) => {
                 let dw = c.pair_values(&dw_rows, &f.pos)?;
