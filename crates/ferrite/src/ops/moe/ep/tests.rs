@@ -226,3 +226,22 @@ fn gpu_ranks_match_the_one_gpu_layer_on_two_gpus() {
         );
     }
 }
+
+#[test]
+fn cpu_ranks_with_one_expert_each_and_experts_left_empty() {
+    // One expert per rank, then three tokens over eight experts (experts that receive no rows:
+    // their gradients must come out zero).
+    for (tokens, experts, k) in [(vec![5, 9], 2, 1), (vec![1, 2], 8, 1)] {
+        run_ep(
+            Case {
+                world: 2,
+                tokens,
+                hidden: 8,
+                inter: 6,
+                cfg: MoeConfig::new(experts, k),
+                dtype: DType::F32,
+            },
+            false,
+        );
+    }
+}
