@@ -384,12 +384,29 @@ fn check_output_path(flag: &str, p: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// The bench flags' values, checked before anything runs: sizes positive, `--size` only for
-/// families that read it, `--config` only with a GPU, output folders present.
 /// `bench moe --ep N`: the expert-parallel layer's table (and JSON).
 fn bench_ep(a: &BenchArgs, n: usize) -> Result<()> {
     if a.common.op != "moe" {
         return Err(Error::bad_arg("ferrite", "--ep", "op `moe`", &a.common.op));
+    }
+    // The expert-parallel bench runs its own shapes, bf16 on GPUs (f32 on CPU ranks), the best
+    // variant: flags it would ignore are refused.
+    for (flag, set) in [
+        ("--variant", !a.common.variants.is_empty()),
+        ("--dtype", !a.common.dtypes.is_empty()),
+        ("--size/--m", !a.size.is_empty() || a.m.is_some()),
+        ("--config", !a.configs.is_empty()),
+        ("--sweep", a.sweep),
+        ("--plot", a.plot.is_some()),
+    ] {
+        if set {
+            return Err(Error::bad_arg(
+                "ferrite",
+                flag,
+                "not with --ep (the expert-parallel bench runs its own shapes and the best variant)",
+                "given",
+            ));
+        }
     }
     let gpu = match a.common.device.as_str() {
         "cpu" => false,
@@ -455,6 +472,8 @@ fn bench_ep(a: &BenchArgs, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// The bench flags' values, checked before anything runs: sizes positive, `--size` only for
+/// families that read it, `--config` only with a GPU, output folders present.
 fn validate_bench_args(
     a: &BenchArgs,
     fams: &[&'static dyn ferrite::core::harness::OpFamily],

@@ -565,4 +565,6 @@ fn bench_moe_ep_runs_cpu_ranks() {
     assert!(!ok && e.contains("--ep"), "{e}");
     let (ok, _, e) = ferrite(&["bench", "moe", "--ep", "1", "--device", "cpu"]);
     assert!(!ok && e.contains("--ep"), "{e}");
+    let (ok, _, e) = ferrite(&["bench", "moe", "--ep", "2", "--variant", "naive"]);
+    assert!(!ok && e.contains("--variant") && e.contains("--ep"), "{e}");
 }

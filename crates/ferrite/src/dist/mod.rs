@@ -521,12 +521,13 @@ impl ProcessGroup {
             }
             Ok(out)
         })?;
-        let (me, w) = (self.env.rank, self.env.world);
-        let mut got = vec![0u8; recv.numel() * 4];
+        let me = self.env.rank;
+        // Ranges not received keep their values.
+        let mut got = recv.to_bytes()?;
         let mut at = 0usize;
         let word =
             |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
-        for (src, list) in recvs.iter().enumerate().take(w) {
+        for (src, list) in recvs.iter().enumerate() {
             let len = word(&all, at);
             let payload = &all[at + 8..at + 8 + len];
             at += 8 + len;
@@ -551,11 +552,18 @@ impl ProcessGroup {
                 r += l * 4;
             }
         }
-        // Ranges not received keep their values.
-        let covered: Vec<(usize, usize)> = recvs.iter().flatten().copied().collect();
+        let words = got.chunks_exact(4).map(|c| <[u8; 4]>::try_from(c).unwrap());
         match recv.dtype() {
-            DType::F32 => recv.with_cpu_mut::<f32, _>(|d| put(d, &got, &covered)),
-            _ => recv.with_cpu_mut::<i32, _>(|d| put(d, &got, &covered)),
+            DType::F32 => recv.with_cpu_mut::<f32, _>(|d| {
+                d.iter_mut()
+                    .zip(words)
+                    .for_each(|(x, b)| *x = f32::from_le_bytes(b))
+            }),
+            _ => recv.with_cpu_mut::<i32, _>(|d| {
+                d.iter_mut()
+                    .zip(words)
+                    .for_each(|(x, b)| *x = i32::from_le_bytes(b))
+            }),
         }
     }
 }
@@ -563,30 +571,6 @@ impl ProcessGroup {
 /// Element ranges `(offset, len)` of a tensor, in the order they travel (one list per peer of an
 /// all-to-all).
 pub type Chunks = Vec<(usize, usize)>;
-
-/// Writes the received ranges' 4-byte elements into `d`.
-fn put<T: Copy + FromLe4>(d: &mut [T], got: &[u8], ranges: &[(usize, usize)]) {
-    for &(o, l) in ranges {
-        for i in o..o + l {
-            d[i] = T::from_le4(got[i * 4..i * 4 + 4].try_into().unwrap());
-        }
-    }
-}
-
-/// A 4-byte element read from little-endian bytes.
-trait FromLe4 {
-    fn from_le4(b: [u8; 4]) -> Self;
-}
-impl FromLe4 for f32 {
-    fn from_le4(b: [u8; 4]) -> Self {
-        f32::from_le_bytes(b)
-    }
-}
-impl FromLe4 for i32 {
-    fn from_le4(b: [u8; 4]) -> Self {
-        i32::from_le_bytes(b)
-    }
-}
 
 /// Gradient buckets all-reduced on a stream of their own while the backward continues on the
 /// main stream (data parallelism's overlap): each bucket waits for the main stream's work queued

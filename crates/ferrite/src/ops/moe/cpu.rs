@@ -214,8 +214,21 @@ fn seg(ends: &[i32], e: usize) -> (usize, usize) {
     )
 }
 
+/// The host values of a routing that the later CPU steps read (also written to the forward's
+/// buffers): the layout `xp` and its `ends`, each pair's row `pos` and gate `weights`, the scores
+/// `probs`, `lse` and the per-expert `counts` the losses need.
+pub struct Routed {
+    pub xp: Vec<f32>,
+    pub ends: Vec<i32>,
+    pub pos: Vec<i32>,
+    pub weights: Vec<f32>,
+    pub probs: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub counts: Vec<i32>,
+}
+
 /// The routing and layout steps (logits, router, plan, x into the layout) into the forward's
-/// buffers: everything but `out`, `losses` and `hpre`.
+/// buffers — everything but `out`, `losses` and `hpre` — and their host values.
 pub fn route_into(
     par: bool,
     p: &Problem,
@@ -223,7 +236,7 @@ pub fn route_into(
     router: &Tensor,
     cfg: &MoeConfig,
     f: &MoeForward,
-) -> Result<()> {
+) -> Result<Routed> {
     let (t, h, e, k, dt) = (p.tokens, p.hidden, p.experts, p.top_k, p.dtype);
     let xs = x.to_f32_vec()?;
     let router = router.to_f32_vec()?;
@@ -269,7 +282,15 @@ pub fn route_into(
     ] {
         write_i32(t, v)?;
     }
-    Ok(())
+    Ok(Routed {
+        xp,
+        ends,
+        pos,
+        weights,
+        probs,
+        lse,
+        counts,
+    })
 }
 
 /// The experts' half of the forward over the padded segments ending at `ends` (`rows` rows of
@@ -323,21 +344,16 @@ pub fn experts_forward(
 }
 
 /// `out[t] = Σ_j w[t,j]·y[pos[t,j]]` and the losses (mean score per expert, aux, z), into the
-/// forward's buffers (its routing already there).
+/// forward's buffers, from the routing `r`.
 pub fn combine_into(
     par: bool,
     p: &Problem,
     cfg: &MoeConfig,
-    f: &MoeForward,
+    (f, r): (&MoeForward, &Routed),
     y: &[f32],
 ) -> Result<()> {
     let (t, h, e, k, dt) = (p.tokens, p.hidden, p.experts, p.top_k, p.dtype);
-    let (pos, weights) = (f.pos.to_vec::<i32>()?, f.weights.to_f32_vec()?);
-    let (probs, lse, counts) = (
-        f.probs.to_f32_vec()?,
-        f.lse.to_f32_vec()?,
-        f.counts.to_vec::<i32>()?,
-    );
+    let (pos, weights, probs, lse, counts) = (&r.pos, &r.weights, &r.probs, &r.lse, &r.counts);
     let mut out = host::zeroed::<f32>(t * h, "moe: the CPU path's `out` buffer")?;
     rows_mut(par, &mut out, h, |tok, o| {
         for (c, oc) in o.iter_mut().enumerate() {
@@ -373,13 +389,11 @@ pub fn forward(
     f: &MoeForward,
 ) -> Result<()> {
     let par = variant == "parallel";
-    route_into(par, p, x, w.router, cfg, f)?;
-    let ends = f.ends.to_vec::<i32>()?;
+    let r = route_into(par, p, x, w.router, cfg, f)?;
     let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
-    let xp = f.xp.to_f32_vec()?;
-    let (hpre, y) = experts_forward(par, p, &ends, p.rows_cap(), &xp, &wu, &wd, cfg.act)?;
+    let (hpre, y) = experts_forward(par, p, &r.ends, p.rows_cap(), &r.xp, &wu, &wd, cfg.act)?;
     f.hpre.write_f32(&hpre)?;
-    combine_into(par, p, cfg, f, &y)
+    combine_into(par, p, cfg, (f, &r), &y)
 }
 
 /// dlogits of one token (kernels/moe.cu's moe_router_bwd).
@@ -633,10 +647,11 @@ pub fn router_backward(
     g_out.d_router.write_f32(&d_router)
 }
 
-/// Each row's gate weight in the layout (0 on padding rows).
-pub fn row_scales(src: &[i32], weights: &[f32]) -> Vec<f32> {
-    src.iter()
-        .map(|&q| if q >= 0 { weights[q as usize] } else { 0.0 })
+/// `vals[idx[i]]`, 0 where `idx[i] < 0` (kernels/moe.cu's moe_ep_gather_f32): each layout row's
+/// gate weight from its pair (`idx` = src), each pair's gate gradient from its row (`idx` = pos).
+pub fn gather_f32(vals: &[f32], idx: &[i32]) -> Vec<f32> {
+    idx.iter()
+        .map(|&q| if q >= 0 { vals[q as usize] } else { 0.0 })
         .collect()
 }
 
@@ -657,7 +672,7 @@ pub fn backward(
     let (src, ends) = (f.src.to_vec::<i32>()?, f.ends.to_vec::<i32>()?);
     let used = ends[p.experts - 1] as usize;
     let dyu = spread(par, p, &dout.to_f32_vec()?, &src, used)?;
-    let scale = row_scales(&src, &f.weights.to_f32_vec()?);
+    let scale = gather_f32(&f.weights.to_f32_vec()?, &src);
     let (wu, wd) = (w.w_up.to_f32_vec()?, w.w_down.to_f32_vec()?);
     let (xp, hpre) = (f.xp.to_f32_vec()?, f.hpre.to_f32_vec()?);
     let eg = experts_backward(par, p, &ends, &scale, (&dyu, &xp, &hpre), &wu, &wd, cfg.act)?;

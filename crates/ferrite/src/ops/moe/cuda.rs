@@ -18,7 +18,7 @@ use crate::ops::matmul::{self, Gemm, MatmulOptions, Operand};
 use std::sync::Arc;
 
 const SRC: KernelSource = kernel_source!("moe", "kernels/moe.cu");
-const FUNCS: [&str; 22] = [
+const FUNCS: [&str; 21] = [
     "moe_router",
     "moe_fill_i32",
     "moe_zero_bytes",
@@ -37,8 +37,7 @@ const FUNCS: [&str; 22] = [
     "moe_stats_partial",
     "moe_stats_final",
     "moe_ep_seg_sizes",
-    "moe_ep_row_weights",
-    "moe_ep_pair_values",
+    "moe_ep_gather_f32",
     "moe_iota",
     "moe_ep_gather_rows",
 ];
@@ -137,7 +136,7 @@ impl Ctx {
         Tensor::empty_on(shape, dtype, &self.dev, &self.stream)
     }
 
-    pub(crate) fn fill_i32(&self, t: &Tensor, v: i32) -> Result<()> {
+    fn fill_i32(&self, t: &Tensor, v: i32) -> Result<()> {
         let n = t.numel();
         let mut a = KernelArgs::new();
         a.push(t.device_ptr()?).push(n as i64).push(v);

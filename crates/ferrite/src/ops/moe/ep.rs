@@ -384,18 +384,17 @@ impl<'g> ExpertParallel<'g> {
         }
     }
 
-    /// `rows` `[n, width]` of `src` (runs `send`) into a new `[m, width]` tensor (runs `recv`).
-    #[allow(clippy::too_many_arguments)]
+    /// `rows` `[n, width]` of `src` (runs `send`) into a new `[m, width]` tensor of its dtype
+    /// (runs `recv`).
     fn exchange(
         &self,
         ctx: Option<&cuda::Ctx>,
         src: &Tensor,
-        send: &[Chunks],
-        recv: &[Chunks],
+        (send, recv): (&[Chunks], &[Chunks]),
         m: usize,
         width: usize,
-        dtype: DType,
     ) -> Result<Tensor> {
+        let dtype = src.dtype();
         let shape: &[usize] = if width == 1 { &[m] } else { &[m, width] };
         // The CPU collectives carry f32: a CPU layer's values travel as f32 (bf16/f16 values
         // are exact in it) and are stored back in the dtype.
@@ -422,23 +421,13 @@ impl<'g> ExpertParallel<'g> {
         src: &Tensor,
         (plan, maps): (&Plan, &Maps),
         width: usize,
-        dtype: DType,
     ) -> Result<Tensor> {
-        let arrived = self.exchange(
-            ctx,
-            src,
-            &plan.to,
-            &plan.from,
-            plan.rows.max(1),
-            width,
-            dtype,
-        )?;
+        let arrived = self.exchange(ctx, src, (&plan.to, &plan.from), plan.rows.max(1), width)?;
         reorder(ctx, &arrived, &maps.order, &plan.order)
     }
 
     /// The reverse: expert-major rows `src` back into the routing ranks' layouts (`[rows_cap,
     /// width]`; rows not sent back — padding, unused — are left unwritten).
-    #[allow(clippy::too_many_arguments)]
     fn collect(
         &self,
         ctx: Option<&cuda::Ctx>,
@@ -446,10 +435,9 @@ impl<'g> ExpertParallel<'g> {
         (plan, maps): (&Plan, &Maps),
         rows_cap: usize,
         width: usize,
-        dtype: DType,
     ) -> Result<Tensor> {
         let arrival = reorder(ctx, src, &maps.back, &plan.back)?;
-        self.exchange(ctx, &arrival, &plan.from, &plan.to, rows_cap, width, dtype)
+        self.exchange(ctx, &arrival, (&plan.from, &plan.to), rows_cap, width)
     }
 
     /// The forward on this rank's tokens x `[T, H]` (w: the whole router and this rank's
@@ -465,10 +453,13 @@ impl<'g> ExpertParallel<'g> {
         let ctx = ctx.as_ref();
         // The CPU rungs: `parallel` unless `naive` is asked for.
         let par = opts.variant.as_deref() != Some("naive");
-        match ctx {
-            Some(c) => cuda::route(c, &p, x, w, cfg, &f)?,
-            None => cpu::route_into(par, &p, x, w.router, cfg, &f)?,
-        }
+        let routed = match ctx {
+            Some(c) => {
+                cuda::route(c, &p, x, w, cfg, &f)?;
+                None
+            }
+            None => Some(cpu::route_into(par, &p, x, w.router, cfg, &f)?),
+        };
         self.mark("fwd route")?;
         let plan = self.plan(&f, ctx)?;
         let pl = self.local_problem(&p, plan.rows);
@@ -488,15 +479,15 @@ impl<'g> ExpertParallel<'g> {
             back: all.narrow(0, el + no, nb)?,
         };
         self.mark("fwd plan")?;
-        let xr = self.dispatch(ctx, &f.xp, (&plan, &maps), h, dt)?;
+        let xr = self.dispatch(ctx, &f.xp, (&plan, &maps), h)?;
         let row_w = match ctx {
-            Some(c) => c.row_weights(&f, p.rows_cap())?,
+            Some(c) => c.gather_f32(&f.weights, &f.src)?,
             None => {
-                let v = cpu::row_scales(&f.src.to_vec::<i32>()?, &f.weights.to_f32_vec()?);
+                let v = cpu::gather_f32(&f.weights.to_f32_vec()?, &f.src.to_vec::<i32>()?);
                 Tensor::from_vec(v, &[p.rows_cap()])?
             }
         };
-        let gates = self.dispatch(ctx, &row_w, (&plan, &maps), 1, DType::F32)?;
+        let gates = self.dispatch(ctx, &row_w, (&plan, &maps), 1)?;
         drop(row_w);
         self.mark("fwd dispatch")?;
         let hpre = self.empty(ctx, &[rows, 2 * i], dt)?;
@@ -529,11 +520,12 @@ impl<'g> ExpertParallel<'g> {
             }
         };
         self.mark("fwd experts")?;
-        let y = self.collect(ctx, &y, (&plan, &maps), p.rows_cap(), h, dt)?;
+        let y = self.collect(ctx, &y, (&plan, &maps), p.rows_cap(), h)?;
         self.mark("fwd return")?;
-        match ctx {
-            Some(c) => cuda::combine(c, &p, cfg, &f, &y)?,
-            None => cpu::combine_into(par, &p, cfg, &f, &y.to_f32_vec()?)?,
+        match (ctx, &routed) {
+            (Some(c), _) => cuda::combine(c, &p, cfg, &f, &y)?,
+            (None, Some(r)) => cpu::combine_into(par, &p, cfg, (&f, r), &y.to_f32_vec()?)?,
+            (None, None) => unreachable!("the CPU route returns its host values"),
         }
         self.mark("fwd combine")?;
         Ok(EpForward {
@@ -626,7 +618,7 @@ impl<'g> ExpertParallel<'g> {
             }
         };
         self.mark("bwd spread")?;
-        let dyu_r = self.dispatch(ctx, &dyu, (plan, maps), h, dt)?;
+        let dyu_r = self.dispatch(ctx, &dyu, (plan, maps), h)?;
         drop(dyu);
         self.mark("bwd dispatch")?;
         let (dxr, dw_r) = match ctx {
@@ -686,12 +678,12 @@ impl<'g> ExpertParallel<'g> {
         };
         self.mark("bwd experts")?;
         // dX rows and the gates' gradients back to the routing ranks.
-        let dxp = self.collect(ctx, &dxr, (plan, maps), p.rows_cap(), h, dt)?;
-        let dw_rows = self.collect(ctx, &dw_r, (plan, maps), p.rows_cap(), 1, DType::F32)?;
+        let dxp = self.collect(ctx, &dxr, (plan, maps), p.rows_cap(), h)?;
+        let dw_rows = self.collect(ctx, &dw_r, (plan, maps), p.rows_cap(), 1)?;
         self.mark("bwd return")?;
         match ctx {
             Some(c) => {
-                let dw = c.pair_values(&dw_rows, &f.pos)?;
+                let dw = c.gather_f32(&dw_rows, &f.pos)?;
                 cuda::router_backward(
                     c,
                     &p,
@@ -705,13 +697,7 @@ impl<'g> ExpertParallel<'g> {
                 )?;
             }
             None => {
-                let rv = dw_rows.to_f32_vec()?;
-                let dw: Vec<f32> = f
-                    .pos
-                    .to_vec::<i32>()?
-                    .iter()
-                    .map(|&r| if r >= 0 { rv[r as usize] } else { 0.0 })
-                    .collect();
+                let dw = cpu::gather_f32(&dw_rows.to_f32_vec()?, &f.pos.to_vec::<i32>()?);
                 let cfg = cpu::scaled_losses(&self.cfg, loss_grad)?;
                 cpu::router_backward(par, &p, x, w.router, f, &cfg, (&dxp.to_f32_vec()?, &dw), &g)?;
             }
@@ -734,28 +720,17 @@ impl cuda::Ctx {
         Ok(out)
     }
 
-    /// `[rows]` f32: each layout row's gate weight (0 on padding and unused rows).
-    pub(crate) fn row_weights(&self, f: &MoeForward, rows: usize) -> Result<Tensor> {
-        let out = self.empty(&[rows], DType::F32)?;
-        let mut a = KernelArgs::new();
-        a.push(f.src.device_ptr()?)
-            .push(f.weights.device_ptr()?)
-            .push(rows as i64)
-            .push(out.device_ptr()?);
-        self.launch("moe_ep_row_weights", self.grid(rows, 256), 256, 0, &mut a)?;
-        Ok(out)
-    }
-
-    /// `[pairs]` f32: `rowv[pos[p]]` for each kept pair, 0 for a dropped one.
-    pub(crate) fn pair_values(&self, rowv: &Tensor, pos: &Tensor) -> Result<Tensor> {
-        let n = pos.numel();
+    /// `[idx.numel()]` f32: `vals[idx[i]]`, 0 where `idx[i] < 0` — each layout row's gate
+    /// weight from its pair (`idx` = src), each pair's gate gradient from its row (`idx` = pos).
+    pub(crate) fn gather_f32(&self, vals: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let n = idx.numel();
         let out = self.empty(&[n], DType::F32)?;
         let mut a = KernelArgs::new();
-        a.push(rowv.device_ptr()?)
-            .push(pos.device_ptr()?)
+        a.push(vals.device_ptr()?)
+            .push(idx.device_ptr()?)
             .push(n as i64)
             .push(out.device_ptr()?);
-        self.launch("moe_ep_pair_values", self.grid(n, 256), 256, 0, &mut a)?;
+        self.launch("moe_ep_gather_f32", self.grid(n, 256), 256, 0, &mut a)?;
         Ok(out)
     }
 

@@ -55,11 +55,6 @@ fn shapes(quick: bool, gpu: bool) -> Vec<(&'static str, usize, usize, usize, usi
     ]
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 /// Waits for `dev`'s work (a GPU's stream; nothing on the CPU).
 fn sync(dev: Device) -> Result<()> {
     if let Device::Cuda(i) = dev {
@@ -82,7 +77,7 @@ fn time(dev: Device, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>
         sync(dev)?;
         v.push(t0.elapsed().as_secs_f64() * 1e3);
     }
-    Ok(median(v))
+    Ok(crate::data::bench::median(&v))
 }
 
 fn free_port() -> Result<u16> {

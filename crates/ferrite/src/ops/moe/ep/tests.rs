@@ -245,3 +245,30 @@ fn cpu_ranks_with_one_expert_each_and_experts_left_empty() {
         );
     }
 }
+
+/// The gather kernel of the bookkeeping (gate weights to rows, gate gradients to pairs) against
+/// its CPU twin, with skipped (negative) indices, on one GPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gather_f32_matches_the_cpu() {
+    let dev = crate::core::cuda::device(0).unwrap();
+    let c = cuda::Ctx::on(dev.clone(), dev.stream().clone(), DType::F32);
+    let vals: Vec<f32> = (0..300).map(|i| (i as f32 * 0.37).sin()).collect();
+    let idx: Vec<i32> = (0..1037)
+        .map(|i| if i % 7 == 3 { -1 } else { i * 13 % 300 })
+        .collect();
+    let d = Device::Cuda(0);
+    let out = c
+        .gather_f32(
+            &Tensor::from_vec(vals.clone(), &[300])
+                .unwrap()
+                .to_device(d)
+                .unwrap(),
+            &Tensor::from_vec(idx.clone(), &[1037])
+                .unwrap()
+                .to_device(d)
+                .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(out.to_f32_vec().unwrap(), cpu::gather_f32(&vals, &idx));
+}

@@ -634,23 +634,14 @@ extern "C" __global__ void moe_ep_seg_sizes(const int* __restrict__ ends, int E,
     out[e] = ends[e] - (e > 0 ? ends[e - 1] : 0);
 }
 
-extern "C" __global__ void moe_ep_row_weights(const int* __restrict__ src,
-                                              const float* __restrict__ w, i64 rows,
-                                              float* __restrict__ out) {
-  for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < rows;
-       r += (i64)gridDim.x * blockDim.x) {
-    const int p = src[r];
-    out[r] = p >= 0 ? w[p] : 0.f;
-  }
-}
-
-extern "C" __global__ void moe_ep_pair_values(const float* __restrict__ rowv,
-                                              const int* __restrict__ pos, i64 pairs,
-                                              float* __restrict__ out) {
-  for (i64 p = (i64)blockIdx.x * blockDim.x + threadIdx.x; p < pairs;
-       p += (i64)gridDim.x * blockDim.x) {
-    const int r = pos[p];
-    out[p] = r >= 0 ? rowv[r] : 0.f;
+// out[i] = vals[idx[i]], 0 where idx[i] < 0: each layout row's gate weight from its pair (idx =
+// src), or each pair's gate gradient from its row (idx = pos).
+extern "C" __global__ void moe_ep_gather_f32(const float* __restrict__ vals,
+                                             const int* __restrict__ idx, i64 n,
+                                             float* __restrict__ out) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const int j = idx[i];
+    out[i] = j >= 0 ? vals[j] : 0.f;
   }
 }
 
