@@ -93,7 +93,7 @@ inline void mbar_wait(unsigned bar, unsigned parity) {
   g_hop_cv.wait(l, [&] { return (emu_mbar(bar).phase & 1) != (parity & 1); });
 }
 inline void fence_barrier_init() {}
-inline void fence_proxy_async() {}
+inline void fence_async_smem() {}
 template <int N> inline void regs_dec() {}
 template <int N> inline void regs_inc() {}
 inline void named_arrive(int id, int n) {
@@ -155,7 +155,7 @@ inline void tma_load4(unsigned dst, const Desc* map, unsigned bar, int d0, const
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 template <int N> inline void wgmma_wait() {}
-template <int N> inline void reg_fence(float (&)[N]) {}
+template <int N> inline void acc_fence(float (&)[N]) {}
 
 struct EmuDesc { unsigned start, lbo, sbo; };
 inline EmuDesc emu_desc(unsigned long long d) {

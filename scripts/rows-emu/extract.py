@@ -7,8 +7,8 @@ import os, re, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 hdrs = os.path.join(here, '..', '..', 'crates', 'ferrite', 'src', 'core', 'cuda', 'kernels')
-REMOVE = {'ex2_approx', 'rcp_approx', 'ex2_fast', 'smem_addr', 'async_copy16', 'async_commit',
-          'async_wait'}
+REMOVE = {'ex2_approx', 'rcp_approx', 'ex2_fast', 'smem_u32', 'dynamic_smem_bytes', 'cp_async16',
+          'cp_async16_s', 'cp_async4', 'cp_async_commit', 'cp_async_wait'}
 
 
 def expand(src):
@@ -69,9 +69,10 @@ s = re.sub(r'extern __shared__ __align__\(\d+\) unsigned char (\w+)\[\];',
            r'unsigned char* \1 = g_blk->dyn;', s)
 s = re.sub(r'__shared__ (\w[\w ]*?) (\w+)((?:\[\w+\])+);', r'EMU_SHARED(\1, \2, \3);', s)
 # The removed PTX wrappers, under the names the host versions take.
-s = s.replace('async_copy16(', 'emu_cp16(').replace('async_commit()', 'emu_cp_commit()')
-s = re.sub(r'async_wait<(\w+(?: - \d+)?)>\(\)', r'emu_cp_wait(\1)', s)
-for bad in ('asm(', 'asm volatile', '__shared__', 'async_copy16', 'async_commit', 'async_wait'):
+s = s.replace('cp_async16(', 'emu_cp16(').replace('cp_async_commit()', 'emu_cp_commit()')
+s = re.sub(r'cp_async_wait<(\w+(?: - \d+)?)>\(\)', r'emu_cp_wait(\1)', s)
+for bad in ('asm(', 'asm volatile', '__shared__', 'cp_async16(', 'cp_async16_s(', 'cp_async4(',
+            'cp_async_commit(', 'cp_async_wait<', '__cvta_generic_to_shared'):
     if bad in s:
         sys.exit(f'extract.py: `{bad}` left in {sys.argv[1]}')
 open(sys.argv[2], 'w').write('#include "emu_rows.h"\n' + s)

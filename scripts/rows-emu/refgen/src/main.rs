@@ -67,7 +67,7 @@ fn rand(shape: &[usize], dtype: DType, seed: u64, lo: f64, hi: f64) -> Result<Te
 fn activation(a: &Args, o: &mut Out) -> Result<()> {
     let dtype = a.dtype();
     let (rows, cols): (usize, usize) = (a.n("rows"), a.n("cols"));
-    let actf = Activation::parse(a.s("act"))?;
+    let actf = Activation::parse_arg("refgen", "act", a.s("act"))?;
     let seed: u64 = a.n("seed");
     let variant = Some("parallel".to_string());
     if a.s("glu") == "1" {

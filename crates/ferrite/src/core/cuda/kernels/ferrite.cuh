@@ -24,6 +24,23 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 __host__ __device__ __forceinline__ i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
 
+// Whether a 16-bit element type is bf16 (picks the bf16 or f16 form of an instruction).
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+// The 32-bit shared-state-space address of a shared-memory pointer, as PTX instructions on
+// shared memory (cp.async, ldmatrix, mbarrier, TMA) take it.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// The dynamic shared memory the launch gave this block, in bytes.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned v;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
+  return v;
+}
+
 // Block-wide sums of two floats; every thread receives both totals. blockDim.x must be a multiple
 // of 32; `red` is 64 floats of shared memory owned by the caller.
 __device__ __forceinline__ float2 block_sum2(float a, float b, float* red) {

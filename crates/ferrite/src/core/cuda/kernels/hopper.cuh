@@ -13,17 +13,6 @@ struct alignas(64) TmaDesc {
   unsigned long long v[16];
 };
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// The dynamic shared memory the launch gave this block, in bytes.
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-  unsigned v;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
-  return v;
-}
-
 // One box of a 3-D tensor map (coordinates innermost first) into shared memory at `dst` by
 // the tensor memory accelerator, counted in bytes on the mbarrier `bar`; elements outside the
 // tensor arrive as zeros.
@@ -77,6 +66,41 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// An empty asm that claims to read and write every accumulator register: the compiler may not
+// move their uses across it (wgmma writes them asynchronously, outside the compiler's view).
+template <int N>
+__device__ __forceinline__ void acc_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Barrier-init visibility: after mbarrier.init, before the block barrier, so the async proxy
+// (TMA, wgmma) and the cluster's peers see initialised barriers.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Named barrier `id` over `n` threads: wait for all, or arrive without waiting.
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+// Warpgroup register budgets (setmaxnreg): a producer warpgroup gives registers back, consumers
+// take them. Every warp of a warpgroup must execute it; the budgets must fit the allocation the
+// block launched with, or setmaxnreg.inc waits forever.
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // ---- clusters (blocks of a cluster share B tiles by multicast) ----
 // The same box into the same shared offset of every block in `mask`, completing on each one's
 // barrier at the same offset.
@@ -126,7 +150,8 @@ template <int N>
 __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Generic-proxy writes to shared memory made visible to the async proxy (the TMA store).
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (a TMA
+// store, or wgmma reading operands a thread wrote).
 __device__ __forceinline__ void fence_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

@@ -31,6 +31,8 @@
 // 64-bit. Shared rows are padded by 16 bytes, which makes every ldmatrix bank-conflict-free.
 
 #include "ferrite.cuh"
+#include "async.cuh"
+#include "mma.cuh"
 using namespace ferrite;
 
 #ifndef FE_ELEM
@@ -42,8 +44,6 @@ using namespace ferrite;
 typedef FE_ELEM T;
 constexpr int D = FE_HEAD_DIM;
 constexpr int LDS = D + 8;  // padded shared row (elements)
-template <typename U> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 constexpr bool IS_BF16 = IsBf16<T>::value;
 static_assert(D % 32 == 0 && D <= 128, "head dim 32, 64, 96 or 128");
 
@@ -56,62 +56,9 @@ constexpr float LN2 = 0.6931471805599453f;
 
 // ---- small PTX wrappers -----------------------------------------------------------------------
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-// 16-byte global → shared copy; with valid == false nothing is read and 16 zero bytes are written.
-__device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(g),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-// d += a·b for one m16n8k16 tile, fp32 accumulate.
+// d += a·b for one m16n8k16 tile, fp32 accumulate (bf16 or f16 inputs, as T).
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if constexpr (IS_BF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-// Two floats → one register of two 16-bit values (low half = x).
-__device__ __forceinline__ unsigned pack2(float x, float y) {
-  if constexpr (IS_BF16) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<unsigned*>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(x, y);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-}
-__device__ __forceinline__ float2 unpack2(unsigned u) {
-  if constexpr (IS_BF16) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
-  } else {
-    return __half22float2(*reinterpret_cast<__half2*>(&u));
-  }
+  mma_m16n8k16<IS_BF16>(d, a, b0, b1);
 }
 // 2^x in one MUFU.EX2 (exp2f adds a denormal-range fix-up of three instructions around it; the
 // probabilities here need no denormals: they are rounded to 16 bits next).
@@ -119,12 +66,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-// Bytes of dynamic shared memory this launch gave the block.
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-  unsigned n;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(n));
-  return n;
 }
 __device__ __forceinline__ float tanh_fast(float x) {
   float y;
@@ -195,24 +136,8 @@ struct ScoreMap {
 constexpr unsigned ROWB = LDS * sizeof(T);  // bytes per padded K/V/Q/dO row
 constexpr int INT32_MIN_ = -0x7fffffff - 1, INT32_MAX_ = 0x7fffffff;
 
-// ldmatrix from a 32-bit shared address (constant offsets fold into the instruction).
-__device__ __forceinline__ void ldsm_x4_s(unsigned (&r)[4], unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_ts(unsigned (&r)[4], unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
 __device__ __forceinline__ void sts32(unsigned a, unsigned x) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(x) : "memory");
-}
-__device__ __forceinline__ void cp_async16_s(unsigned s, const void* g, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g),
-               "r"(valid ? 16 : 0)
-               : "memory");
 }
 
 // Copies rows [row0, row0 + R) of a [len, D] slab (row stride `ld`, rows at or past len
@@ -497,7 +422,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const float p0 = exp2_fast(fmaf(s[mt][nt][2 * r], mul, -base));
           const float p1 = exp2_fast(fmaf(s[mt][nt][2 * r + 1], mul, -base));
           sum += p0 + p1;
-          pa[mt][nt / 2][(nt & 1) * 2 + r] = pack2(p0, p1);
+          pa[mt][nt / 2][(nt & 1) * 2 + r] = pack2<T>(p0, p1);
         }
         l_run[mt][r] += sum;  // per-lane partial; the quad is summed at the end
       }
@@ -536,7 +461,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
           *reinterpret_cast<unsigned*>(orow + dt * 8 + 2 * t) =
-              pack2(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
+              pack2<T>(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
         if (t == 0) {
           const float val = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : -INFINITY;
           lse[blk.lse0 + row] = val;
@@ -563,8 +488,8 @@ extern "C" __global__ void flash_bwd_dot(const T* __restrict__ dout, const T* __
   const i64 base = (cu_q ? 0 : (i64)b * os.b) + (sq.start + i) * os.s + (i64)h * os.h;
   float acc = 0.f;
   for (int d = lane * 2; d < D; d += 64) {
-    const float2 x = unpack2(*reinterpret_cast<const unsigned*>(dout + base + d));
-    const float2 y = unpack2(*reinterpret_cast<const unsigned*>(o + base + d));
+    const float2 x = unpack2<T>(*reinterpret_cast<const unsigned*>(dout + base + d));
+    const float2 y = unpack2<T>(*reinterpret_cast<const unsigned*>(o + base + d));
     acc += x.x * y.x + x.y * y.y;
   }
 #pragma unroll
@@ -591,7 +516,7 @@ __device__ __forceinline__ void store_acc(T* __restrict__ gp, i64 ld, i64 r0, i6
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
       *reinterpret_cast<unsigned*>(gp + row * ld + dt * 8 + 2 * t) =
-          pack2(acc[dt][2 * r] * mul, acc[dt][2 * r + 1] * mul);
+          pack2<T>(acc[dt][2 * r] * mul, acc[dt][2 * r + 1] * mul);
   }
 }
 
@@ -724,12 +649,12 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     // dV += Pᵀ·dO and dK += dSᵀ·Q: the k dim is the query tile; dO and Q through ldmatrix.trans.
 #pragma unroll
     for (int kk = 0; kk < KV_BM / 16; ++kk) {
-      const unsigned ap[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const unsigned ad[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
-                              pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                              pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+      const unsigned ap[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const unsigned ad[4] = {pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
+                              pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
 #pragma unroll
       for (int dq = 0; dq < D / 16; ++dq) {
         unsigned r[4];
@@ -865,9 +790,9 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dQ += dS·K: K through ldmatrix.trans (k dim = keys).
 #pragma unroll
     for (int kk = 0; kk < Q_BN / 16; ++kk) {
-      const unsigned a[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
-                             pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                             pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+      const unsigned a[4] = {pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
+                             pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                             pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
 #pragma unroll
       for (int dd = 0; dd < D / 16; ++dd) {
         unsigned r[4];
@@ -1130,10 +1055,10 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const unsigned st_ds = sbase + O_DS + (unsigned)((kw + g) * U_LDT + 2 * t) * sizeof(T);
 #pragma unroll
     for (int nt = 0; nt < U_BM / 8; ++nt) {
-      pp[nt][0] = pack2(s[nt][0], s[nt][1]);
-      pp[nt][1] = pack2(s[nt][2], s[nt][3]);
-      dd[nt][0] = pack2(dp[nt][0], dp[nt][1]);
-      dd[nt][1] = pack2(dp[nt][2], dp[nt][3]);
+      pp[nt][0] = pack2<T>(s[nt][0], s[nt][1]);
+      pp[nt][1] = pack2<T>(s[nt][2], s[nt][3]);
+      dd[nt][0] = pack2<T>(dp[nt][0], dp[nt][1]);
+      dd[nt][1] = pack2<T>(dp[nt][2], dp[nt][3]);
       sts32(st_ds + nt * 16, dd[nt][0]);
       sts32(st_ds + 8 * ROWT + nt * 16, dd[nt][1]);
     }
@@ -1228,9 +1153,9 @@ extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ acc, T
   const float4 x = *reinterpret_cast<const float4*>(acc + idx * D + c);
   const float4 y = *reinterpret_cast<const float4*>(acc + idx * D + c + 4);
   uint4 out;
-  out.x = pack2(x.x * scale, x.y * scale);
-  out.y = pack2(x.z * scale, x.w * scale);
-  out.z = pack2(y.x * scale, y.y * scale);
-  out.w = pack2(y.z * scale, y.w * scale);
+  out.x = pack2<T>(x.x * scale, x.y * scale);
+  out.y = pack2<T>(x.z * scale, x.w * scale);
+  out.z = pack2<T>(y.x * scale, y.y * scale);
+  out.w = pack2<T>(y.z * scale, y.w * scale);
   *reinterpret_cast<uint4*>(dq + at + c) = out;
 }

@@ -24,6 +24,7 @@
 // Masking, soft-cap, GQA, varlen and the lse follow kernels/flash.cu exactly (same host Problem).
 
 #include "hopper.cuh"
+#include "mma.cuh"
 using namespace ferrite;
 
 #ifndef FE_ELEM
@@ -86,22 +87,6 @@ __device__ __forceinline__ void tma_load4(unsigned dst, const TmaDesc* map, unsi
       "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(d0), "r"(c[0]), "r"(c[1]), "r"(c[2])
       : "memory");
 }
-// Barrier-init visibility for the async proxy (after mbarrier.init, before the block barrier).
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// Named barrier `id` over `n` threads: wait for all, or arrive without waiting.
-__device__ __forceinline__ void named_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
 // The order blocks go out in (a 1-D grid of units × nblk; a unit is one (batch, head) pair, a
 // unit's blocks are ranked by work, rank 0 the most under a causal mask). Blocks go chunk by
 // chunk of `chunk` consecutive units and, inside a chunk, rank by rank across its units: every
@@ -126,30 +111,6 @@ __device__ __forceinline__ Sched schedule(int units, int nblk, int chunk) {
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NTHREADS * (65536 / NTHREADS / 8 * 8),
               "setmaxnreg budgets exceed the block's launch allocation");
-template <int N>
-__device__ __forceinline__ void regs_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void regs_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void reg_fence(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <typename U> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
-__device__ __forceinline__ unsigned pack2(float x, float y) {
-  if constexpr (IsBf16<T>::value) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<unsigned*>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(x, y);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-}
 // 2^x in one MUFU.EX2 (exp2f adds a denormal-range fix-up of three instructions around it; the
 // probabilities here need no denormals: they are rounded to 16 bits next).
 __device__ __forceinline__ float exp2_fast(float x) {
@@ -416,10 +377,10 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     // k-step kk covers keys 16kk..16kk+15 = accumulator chunks 2kk, 2kk+1.
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-      pa[kk][0] = pack2(sc[8 * kk + 0], sc[8 * kk + 1]);
-      pa[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
-      pa[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
-      pa[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
+      pa[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
     }
   };
   // Skipped when no row of the warp saw its max grow (common once the max has settled).
@@ -442,12 +403,12 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     float alpha[2];
     issue_s(sc, it);
     wgmma_wait<0>();
-    reg_fence(sc);
+    acc_fence(sc);
     softmax(sc, it, pa, alpha);
     rescale(alpha);
     issue_pv(pa, it);
     wgmma_wait<0>();
-    reg_fence(acc);
+    acc_fence(acc);
     if (lane == 0) mbar_arrive(empty(it % STAGES));
   }
 #else
@@ -467,7 +428,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     issue_s(sc, 0);
     turn_end(true);
     wgmma_wait<0>();
-    reg_fence(sc);
+    acc_fence(sc);
     softmax(sc, 0, pa, alpha);  // O is still 0: no rescale needed
     // One step: S(it) and P(it−1)·V(it−1) in flight, softmax(it) into `next` while `cur` is
     // still being read by the tensor cores — so P is double-buffered, never overwritten in flight.
@@ -477,10 +438,10 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       issue_pv(cur, it - 1);
       turn_end(true);
       wgmma_wait<1>();  // S(it) has landed; P(it−1)·V(it−1) may still run
-      reg_fence(sc);
+      acc_fence(sc);
       softmax(sc, it, next, alpha);
       wgmma_wait<0>();
-      reg_fence(acc);
+      acc_fence(acc);
       if (lane == 0) mbar_arrive(empty((it - 1) % STAGES));
       rescale(alpha);
     };
@@ -496,7 +457,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       issue_pv(pn, ntiles - 1);
     turn_end(c == 0);  // warpgroup 1 takes the last turn: nobody waits for its hand-over
     wgmma_wait<0>();
-    reg_fence(acc);
+    acc_fence(acc);
     if (lane == 0) mbar_arrive(empty((ntiles - 1) % STAGES));
   }
 #endif
@@ -515,7 +476,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
 #pragma unroll
       for (int j = 0; j < O_REGS / 4; ++j)
         *reinterpret_cast<unsigned*>(orow + 8 * j + 2 * t) =
-            pack2(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
+            pack2<T>(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
       if (t == 0) {
         const float val = l > 0.f ? (m_run[r] + log2f(l)) * LN2 : -INFINITY;
         const i64 idx = cu_q ? (i64)h * lse_rows + sq.start + row
@@ -782,7 +743,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
                            (wr < 0 || n0 + B_BN - 1 <= m0 + off + wr);
 
     wgmma_wait<1>();
-    reg_fence(st);
+    acc_fence(st);
     // Pᵀ in place of Sᵀ. The tile's test is uniform, so it is taken once: inside the unrolled
     // loop the compiler kept a branch (and a convergence barrier) per element.
     if (full_tile) {
@@ -809,10 +770,10 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kk][r] = pack2(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
+      for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<T>(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
 
     wgmma_wait<0>();
-    reg_fence(dp);
+    acc_fence(dp);
     // dSᵀ in place of dPᵀ.
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -827,7 +788,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) da[kk][r] = pack2(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+      for (int r = 0; r < 4; ++r) da[kk][r] = pack2<T>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
 
     // dV += Pᵀ·dO, dK += dSᵀ·Q (K = the 64 queries; B read MN-major).
     wgmma_fence();
@@ -845,7 +806,7 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
         const int r = key_l + 8 * hh;
         sts_u32(ds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t, da[j / 2][(j & 1) * 2 + hh]);
       }
-    fence_proxy_async();
+    fence_async_smem();
     named_sync(1, 256);
 
     // dQ_tile[:, c·D/2 ..] = dS·K: A = dSᵀ tile (M = queries contiguous), B = K (N = d contiguous).
@@ -857,9 +818,9 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
                smem_desc(k_dq + kk * 2048, B_BN * 128, 1024), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
-    reg_fence(dq);
-    reg_fence(dv_acc);
-    reg_fence(dk_acc);
+    acc_fence(dq);
+    acc_fence(dv_acc);
+    acc_fence(dk_acc);
     // Every lane's reads of the stage (lds_f2 of its rows above) are ordered before lane 0's
     // release of it.
     __syncwarp();
@@ -893,9 +854,9 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
 #pragma unroll
       for (int j = 0; j < O_REGS / 4; ++j) {
         *reinterpret_cast<unsigned*>(krow + 8 * j + 2 * t) =
-            pack2(dk_acc[4 * j + 2 * hh] * scale, dk_acc[4 * j + 2 * hh + 1] * scale);
+            pack2<T>(dk_acc[4 * j + 2 * hh] * scale, dk_acc[4 * j + 2 * hh + 1] * scale);
         *reinterpret_cast<unsigned*>(vrow + 8 * j + 2 * t) =
-            pack2(dv_acc[4 * j + 2 * hh], dv_acc[4 * j + 2 * hh + 1]);
+            pack2<T>(dv_acc[4 * j + 2 * hh], dv_acc[4 * j + 2 * hh + 1]);
       }
     }
   }

@@ -389,8 +389,8 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
     const i64 lim = cap < nvec ? cap : nvec;
     i64 i = threadIdx.x;
 #pragma unroll 4
-    for (; i < lim; i += blockDim.x) async_copy16(&sm[i], &xv[i]);
-    async_commit();
+    for (; i < lim; i += blockDim.x) cp_async16(&sm[i], &xv[i]);
+    cp_async_commit();
     float m = f_lowest(), s = 0.f, sx = 0.f;
     auto add_vec = [&](const Vec& a) { resident_add_vec(m, s, sx, a); };
     for (i64 c = threadIdx.x; c < head; c += blockDim.x) {
@@ -408,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
       sx += xf;
       online_add(m, s, &y, 1);
     }
-    async_wait<0>();
+    cp_async_wait<0>();
 #pragma unroll 1
     for (i = threadIdx.x; i < lim; i += blockDim.x) add_vec(sm[i]);
     const float M = block_max(m, red);
@@ -465,9 +465,6 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
 // works as in ce_resident: rank 0 reads the target logit before the barrier, and every block
 // writes dx only after it.
 #if defined(FE_CLUSTER) && FE_CLUSTER > 1
-__device__ __forceinline__ unsigned ce_smem_u32(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
 __device__ __forceinline__ unsigned ce_cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -480,7 +477,7 @@ __device__ __forceinline__ void ce_cluster_sync() {
 // The float4 at `local` in block `rank`'s shared memory.
 __device__ __forceinline__ float4 ce_ld_cluster(const float4* local, unsigned rank) {
   unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(ce_smem_u32(local)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
   float4 v;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
@@ -525,8 +522,8 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
 
     // The block's share of the row into shared memory by cp.async, all at once (as ce_resident).
 #pragma unroll 4
-    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) async_copy16(&sm[i - v0], &xv[i]);
-    async_commit();
+    for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) cp_async16(&sm[i - v0], &xv[i]);
+    cp_async_commit();
     float m = f_lowest(), s = 0.f, sx = 0.f;
     auto add_scalar = [&](i64 c) {
       const float xf = to_float(xr[c]);
@@ -538,7 +535,7 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
       for (i64 c = threadIdx.x; c < head; c += blockDim.x) add_scalar(c);
     if (rank == C - 1)
       for (i64 c = tail + threadIdx.x; c < v; c += blockDim.x) add_scalar(c);
-    async_wait<0>();
+    cp_async_wait<0>();
 #pragma unroll 1
     for (i64 i = v0 + threadIdx.x; i < v1; i += blockDim.x) resident_add_vec(m, s, sx, sm[i - v0]);
     const float Mb = block_max(m, red);

@@ -40,6 +40,8 @@
 // which the host reads after the launch.
 
 #include "ferrite.cuh"
+#include "async.cuh"
+#include "mma.cuh"
 
 using namespace ferrite;
 
@@ -187,16 +189,9 @@ constexpr int KPW = 32 / TPK;  // keys per warp per step
 static_assert(sizeof(T) == 2, "the gqa kernel takes f16/bf16");
 static_assert(FE_D % VEC == 0 && NV <= 32, "head dim must be a multiple of 8, at most 256");
 
-__device__ __forceinline__ float2 unpack2(unsigned w, const __nv_bfloat16*) {
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-__device__ __forceinline__ float2 unpack2(unsigned w, const __half*) {
-  return make_float2(__half2float(__ushort_as_half((unsigned short)(w & 0xffffu))),
-                     __half2float(__ushort_as_half((unsigned short)(w >> 16))));
-}
 __device__ __forceinline__ void unpack8(const uint4& r, float* f) {
-  const float2 a = unpack2(r.x, (const T*)nullptr), b = unpack2(r.y, (const T*)nullptr);
-  const float2 c = unpack2(r.z, (const T*)nullptr), d = unpack2(r.w, (const T*)nullptr);
+  const float2 a = unpack2<T>(r.x), b = unpack2<T>(r.y);
+  const float2 c = unpack2<T>(r.z), d = unpack2<T>(r.w);
   f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y, f[4] = c.x, f[5] = c.y, f[6] = d.x, f[7] = d.y;
 }
 
@@ -417,27 +412,6 @@ extern "C" __global__ void __launch_bounds__(128)
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// 16-byte global → shared copy that bypasses L1; with valid == false nothing is read and 16 zero
-// bytes are written (a masked key's row must not be stale data: 0 · NaN would poison acc).
-__device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   (unsigned)__cvta_generic_to_shared(s)),
-               "l"(g), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// The dynamic shared memory the launch provided (the host sizes it from a mirrored formula).
-__device__ __forceinline__ unsigned dynamic_smem_size() {
-  unsigned n;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-  return n;
-}
-
 // ---- work of one block: which heads, which keys, where the result goes ----------------------
 //
 // Two ways to cut a batch into blocks. Uniform partitions (the caller named a split count): grid.y
@@ -551,7 +525,7 @@ __device__ __forceinline__ void run_entry(Unit unit, unsigned smem_need, const i
                                           int* err, i64 batch, i64 hq, i64 hkv, i64 block_size,
                                           i64 max_blocks, i64 window_left, i64 part_size,
                                           i64 num_parts, const int* sched, i64 max_items) {
-  const bool smem_ok = dynamic_smem_size() >= smem_need;  // block-uniform
+  const bool smem_ok = dynamic_smem_bytes() >= smem_need;  // block-uniform
   if (!smem_ok && threadIdx.x == 0) atomicOr(err, ERR_LAUNCH);
   const int capacity = (int)(max_blocks * block_size);
   Work w;
@@ -1155,8 +1129,6 @@ extern "C" __global__ void __launch_bounds__(128)
 
 #ifdef FE_MMA
 
-template <typename U> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 constexpr bool IS_BF16 = IsBf16<T>::value;
 
 // Tile geometry (mirrored by mma_smem_bytes in cuda.rs).
@@ -1173,49 +1145,6 @@ constexpr int M_SMEM_BYTES = cmax(M_RING_BYTES, M_EPI_BYTES);
 static_assert(FE_D % 16 == 0 && FE_D <= 256, "the mma kernel takes head dims 16, 32, …, 256");
 static_assert(FE_G >= 1 && FE_G <= 8, "query heads are the rows 0..7 of an m16 tile");
 static_assert(FE_STAGES >= 2, "a ring needs at least two stages");
-
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-__device__ __forceinline__ void ldsm_x2(unsigned (&r)[2], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-// d += a·b for one m16n8k16 tile (a: a0..a3 in the PTX fragment order), fp32 accumulate.
-__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
-                                         unsigned a3, unsigned b0, unsigned b1) {
-  if constexpr (IS_BF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-// Two floats → one register of two 16-bit values (low half = x), rounded to nearest.
-__device__ __forceinline__ unsigned pack2(float x, float y) {
-  unsigned u;
-  if constexpr (IS_BF16) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(u) : "f"(y), "f"(x));
-  } else {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(u) : "f"(y), "f"(x));
-  }
-  return u;
-}
 
 // step 5 — decode_mma: decode_pipelined's pipeline (per-warp cp.async rings, table entries one
 // tile early, partitions planned by waves) with the arithmetic on tensor cores. Per warp tile of
@@ -1353,12 +1282,12 @@ __device__ __forceinline__ void mma_unit(const Work& job, unsigned char* smem, T
         if (c + 1 < KC) {
           unsigned kb[4];
           ldsm_x4(kb, kp);
-          mma16816(sc[t], qa[c][0], 0u, qa[c][1], 0u, kb[0], kb[1]);
-          mma16816(sc[t], qa[c + 1][0], 0u, qa[c + 1][1], 0u, kb[2], kb[3]);
+          mma_m16n8k16<IS_BF16>(sc[t], {qa[c][0], 0u, qa[c][1], 0u}, kb[0], kb[1]);
+          mma_m16n8k16<IS_BF16>(sc[t], {qa[c + 1][0], 0u, qa[c + 1][1], 0u}, kb[2], kb[3]);
         } else {  // odd KC: the last chunk alone (lanes 0–15 address its two matrices)
           unsigned kb[2];
           ldsm_x2(kb, kp);
-          mma16816(sc[t], qa[c][0], 0u, qa[c][1], 0u, kb[0], kb[1]);
+          mma_m16n8k16<IS_BF16>(sc[t], {qa[c][0], 0u, qa[c][1], 0u}, kb[0], kb[1]);
         }
       }
     }
@@ -1399,12 +1328,12 @@ __device__ __forceinline__ void mma_unit(const Work& job, unsigned char* smem, T
     }
 
     // Oᵀ += Vᵀ·Pᵀ: Pᵀ's B fragment (k = keys 2tig.., n = head gid) is this lane's p.
-    const unsigned pb0 = pack2(p[0], p[1]), pb1 = pack2(p[2], p[3]);
+    const unsigned pb0 = pack2<T>(p[0], p[1]), pb1 = pack2<T>(p[2], p[3]);
 #pragma unroll
     for (int m = 0; m < KC; ++m) {
       unsigned va[4];
       ldsm_x4_t(va, vs + v_off + 16 * m);
-      mma16816(oacc[m], va[0], va[1], va[2], va[3], pb0, pb1);
+      mma_m16n8k16<IS_BF16>(oacc[m], va, pb0, pb1);
     }
   }
   cp_async_wait<0>();  // the trailing (empty or unused) groups

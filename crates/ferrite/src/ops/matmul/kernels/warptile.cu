@@ -22,6 +22,8 @@
 // registers) measured 0.67× cuBLAS fp32, slower than vectorized (0.74×); a 128×128×8 cp.async
 // version at two blocks per SM 0.68×; this shape with 8-deep slices 0.75×. See docs/matmul.md.
 
+#include "async.cuh"
+
 constexpr int W_BM = 256, W_BN = 128, W_BK = 16, W_NT = 256;
 constexpr int W_WM = 64, W_WN = 64;      // warp tile (warps 4 × 2)
 constexpr int W_SM = 16, W_SN = 32;      // sub-tile strides: 4 × 2 sub-tiles per lane
@@ -34,23 +36,6 @@ constexpr int W_LDB = W_BN + 4;          // padded row of sB[p][j]
 #endif
 constexpr int W_STAGES = FE_W_STAGES;    // cp.async ring depth (k-slices in shared memory)
 constexpr int W_BUFA = W_BK * W_LDA, W_BUFB = W_BK * W_LDB;  // floats per operand per stage
-
-__device__ __forceinline__ unsigned w_smem(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-// 4 bytes global → shared; src_bytes 0 writes a zero (the source is not read).
-__device__ __forceinline__ void w_cp4(float* s, const float* g, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(w_smem(s)), "l"(g), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void w_cp16(float* s, const float* g) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(w_smem(s)), "l"(g) : "memory");
-}
-__device__ __forceinline__ void w_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void w_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // One thread's share of a contiguous operand's k-slice (A stored transposed, B row-major: the
 // stored rows run along m or n, as the shared rows do): a vector of 4 elements, one 16-byte
@@ -70,20 +55,20 @@ struct WCopy {
     float* d = stage + dst;
     const bool line_ok = line + k0 < lines;
     if (fast && line_ok && first + 3 < len) {
-      w_cp16(d, g);
+      cp_async16(d, g);
       return;
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool ok = line_ok && first + e < len;
-      w_cp4(d + e, ok ? g + e : src, ok ? 4 : 0);
+      cp_async4(d + e, ok ? g + e : src, ok ? 4 : 0);
     }
   }
 
   // The same copy for a slice known to lie inside the matrix with the operand 16-byte aligned
   // (an interior tile, k0 + W_BK ≤ k): no predicates, no zero-fill.
   __device__ __forceinline__ void issue_inside(float* stage, i64 k0) const {
-    w_cp16(stage + dst, src + k0 * kstride);
+    cp_async16(stage + dst, src + k0 * kstride);
   }
 };
 
@@ -125,10 +110,10 @@ struct TCopy {
       const float* g = src + lq * ld + kq + k0;
       float* d = stage + dst + kq * LD + lq;
       if (inside) {
-        w_cp4(d, g, 4);
+        cp_async4(d, g, 4);
       } else {
         const bool ok = line + lq < lines && kc + kq + k0 < k;
-        w_cp4(d, ok ? g : src, ok ? 4 : 0);
+        cp_async4(d, ok ? g : src, ok ? 4 : 0);
       }
     }
   }
@@ -216,15 +201,15 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
 #pragma unroll
     for (int s = 0; s < W_STAGES - 1; ++s) {
       if (s < nk) issue(s, (i64)s * W_BK);
-      w_commit();
+      cp_async_commit();
     }
     for (int t = 0; t < nk; ++t) {
-      w_wait<W_STAGES - 2>();  // slice t has landed (for this thread's copies) ...
+      cp_async_wait<W_STAGES - 2>();  // slice t has landed (for this thread's copies) ...
       __syncthreads();         // ... and for everyone's; slice t-1's buffer is read by no one
       {
         const int f = t + W_STAGES - 1;
         if (f < nk) issue(f % W_STAGES, (i64)f * W_BK);
-        w_commit();
+        cp_async_commit();
       }
       const float* a_s = sA + (t % W_STAGES) * W_BUFA;
       const float* b_s = sB + (t % W_STAGES) * W_BUFB;
@@ -252,7 +237,7 @@ __device__ __forceinline__ void warptile_body(float* sA, float* sB, FE_MATMUL_PA
         }
       }
     }
-    w_wait<0>();      // nothing of this tile left in flight (the empty tail groups)
+    cp_async_wait<0>();      // nothing of this tile left in flight (the empty tail groups)
     __syncthreads();  // every read of the ring done before the next tile's prologue refills it
 #pragma unroll
     for (int sm = 0; sm < W_MS; ++sm)

@@ -318,12 +318,6 @@ __device__ __forceinline__ void glu_store_tma(const float (&d)[128], unsigned st
 }
 #endif
 
-// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
-__device__ __forceinline__ void acc_fence(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 #if FE_WGMMA_TF32
 #define FE_WG_K "8"
 #else
@@ -721,8 +715,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     mbar_init(stg_full, 256);  // each consumer thread, once per tile
     mbar_init(stg_empty, 96);  // each helper thread, once per tile
 #endif
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_barrier_init();
   }
   if (CL > 1)
     cluster_sync();  // the peer's barriers are initialised before anyone arrives on them
@@ -749,9 +742,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #if FE_EPI_DACT
     // 88 for the helper warps (their 4 16-byte R loads and 8 column sums; at 72–80 ptxas spilled
     // in some activations), 208 for the consumers: 128·88 + 256·208 = the 384·168 allocated.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n");
+    regs_dec<88>();
 #else
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    regs_dec<40>();
 #endif
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
@@ -850,9 +843,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   } else {
     // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
 #if FE_EPI_DACT
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;\n");
+    regs_inc<208>();
 #else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    regs_inc<232>();
 #endif
     const int c = wg - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;

@@ -245,12 +245,12 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
       for (int k = 0; k < FE_CHUNKS; ++k) {
         const i64 i = threadIdx.x + (i64)k * blockDim.x;
         if (i < nvec) {
-          async_copy16(st + i, dyr + i);
-          async_copy16(st + nvec + i, xr + i);
+          cp_async16(st + i, dyr + i);
+          cp_async16(st + nvec + i, xr + i);
         }
       }
     }
-    async_commit();  // an empty group past the last row keeps the wait count uniform
+    cp_async_commit();  // an empty group past the last row keeps the wait count uniform
   };
   auto stats = [&](i64 j, float& m_, float& s_) {
     const i64 r = blockIdx.x + j * G;
@@ -267,7 +267,7 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
   for (i64 j = 0, row = blockIdx.x; row < rows; ++j, row += G) {
     issue(j + S - 1, nxt);  // this thread finished reading that stage in the previous iteration
     stats(j + S - 1, mq[S - 1], rq[S - 1]);
-    async_wait<S - 1>();  // row j's group (and every older one) has landed
+    cp_async_wait<S - 1>();  // row j's group (and every older one) has landed
     const float mu = mq[0], rs = rq[0];
     const Vec* st = ring + cur * 2 * nvec;
     // dy and x̂ are not kept in registers between the reduction and the dx pass: the second pass
@@ -316,7 +316,7 @@ extern "C" __global__ void norm_bwd_vec(T* __restrict__ dx, float* __restrict__ 
     nxt = cur;
     cur = cur + 1 == S ? 0 : cur + 1;
   }
-  async_wait<0>();  // no copy may still target shared memory when the block exits
+  cp_async_wait<0>();  // no copy may still target shared memory when the block exits
   // The partial rows go out as 16-byte stores: a thread's VEC columns are contiguous, so a warp's
   // float4 store covers whole sectors (f32) or every other 16 bytes of them (16-bit types, two
   // stores). Scalar stores touched a sector per 4 bytes: at bf16 8 sector writes per sector, all

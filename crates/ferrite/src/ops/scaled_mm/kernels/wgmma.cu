@@ -36,6 +36,7 @@
 //   fill. 192 columns read less shared memory per multiply-add than 128 and measured 1.1× faster
 //   per tile on large problems; the host takes 128 where that leaves fewer tiles' waves short.
 #include "hopper.cuh"
+#include "mma.cuh"
 
 using namespace ferrite;
 
@@ -104,12 +105,6 @@ static_assert(!FE_TMA_STORE || sizeof(TO) == 2, "TMA-store epilogue: 16-bit D");
 static_assert(STAGES * STAGE_BYTES + STAGING_BYTES + 1024 + 16 * STAGES <= 227 * 1024,
               "ring and staging fit one block");
 
-// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
-__device__ __forceinline__ void acc_fence(float (&d)[NACC]) {
-#pragma unroll
-  for (int i = 0; i < NACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // d (64×BN fp32, wgmma accumulator layout) = [scale_d ? d : 0] + A(64×32, desc da)·B(32×BN,
 // desc db)ᵀ, both K-major.
 #if FE_BN == 256
@@ -142,14 +137,6 @@ __device__ __forceinline__ void tile_of(int t, int tiles_m, int tiles_n, int& tm
   const int r = t % per_group;
   tm = first + r % rows;
   tn = r / rows;
-}
-
-// Two values rounded to TO and packed as one 32-bit word (16-bit TO).
-__device__ __forceinline__ unsigned pack2(float a, float b) {
-  TO v[2] = {from_float<TO>(a), from_float<TO>(b)};
-  unsigned u;
-  memcpy(&u, v, 4);
-  return u;
 }
 
 __device__ __forceinline__ void store_pair(TO* p, float a, float b, bool pair) {
@@ -229,15 +216,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_barrier_init();
   }
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     // ---- producer ----
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    regs_dec<40>();
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
@@ -262,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     }
   } else {
     // ---- consumers: warpgroup c owns rows 64c..64c+63 of the tile ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    regs_inc<232>();
     const int c = wg - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const bool pair_ok = ((u64)D % (2 * sizeof(TO)) == 0) && (ldd % 2 == 0);
@@ -384,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                   v0 += bb.x;
                   v1 += bb.y;
                 }
-                v[2 * h + i] = pack2(v0, v1);
+                v[2 * h + i] = pack2<TO>(v0, v1);
               }
             }
             const unsigned chunk = 2 * p + (mat >> 1);
