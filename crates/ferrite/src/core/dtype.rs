@@ -23,6 +23,8 @@ pub enum DType {
     U16,
     /// Bytes.
     U8,
+    /// Signed bytes: int8 weights of the weight-only quantised matmul (`w8a16`).
+    I8,
     /// Class indices as PyTorch stores them (cross-entropy targets).
     I64,
     /// FP8 e4m3 (`float8_e4m3fn`): the scaled GEMM's inputs (weights, activations); see
@@ -34,7 +36,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 11] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -42,6 +44,7 @@ impl DType {
         DType::U32,
         DType::U16,
         DType::U8,
+        DType::I8,
         DType::I64,
         DType::F8E4M3,
         DType::F8E5M2,
@@ -52,7 +55,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 | DType::U16 => 2,
-            DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
+            DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::I64 => 8,
         }
     }
@@ -78,6 +81,7 @@ impl DType {
             DType::U32 => "u32",
             DType::U16 => "u16",
             DType::U8 => "u8",
+            DType::I8 => "i8",
             DType::I64 => "i64",
             DType::F8E4M3 => "f8e4m3",
             DType::F8E5M2 => "f8e5m2",
@@ -94,6 +98,7 @@ impl DType {
             DType::U32 => "unsigned int",
             DType::U16 => "unsigned short",
             DType::U8 => "unsigned char",
+            DType::I8 => "signed char",
             DType::I64 => "long long",
             DType::F8E4M3 => "__nv_fp8_e4m3",
             DType::F8E5M2 => "__nv_fp8_e5m2",
@@ -115,6 +120,7 @@ impl DType {
                 "uint32" => Some(DType::U32),
                 "uint16" => Some(DType::U16),
                 "uint8" => Some(DType::U8),
+                "int8" => Some(DType::I8),
                 "float8_e4m3fn" | "e4m3" | "fp8e4m3" | "fp8_e4m3" => Some(DType::F8E4M3),
                 "float8_e5m2" | "e5m2" | "fp8e5m2" | "fp8_e5m2" => Some(DType::F8E5M2),
                 _ => None,
@@ -157,6 +163,7 @@ int_element!(i32, DType::I32);
 int_element!(u32, DType::U32);
 int_element!(u16, DType::U16);
 int_element!(u8, DType::U8);
+int_element!(i8, DType::I8);
 int_element!(i64, DType::I64);
 
 impl Element for f32 {
@@ -199,6 +206,7 @@ pub(crate) fn read_as_f64(bytes: &[u8], dtype: DType, i: usize) -> f64 {
         DType::U32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
         DType::U16 => u16::from_le_bytes(b.try_into().unwrap()) as f64,
         DType::U8 => b[0] as f64,
+        DType::I8 => b[0] as i8 as f64,
         DType::I64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
         DType::F8E4M3 => E4M3.decode(b[0]) as f64,
         DType::F8E5M2 => E5M2.decode(b[0]) as f64,
@@ -217,6 +225,7 @@ pub(crate) fn write_from_f64(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::U32 => b.copy_from_slice(&(v as u32).to_le_bytes()),
         DType::U16 => b.copy_from_slice(&(v as u16).to_le_bytes()),
         DType::U8 => b[0] = v as u8,
+        DType::I8 => b[0] = v as i8 as u8,
         DType::I64 => b.copy_from_slice(&(v as i64).to_le_bytes()),
         DType::F8E4M3 => b[0] = E4M3.encode_f64(v),
         DType::F8E5M2 => b[0] = E5M2.encode_f64(v),

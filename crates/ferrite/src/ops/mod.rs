@@ -5,7 +5,7 @@
 //! runtime and NVRTC, the harness, the shared activation functions in `core::act`). Families do
 //! not reach into each other, except along the edges in [`FAMILY_DEPENDENCIES`]: `matmul` is the
 //! GEMM layer that `linear` and `moe` build on (and whose cuBLASLt plan `scaled_mm` uses as its
-//! FP8 peer), and `moe`'s GLU runs the `activation` family's pass. A test reads the sources and fails on any other `crate::ops::<family>` path.
+//! FP8 peer, and whose bf16 GEMMs `w8a16`'s bench runs as its peers), and `moe`'s GLU runs the `activation` family's pass. A test reads the sources and fails on any other `crate::ops::<family>` path.
 
 pub mod activation;
 pub mod adamw;
@@ -20,6 +20,7 @@ pub mod norm;
 pub mod rotary;
 pub mod scaled_mm;
 pub mod softmax;
+pub mod w8a16;
 
 use crate::core::cuda::{self, jit};
 use crate::core::device::{Arch, Device};
@@ -35,6 +36,7 @@ pub const FAMILY_DEPENDENCIES: &[(&str, &str)] = &[
     ("moe", "matmul"),
     ("moe", "activation"),
     ("scaled_mm", "matmul"),
+    ("w8a16", "matmul"),
 ];
 
 /// Every op family, in the order `check all` and `bench all` run them.
@@ -53,6 +55,7 @@ pub fn registry() -> Vec<&'static dyn OpFamily> {
         &decode::Decode,
         &moe::Moe,
         &scaled_mm::ScaledMm,
+        &w8a16::W8a16,
     ]
 }
 

@@ -27,7 +27,7 @@ fn map_dtype(dtype: DType) -> cudarc::driver::sys::CUtensorMapDataType {
         DType::U32 => T::CU_TENSOR_MAP_DATA_TYPE_UINT32,
         DType::U16 => T::CU_TENSOR_MAP_DATA_TYPE_UINT16,
         DType::I64 => T::CU_TENSOR_MAP_DATA_TYPE_INT64,
-        DType::U8 | DType::F8E4M3 | DType::F8E5M2 => T::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => T::CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }
 }
 

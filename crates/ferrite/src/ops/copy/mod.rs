@@ -32,6 +32,7 @@ const ANY: &[DType] = &[
     DType::U32,
     DType::U16,
     DType::U8,
+    DType::I8,
     DType::F8E4M3,
     DType::F8E5M2,
 ];
@@ -214,7 +215,7 @@ fn write_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
         DType::I32 => typed!(i32),
         DType::U32 => typed!(u32),
         DType::U16 => typed!(u16),
-        DType::U8 | DType::F8E4M3 | DType::F8E5M2 => typed!(u8),
+        DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => typed!(u8),
         DType::I64 => typed!(i64),
     }
 }

@@ -440,8 +440,17 @@ fn run_peer(
     if peer == PEER_CUBLAS {
         super::cuda::cublas(&dev, &g, p, c.alpha, c.beta, precision, &stream)
     } else {
-        let plan = super::cuda::LtPlan::new(&dev, &g, precision, &stream)?;
-        plan.run(p, c.alpha, c.beta)?;
+        // cuBLASLt refuses some layouts at run time (leading dimensions and offsets that are not
+        // multiples of its alignment): the peer declines such a case, as a variant would.
+        let declined = |e: crate::core::error::Error| match e.to_string() {
+            m if m.contains("NOT_SUPPORTED") => crate::core::error::Error::NoVariant {
+                op: OP.into(),
+                msg: format!("`{PEER_CUBLASLT}` cannot run this request: {m}"),
+            },
+            _ => e,
+        };
+        let plan = super::cuda::LtPlan::new(&dev, &g, precision, &stream).map_err(declined)?;
+        plan.run(p, c.alpha, c.beta).map_err(declined)?;
         // The plan (and its workspace) is freed when this returns: finish its work first.
         dev.synchronize(&stream, "cublaslt check")
     }
