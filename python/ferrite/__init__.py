@@ -28,6 +28,7 @@ from ._attention import (
 from ._fused import bias_act_dropout, cross_entropy, dropout, geglu, softmax, swiglu
 from ._rotary import apply_rotary_emb
 from ._fp8 import quantize_fp8, scaled_mm
+from ._w8a16 import quantize_int8, w8a16
 from ._moe import grouped_mm, moe, moe_forward, moe_metrics
 from ._ops import add_layer_norm, add_rms_norm, cuda_status, layer_norm, linear, linear_rows, matmul, mlp, rms_norm
 from . import nn, optim
@@ -41,6 +42,8 @@ __all__ = [
     "matmul",
     "scaled_mm",
     "quantize_fp8",
+    "w8a16",
+    "quantize_int8",
     "linear",
     "linear_rows",
     "mlp",

@@ -76,6 +76,7 @@ _DESC_NAMES = {
     **_DTYPE_NAMES,
     torch.int32: "int32",
     torch.int64: "int64",
+    torch.int8: "int8",
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float8_e5m2: "float8_e5m2",
 }

@@ -79,11 +79,11 @@ int main(int argc, char** argv) {
     }
     emu_launch({{(unsigned)rows, 1, 1}, {threads, 1, 1}, smem, false}, [&] {
       if (res)
-        ce_resident(gp, loss_rows.as<float>(), xp, tgt.as<TG>(), status.as<Status>(), rows, v,
+        ce_resident(gp, loss_rows.as<float>(), xp, tgt.as<TG>(), status.as<Status>(), rows, v, v,
                     ignore, eps, dloss, mean, (i64)cap);
       else
-        ce_fused(gp, loss_rows.as<float>(), xp, tgt.as<TG>(), status.as<Status>(), rows, v, ignore,
-                 eps, dloss, mean);
+        ce_fused(gp, loss_rows.as<float>(), xp, tgt.as<TG>(), status.as<Status>(), rows, v, v,
+                 ignore, eps, dloss, mean);
     });
     emu_launch({{1, 1, 1}, {1024, 1, 1}, 0, false}, [&] {
       ce_reduce(loss.as<float>(), loss_rows.as<float>(), status.as<Status>(), rows, mean);

@@ -1,4 +1,5 @@
-//! The FP8 scaled GEMM (`ops::scaled_mm`): descriptors in, D allocated by the Python layer.
+//! The FP8 scaled GEMM (`ops::scaled_mm`) and the int8-weight matmul (`ops::w8a16`): descriptors
+//! in, D allocated by the Python layer.
 
 use crate::{opt_ref, run, target, wrap, wrap_opt, Desc};
 use ferrite::ops::scaled_mm::{self as fsm, ScaledMmOptions};
@@ -70,5 +71,39 @@ pub fn quantize_fp8(
         q.write_back()?;
         amax.write_back()?;
         inv.write_back()
+    })
+}
+
+/// D = a·(scale ⊙ w)ᵀ (+ bias), `ops::w8a16`: a `[m, k]` bf16/f16, w `[n, k]` int8 (k
+/// contiguous), scale `[n]` f32, D `[m, n]` in a's dtype.
+#[pyfunction]
+#[pyo3(signature = (a, w, scale, bias, out, device=-1, stream=0, variant=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn w8a16(
+    py: Python<'_>,
+    a: Desc,
+    w: Desc,
+    scale: Desc,
+    bias: Option<Desc>,
+    out: Desc,
+    device: i64,
+    stream: u64,
+    variant: Option<String>,
+) -> PyResult<()> {
+    use ferrite::ops::w8a16::{w8a16_into, W8a16Options};
+    const OP: &str = "ferrite.w8a16";
+    run(py, OP, move || {
+        let tgt = target(OP, device, stream)?;
+        let a = wrap(OP, "a", &a, &tgt)?;
+        let w = wrap(OP, "w", &w, &tgt)?;
+        let s = wrap(OP, "scale", &scale, &tgt)?;
+        let bias = wrap_opt(OP, "bias", &bias, &tgt)?;
+        let out = wrap(OP, "out", &out, &tgt)?;
+        let opts = W8a16Options {
+            variant,
+            stream: tgt.stream(),
+        };
+        w8a16_into(&a.t, &w.t, &s.t, opt_ref(&bias), &out.t, &opts)?;
+        out.write_back()
     })
 }

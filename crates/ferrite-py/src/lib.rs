@@ -87,7 +87,7 @@ fn parse_dtype(op: &str, arg: &str, name: &str) -> ferrite::Result<DType> {
         Error::bad_arg(
             op,
             arg,
-            "dtype float32, float16 or bfloat16 (or int32/uint8/uint16/uint32, float8_e4m3fn/float8_e5m2)",
+            "dtype float32, float16 or bfloat16 (or int32/int8/uint8/uint16/uint32, float8_e4m3fn/float8_e5m2)",
             n,
         )
     })
@@ -424,6 +424,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::rotary, m)?)?;
     m.add_function(wrap_pyfunction!(fp8::scaled_mm, m)?)?;
     m.add_function(wrap_pyfunction!(fp8::quantize_fp8, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8::w8a16, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout, m)?)?;
     m.add_function(wrap_pyfunction!(fused::bias_act_dropout_backward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::glu_forward, m)?)?;

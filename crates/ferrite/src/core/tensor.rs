@@ -509,6 +509,26 @@ impl Tensor {
         Ok(())
     }
 
+    /// The tensor as a matrix whose rows are contiguous (rank 2, unit column stride, rows that do
+    /// not overlap) — how GEMM operands with k contiguous are read: (rows, cols, row pitch in
+    /// elements). An [`Error::BadArg`] for `op`'s argument `arg` otherwise, naming `what` (e.g.
+    /// `"[m, k]"`).
+    pub fn matrix_rows(&self, op: &str, arg: &str, what: &str) -> Result<(usize, usize, usize)> {
+        let s = self.shape();
+        let st = self.strides();
+        if s.len() != 2 || (s[1] > 1 && st[1] != 1) || (s[0] > 1 && st[0] < s[1]) {
+            return Err(Error::bad_arg(
+                op,
+                arg,
+                format!(
+                    "{what}: a rank-2 tensor with unit column stride and rows that do not overlap"
+                ),
+                describe(self),
+            ));
+        }
+        Ok((s[0], s[1], st[0].max(s[1])))
+    }
+
     /// The view's bytes in row-major order (copied from the device if needed).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let es = self.dtype.size_in_bytes();

@@ -153,20 +153,6 @@ impl Problem {
     }
 }
 
-/// Rows of a rank-2 tensor with k contiguous: (rows, cols, row pitch).
-fn rows_of(op: &str, name: &str, t: &Tensor, what: &str) -> Result<(usize, usize, usize)> {
-    let s = t.shape();
-    if s.len() != 2 || (s[1] > 1 && t.strides()[1] != 1) || (s[0] > 1 && t.strides()[0] < s[1]) {
-        return Err(Error::bad_arg(
-            op,
-            name,
-            format!("{what}: a rank-2 tensor with unit column stride and rows that do not overlap"),
-            describe(t),
-        ));
-    }
-    Ok((s[0], s[1], t.strides()[0].max(s[1])))
-}
-
 /// A scale tensor: f32, contiguous, one element or `per` elements; returns whether it is per
 /// row / column.
 fn scale_of(op: &str, name: &str, t: &Tensor, per: usize, per_what: &str) -> Result<bool> {
@@ -202,8 +188,8 @@ fn validate(
             ));
         }
     }
-    let (m, k, lda) = rows_of(OP, "a", a, "[m, k]")?;
-    let (n, kb, ldb) = rows_of(OP, "b", b, "[n, k] (a weight's layout: torch's b.t())")?;
+    let (m, k, lda) = a.matrix_rows(OP, "a", "[m, k]")?;
+    let (n, kb, ldb) = b.matrix_rows(OP, "b", "[n, k] (a weight's layout: torch's b.t())")?;
     if kb != k {
         return Err(Error::bad_arg(
             OP,
@@ -220,7 +206,7 @@ fn validate(
             describe(out),
         ));
     }
-    let (_, _, ldd) = rows_of(OP, "out", out, "[m, n]")?;
+    let (_, _, ldd) = out.matrix_rows(OP, "out", "[m, n]")?;
     let sa_row = scale_of(OP, "scale_a", scale_a, m, "per row of a")?;
     let sb_col = scale_of(OP, "scale_b", scale_b, n, "per row of b: per output column")?;
     if let Some(bias) = bias {

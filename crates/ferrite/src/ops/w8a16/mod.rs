@@ -123,20 +123,6 @@ impl Problem {
     }
 }
 
-/// Rows of a rank-2 tensor with k contiguous: (rows, cols, row pitch).
-fn rows_of(name: &str, t: &Tensor, what: &str) -> Result<(usize, usize, usize)> {
-    let s = t.shape();
-    if s.len() != 2 || (s[1] > 1 && t.strides()[1] != 1) || (s[0] > 1 && t.strides()[0] < s[1]) {
-        return Err(Error::bad_arg(
-            OP,
-            name,
-            format!("{what}: a rank-2 tensor with unit column stride and rows that do not overlap"),
-            describe(t),
-        ));
-    }
-    Ok((s[0], s[1], t.strides()[0].max(s[1])))
-}
-
 fn validate(
     a: &Tensor,
     w: &Tensor,
@@ -155,8 +141,8 @@ fn validate(
             describe(w),
         ));
     }
-    let (m, k, lda) = rows_of("a", a, "[m, k]")?;
-    let (n, kw, ldw) = rows_of("w", w, "[n, k] (a linear layer's weight layout)")?;
+    let (m, k, lda) = a.matrix_rows(OP, "a", "[m, k]")?;
+    let (n, kw, ldw) = w.matrix_rows(OP, "w", "[n, k] (a linear layer's weight layout)")?;
     if kw != k {
         return Err(Error::bad_arg(
             OP,
@@ -181,7 +167,7 @@ fn validate(
             describe(out),
         ));
     }
-    let (_, _, ldd) = rows_of("out", out, "[m, n]")?;
+    let (_, _, ldd) = out.matrix_rows(OP, "out", "[m, n]")?;
     if let Some(b) = bias {
         if b.dtype() != a.dtype() || b.shape() != [n] || !b.is_contiguous() {
             return Err(Error::bad_arg(
