@@ -128,6 +128,11 @@ def cases():
     one = torch.ones(1)
     c.append(("scaled_mm e4m3 → f32", "512×512×512", lambda: ferrite.scaled_mm(qa, qb, one, one, out_dtype=torch.float32),
               lambda: torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32)))
+    w8, s8 = ferrite.quantize_int8(r(4096, 4096))
+    xw = r(1, 4096).to(torch.bfloat16)
+    s8b = s8.to(torch.bfloat16)
+    c.append(("w8a16 (int8 weight, bf16)", "1×4096×4096", lambda: ferrite.w8a16(xw, w8, s8),
+              lambda: torch._weight_int8pack_mm(xw, w8, s8b)))
     return c
 
 

@@ -53,10 +53,28 @@ pub fn run(
     out: &Tensor,
 ) -> Result<()> {
     let s = scales(scale)?;
+    // The codes are read where they are when dense (a weight is large: no copy per call).
+    if w.is_contiguous() {
+        w.with_cpu::<i8, _>(|wc| product(variant, p, a, &wc[..p.n * p.k], &s, bias, out))?
+    } else {
+        let wc: Vec<i8> = w.to_bytes()?.into_iter().map(|b| b as i8).collect();
+        product(variant, p, a, &wc, &s, bias, out)
+    }
+}
+
+/// D = A·(s ⊙ W)ᵀ + bias with W's codes dense `[n, k]`.
+fn product(
+    variant: &str,
+    p: &Problem,
+    a: &Tensor,
+    wc: &[i8],
+    s: &[f32],
+    bias: Option<&Tensor>,
+    out: &Tensor,
+) -> Result<()> {
     let (m, n, k) = (p.m, p.n, p.k);
-    // The views' values, row-major and dense.
+    // A's values, row-major and dense.
     let av = a.to_f32_vec()?;
-    let wc: Vec<i8> = w.to_bytes()?.into_iter().map(|b| b as i8).collect();
     let bias_v = match bias {
         Some(t) => with_f32(t, |v| v.to_vec())?,
         None => vec![0f32; n],
