@@ -611,10 +611,6 @@ fn bench(a: BenchArgs) -> Result<()> {
         println!("\nsweep: the default path against the faster vendor library, per cell");
         print!("{}", sweep_summary(&recs, DEFAULT_ROW));
     }
-    if a.sweep {
-        println!("\nsweep: the default path against the faster vendor library, per cell");
-        print!("{}", sweep_summary(&recs, DEFAULT_ROW));
-    }
     if let Some(p) = &a.common.json {
         write_json(
             p,
