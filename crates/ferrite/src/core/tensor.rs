@@ -529,6 +529,36 @@ impl Tensor {
         Ok((s[0], s[1], st[0].max(s[1])))
     }
 
+    /// An op's output against its inputs (`(argument name, tensor)`): every input on the output's
+    /// device, and the output sharing storage with none of them. An [`Error::BadArg`] naming the
+    /// first input that is elsewhere, or `out` when it is a view of an input.
+    pub fn expect_output_of<'a>(
+        &self,
+        op: &str,
+        inputs: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<()> {
+        let device = self.device();
+        for (name, t) in inputs {
+            if t.device() != device {
+                return Err(Error::bad_arg(
+                    op,
+                    name,
+                    format!("a tensor on {device} (the output's device)"),
+                    describe(t),
+                ));
+            }
+            if self.shares_storage(t) {
+                return Err(Error::bad_arg(
+                    op,
+                    "out",
+                    "a buffer distinct from the inputs",
+                    format!("a view of `{name}`"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The view's bytes in row-major order (copied from the device if needed).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let es = self.dtype.size_in_bytes();

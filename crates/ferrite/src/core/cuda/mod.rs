@@ -160,6 +160,15 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
+/// The architecture of `device` when it is a GPU (None on the CPU): what variant selection and
+/// the checks compare a variant's minimum architecture with.
+pub fn arch_of(device: super::device::Device) -> Result<Option<Arch>> {
+    match device {
+        super::device::Device::Cuda(i) => Ok(Some(self::device(i)?.arch())),
+        super::device::Device::Cpu => Ok(None),
+    }
+}
+
 /// The device for `ordinal`, created once (retaining the primary context, the one PyTorch uses).
 pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();

@@ -665,10 +665,7 @@ fn select(
     ptrs: &[u64],
 ) -> Result<&'static str> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         if backward { OP_BWD } else { OP },
         &vs,

@@ -169,10 +169,7 @@ pub fn copy_into(src: &Tensor, dst: &Tensor, opts: &CopyOptions) -> Result<()> {
             "a view of src",
         ));
     }
-    let arch = match src.device() {
-        Device::Cuda(i) => Some(device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(src.device())?;
     let vs = variants();
     let v = variant::select(
         OP,

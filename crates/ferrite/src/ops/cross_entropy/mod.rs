@@ -339,10 +339,7 @@ pub fn fused_unfit(ptrs: &[u64]) -> Option<String> {
 
 fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static str> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         OP,
         &vs,

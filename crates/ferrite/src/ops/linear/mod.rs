@@ -525,10 +525,7 @@ fn precision_of(dtype: DType, opts: &LinearOptions) -> Precision {
 /// Picks the variant for a forward problem (`g`: its GEMM, on a GPU).
 pub fn select(p: &Problem, g: Option<&matmul::Gemm>, opts: &LinearOptions) -> Result<VariantInfo> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let prec = precision_of(p.dtype, opts);
     let v = variant::select(
         OP,

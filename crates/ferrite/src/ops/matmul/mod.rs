@@ -586,10 +586,7 @@ fn precision_of(g: &Gemm, opts: &MatmulOptions) -> Precision {
 pub fn select(g: &Gemm, opts: &MatmulOptions) -> Result<VariantInfo> {
     let vs = variants();
     let backend = Backend::of(g.device);
-    let arch = match g.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(g.device)?;
     let prec = precision_of(g, opts);
     let v = variant::select(
         OP,

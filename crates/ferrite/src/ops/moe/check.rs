@@ -438,10 +438,7 @@ fn tolerance(dev: Device, dt: DType) -> (Precision, f64) {
 pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     for &dev in &cfg.devices {
         let backend = Backend::of(dev);
-        let arch = match dev {
-            Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-            Device::Cpu => None,
-        };
+        let arch = crate::core::cuda::arch_of(dev)?;
         for v in variants().into_iter().filter(|v| v.backend == backend) {
             if !cfg.wants_variant(v.name) {
                 continue;

@@ -657,10 +657,7 @@ impl MoeGrads {
 
 fn select(p: &Problem, requested: Option<&str>) -> Result<&'static str> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         OP,
         &vs,

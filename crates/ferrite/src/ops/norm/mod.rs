@@ -423,10 +423,7 @@ fn select(
     backward: bool,
 ) -> Result<VariantInfo> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         p.kind.name(),
         &vs,

@@ -312,10 +312,7 @@ pub fn vectorized_unfit(p: &Problem, interleaved: bool, ptrs: &[u64]) -> Option<
 
 fn select(p: &Problem, o: &RotaryOptions, ptrs: &[u64]) -> Result<&'static str> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         OP,
         &vs,

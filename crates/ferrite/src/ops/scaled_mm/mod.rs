@@ -229,24 +229,7 @@ fn validate(
         ("scale_a", scale_a),
         ("scale_b", scale_b),
     ];
-    for (name, t) in ins.iter().copied().chain(bias.map(|t| ("bias", t))) {
-        if t.device() != device {
-            return Err(Error::bad_arg(
-                OP,
-                name,
-                format!("a tensor on {device} (the output's device)"),
-                describe(t),
-            ));
-        }
-        if out.shares_storage(t) {
-            return Err(Error::bad_arg(
-                OP,
-                "out",
-                "a buffer distinct from the inputs",
-                format!("a view of `{name}`"),
-            ));
-        }
-    }
+    out.expect_output_of(OP, ins.iter().copied().chain(bias.map(|t| ("bias", t))))?;
     Ok(Problem {
         m,
         n,
@@ -288,10 +271,7 @@ pub fn wgmma_declines(p: &Problem, arch: Option<Arch>, ptrs: &[u64]) -> Option<S
 
 fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static str> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         OP,
         &vs,

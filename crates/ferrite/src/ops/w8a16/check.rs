@@ -162,10 +162,7 @@ pub fn run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
             if c.a_pad > 0 { " a-view" } else { "" }
         );
         for &dev in &cfg.devices {
-            let arch = match dev {
-                Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-                Device::Cpu => None,
-            };
+            let arch = crate::core::cuda::arch_of(dev)?;
             let p = problem(&c, dev);
             for v in variants()
                 .iter()

@@ -180,24 +180,7 @@ fn validate(
     }
     let device = out.device();
     let ins = [("a", a), ("w", w), ("scale", scale)];
-    for (name, t) in ins.iter().copied().chain(bias.map(|t| ("bias", t))) {
-        if t.device() != device {
-            return Err(Error::bad_arg(
-                OP,
-                name,
-                format!("a tensor on {device} (the output's device)"),
-                describe(t),
-            ));
-        }
-        if out.shares_storage(t) {
-            return Err(Error::bad_arg(
-                OP,
-                "out",
-                "a buffer distinct from the inputs",
-                format!("a view of `{name}`"),
-            ));
-        }
-    }
+    out.expect_output_of(OP, ins.iter().copied().chain(bias.map(|t| ("bias", t))))?;
     Ok(Problem {
         m,
         n,
@@ -233,10 +216,7 @@ pub fn mma_declines(p: &Problem, ptrs: &[u64]) -> Option<String> {
 
 fn select(p: &Problem, requested: Option<&str>, ptrs: &[u64]) -> Result<&'static str> {
     let vs = variants();
-    let arch = match p.device {
-        Device::Cuda(i) => Some(crate::core::cuda::device(i)?.arch()),
-        Device::Cpu => None,
-    };
+    let arch = crate::core::cuda::arch_of(p.device)?;
     let v = variant::select(
         OP,
         &vs,
