@@ -502,10 +502,16 @@ def _ce_bwd(ctx, grad_loss, _grad_dlogits):
     if traced:
         # Traced (torch.compile, AOT autograd, fake tensors): the functional multiply, which the
         # compiler fuses; a mutation of a saved forward output inside a traced backward is what
-        # its partitioner cannot place, so the in-place fold is for eager mode only.
+        # its partitioner cannot place, so the in-place fold is for eager mode only. The product
+        # is written into a tensor with dlogits' own strides: for logits in padded rows
+        # (`linear_rows`) a plain multiply would come out dense, and the classifier's backward
+        # GEMMs would copy it back into padded rows — two extra passes over N·C elements. Written
+        # this way inductor runs one multiply over dlogits' buffer, in place.
         if ctx.reduction == "none" and dlogits.dim() == 2:
             g = g.unsqueeze(-1)
-        return dlogits * g, None, None, None, None, None, None, None
+        out = torch.empty_strided(dlogits.shape, dlogits.stride(), dtype=dlogits.dtype, device=dlogits.device)
+        out.copy_(dlogits * g)
+        return out, None, None, None, None, None, None, None
     # The forward's dlogits already hold the gradient for dloss = 1; the incoming dloss is folded
     # in place, on the device (dloss = 1, the usual `loss.backward()`, costs one tiny launch and
     # no pass over the logits). No second logits-sized buffer, no multiply by a broadcast.

@@ -240,7 +240,13 @@ def _(x, weight, bias):
 
 
 
-@torch.library.custom_op("ferrite::linear_backward", mutates_args=())
+# The gradient of `linear_rows`' output arrives in padded rows (cross-entropy writes it there);
+# under torch.compile inductor would otherwise be free to hand it over densely packed (the stride
+# order is the same), and the GEMMs would copy it back. Exact strides keep the padded rows.
+_EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
+
+
+@torch.library.custom_op("ferrite::linear_backward", mutates_args=(), tags=_EXACT_STRIDES)
 def _linear_backward(
     grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool
 ) -> Tuple[Tensor, Tensor, Tensor]:

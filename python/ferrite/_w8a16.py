@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._eager import eager
 from ._ops_common import _describe, _fail, _native_call, _where
 
 _ACT = (torch.bfloat16, torch.float16)
@@ -79,7 +80,7 @@ def w8a16(
     variant: Optional[str] = None,
 ) -> Tensor:
     """``x @ (scale[:, None] * w).T + bias`` for int8 ``w`` ``[n, k]`` (see the module docs)."""
-    return _w8a16(x, w, scale, bias, variant)
+    return eager.w8a16(x, w, scale, bias, variant)
 
 
 def quantize_int8(weight: Tensor) -> Tuple[Tensor, Tensor]:

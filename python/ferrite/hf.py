@@ -8,14 +8,20 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
   Mistral, Qwen2, ...): ``config._attn_implementation = "ferrite"`` — ferrite's flash attention
   (causal, GQA, sliding window) when the model's mask is purely causal (no padding: the mask
   function, SDPA's, then returns None) and no attention dropout is active; otherwise SDPA with
-  the mask, exactly as ``"sdpa"`` would run. Under ``torch.compile`` with torch < 2.14,
-  ``transformers`` materialises even a purely causal mask while tracing, so a compiled patched
-  model's attention runs SDPA (as the README's "ferrite + compile" numbers were measured).
-  Decode steps against the model's KV cache (one new token) run SDPA too.
+  the mask, exactly as ``"sdpa"`` would run. Decode steps against the model's KV cache (one new
+  token) run SDPA too.
+- **Decoder models** (GPT-2, Llama, Mistral, Qwen2): a forward given neither a padding mask, nor
+  position ids, nor cached tokens makes its own positions (an ``arange``), so its mask is purely
+  causal and none is built (``ferrite_mask``). ``transformers``' own test for that reads the
+  positions' values to rule out packed sequences, which a ``torch.compile`` trace cannot: a
+  compiled model would otherwise carry a ``[B, 1, S, S]`` mask into SDPA. Positions given by
+  the caller keep the model's mask (they may describe packed sequences).
 - **Llama-family attention modules** (Llama, Mistral, Qwen2): the forward runs q/k/v projections
   in ``[B, S, H, D]``, ferrite's rotary on q and k (the model's own cos/sin tables: any rope
-  scaling the model computes is kept) and flash attention, without the transposes; with a KV
-  cache, a padding mask, per-sequence position ids or dropout it runs the original forward.
+  scaling the model computes is kept) and flash attention, without the transposes; an empty
+  ``DynamicCache`` (a plain call with the config's ``use_cache=True``) receives the layer's keys
+  and values afterwards; with cached tokens, a padding mask, per-sequence position ids or
+  dropout it runs the original forward.
 - **RMSNorm** (Llama, Mistral, Qwen2): ``ferrite.rms_norm``.
 - **The causal-LM loss**: ``ferrite.cross_entropy`` on the logits in their own dtype (the model's
   loss upcasts the whole logits tensor to float32 first), float32 loss, the labels shifted as the
@@ -31,7 +37,8 @@ What is swapped, and when it runs ferrite (anything else runs the model's own co
   Other activations: the original forward.
 - **GPT-2's self-attention**: the QKV projection into one ``[B, S, 3, H, D]`` tensor,
   ``flash_attn_qkvpacked_func`` on it (its backward writes one packed gradient: no
-  split/select gradients and zero fills), the output projection. With a KV cache, a mask,
+  split/select gradients and zero fills), the output projection; an empty ``DynamicCache``
+  receives the keys and values (views of the packed tensor). With cached tokens, a mask,
   cross-attention or active attention dropout it runs the original forward.
 - **GPT-2's blocks**: the attention's residual add and ``ln_2`` as one ``ferrite.add_layer_norm``
   (one read of each stream, the normed output and the new residual written together); with
@@ -68,6 +75,7 @@ _ACTS = {
     "SiLUActivation": "silu",
 }
 _ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention"}
+_DECODER_MODELS = {"GPT2Model", "LlamaModel", "MistralModel", "Qwen2Model"}
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
@@ -102,16 +110,72 @@ def ferrite_attention_forward(module, query, key, value, attention_mask, dropout
     return o, None
 
 
+# True while a patched decoder model runs a forward whose positions it makes itself: no padding
+# mask, no position ids and no cached tokens were given, so its mask is exactly causal. Set and
+# cleared by _DecoderModel.forward (also inside a torch.compile trace: dynamo replays it).
+_OWN_CAUSAL = False
+
+
+def ferrite_mask(*args, **kwargs):
+    """The ``"ferrite"`` mask function: None (ferrite's attention runs causal, no mask tensor)
+    inside a forward whose positions the model made itself, for full-attention layers; SDPA's
+    mask otherwise. ``transformers``' own skip of a causal mask reads the positions' values (to
+    rule out packed sequences), which a ``torch.compile`` trace cannot, so a compiled model would
+    materialise a ``[B, 1, S, S]`` mask and fall back to SDPA with it; positions the model made
+    itself (an ``arange``) are never packed."""
+    if _OWN_CAUSAL and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
 def _register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register("ferrite", ferrite_attention_forward)
-    AttentionMaskInterface.register("ferrite", sdpa_mask)
+    AttentionMaskInterface.register("ferrite", ferrite_mask)
     _REGISTERED = True
+
+
+def _fresh_cache(cache, layer_idx) -> bool:
+    """cache is None, or a ``DynamicCache`` holding nothing yet for this layer (a prefill with
+    ``use_cache``, as a plain ``model(input_ids, labels=...)`` call makes one): the layer's keys
+    and values are then this call's own, appended after the attention."""
+    if cache is None:
+        return True
+    return type(cache).__name__ == "DynamicCache" and cache.get_seq_length(layer_idx) == 0
+
+
+def _own_positions(args, kwargs) -> bool:
+    """A decoder model's forward called with nothing that would make its mask other than causal:
+    input ids (or embeddings) only, no padding mask, no position ids, no cached tokens, no
+    encoder states."""
+    if len(args) > 1:
+        return False
+    if any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "encoder_hidden_states")):
+        return False
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache is None or (type(cache).__name__ == "DynamicCache" and cache.get_seq_length() == 0)
+
+
+class _DecoderModel(torch.nn.Module):
+    """A decoder model (GPT-2, Llama, Mistral, Qwen2) whose forward marks the calls that make
+    their own positions, for ``ferrite_mask``; everything else is the model's own forward."""
+
+    def forward(self, *args, **kwargs):
+        global _OWN_CAUSAL
+        if _OWN_CAUSAL or self.config._attn_implementation != "ferrite" or not _own_positions(args, kwargs):
+            return self._ferrite_base.forward(self, *args, **kwargs)
+        _OWN_CAUSAL = True
+        try:
+            return self._ferrite_base.forward(self, *args, **kwargs)
+        finally:
+            _OWN_CAUSAL = False
 
 
 class _RMSNorm(torch.nn.Module):
@@ -132,7 +196,7 @@ class _LlamaAttention(torch.nn.Module):
         cache = kwargs.pop("past_key_values", cache)
         fast = (
             attention_mask is None
-            and cache is None
+            and _fresh_cache(cache, self.layer_idx)
             and position_embeddings is not None
             and position_embeddings[0].shape[0] == 1
             and not (self.training and self.attention_dropout > 0.0)
@@ -153,6 +217,8 @@ class _LlamaAttention(torch.nn.Module):
         q = _rotary.apply_rotary_emb(q, c, sn)
         k = _rotary.apply_rotary_emb(k, c, sn)
         o = _attention.flash_attn_func(q, k, v, softmax_scale=self.scaling, causal=True, window_size=_window(self))
+        if cache is not None:
+            cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
         return self.o_proj(o.reshape(b, s, -1)), None
 
 
@@ -205,7 +271,7 @@ class _GPT2Attention(torch.nn.Module):
         cache = kwargs.pop("past_key_values", cache)  # the name before transformers 5.24
         w = self.c_attn.weight
         fast = (
-            cache is None
+            _fresh_cache(cache, self.layer_idx)
             and attention_mask is None
             and encoder_hidden_states is None
             and not kwargs.get("output_attentions")
@@ -224,6 +290,8 @@ class _GPT2Attention(torch.nn.Module):
         b, s, c = hidden_states.shape
         qkv = _ops.linear(hidden_states, w.t(), self.c_attn.bias).view(b, s, 3, self.num_heads, self.head_dim)
         o = _attention.flash_attn_qkvpacked_func(qkv, softmax_scale=self.scaling, causal=True)
+        if cache is not None:
+            cache.update(qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2), self.layer_idx)
         o = _ops.linear(o.reshape(b, s, c), self.c_proj.weight.t(), self.c_proj.bias)
         return self.resid_dropout(o), None
 
@@ -306,7 +374,9 @@ def patch(
         qual = f"{type(mod).__module__}.{cname}"
         if getattr(mod, "_ferrite_base", None) is not None:
             continue
-        if norms and cname in _NORMS:
+        if attention and cname in _DECODER_MODELS:
+            out.append((name, qual, _swap(mod, _DecoderModel)))
+        elif norms and cname in _NORMS:
             out.append((name, qual, _swap(mod, _RMSNorm)))
         elif attention and cname in _ATTENTIONS:
             out.append((name, qual, _swap(mod, _LlamaAttention)))

@@ -374,3 +374,43 @@ def test_adamw_lr_zero_and_a_failed_step_keeps_the_count():
     with pytest.raises(ValueError, match="grad_scale"):
         opt.step(grad_scale=-1.0)
     assert opt.state[p]["step"] == 2
+
+
+def test_compiled_cross_entropy_keeps_padded_dlogits_for_the_classifier_gemms(monkeypatch):
+    """Under torch.compile the loss's backward multiplies dlogits by the incoming gradient; for
+    logits in padded rows (``linear_rows``) the product must reach the classifier's backward GEMMs
+    in those rows, uncopied. Padding is a CUDA-only layout: here it is switched on for the CPU to
+    follow the compiled graph's strides; values against torch."""
+    import torch.nn.functional as F
+
+    from ferrite import _fused, _ops_linear
+
+    monkeypatch.setattr(_ops_linear, "_padded_width", lambda t, rows, n: (n + 7) // 8 * 8)
+    monkeypatch.setattr(
+        _fused, "_ce_rows_kept", lambda lg: lg.dim() == 2 and lg.shape[0] > 1 and lg.stride(0) > lg.shape[1]
+    )
+    seen = []
+    orig = _ops_linear._aligned_rows
+
+    def spy(g, act):
+        r = orig(g, act)
+        seen.append((g.stride(0), r.data_ptr() == g.data_ptr()))
+        return r
+
+    monkeypatch.setattr(_ops_linear, "_aligned_rows", spy)
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    w = torch.randn(131, 16, requires_grad=True)
+    t = torch.randint(0, 131, (14,))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: ferrite.cross_entropy(ferrite.linear_rows(x, w).reshape(-1, 131), t), fullgraph=True)
+    loss = f(x, w)
+    (loss * 0.5).backward()  # a gradient other than 1 reaches the multiply
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = F.cross_entropy((xr @ wr.t()).reshape(-1, 131), t)
+    (ref * 0.5).backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-5)
+    assert seen == [(136, True)], seen
+    torch._dynamo.reset()

@@ -152,3 +152,92 @@ def test_patched_model_compiles_without_graph_breaks(name):
     f = torch.compile(lambda ids: m(input_ids=ids, labels=ids).loss, fullgraph=True)
     torch.testing.assert_close(f(ids), ref(input_ids=ids, labels=ids).loss, atol=1e-4, rtol=1e-4)
 
+
+
+def _attention_ops(gm):
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    return [n for n in names if "scaled_dot_product" in n], [n for n in names if "ferrite.attention" in n or "ferrite.flash" in n]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_compiled_model_runs_ferrite_attention_without_a_mask(name):
+    """Under torch.compile transformers cannot rule out packed sequences from the positions'
+    values, and would build a [B, 1, S, S] mask (then SDPA runs with it). A forward whose positions
+    the model makes itself has none to rule out: its traced graph holds ferrite's attention once
+    per layer and no SDPA."""
+    ref, m, _ = pair(MODELS[name], "cpu", torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(0, V, (2, 16))
+    f = torch.compile(lambda ids: m(input_ids=ids, labels=ids).loss, backend=backend, fullgraph=True)
+    torch.testing.assert_close(f(ids), ref(input_ids=ids, labels=ids).loss, atol=1e-4, rtol=1e-4)
+    assert len(graphs) == 1
+    sdpa, ours = _attention_ops(graphs[0])
+    assert not sdpa and len(ours) == 2, (sdpa, ours)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("use_cache", [None, True, False])
+def test_plain_call_takes_the_fast_attention_and_fills_the_cache(name, use_cache):
+    """``model(input_ids, labels=...)`` as users write it makes a KV cache by default (GPT-2's and
+    Llama's configs have ``use_cache=True``): the layers still run ferrite's attention on their
+    own projections (GPT-2: the packed path), and the cache holds the same keys and values as the
+    unpatched model's."""
+    from ferrite import _attention
+
+    ref, m, _ = pair(MODELS[name], "cpu", torch.float32)
+    fn = "flash_attn_qkvpacked_func" if name == "gpt2" else "flash_attn_func"
+    calls = []
+    orig = getattr(_attention, fn)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    ids = torch.randint(0, V, (2, 13))
+    kw = {} if use_cache is None else {"use_cache": use_cache}
+    setattr(_attention, fn, counted)
+    try:
+        b = m(input_ids=ids, labels=ids, **kw)
+    finally:
+        setattr(_attention, fn, orig)
+    a = ref(input_ids=ids, labels=ids, **kw)
+    assert len(calls) == 2
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
+    if use_cache is False:
+        assert b.past_key_values is None
+        return
+    ca, cb = a.past_key_values, b.past_key_values
+    assert cb.get_seq_length() == 13
+    for la, lb in zip(ca.layers, cb.layers):
+        torch.testing.assert_close(lb.keys, la.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lb.values, la.values, atol=1e-5, rtol=1e-5)
+    # the cache continues a generation exactly as the model's own
+    nxt = torch.randint(0, V, (2, 1))
+    with torch.no_grad():
+        ya = ref(input_ids=nxt, past_key_values=ca).logits
+        yb = m(input_ids=nxt, past_key_values=cb).logits
+    torch.testing.assert_close(yb, ya, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_position_ids_keep_the_models_mask(name, compiled):
+    """Position ids given by the caller may describe packed sequences (positions restart inside
+    a row): the patched model keeps transformers' mask for them, eager and compiled."""
+    ref, m, _ = pair(MODELS[name], "cpu", torch.float32)
+    ids = torch.randint(0, V, (1, 17))
+    pos = torch.cat([torch.arange(7), torch.arange(10)])[None]
+
+    def run(model):
+        f = lambda: model(input_ids=ids, position_ids=pos, use_cache=False).logits  # noqa: E731
+        return torch.compile(f)() if compiled else f()
+
+    torch.testing.assert_close(run(m), run(ref), atol=1e-4, rtol=1e-4)
+    # the second sequence does not see the first: its logits differ from a causal run over both
+    causal = m(input_ids=ids, use_cache=False).logits
+    assert (causal[0, 7:] - run(m)[0, 7:]).abs().max() > 1e-3

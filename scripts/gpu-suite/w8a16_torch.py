@@ -1,6 +1,6 @@
 """PyTorch's int8 weight-only matmul on the shapes `ferrite bench w8a16` runs, for comparison:
 `torch._weight_int8pack_mm(a, w_int8, scales)` (bf16 activations, int8 weights with one scale
-per output channel) and `F.linear(a, w_bf16)` (cuBLAS, the bf16 weight), timed with CUDA events
+per output channel) and `F.linear(a, w_bf16)` (cuBLAS, the bf16 weight), and ferrite.w8a16 when importable, timed with CUDA events
 (median of 200 calls after 20 warm-up calls; weights larger than L2 where the shape allows).
 Prints one JSON object per shape.
     python3 w8a16_torch.py > w8a16_torch.json
@@ -10,6 +10,11 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+try:  # with the wheel on the path, ferrite.w8a16 is timed too (its PyTorch custom op, host included)
+    import ferrite
+except ImportError:
+    ferrite = None
 
 SHAPES = [(1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (1, 128256, 4096),
           (8, 14336, 4096), (16, 14336, 4096), (64, 14336, 4096)]
@@ -49,6 +54,13 @@ def main():
         except Exception as e:  # noqa: BLE001 — report what torch refused
             row["int8pack_error"] = str(e).splitlines()[0]
         row["linear_bf16_ms"] = median_ms(lambda: F.linear(a, wb))
+        if ferrite is not None:  # the same weight through ferrite's PyTorch op
+            s32 = s.float()
+            y = ferrite.w8a16(a, w8, s32)
+            ref = a.float() @ wb.float().t()
+            row["ferrite_rel_err"] = float((y.float() - ref).abs().max() / ref.abs().max())
+            row["ferrite_ms"] = median_ms(lambda: ferrite.w8a16(a, w8, s32))
+            row["ferrite_x_linear"] = row["linear_bf16_ms"] / row["ferrite_ms"]
         print(json.dumps(row), flush=True)
 
 
