@@ -172,25 +172,52 @@ def _(x, router, w_up, w_down, top_k, score, renormalize, groups, topk_groups, r
     return [x.new_empty(s, dtype=d) for s, d in _moe_shapes("ferrite.moe", x, router, w_up, w_down, top_k)]
 
 
-@torch.library.custom_op("ferrite::moe_backward", mutates_args=())
-def _moe_backward(
-    grad: Tensor, loss_grad: Tensor, x: Tensor, router: Tensor, w_up: Tensor, w_down: Tensor, saved: List[Tensor],
-    top_k: int, score: str, renormalize: bool, groups: int, topk_groups: int, routed_scale: float, capacity_factor: float,
-    aux_loss_coef: float, z_loss_coef: float, activation: str,
-) -> List[Tensor]:
+def _moe_backward_run(grad, loss_grad, x, router, w_up, w_down, saved, cfg):
+    """The native backward; ``saved[13]`` (hpre) receives the pre-activations' gradient on CUDA."""
     grads = [t.new_empty(t.shape) for t in (x, router, w_up, w_down)]
     saved = [t.contiguous() for t in saved]
     dev, stream = _where(x)
     _native_call(
         _native.moe_backward, grad.contiguous(), x.contiguous(), router.contiguous(), w_up.contiguous(), w_down.contiguous(),
         [_desc(t) for t in saved], [_desc(t) for t in grads], loss_grad=loss_grad.contiguous(), device=dev, stream=stream,
-        **_cfg_kwargs(top_k, score, renormalize, groups, topk_groups, routed_scale, capacity_factor, aux_loss_coef, z_loss_coef, activation),
+        **_cfg_kwargs(*cfg),
     )
     return grads
 
 
+@torch.library.custom_op("ferrite::moe_backward", mutates_args=())
+def _moe_backward(
+    grad: Tensor, loss_grad: Tensor, x: Tensor, router: Tensor, w_up: Tensor, w_down: Tensor, saved: List[Tensor],
+    top_k: int, score: str, renormalize: bool, groups: int, topk_groups: int, routed_scale: float, capacity_factor: float,
+    aux_loss_coef: float, z_loss_coef: float, activation: str,
+) -> List[Tensor]:
+    """The functional backward (what a traced graph runs): the forward's buffers stay as they
+    were, at the cost of a copy of hpre that the kernels overwrite."""
+    cfg = (top_k, score, renormalize, groups, topk_groups, routed_scale, capacity_factor, aux_loss_coef, z_loss_coef, activation)
+    saved = list(saved[:13]) + [saved[13].clone()]
+    return _moe_backward_run(grad, loss_grad, x, router, w_up, w_down, saved, cfg)
+
+
 @_moe_backward.register_fake
 def _(grad, loss_grad, x, router, w_up, w_down, saved, *cfg):
+    return [t.new_empty(t.shape) for t in (x, router, w_up, w_down)]
+
+
+@torch.library.custom_op("ferrite::moe_backward_", mutates_args=("hpre",))
+def _moe_backward_(
+    grad: Tensor, loss_grad: Tensor, x: Tensor, router: Tensor, w_up: Tensor, w_down: Tensor, saved: List[Tensor],
+    hpre: Tensor, top_k: int, score: str, renormalize: bool, groups: int, topk_groups: int, routed_scale: float,
+    capacity_factor: float, aux_loss_coef: float, z_loss_coef: float, activation: str,
+) -> List[Tensor]:
+    """The eager backward: the pre-activations' gradient is written over ``hpre`` (the forward's
+    saved ``[rows, 2I]`` buffer), so the backward allocates no second one — at the Mixtral-like
+    shape 0.97 GB less at its peak. ``saved``: the forward's other 13 buffers."""
+    cfg = (top_k, score, renormalize, groups, topk_groups, routed_scale, capacity_factor, aux_loss_coef, z_loss_coef, activation)
+    return _moe_backward_run(grad, loss_grad, x, router, w_up, w_down, list(saved) + [hpre], cfg)
+
+
+@_moe_backward_.register_fake
+def _(grad, loss_grad, x, router, w_up, w_down, saved, hpre, *cfg):
     return [t.new_empty(t.shape) for t in (x, router, w_up, w_down)]
 
 
@@ -203,12 +230,28 @@ def _moe_setup(ctx, inputs, output):
 
 
 def _moe_bwd(ctx, grads):
+    if getattr(ctx, "grad_used", False):
+        raise RuntimeError(
+            "ferrite.moe: a second backward through the same layer call (retain_graph=True) is not "
+            "supported: the first one wrote its gradients over the saved pre-activations"
+        )
     st = ctx.saved_tensors
     x, router, w_up, w_down, saved = st[0], st[1], st[2], st[3], list(st[4:])
     dout = grads[0] if grads[0] is not None else torch.zeros_like(saved[0])
     lg = grads[11]
     loss_grad = lg.to(torch.float32) if lg is not None else torch.zeros(2, dtype=torch.float32, device=x.device)
-    dx, dr, du, dd = eager.moe_backward(dout, loss_grad, x, router, w_up, w_down, saved, *ctx.cfg)
+    traced = (
+        torch.compiler.is_compiling()
+        or type(saved[13]) is not Tensor
+        or torch._C._len_torch_dispatch_stack() > 0
+    )
+    if traced:
+        dx, dr, du, dd = eager.moe_backward(dout, loss_grad, x, router, w_up, w_down, saved, *ctx.cfg)
+    else:
+        ctx.grad_used = True
+        dx, dr, du, dd = torch.ops.ferrite.moe_backward_(
+            dout, loss_grad, x, router, w_up, w_down, saved[:13], saved[13], *ctx.cfg
+        )
     return (dx, dr, du, dd) + (None,) * 11
 
 

@@ -217,3 +217,40 @@ def test_moe_under_no_grad_matches_and_skips_the_saved_state(device):
     assert not out2.requires_grad
     assert torch.equal(out.detach(), out2) and torch.equal(aux.detach(), aux2)
     assert torch.isfinite(out2.float()).all()
+
+
+def test_backward_ops_opcheck_compile_and_one_backward_per_forward():
+    """The eager backward writes the pre-activations' gradient over the forward's saved hpre
+    (a mutating op, declared so); a traced backward runs the functional op, which leaves the
+    forward's buffers as they were. Both give the same gradients; a second backward through the
+    same call is refused."""
+    ops = torch.ops.ferrite
+    x, r, u, d = inputs(12, 8, 4, 4)
+    cfg = (2, "softmax", True, 1, 1, 1.0, 0.0, 0.01, 0.001, "silu")
+    plain = [t.detach() for t in (x, r, u, d)]  # the backward ops have no gradient of their own
+    saved = ops.moe.default(*plain, *cfg, False)
+    dout = torch.randn_like(x).detach()
+    lg = torch.tensor([1.0, 0.5])
+    torch.library.opcheck(ops.moe_backward.default, (dout, lg, *plain, saved, *cfg))
+    # The mutating op is the eager path only (traced graphs run the functional one): its schema,
+    # fake and autograd registration are checked, not AOT functionalisation of a list output.
+    torch.library.opcheck(
+        ops.moe_backward_.default, (dout, lg, *plain, saved[:13], saved[13].clone(), *cfg),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+    def f(x, r, u, d):
+        o, aux = ferrite.moe(x, r, u, d, 2, aux_loss_coef=0.01, z_loss_coef=0.001)
+        return (o * dout).sum() + aux
+
+    params = (x, r, u, d)
+    eager = torch.autograd.grad(f(*params), params)
+    torch._dynamo.reset()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(*params)
+    compiled = torch.autograd.grad(loss, params)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    loss = f(*params)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()

@@ -8,7 +8,7 @@ of ferrite runs), so the ratio is measured in one process.
 Forward and forward+backward (autograd), bf16, CUDA-event medians; peak memory per call.
 TFLOP/s count the expert GEMMs of the T·k routed rows (forward 6·T·k·H·I, backward 2× that).
 
-    python3 moe_peers.py --out moe_peers.json [--shape T,H,I,E,k ...] [--quick]
+    python3 moe_peers.py --out moe_peers.json [--shape T,H,I,E,k ...] [--quick] [--layers A,B]
 """
 import argparse
 import json
@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", action="append", default=[])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", default=None, help="only these layers (comma list of variant names)")
     a = ap.parse_args()
     shapes = {"custom" + str(n): tuple(int(v) for v in s.split(",")) for n, s in enumerate(a.shape)}
     if not shapes:
@@ -120,6 +121,8 @@ def main():
             layers.insert(0, ("ferrite_moe_python", lambda x, r, u, d, k: ferrite.moe(x, r, u, d, k)[0]))
         except ImportError:
             pass
+        if a.layers:
+            layers = [(n, f) for n, f in layers if n in a.layers.split(",")]
         for name, fn in layers:
             for backward in (False, True):
                 ps = [p.requires_grad_(backward) for p in (x, router, w_up, w_down)]

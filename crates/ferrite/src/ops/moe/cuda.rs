@@ -693,9 +693,9 @@ pub fn backward(
 }
 
 /// What the experts' backward reads and writes: `dyu` (dout's rows in the layout, unscaled,
-/// zeros on padding; consumed), the forward's `xp` and `hpre`, each row's pair `src` (< 0:
-/// padding) and the pairs' gate `weights`; out: the gates' gradients `dw` (per pair, f32) and the
-/// experts' weight gradients.
+/// zeros on padding; consumed), the forward's `xp` and `hpre` (consumed: its gradient is written
+/// over it), each row's pair `src` (< 0: padding) and the pairs' gate `weights`; out: the gates'
+/// gradients `dw` (per pair, f32) and the experts' weight gradients.
 pub(crate) struct ExpertGrads<'a> {
     pub dyu: Tensor,
     pub xp: &'a Tensor,
@@ -734,8 +734,12 @@ pub(crate) fn experts_backward(
         s,
     )?;
     // The GLU backward with the gates folded in: dhpre, s·a (dW_down's operand, written over gu
-    // in place) and the gates' gradients, from hpre and gu (kernels/moe.cu, moe_glu_bwd).
-    let dhpre = x.empty(&[rows, 2 * i], p.dtype)?;
+    // in place) and the gates' gradients, from hpre and gu (kernels/moe.cu, moe_glu_bwd). dhpre
+    // is written over hpre (each element read, then written, by the same thread): nothing reads
+    // the pre-activations after this kernel, and a second [rows, 2I] buffer would be the
+    // backward's largest workspace (0.97 GB at the Mixtral-like shape) at its peak, when dxp is
+    // allocated.
+    let dhpre = g.hpre;
     let wa = gu;
     let (pgu, php, pdh) = (wa.device_ptr()?, g.hpre.device_ptr()?, dhpre.device_ptr()?);
     let vec = (i * p.dtype.size_in_bytes()).is_multiple_of(16)
@@ -779,7 +783,7 @@ pub(crate) fn experts_backward(
         Grouping::M,
         p,
         (rows, h, 2 * i),
-        &dhpre,
+        dhpre,
         w.w_up,
         true,
         &dxp,
@@ -792,7 +796,7 @@ pub(crate) fn experts_backward(
         p,
         (h, 2 * i, rows),
         g.xp,
-        &dhpre,
+        dhpre,
         false,
         g.dw_up,
         s,

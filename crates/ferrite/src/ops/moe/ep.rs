@@ -136,7 +136,9 @@ pub struct EpForward {
     ends: Tensor,
     plan: Plan,
     maps: Maps,
-    backward_ready: bool,
+    /// A forward with a backward to come whose backward has not run (it writes the gradient
+    /// over `hpre` on CUDA: one backward per forward).
+    backward_ready: std::sync::atomic::AtomicBool,
 }
 
 impl<'g> ExpertParallel<'g> {
@@ -536,7 +538,7 @@ impl<'g> ExpertParallel<'g> {
             ends,
             plan,
             maps,
-            backward_ready: !opts.forward_only,
+            backward_ready: (!opts.forward_only).into(),
         })
     }
 
@@ -562,13 +564,19 @@ impl<'g> ExpertParallel<'g> {
                 fwd.routing.problem.label(),
             ));
         }
-        if !fwd.backward_ready {
-            return Err(Error::bad_arg(
+        let not_ready = || {
+            Error::bad_arg(
                 OP,
                 "fwd",
-                "the state of a forward run without forward_only",
-                "a forward_only forward",
-            ));
+                "the state of a forward run without forward_only, not yet used by a backward",
+                "a forward_only or already back-propagated forward (one backward per forward)",
+            )
+        };
+        if !fwd
+            .backward_ready
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(not_ready());
         }
         expect(dout, "dout", &[p.tokens, p.hidden], p.dtype, p.device)?;
         if let Some(l) = loss_grad {
@@ -580,6 +588,13 @@ impl<'g> ExpertParallel<'g> {
                     describe(l),
                 ));
             }
+        }
+        // Claimed after the checks: a refused call leaves the state usable.
+        if !fwd
+            .backward_ready
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(not_ready());
         }
         let (f, plan, maps) = (&fwd.routing, &fwd.plan, &fwd.maps);
         let ctx = match p.device {

@@ -405,10 +405,11 @@ pub struct MoeForward {
     /// (the backward recomputes the GLU from `hpre` and takes the gates' gradient from its own
     /// down-projection GEMM).
     pub xp: Tensor,
-    /// The up projection's output `[rows_cap, 2I]` (gate | up), before the GLU.
+    /// The up projection's output `[rows_cap, 2I]` (gate | up), before the GLU; on CUDA the
+    /// backward overwrites it with its gradient.
     pub hpre: Tensor,
     /// Whether the last forward into these buffers kept what the backward reads (not
-    /// `forward_only`).
+    /// `forward_only`) and no backward has consumed it yet.
     backward_ready: std::sync::atomic::AtomicBool,
 }
 
@@ -729,8 +730,20 @@ pub fn moe_forward_into(
     Ok(())
 }
 
+fn not_ready() -> Error {
+    Error::bad_arg(
+        OP,
+        "fwd",
+        "the state of a finished forward run without forward_only, not yet used by a backward",
+        "a forward_only, unfinished or already back-propagated forward (one backward per forward: \
+         it writes its gradients over the saved pre-activations)",
+    )
+}
+
 /// The layer's backward: dout `[T, H]` → dx, d_router, dw_up, dw_down (the auxiliary and
-/// z-losses' gradients included, with the coefficients of `cfg`).
+/// z-losses' gradients included, with the coefficients of `cfg`). One backward per forward:
+/// the CUDA path writes the pre-activations' gradient over `fwd.hpre` (the backward's largest
+/// buffer not allocated a second time), so a second backward of the same state is refused.
 pub fn moe_backward(
     dout: &Tensor,
     x: &Tensor,
@@ -785,12 +798,7 @@ pub fn moe_backward_into(
         .backward_ready
         .load(std::sync::atomic::Ordering::Relaxed)
     {
-        return Err(Error::bad_arg(
-            OP,
-            "fwd",
-            "the state of a finished forward run without forward_only",
-            "a forward_only (or unfinished) forward",
-        ));
+        return Err(not_ready());
     }
     let p = validate(x, w, cfg)?;
     if p != fwd.problem {
@@ -806,6 +814,14 @@ pub fn moe_backward_into(
     ins.extend(fwd.fields());
     g.check(&p, &ins)?;
     let v = select(&p, opts.variant.as_deref())?;
+    // The backward consumes the state (its gradient is written over hpre): claimed once, after
+    // every check, so a refused call leaves it usable.
+    if !fwd
+        .backward_ready
+        .swap(false, std::sync::atomic::Ordering::Relaxed)
+    {
+        return Err(not_ready());
+    }
     match p.device {
         Device::Cpu => cpu::backward(v, &p, dout, x, w, fwd, cfg, loss_grad, g),
         Device::Cuda(_) => cuda::backward(v, &p, dout, x, w, fwd, cfg, g, loss_grad, opts),

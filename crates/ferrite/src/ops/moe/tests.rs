@@ -190,6 +190,8 @@ fn loss_grad_scales_the_aux_and_z_terms() {
         z_loss_coef: 0.01,
         ..base.clone()
     };
+    // One backward per forward: each gradient from a forward of its own (the same values).
+    moe_forward_into(&x, &w, &base, &f, &o).unwrap();
     let g2 = moe_backward(&g, &x, &w, &f, &scaled, &o).unwrap();
     let (a, b) = (
         g1.d_router.to_f32_vec().unwrap(),
@@ -197,6 +199,7 @@ fn loss_grad_scales_the_aux_and_z_terms() {
     );
     assert_eq!(a, b);
     // And differs from the unscaled gradient.
+    moe_forward_into(&x, &w, &base, &f, &o).unwrap();
     let g3 = moe_backward(&g, &x, &w, &f, &base, &o).unwrap();
     assert_ne!(a, g3.d_router.to_f32_vec().unwrap());
 }
@@ -223,5 +226,16 @@ fn a_forward_only_state_is_refused_by_the_backward() {
     assert!(e.contains("forward_only"), "{e}");
     // The same buffers after a forward with a backward to come are accepted.
     moe_forward_into(&x, &w, &cfg, &f, &MoeOptions::default()).unwrap();
+    moe_backward(&dout, &x, &w, &f, &cfg, &MoeOptions::default()).unwrap();
+    // Once: the backward consumed the state (on CUDA its gradient is written over hpre).
+    let e = moe_backward(&dout, &x, &w, &f, &cfg, &MoeOptions::default())
+        .err()
+        .expect("a second backward of one forward must be refused")
+        .to_string();
+    assert!(e.contains("one backward per forward"), "{e}");
+    // A refused call does not consume it: a bad dout leaves the next forward's state usable.
+    moe_forward_into(&x, &w, &cfg, &f, &MoeOptions::default()).unwrap();
+    let bad = Tensor::rand(&[x.shape()[0], 15], DType::F32, Device::Cpu, 5, -1.0, 1.0).unwrap();
+    assert!(moe_backward(&bad, &x, &w, &f, &cfg, &MoeOptions::default()).is_err());
     moe_backward(&dout, &x, &w, &f, &cfg, &MoeOptions::default()).unwrap();
 }

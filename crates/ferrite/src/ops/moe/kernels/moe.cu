@@ -437,11 +437,12 @@ extern "C" __global__ void __launch_bounds__(256)
 // passes the same buffer): each element is read by the lane that then writes it. A warp per row
 // (not a block): rows are short (I = 768 is 96 vectors) and the dot product needs no barrier.
 template <int ACT>
-__device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ hpre, i64 n,
+// dhpre may be hpre itself (the backward writes the gradient over the pre-activations): every
+// element is read and then written by the same thread, so neither pointer is __restrict__.
+__device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* hpre, i64 n,
                                              const int* __restrict__ src,
                                              const float* __restrict__ w, i64 used, int vec,
-                                             T* __restrict__ dhpre, T* wa,
-                                             float* __restrict__ dw) {
+                                             T* dhpre, T* wa, float* __restrict__ dw) {
   constexpr int N = Vec16<T>::N;
   const int lane = threadIdx.x % 32;
   const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
@@ -508,9 +509,9 @@ __device__ __forceinline__ void glu_bwd_rows(const T* gu, const T* __restrict__ 
 // ends[E - 1] (read on the device). Dropped pairs' dw is set to 0 by the caller's fill.
 #define MOE_GLU_BWD(ACT)                                                                        \
   extern "C" __global__ void __launch_bounds__(256) moe_glu_bwd_##ACT(                          \
-      const T* gu, const T* __restrict__ hpre, i64 n, const int* __restrict__ src,              \
+      const T* gu, const T* hpre, i64 n, const int* __restrict__ src,                           \
       const float* __restrict__ w, const int* __restrict__ ends, int E, int vec,                \
-      T* __restrict__ dhpre, T* wa, float* __restrict__ dw) {                                   \
+      T* dhpre, T* wa, float* __restrict__ dw) {                                                \
     glu_bwd_rows<ACT>(gu, hpre, n, src, w, ends[E - 1], vec, dhpre, wa, dw);                    \
   }
 MOE_GLU_BWD(0)
