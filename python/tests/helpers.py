@@ -1,3 +1,5 @@
+import contextlib
+
 import torch
 
 # Tolerances for comparing ferrite against torch in each dtype (fp32 math in both; 16-bit
@@ -36,3 +38,24 @@ def grads_vs_torch(f_ferrite, f_torch, inputs, dtype=None, scale=1.0):
         if isinstance(a, torch.Tensor) and a.requires_grad:
             assert a.grad is not None, f"input {i}: no gradient"
             close(a.grad, b.grad.to(a.dtype), dtype=a.dtype, scale=scale)
+
+
+@contextlib.contextmanager
+def aligned_rows_seen():
+    """Records, for each gradient linear's backward GEMMs receive, (its row stride, whether it was
+    taken as it is — no copy into padded rows)."""
+    from ferrite import _ops_linear
+
+    seen = []
+    orig = _ops_linear._aligned_rows
+
+    def spy(g, act):
+        r = orig(g, act)
+        seen.append((g.stride(0), r.data_ptr() == g.data_ptr()))
+        return r
+
+    _ops_linear._aligned_rows = spy
+    try:
+        yield seen
+    finally:
+        _ops_linear._aligned_rows = orig

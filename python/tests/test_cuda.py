@@ -228,22 +228,11 @@ def test_classifier_logits_stay_in_padded_rows_through_cross_entropy():
         for got, want in ((x.grad, xr.grad), (w.grad, wr.grad)):
             assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
 
-    from ferrite import _ops_linear
+    from helpers import aligned_rows_seen
 
-    seen = []
-    orig = _ops_linear._aligned_rows
-
-    def spy(g, act):
-        r = orig(g, act)
-        seen.append((g.stride(0), r.data_ptr() == g.data_ptr()))
-        return r
-
-    _ops_linear._aligned_rows = spy
-    try:
+    with aligned_rows_seen() as seen:
         step(lambda x, w: ferrite.cross_entropy(ferrite.linear_rows(x, w).reshape(-1, 4097), t))
         torch._dynamo.reset()
         step(torch.compile(lambda x, w: ferrite.cross_entropy(ferrite.linear_rows(x, w).reshape(-1, 4097), t), fullgraph=True))
-    finally:
-        _ops_linear._aligned_rows = orig
     # eager and compiled alike: dlogits reach the backward GEMMs in the padded rows, uncopied
     assert seen == [(4104, True), (4104, True)], seen
