@@ -159,8 +159,7 @@ def _own_positions(args, kwargs) -> bool:
         return False
     if any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "encoder_hidden_states")):
         return False
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return cache is None or (type(cache).__name__ == "DynamicCache" and cache.get_seq_length() == 0)
+    return _fresh_cache(kwargs.get("cache", kwargs.get("past_key_values")), 0)
 
 
 class _DecoderModel(torch.nn.Module):

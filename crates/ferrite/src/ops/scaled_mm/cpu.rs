@@ -6,7 +6,7 @@
 //! non-zero): here that costs nothing.
 
 use super::{Problem, OP};
-use crate::core::cpu::{for_rows, with_f32, with_f32_out};
+use crate::core::cpu::{dot8, for_rows, with_f32, with_f32_out};
 use crate::core::error::{Error, Result};
 use crate::core::fp8::Fp8Format;
 use crate::core::tensor::Tensor;
@@ -28,24 +28,6 @@ fn scales(name: &str, t: &Tensor) -> Result<Vec<f32>> {
 /// The value of every code of a format: index = code.
 fn table(fmt: Fp8Format) -> [f32; 256] {
     std::array::from_fn(|c| fmt.decode(c as u8))
-}
-
-/// Σ a[p]·b[p] with 8 independent partial sums (vectorisable; a fixed order, so serial and
-/// parallel runs give the same bits).
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -6,7 +6,7 @@
 //! non-zero).
 
 use super::{Problem, OP};
-use crate::core::cpu::{with_f32, with_f32_out};
+use crate::core::cpu::{dot8, with_f32, with_f32_out};
 use crate::core::error::{Error, Result};
 use crate::core::tensor::Tensor;
 use rayon::prelude::*;
@@ -23,24 +23,6 @@ fn scales(t: &Tensor) -> Result<Vec<f32>> {
         ));
     }
     Ok(v)
-}
-
-/// Σ a[p]·b[p] with 8 independent partial sums (a fixed order: serial and parallel runs give the
-/// same bits).
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }
 
 pub fn run(
