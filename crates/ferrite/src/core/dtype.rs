@@ -65,6 +65,18 @@ impl DType {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 
+    /// The smallest positive normal value of a float dtype (None for integers). Below it a
+    /// value is subnormal: its rounding error is a fixed quantum, no longer relative to it.
+    pub fn min_normal(self) -> Option<f64> {
+        let exp = match self {
+            DType::F32 | DType::BF16 => -126,
+            DType::F16 | DType::F8E5M2 => -14,
+            DType::F8E4M3 => -6,
+            _ => return None,
+        };
+        Some(2f64.powi(exp))
+    }
+
     /// f8e4m3 or f8e5m2: storage the scaled GEMM multiplies (with scales), not a dtype the
     /// other ops compute in.
     pub fn is_fp8(self) -> bool {

@@ -101,6 +101,15 @@ pub fn rel_error_scaled(out: &[f64], reference: &[f64], scale: f64) -> f64 {
     abs / den.max(scale)
 }
 
+/// [`rel_error`] of an output stored in `dtype`: the reference's norm floored at the dtype's
+/// smallest normal per element, so a tiny result that lands in the subnormal range (where
+/// rounding is a fixed quantum, e.g. a 1×1×1 f16 product of small factors) is judged by that
+/// quantum rather than failing on a correctly rounded value. NaN or Inf gives +Inf.
+pub fn rel_error_in(out: &[f64], reference: &[f64], dtype: DType) -> f64 {
+    let floor = dtype.min_normal().unwrap_or(0.0) * (reference.len() as f64).sqrt();
+    rel_error_scaled(out, reference, floor)
+}
+
 /// What `ferrite check` runs.
 #[derive(Clone, Debug)]
 pub struct CheckConfig {

@@ -8,15 +8,17 @@ use super::{
 use crate::core::device::Device;
 use crate::core::dtype::DType;
 use crate::core::error::{Error, Result};
-use crate::core::harness::check::rel_error;
+use crate::core::harness::check::rel_error_in;
 
-/// ‖out − reference‖ / ‖max(|reference|, magnitude)‖: the relative error against the size of the
-/// terms that were summed (so cancellation in the sum does not inflate it); NaN fails.
-fn error_vs_terms(out: &[f64], reference: &[f64], magnitude: &[f64]) -> f64 {
+/// ‖out − reference‖ / ‖max(|reference|, magnitude, dtype's smallest normal)‖: the relative
+/// error against the size of the terms that were summed (so cancellation in the sum does not
+/// inflate it), and against the dtype's subnormal quantum for tiny values; NaN fails.
+fn error_vs_terms(out: &[f64], reference: &[f64], magnitude: &[f64], dtype: DType) -> f64 {
+    let tiny = dtype.min_normal().unwrap_or(0.0);
     let scale: Vec<f64> = reference
         .iter()
         .zip(magnitude)
-        .map(|(r, m)| r.abs().max(*m))
+        .map(|(r, m)| r.abs().max(*m).max(tiny))
         .collect();
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for ((&o, &r), &s) in out.iter().zip(reference).zip(&scale) {
@@ -317,13 +319,13 @@ fn check_forward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) -> 
         rec.push(
             out,
             format!("{label} Y"),
-            Ok(error_vs_terms(&y.to_f64_vec()?, &yref, &ymag)),
+            Ok(error_vs_terms(&y.to_f64_vec()?, &yref, &ymag, dtype)),
         );
         if let Some(z) = z {
             rec.push(
                 out,
                 format!("{label} Z"),
-                Ok(error_vs_terms(&z.to_f64_vec()?, &zref, &zmag)),
+                Ok(error_vs_terms(&z.to_f64_vec()?, &zref, &zmag, dtype)),
             );
         }
     }
@@ -427,17 +429,17 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
         rec.push(
             out,
             format!("{label} dX"),
-            Ok(rel_error(&dx.to_f64_vec()?, &dx_ref)),
+            Ok(rel_error_in(&dx.to_f64_vec()?, &dx_ref, dtype)),
         );
         rec.push(
             out,
             format!("{label} dW"),
-            Ok(rel_error(&dw.to_f64_vec()?, &dw_ref)),
+            Ok(rel_error_in(&dw.to_f64_vec()?, &dw_ref, dtype)),
         );
         rec.push(
             out,
             format!("{label} db"),
-            Ok(error_vs_terms(&db.to_f64_vec()?, &db_ref, &db_mag)),
+            Ok(error_vs_terms(&db.to_f64_vec()?, &db_ref, &db_mag, dtype)),
         );
         // Determinism: a second run on the same inputs gives the same db and dW bits.
         if act == Activation::GeluTanh || c.all_combos && act == Activation::None {
@@ -504,8 +506,8 @@ fn check_backward(c: &Case, rec: &Rec, seed: u64, out: &mut Vec<CheckRecord>) ->
                     )?;
                     sync(dev, "linear backward (x_pre)")?;
                     Ok((
-                        rel_error(&dx.to_f64_vec()?, &ref_pre),
-                        error_vs_terms(&db_pre.to_f64_vec()?, &ref_db_pre, &mag_db_pre),
+                        rel_error_in(&dx.to_f64_vec()?, &ref_pre, dtype),
+                        error_vs_terms(&db_pre.to_f64_vec()?, &ref_db_pre, &mag_db_pre, dtype),
                     ))
                 });
             let (e_dx, e_db) = match res {
