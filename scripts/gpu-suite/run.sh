@@ -55,7 +55,7 @@ if [ "${FERRITE_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; 
 fi
 
 step "bench all"
-"$here/bin/ferrite" bench all "${quick[@]}" --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.svg" "$@" > "$OUT/bench.txt" 2>&1 || status=1
+"$here/bin/ferrite" bench all "${quick[@]}" $([ "$mode" = quick ] || echo --full) --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.svg" "$@" > "$OUT/bench.txt" 2>&1 || status=1
 cat "$OUT/bench.txt"
 
 if [ "${FERRITE_SKIP_DATA:-0}" != 1 ]; then

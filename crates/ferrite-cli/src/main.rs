@@ -118,6 +118,12 @@ struct BenchArgs {
     /// grid; `--variant` adds named rungs beside the default.
     #[arg(long)]
     sweep: bool,
+    /// `bench all`: every family's whole bench (all its shapes, dtypes, passes and sub-benches:
+    /// minutes on a GPU) instead of one representative case per family (its headline shape,
+    /// every variant and the peer). Only with the op `all` (a single family always runs its
+    /// whole bench) and not with --quick; explicit sizes run every section at those sizes anyway.
+    #[arg(long)]
+    full: bool,
     /// moe: the expert-parallel layer on N ranks (threads of this process, one per GPU, NCCL
     /// between them; CPU ranks with `--device cpu`) against the one-device layer on the same
     /// tokens, and NCCL's all-to-all at the dispatch's size.
@@ -520,6 +526,22 @@ fn validate_bench_args(
             a.common.device.as_str(),
         ));
     }
+    if a.full && a.common.op != "all" {
+        return Err(Error::bad_arg(
+            "ferrite",
+            "--full",
+            "the op `all` (a single family's bench always runs in full)",
+            a.common.op.as_str(),
+        ));
+    }
+    if a.full && a.common.quick {
+        return Err(Error::bad_arg(
+            "ferrite",
+            "--full",
+            "not with --quick (every family's smaller cases)",
+            "--quick",
+        ));
+    }
     if a.sweep {
         if a.common.op != "matmul" {
             return Err(Error::bad_arg(
@@ -547,14 +569,51 @@ fn validate_bench_args(
     Ok(())
 }
 
-fn bench(a: BenchArgs) -> Result<()> {
-    if let Some(n) = a.ep {
-        return bench_ep(&a, n);
-    }
+/// The problem shapes given on the command line: each `--size`, and `--m --n --k`.
+fn bench_shapes(a: &BenchArgs) -> Vec<Vec<usize>> {
     let mut shapes: Vec<Vec<usize>> = a.size.iter().map(|&s| vec![s]).collect();
     if let (Some(m), Some(n), Some(k)) = (a.m, a.n, a.k) {
         shapes.push(vec![m, n, k]);
     }
+    shapes
+}
+
+/// Whether the bench runs one representative case per family: `bench all` as it comes. `--full`
+/// asks for every family's whole bench; `--quick` and explicit sizes keep their own meaning (every
+/// family's smaller cases, or every section at the sizes given).
+fn representative_scope(a: &BenchArgs, shapes: &[Vec<usize>]) -> bool {
+    a.common.op == "all" && !a.full && !a.common.quick && shapes.is_empty()
+}
+
+/// The bench's progress on stderr: with several families a bar over them (position: families
+/// done), else a spinner; the message names the family and the case being timed.
+fn bench_progress(families: usize) -> ProgressBar {
+    if families < 2 {
+        return spinner();
+    }
+    let pb = ProgressBar::new(families as u64);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed}] {bar:20} {pos}/{len} families  {wide_msg}",
+        )
+        .unwrap(),
+    );
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb
+}
+
+/// Whether a bench record times one of its family's variants (not a peer, nor a row the bench
+/// adds beside the ladder): the rows the summary picks the best from.
+fn is_ladder_row(r: &ferrite::core::harness::BenchRecord) -> bool {
+    ops::family(&r.op).is_ok_and(|f| f.variants().iter().any(|v| v.name == r.variant))
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(n) = a.ep {
+        return bench_ep(&a, n);
+    }
+    let shapes = bench_shapes(&a);
+    let representative = representative_scope(&a, &shapes);
     let cfg = BenchConfig {
         devices: devices(&a.common.device)?,
         variants: a.common.variants.clone(),
@@ -564,16 +623,19 @@ fn bench(a: BenchArgs) -> Result<()> {
         configs: a.configs.clone(),
         timing: a.timing.parse::<Timing>()?,
         sweep: a.sweep,
+        representative,
     };
     let fams = families(&a.common.op)?;
     validate_variants(&fams, &cfg.variants)?;
     validate_bench_args(&a, &fams, &cfg.devices)?;
-    let pb = spinner();
+    let pb = bench_progress(fams.len());
     let mut progress = |m: &str| pb.set_message(m.to_string());
     let ceilings = ops::measure_ceilings(&cfg.devices, cfg.quick, &mut progress)?;
     let mut recs = Vec::new();
     for f in fams {
+        progress(f.name());
         f.bench(&cfg, &ceilings, &mut progress, &mut recs)?;
+        pb.inc(1);
     }
     pb.finish_and_clear();
     if recs.is_empty() {
@@ -604,8 +666,15 @@ fn bench(a: BenchArgs) -> Result<()> {
         .len()
         > 1
     {
-        println!("\nsummary: each family's largest case, its fastest variant");
-        print!("{}", bench_summary(&recs));
+        println!(
+            "\nsummary: each family's largest case, its fastest variant, the peer where it has one"
+        );
+        if representative {
+            println!(
+                "(one representative case per family; `--full` runs every family's whole bench)"
+            );
+        }
+        print!("{}", bench_summary(&recs, &is_ladder_row));
     }
     if a.sweep {
         println!("\nsweep: the default path against the faster vendor library, per cell");
@@ -712,6 +781,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// Which `bench` command lines run one representative case per family.
+#[cfg(test)]
+mod bench_scope {
+    use super::*;
+
+    fn scope(args: &[&str]) -> bool {
+        let argv = ["ferrite", "bench"].iter().chain(args);
+        let Cmd::Bench(a) = Cli::try_parse_from(argv).expect("parses").cmd else {
+            panic!("not a bench command");
+        };
+        representative_scope(&a, &bench_shapes(&a))
+    }
+
+    #[test]
+    fn representative_is_bench_all_as_it_comes() {
+        assert!(scope(&[]));
+        assert!(scope(&["all", "--device", "cpu", "--dtype", "f32"]));
+        assert!(!scope(&["all", "--full"]));
+        assert!(!scope(&["all", "--quick"]));
+        assert!(!scope(&["all", "--size", "512"]));
+        assert!(!scope(&["all", "--m", "8", "--n", "8", "--k", "8"]));
+        assert!(!scope(&["matmul"]));
+    }
+}
+
 /// Property test of the argument parsing and the checks made before a run: any mix of known
 /// subcommands, flags and values parses to an error or to arguments whose checks end in a value
 /// or an error — never a panic. (Nothing runs: only `Cli::try_parse_from` and the checks.)
@@ -750,6 +844,7 @@ mod arg_fuzz {
                 "--plot",
                 "--quick",
                 "--timing",
+                "--full",
                 "--seed",
                 "--arch",
                 "cpu",

@@ -319,6 +319,65 @@ fn bench_flags_are_checked_before_anything_runs() {
     assert!(!ok && err.contains("no bench record"), "{err}");
 }
 
+/// `bench all` as it comes: one representative case per family (forward passes only, no
+/// secondary shapes), the family table, and a summary of one row per family on the device.
+#[test]
+fn bench_all_runs_one_representative_case_per_family() {
+    let (ok, out, err) = ferrite(&["bench", "all", "--device", "cpu"]);
+    assert!(ok, "{out}\n{err}");
+    let families: Vec<&str> = ferrite::ops::registry().iter().map(|f| f.name()).collect();
+    let (table, summary) = out.split_once("\nsummary:").expect("a summary");
+    for f in &families {
+        assert!(
+            table.lines().any(|l| l.starts_with(&format!("{f} "))),
+            "no row of {f}:\n{out}"
+        );
+    }
+    // Secondary sections left out: attention's backward, matmul's 2048³, LayerNorm.
+    for absent in [" bwd ", "2048×2048×2048", "layer_norm"] {
+        assert!(
+            !table.contains(absent),
+            "{absent} in a representative run:\n{out}"
+        );
+    }
+    assert!(summary.contains("--full"), "{summary}");
+    let rows: Vec<&str> = summary.lines().filter(|l| l.starts_with("cpu ")).collect();
+    assert_eq!(rows.len(), families.len(), "{summary}");
+    for f in &families {
+        assert_eq!(
+            rows.iter()
+                .filter(|l| l.split_whitespace().nth(1) == Some(f))
+                .count(),
+            1,
+            "{f}: {summary}"
+        );
+    }
+    // The CPU peer is named, with the ratio to it, and every row fits one screen.
+    let matmul = rows.iter().find(|l| l.contains(" matmul ")).unwrap();
+    assert!(matmul.contains("gemm-crate"), "{summary}");
+    assert!(
+        summary.lines().all(|l| l.chars().count() <= 140),
+        "{summary}"
+    );
+}
+
+/// `--full` is `bench all`'s: a single family always runs its whole bench, and `--quick` asks
+/// for the opposite. (That `bench all --full` parses to the whole scope is a unit test of the
+/// binary; running it would take minutes.)
+#[test]
+fn bench_full_is_for_all_and_not_with_quick() {
+    let (ok, _, err) = ferrite(&["bench", "matmul", "--full", "--device", "cpu"]);
+    assert!(
+        !ok && err.contains("--full") && err.contains("`all`") && err.contains("matmul"),
+        "{err}"
+    );
+    let (ok, _, err) = ferrite(&["bench", "all", "--full", "--quick", "--device", "cpu"]);
+    assert!(
+        !ok && err.contains("--full") && err.contains("--quick"),
+        "{err}"
+    );
+}
+
 /// A corpus the tiny model can train on: GPT-2 tokens of a repeated passage.
 fn tiny_corpus(root: &std::path::Path) -> std::path::PathBuf {
     let src = root.join("src");

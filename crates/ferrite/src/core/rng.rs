@@ -4,10 +4,19 @@
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
+/// SplitMix64's increment: the state advances by it on every draw.
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
 impl Rng {
     /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+        Rng(seed ^ GAMMA)
+    }
+
+    /// This generator as it will be `n` draws later, in O(1) (the state is a counter): what
+    /// lets a fill split one sequence across threads and still write the same values.
+    pub fn skip(&self, n: u64) -> Self {
+        Rng(self.0.wrapping_add(n.wrapping_mul(GAMMA)))
     }
 
     /// A seed that differs on every call and every run (time, process, counter), for "fresh
@@ -28,7 +37,7 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.0 = self.0.wrapping_add(GAMMA);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -48,5 +57,22 @@ impl Rng {
     /// Uniform integer in [0, n).
     pub fn below(&mut self, n: u64) -> u64 {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rng;
+
+    #[test]
+    fn skip_lands_where_drawing_does() {
+        let mut drawn = Rng::new(7);
+        for _ in 0..1000 {
+            drawn.next_u64();
+        }
+        let mut skipped = Rng::new(7).skip(1000);
+        for _ in 0..5 {
+            assert_eq!(skipped.next_u64(), drawn.next_u64());
+        }
     }
 }

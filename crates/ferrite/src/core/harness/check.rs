@@ -322,4 +322,22 @@ mod tests {
         assert!((rel_error_scaled(&[0.002], &[0.0], 2.0) - 0.001).abs() < 1e-12);
         assert_eq!(rel_error_scaled(&[f64::NAN], &[1.0], 10.0), f64::INFINITY);
     }
+
+    #[test]
+    fn a_subnormal_output_is_judged_by_its_dtypes_quantum() {
+        // -9.686e-7 rounded to f16's subnormal quantum (2⁻²⁴) is -9.537e-7 (16 quanta): 1.5e-2
+        // relative to itself, within half a quantum of the reference.
+        let (want, got) = (-9.685928e-7, -16.0 * 2f64.powi(-24));
+        assert!(rel_error(&[got], &[want]) > 1e-2);
+        assert!(rel_error_in(&[got], &[want], DType::F16) < 2f64.powi(-11));
+        // Off by three quanta it still fails, and a normal-range value keeps its relative error.
+        assert!(rel_error_in(&[got - 3.0 * 2f64.powi(-24)], &[want], DType::F16) > 2f64.powi(-11));
+        assert!((rel_error_in(&[1.1], &[1.0], DType::F16) - 0.1).abs() < 1e-12);
+        assert_eq!(
+            rel_error_in(&[f64::NAN], &[want], DType::F16),
+            f64::INFINITY
+        );
+        assert_eq!(DType::BF16.min_normal(), DType::F32.min_normal());
+        assert_eq!(DType::I32.min_normal(), None);
+    }
 }

@@ -39,6 +39,10 @@ pub struct BenchConfig {
     /// Run the family's sweep of shapes instead of its ladder (matmul: `--sweep`, the default
     /// path against the vendor libraries over a grid of M × (N, K)).
     pub sweep: bool,
+    /// One representative case per family: its headline shape, every variant of its ladder and
+    /// its peer, without the secondary sections (further shapes, dtypes, passes, kinds and
+    /// sub-benches); `bench all` without `--full`. Explicit `shapes` and `dtypes` still win.
+    pub representative: bool,
 }
 
 /// How a bench times a group of launches it compares.
@@ -78,6 +82,27 @@ impl BenchConfig {
     /// Whether `d` is selected.
     pub fn wants_dtype(&self, d: DType) -> bool {
         self.dtypes.is_empty() || self.dtypes.contains(&d)
+    }
+    /// A family's default cases (shapes, passes, kinds), headline first: all of them, or in
+    /// representative scope the headline alone.
+    pub fn scope<'a, T>(&self, cases: &'a [T]) -> &'a [T] {
+        if self.representative {
+            &cases[..cases.len().min(1)]
+        } else {
+            cases
+        }
+    }
+    /// The dtypes a bench runs out of its defaults `all` (headline first): those asked for, else
+    /// `all` in the current scope (the first alone in representative scope).
+    pub fn dtypes_in_scope(&self, all: &[DType]) -> Vec<DType> {
+        if self.dtypes.is_empty() {
+            self.scope(all).to_vec()
+        } else {
+            all.iter()
+                .copied()
+                .filter(|d| self.wants_dtype(*d))
+                .collect()
+        }
     }
     /// The requested GEMM-like shapes as [m, n, k] (a single number means a cube, two mean
     /// [m, n, n]), or `defaults`.
@@ -186,5 +211,33 @@ pub trait OpFamily: Sync {
     /// multi-dimensional shapes do not: the CLI refuses those flags for them).
     fn bench_takes_size(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Representative scope keeps a family's headline (its first default) and the first default
+    /// dtype; dtypes asked for win over the scope.
+    #[test]
+    fn representative_scope_keeps_the_headline() {
+        let full = BenchConfig::default();
+        let rep = BenchConfig {
+            representative: true,
+            ..Default::default()
+        };
+        let cases = [[8, 8], [16, 16]];
+        assert_eq!(full.scope(&cases), &cases[..]);
+        assert_eq!(rep.scope(&cases), &cases[..1]);
+        assert!(rep.scope::<u8>(&[]).is_empty());
+        let all = [DType::BF16, DType::F32];
+        assert_eq!(full.dtypes_in_scope(&all), all.to_vec());
+        assert_eq!(rep.dtypes_in_scope(&all), vec![DType::BF16]);
+        let asked = BenchConfig {
+            dtypes: vec![DType::F32],
+            ..rep
+        };
+        assert_eq!(asked.dtypes_in_scope(&all), vec![DType::F32]);
     }
 }

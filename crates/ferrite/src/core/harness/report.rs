@@ -143,9 +143,35 @@ pub fn bench_table(records: &[BenchRecord], wide: bool) -> String {
     t.render()
 }
 
+/// The widest case and variant cells of the summary: with them it stays within ~140 columns (one
+/// screen) whatever a family calls its cases; the table above it has the whole names.
+const SUMMARY_CASE_CHARS: usize = 34;
+const SUMMARY_NAME_CHARS: usize = 18;
+
+/// `s` cut to `n` characters, the last one an ellipsis when cut.
+fn clip(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n - 1).collect::<String>() + "…"
+    }
+}
+
+/// A record's device as (id, name): `cuda:0 (NVIDIA H200)` → (`cuda:0`, `NVIDIA H200`).
+fn device_id_and_name(device: &str) -> (&str, &str) {
+    match device.split_once(" (") {
+        Some((id, name)) => (id, name.strip_suffix(')').unwrap_or(name)),
+        None => (device, ""),
+    }
+}
+
 /// One line per (device, op): the largest case it timed (most FLOPs, else most bytes) and the
-/// fastest non-peer variant there, with its rate, × the family's baseline and × the peer.
-pub fn bench_summary(records: &[BenchRecord]) -> String {
+/// fastest variant there — its time, rate and × the family's baseline — with the peer it was
+/// compared with and × that peer where the family has one; then the devices' names (the rows
+/// carry only their ids, to stay on one screen). `is_variant` tells the ladder's rows from the
+/// others a bench adds (a bare GEMM beside linear's fused rows, a vendor mode beside its peer):
+/// where a family has ladder rows, the case and the best are picked among them alone.
+pub fn bench_summary(records: &[BenchRecord], is_variant: &dyn Fn(&BenchRecord) -> bool) -> String {
     let work = |r: &BenchRecord| if r.flops > 0.0 { r.flops } else { r.bytes };
     let mut keys: Vec<(String, String)> = Vec::new();
     for r in records.iter().filter(|r| !r.is_peer) {
@@ -162,13 +188,18 @@ pub fn bench_summary(records: &[BenchRecord]) -> String {
         "median ms",
         "rate",
         "× base",
+        "peer",
         "× peer",
     ]);
-    for (device, op) in keys {
-        let mine: Vec<&BenchRecord> = records
+    let mut devices: Vec<(&str, &str)> = Vec::new();
+    for (device, op) in &keys {
+        let mut mine: Vec<&BenchRecord> = records
             .iter()
-            .filter(|r| !r.is_peer && r.device == device && r.op == op)
+            .filter(|r| !r.is_peer && &r.device == device && &r.op == op)
             .collect();
+        if mine.iter().any(|r| is_variant(r)) {
+            mine.retain(|r| is_variant(r));
+        }
         let Some(big) = mine
             .iter()
             .copied()
@@ -182,11 +213,18 @@ pub fn bench_summary(records: &[BenchRecord]) -> String {
             .filter(|r| r.dtype == big.dtype && r.shape == big.shape)
             .min_by(|a, b| a.median_ms.total_cmp(&b.median_ms))
             .unwrap_or(big);
+        let (id, name) = device_id_and_name(device);
+        if !devices.iter().any(|(d, _)| *d == id) {
+            devices.push((id, name));
+        }
         t.row(vec![
-            device,
-            op,
-            format!("{} {}", best.dtype, best.shape),
-            best.variant.clone(),
+            id.to_string(),
+            op.clone(),
+            clip(
+                &format!("{} {}", best.dtype, best.shape),
+                SUMMARY_CASE_CHARS,
+            ),
+            clip(&best.variant, SUMMARY_NAME_CHARS),
             format!("{:.4}", best.median_ms),
             if best.flops > 0.0 {
                 rate(best.tflops)
@@ -194,10 +232,24 @@ pub fn bench_summary(records: &[BenchRecord]) -> String {
                 format!("{:.1} GB/s", best.gbps)
             },
             opt(best.speedup_vs_baseline, |v| format!("{v:.2}")),
+            if best.ratio_to_peer.is_some() && !best.peer.is_empty() {
+                clip(&best.peer, SUMMARY_NAME_CHARS)
+            } else {
+                "-".into()
+            },
             opt(best.ratio_to_peer, |v| format!("{v:.2}")),
         ]);
     }
-    t.render()
+    let mut out = t.render();
+    let names: Vec<String> = devices
+        .iter()
+        .filter(|(_, name)| !name.is_empty())
+        .map(|(id, name)| format!("{id} = {name}"))
+        .collect();
+    if !names.is_empty() {
+        out += &format!("devices: {}\n", names.join("; "));
+    }
+    out
 }
 
 fn bench_table_full(records: &[BenchRecord]) -> Table {
@@ -579,12 +631,13 @@ mod tests {
         assert_ne!(ratio_color(0.4), ratio_color(1.3));
     }
 
-    /// The summary takes each family's largest case and its fastest non-peer variant; the
-    /// compact table leaves out the columns no record fills.
+    /// The summary takes each family's largest case and its fastest non-peer variant, names the
+    /// peer and the ratio to it where the family has one, cuts long cells to stay on one screen,
+    /// and names each device once; the compact table leaves out the columns no record fills.
     #[test]
     fn summary_picks_the_largest_case_and_its_fastest_variant() {
         let rec = |op: &str, v: &str, shape: &str, flops: f64, ms: f64, peer: bool| BenchRecord {
-            device: "cpu".into(),
+            device: "cpu (Some CPU)".into(),
             op: op.into(),
             variant: v.into(),
             dtype: "f32".into(),
@@ -596,22 +649,41 @@ mod tests {
             speedup_vs_baseline: Some(2.0),
             ..Default::default()
         };
-        let recs = [
+        let mut recs = vec![
             rec("matmul", "naive", "64³", 5e5, 1.0, false),
             rec("matmul", "naive", "512³", 2.7e8, 90.0, false),
             rec("matmul", "parallel", "512³", 2.7e8, 9.0, false),
-            rec("matmul", "gemm", "512³", 2.7e8, 4.0, true),
+            rec("matmul", "gemm-crate", "512³", 2.7e8, 4.0, true),
             rec("norm", "parallel", "8×8", 0.0, 0.1, false),
+            rec("moe", "parallel", &"T1024 ".repeat(20), 1e9, 2.0, false),
+            // A row beside the ladder (linear's bare GEMM): faster, in a larger case, not picked.
+            rec("matmul", "bare", "1024³", 2.1e9, 1.0, false),
         ];
-        let s = bench_summary(&recs);
+        crate::core::harness::bench::relate(&mut recs[1..4], "naive", None);
+        let s = bench_summary(&recs, &|r| r.variant != "bare");
         let lines: Vec<&str> = s.lines().collect();
-        assert_eq!(lines.len(), 4, "{s}");
+        assert_eq!(lines.len(), 6, "{s}");
+        let matmul = lines[2];
         assert!(
-            lines[2].contains("512³") && lines[2].contains("parallel"),
+            matmul.starts_with("cpu ") && !matmul.contains("Some CPU"),
             "{s}"
         );
-        assert!(!s.contains("gemm"), "{s}");
-        assert!(lines[3].contains("norm"), "{s}");
+        assert!(
+            matmul.contains("512³") && matmul.contains("parallel"),
+            "{s}"
+        );
+        // The peer is named as the peer, never picked as the best; 4 ms / 9 ms = 0.44×.
+        assert!(
+            matmul.contains("gemm-crate") && matmul.ends_with("0.44"),
+            "{s}"
+        );
+        assert!(lines[3].contains("norm") && lines[3].ends_with("-"), "{s}");
+        assert!(lines[4].contains("…"), "{s}");
+        assert!(lines.iter().all(|l| l.chars().count() <= 140), "{s}");
+        assert_eq!(lines[5], "devices: cpu = Some CPU", "{s}");
+        // Without a ladder row in the family, its other rows stand in.
+        let s = bench_summary(&recs, &|_| false);
+        assert!(s.lines().nth(2).unwrap().contains("bare"), "{s}");
         let compact = bench_table(&recs, false);
         assert!(
             !compact.contains("regs") && !compact.contains("occ"),

@@ -98,6 +98,16 @@ impl Set {
 
 const COMBOS: [(DType, DType); 2] = [(DType::F32, DType::F32), (DType::BF16, DType::BF16)];
 
+/// The (param, grad) dtypes a run steps; representative scope: f32 alone (the first), since the
+/// bf16 + master step runs the same rungs.
+fn combos(cfg: &BenchConfig) -> Vec<(DType, DType)> {
+    let params = cfg.dtypes_in_scope(&COMBOS.map(|(p, _)| p));
+    COMBOS
+        .into_iter()
+        .filter(|(p, _)| params.contains(p))
+        .collect()
+}
+
 pub fn run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,
@@ -126,7 +136,7 @@ fn bench_cpu(
         gpt2_sizes(4096, 256, 128, 4)
     };
     let n: usize = sizes.iter().sum();
-    for (pd, gd) in COMBOS.into_iter().filter(|(p, _)| cfg.wants_dtype(*p)) {
+    for (pd, gd) in combos(cfg) {
         let set = Set::new(&sizes, pd, gd, Device::Cpu)?;
         let list = set.list();
         let mut group = Vec::new();
@@ -178,7 +188,7 @@ fn bench_gpu(
     let n: usize = sizes.iter().sum();
     let hp = AdamWHyper::default();
     let h = hp.validate()?;
-    for (pd, gd) in COMBOS.into_iter().filter(|(p, _)| cfg.wants_dtype(*p)) {
+    for (pd, gd) in combos(cfg) {
         let set = Set::new(&sizes, pd, gd, d)?;
         let list = set.list();
         let plan = AdamWPlan::new(&list, Some(&stream))?;

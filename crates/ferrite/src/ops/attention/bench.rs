@@ -78,6 +78,11 @@ pub fn gpu_shapes(cfg: &BenchConfig) -> Vec<Shape> {
             .flat_map(|d| both(1, 8, 1024, d))
             .collect();
     }
+    // Representative: B4 H16 S4096 D128, not causal: the README's and docs' headline case (the
+    // naive rung takes ~0.6 s per call there, a few seconds in all).
+    if cfg.representative {
+        return both(4, 16, 4096, 128)[..1].to_vec();
+    }
     let mut v = Vec::new();
     for s in [1024, 4096, 16384] {
         for d in [128, 64] {
@@ -96,7 +101,9 @@ pub fn cpu_shapes(cfg: &BenchConfig) -> Vec<Shape> {
             .flat_map(|s| both(1, 4, s[0], 64))
             .collect();
     }
-    both(1, 4, if cfg.quick { 256 } else { 512 }, 64).to_vec()
+    // Representative: B1 H4 S512 D64 not causal (the first), the one CPU shape's forward.
+    cfg.scope(&both(1, 4, if cfg.quick { 256 } else { 512 }, 64))
+        .to_vec()
 }
 
 pub fn run(
@@ -168,7 +175,8 @@ fn bench_cpu(
         .map(|v| ("CPU peer GEMM (all threads)", v, true));
     for s in cpu_shapes(cfg) {
         let set = Set::new(&s, DType::F32, Device::Cpu)?;
-        for backward in [false, true] {
+        // Representative: the forward alone.
+        for &backward in cfg.scope(&[false, true]) {
             let dir = if backward { "bwd" } else { "fwd" };
             let mut group = Vec::new();
             for v in variants()
@@ -250,7 +258,8 @@ fn bench_gpu(
             .map(|v| ("cuBLAS GEMM", v, true));
         for s in gpu_shapes(cfg) {
             let set = Set::new(&s, dtype, d)?;
-            for backward in [false, true] {
+            // Representative: the forward alone.
+            for &backward in cfg.scope(&[false, true]) {
                 let dir = if backward { "bwd" } else { "fwd" };
                 let (mut group, mut skipped) = (Vec::new(), Vec::new());
                 // (variant, row name, deterministic): flash's backward in both modes.

@@ -297,6 +297,8 @@ fn check_run(cfg: &CheckConfig, out: &mut Vec<CheckRecord>) -> Result<()> {
     Ok(())
 }
 
+/// One buffer size per device, every variant and the driver's copy: representative scope runs
+/// the same.
 fn bench_run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,

@@ -51,7 +51,8 @@ fn shapes(cfg: &BenchConfig, gpu: bool) -> Vec<[usize; 2]> {
         (false, false) => 256,
         (false, true) => 32,
     };
-    vec![[n, 50257], [n, 128256]]
+    // Representative: GPT-2's vocabulary (the README's first figure), not Llama-3's.
+    cfg.scope(&[[n, 50257], [n, 128256]]).to_vec()
 }
 
 fn bench_cpu(

@@ -144,6 +144,7 @@ fn bench_cpu(
     } else {
         (8, 32, 8, 128, 2048, 16, 2048)
     };
+    // Representative: the same single case (every rung).
     for s in shapes(cfg, &[default]) {
         let c = case(s);
         let x = make_inputs(&c, DType::F32, Device::Cpu, 1, 0)?;
@@ -211,7 +212,9 @@ fn bench_gpu(
         ]
     };
     for dtype in [DType::BF16].into_iter().filter(|t| cfg.wants_dtype(*t)) {
-        for s in shapes(cfg, &defaults) {
+        // Representative: B16 ctx4096 (the README's first decode figure), not the long or
+        // ragged batches.
+        for s in shapes(cfg, cfg.scope(&defaults)) {
             let c = case(s);
             let x = make_inputs(&c, dtype, d, 1, 0)?;
             let o = Tensor::empty(&[s.0, s.1, s.3], dtype, d)?;

@@ -246,7 +246,9 @@ fn bench_gpu(
             DType::F16 => (Precision::F16, "f16"),
             _ => (Precision::Bf16, "bf16"),
         };
-        for shape in cfg.shapes_3d(defaults) {
+        // Representative: the forward ladder at 8192×4096←4096 (bias + GELU) against the bare
+        // GEMM and cuBLAS, the docs' headline; no backward group, no further shapes.
+        for shape in cfg.shapes_3d(cfg.scope(defaults)) {
             let [m, n, k] = shape;
             let l = Layer::new(d, dtype, shape)?;
             let flops = 2.0 * (m * n * k) as f64;
@@ -374,6 +376,11 @@ fn bench_gpu(
             );
             note_timing(&mut group, cfg.timing);
             out.extend(group);
+            // Representative scope stops at the forward ladder: the backward is a section of
+            // its own (its rows are not the ladder's variants).
+            if cfg.representative {
+                continue;
+            }
 
             // Backward: dZ + db kernel and two GEMMs vs the two cuBLAS GEMMs alone.
             let shape_b = format!("{m}×{n}←{k} backward {ACT}");
@@ -538,7 +545,12 @@ fn bench_cpu_vs_gpu(
     let flops = 2.0 * (m * n * k) as f64;
     let label = format!("{m}×{n}←{k} bias+{ACT} (1M params)");
     let mut group = Vec::new();
-    for &dev in &cfg.devices {
+    // Representative: the CPU's one linear case (a GPU's headline is its forward ladder).
+    for &dev in cfg
+        .devices
+        .iter()
+        .filter(|d| !(cfg.representative && d.is_cuda()))
+    {
         let dtypes: &[DType] = if dev.is_cuda() {
             &[DType::F32, DType::BF16]
         } else {

@@ -45,6 +45,10 @@ fn bench_cpu(
     }
     let defaults: &[[usize; 3]] = if cfg.quick {
         &[[256, 256, 256], [512, 512, 512]]
+    } else if cfg.representative {
+        // Representative: 1024³, the size the CPU peer's ceiling is measured at, and 512³, the
+        // one size `naive` runs at (1.7 s per call at 1024³): the whole ladder, with its peer.
+        &[[512, 512, 512], [1024, 1024, 1024]]
     } else {
         &[[512, 512, 512], [1024, 1024, 1024], [2048, 2048, 2048]]
     };
@@ -255,6 +259,21 @@ const DECODE: &[[usize; 3]] = &[
     [1, 128256, 4096],
 ];
 
+/// The GPU groups a run times: those of the dtypes asked for, else all of them, or in
+/// representative scope bf16 (the headline: `wgmma` against cuBLAS at 4096³) and true f32 (the
+/// SIMT rungs run no other dtype): every variant of the ladder once, at the cube alone.
+fn gpu_groups(cfg: &BenchConfig) -> Vec<(DType, Precision, &'static str)> {
+    GPU_GROUPS
+        .into_iter()
+        .filter(|g| cfg.wants_dtype(g.0))
+        .filter(|g| {
+            !cfg.representative
+                || !cfg.dtypes.is_empty()
+                || matches!(g.1, Precision::F32 | Precision::Bf16)
+        })
+        .collect()
+}
+
 fn bench_gpu(
     cfg: &BenchConfig,
     dev: &Arc<CudaDevice>,
@@ -266,10 +285,10 @@ fn bench_gpu(
     let stream = dev.stream().clone();
     let name = dev.props().name.clone();
     let d = Device::Cuda(dev.ordinal());
-    for (dtype, prec, label) in GPU_GROUPS.into_iter().filter(|g| cfg.wants_dtype(g.0)) {
+    for (dtype, prec, label) in gpu_groups(cfg) {
         let tf32 = prec == Precision::Tf32;
         let mut defaults = vec![[cube; 3]];
-        if !cfg.quick && prec != Precision::F32 {
+        if !cfg.quick && !cfg.representative && prec != Precision::F32 {
             defaults.extend_from_slice(TC_LARGE);
         }
         let mut runs_of: Vec<([usize; 3], bool)> = cfg
@@ -278,8 +297,9 @@ fn bench_gpu(
             .map(|s| (s, false))
             .collect();
         // tf32 also in the NT layout (B stored [n, k], a linear layer's weight): the layout tf32
-        // `wgmma` reads in place; NN first packs B K-major (its transpose pre-pass is timed).
-        if tf32 {
+        // `wgmma` reads in place; NN first packs B K-major (its transpose pre-pass is timed). Not
+        // in representative scope (the same rungs again), nor are the decode shapes below.
+        if tf32 && !cfg.representative {
             let first = runs_of[0].0;
             runs_of.insert(1, (first, true));
         }
@@ -292,7 +312,7 @@ fn bench_gpu(
                 .map(|&(s, _)| (s, true))
                 .collect();
             runs_of.extend(short);
-            if cfg.shapes.is_empty() && !cfg.quick {
+            if cfg.shapes.is_empty() && !cfg.quick && !cfg.representative {
                 runs_of.extend(DECODE.iter().map(|&s| (s, true)));
             }
         }

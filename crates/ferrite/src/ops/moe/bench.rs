@@ -51,11 +51,15 @@ pub fn shapes(cfg: &BenchConfig) -> Result<Vec<(String, [usize; 5])>> {
     Ok(if cfg.quick {
         vec![("small".into(), [4096, 1024, 512, 16, 4])]
     } else {
-        vec![
-            ("mixtral".into(), [8192, 4096, 14336, 8, 2]),
-            ("qwen3-moe".into(), [32768, 2048, 768, 128, 8]),
-            ("deepseek-v3-slice".into(), [8192, 7168, 2048, 32, 8]),
-        ]
+        // Representative: the Mixtral-like layer, the README's first.
+        cfg.scope(&[
+            ("mixtral", [8192, 4096, 14336, 8, 2]),
+            ("qwen3-moe", [32768, 2048, 768, 128, 8]),
+            ("deepseek-v3-slice", [8192, 7168, 2048, 32, 8]),
+        ])
+        .iter()
+        .map(|&(label, shape)| (label.to_string(), shape))
+        .collect()
     })
 }
 
@@ -100,7 +104,8 @@ fn bench_cpu(
     let mcfg = MoeConfig::new(e, k);
     let fwd_flops = 6.0 * (t * k) as f64 * h as f64 * i as f64;
     let name = crate::core::harness::cpu_name();
-    for backward in [false, true] {
+    // Representative: the forward alone (the layer as inference runs it).
+    for &backward in cfg.scope(&[false, true]) {
         let pass = if backward { "fwd+bwd" } else { "fwd" };
         let shape = format!("T{t} H{h} I{i} E{e} k{k} {pass}");
         let mut group = Vec::new();
@@ -244,7 +249,8 @@ fn bench_gpu(
                 (x.nbytes() + router.nbytes() + wu.nbytes() + wd.nbytes() + dout.nbytes()) as u64;
             let fwd_flops = p.expert_flops(t * k);
             let shape = |pass: &str| format!("{label} T{t} H{h} I{i} E{e} k{k} {pass}");
-            for backward in [false, true] {
+            // Representative: the forward alone (the layer as inference runs it).
+            for &backward in cfg.scope(&[false, true]) {
                 let pass = if backward { "fwd+bwd" } else { "fwd" };
                 let flops = if backward { 3.0 * fwd_flops } else { fwd_flops };
                 let mut group = Vec::new();
@@ -296,9 +302,11 @@ fn bench_gpu(
                     );
                     group.push(rec);
                 }
-                // The expert GEMMs alone on a finished forward's layout (forward pass only).
+                // The expert GEMMs alone on a finished forward's layout (forward pass only; a
+                // sub-bench, not in representative scope).
                 for v in variants().iter().filter(|v| {
                     !backward
+                        && !cfg.representative
                         && v.backend == Backend::Cuda
                         && v.name != "naive"
                         && cfg.wants_variant(v.name)

@@ -31,6 +31,9 @@ pub fn run(
     Ok(())
 }
 
+/// The norms a run times, headline first.
+const KINDS: [NormKind; 2] = [NormKind::Rms, NormKind::Layer];
+
 /// Fewest bytes of a pass: forward reads x, writes y (+ w, b, stats); backward reads dy and x,
 /// writes dx (+ w, dw, db, stats).
 fn bytes(p: &Problem, backward: bool) -> f64 {
@@ -54,7 +57,8 @@ fn bench_cpu(
     }
     let name = crate::core::harness::cpu_name();
     for [rows, cols] in cfg.shapes_2d(if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
-        for kind in [NormKind::Rms, NormKind::Layer] {
+        // Representative: RMSNorm (the README's first norm row), not LayerNorm.
+        for &kind in cfg.scope(&KINDS) {
             let p = Problem {
                 kind,
                 rows,
@@ -120,10 +124,9 @@ fn bench_gpu(
     let stream = dev.stream().clone();
     let name = dev.props().name.clone();
     let ceiling = ceilings.gpu_copy_gbps.map(|v| ("device copy", v, false));
-    for dtype in [DType::BF16, DType::F32]
-        .into_iter()
-        .filter(|t| cfg.wants_dtype(*t))
-    {
+    // Representative: RMSNorm forward, bf16 32768×4096 (the README's first row): no f32, no
+    // LayerNorm, no backward.
+    for dtype in cfg.dtypes_in_scope(&[DType::BF16, DType::F32]) {
         for [rows, cols] in cfg.shapes_2d(if cfg.quick {
             [4096, 4096]
         } else {
@@ -138,7 +141,7 @@ fn bench_gpu(
             let db = Tensor::empty(&[cols], dtype, d)?;
             let mean = Tensor::empty(&[rows], DType::F32, d)?;
             let rstd = Tensor::empty(&[rows], DType::F32, d)?;
-            for kind in [NormKind::Rms, NormKind::Layer] {
+            for &kind in cfg.scope(&KINDS) {
                 let layer = kind == NormKind::Layer;
                 let p = Problem {
                     kind,
@@ -197,6 +200,10 @@ fn bench_gpu(
                 }
                 relate(&mut fwd, "naive", ceiling);
                 out.extend(fwd);
+                // Representative: the forward alone.
+                if cfg.representative {
+                    continue;
+                }
                 let mut bwd = Vec::new();
                 for v in runnable.iter().filter(|v| {
                     **v != "vectorized" || super::vectorized_bwd_fits(&p, &[]).is_none()

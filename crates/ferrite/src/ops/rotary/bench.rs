@@ -16,6 +16,8 @@ use crate::core::tensor::Tensor;
 use crate::core::variant::Backend;
 use std::sync::Arc;
 
+/// One case per device already (q and k rotated in place, every rung): representative scope runs
+/// the same.
 pub fn run(
     cfg: &BenchConfig,
     ceilings: &Ceilings,

@@ -38,6 +38,7 @@ fn bench_cpu(
     if !cfg.wants_dtype(DType::F32) {
         return Ok(());
     }
+    // Representative: the same single case (4096×1024 forward, every rung).
     for [r, c] in cfg.shapes_2d(if cfg.quick { [512, 1024] } else { [4096, 1024] }) {
         let x = Tensor::rand(&[r, c], DType::F32, Device::Cpu, 1, -5.0, 5.0)?;
         let y = Tensor::empty(&[r, c], DType::F32, Device::Cpu)?;
@@ -83,10 +84,8 @@ fn bench_gpu(
     let stream = dev.stream().clone();
     let name = dev.props().name.clone();
     let ceiling = ceilings.gpu_copy_gbps.map(|v| ("device copy", v, false));
-    for dtype in [DType::BF16, DType::F32]
-        .into_iter()
-        .filter(|t| cfg.wants_dtype(*t))
-    {
+    // Representative: the forward, bf16 32768×4096 (the docs' and README's first row).
+    for dtype in cfg.dtypes_in_scope(&[DType::BF16, DType::F32]) {
         for [r, c] in cfg.shapes_2d(if cfg.quick {
             [4096, 4096]
         } else {
@@ -104,7 +103,7 @@ fn bench_gpu(
             let dx = Tensor::empty(&[r, c], dtype, d)?;
             let es = dtype.size_in_bytes() as f64;
             let n = (r * c) as f64;
-            for backward in [false, true] {
+            for &backward in cfg.scope(&[false, true]) {
                 let ptrs = if backward {
                     vec![dx.device_ptr()?, dy.device_ptr()?, y.device_ptr()?]
                 } else {

@@ -91,7 +91,8 @@ fn bench_cpu(
     } else {
         &[[1, 4096, 4096], [8, 2048, 2048]]
     };
-    for s in cfg.shapes_3d(defaults) {
+    // Representative: one decoded token through a 4096² weight, not the 8-row batch.
+    for s in cfg.shapes_3d(cfg.scope(defaults)) {
         let o = operands(s, Device::Cpu)?;
         let mut group = Vec::new();
         for v in variants()
@@ -143,6 +144,9 @@ fn bench_gpu(
     let name = dev.props().name.clone();
     let defaults: &[[usize; 3]] = if cfg.quick {
         &[[1, 4096, 4096]]
+    } else if cfg.representative {
+        // Representative: 1×14336×4096, the shape the docs' ladder and the README quote.
+        &[[1, 14336, 4096]]
     } else {
         &[
             [1, 4096, 4096],
