@@ -11,8 +11,9 @@ inline void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1)
   emu_mma<EMU_KIND_BF16>(d, a, b0, b1);
 }
 // ex2.approx / tanh.approx as the exact functions (the driver's tolerance covers the SFU error).
-inline float exp2_fast(float x) { return exp2f(x); }
-inline float tanh_fast(float x) { return tanhf(x); }
+inline float ex2_approx(float x) { return exp2f(x); }
+inline float tanh_approx(float x) { return tanhf(x); }
+inline void sts_u32(unsigned a, unsigned v) { sts32(a, v); }
 inline unsigned dynamic_smem_bytes() { return (unsigned)g_smem_bytes; }
 inline void red_add2(float* p, float x, float y) {
   std::atomic_ref<float>(p[0]).fetch_add(x);

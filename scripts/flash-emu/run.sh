@@ -16,7 +16,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 src="$here/../../crates/ferrite/src"
 python3 "$here/../emu-common/extract.py" "$work/flash_host.cpp" "$here/emu.h" "$src/core/cuda/kernels/ferrite.cuh" \
-  --remove smem_u32,dynamic_smem_bytes,cp_async16,cp_async_commit,cp_async_wait,ldsm_x4,ldsm_x4_t,mma,exp2_fast,tanh_fast,red_add2,ldsm_x4_s,ldsm_x4_ts,sts32,cp_async16_s \
+  --remove smem_u32,dynamic_smem_bytes,cp_async16,cp_async_commit,cp_async_wait,ldsm_x4,ldsm_x4_t,mma,ex2_approx,rcp_approx,tanh_approx,tf32_rna,red_add2,ldsm_x4_s,ldsm_x4_ts,sts_u32,cp_async16_s \
   "$src/ops/attention/kernels/flash.cu"
 cp "$here/driver.cpp" "$work/"
 if [ $# -eq 4 ]; then

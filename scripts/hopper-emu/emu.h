@@ -219,8 +219,8 @@ inline void wgmma_rs_n128(float (&d)[64], const unsigned (&a)[4], unsigned long 
 inline void wgmma_rs_n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db) { emu_wgmma<64>(d, 0, db, 1, a, false, true); }
 
 // ---- the rest ----------------------------------------------------------------------------------
-inline float exp2_fast(float x) { return exp2f(x); }
-inline float tanh_fast(float x) { return tanhf(x); }
+inline float ex2_approx(float x) { return exp2f(x); }
+inline float tanh_approx(float x) { return tanhf(x); }
 inline void red_add2(float* p, float x, float y) {
   emu_check_align(p, 8, "red.global.add.v2.f32");
   std::atomic_ref<float>(p[0]).fetch_add(x);

@@ -16,7 +16,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 src="$here/../../crates/ferrite/src"
 python3 "$here/../emu-common/extract.py" "$work/hopper_host.cpp" "$here/emu.h" "$src/core/cuda/kernels/ferrite.cuh" \
-  --remove smem_u32,mbar_init,mbar_expect_tx,mbar_arrive,mbar_wait,tma_load4,fence_barrier_init,fence_async_smem,named_sync,named_arrive,regs_dec,regs_inc,wgmma_fence,wgmma_commit,wgmma_wait,acc_fence,exp2_fast,tanh_fast,wgmma_ss_n128,wgmma_rs_n128,wgmma_rs_n64,wgmma_ss_n64,wgmma_ss_tt_n64,wgmma_ss_tt_n32,red_add2,lds_f2,sts_u32 \
+  --remove smem_u32,mbar_init,mbar_expect_tx,mbar_arrive,mbar_wait,tma_load4,fence_barrier_init,fence_async_smem,named_sync,named_arrive,regs_dec,regs_inc,wgmma_fence,wgmma_commit,wgmma_wait,acc_fence,fence_mbarrier_init,ex2_approx,rcp_approx,tanh_approx,tf32_rna,wgmma_ss_n128,wgmma_rs_n128,wgmma_rs_n64,wgmma_ss_n64,wgmma_ss_tt_n64,wgmma_ss_tt_n32,red_add2,lds_f2,sts_u32 \
   "$src/ops/attention/kernels/hopper.cu"
 cp "$here/driver.cpp" "$work/"
 dims=(64 128); bwds=(0 1)

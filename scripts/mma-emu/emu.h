@@ -9,9 +9,9 @@
 inline void cp_async16(void* s, const void* g) { emu_cp_async16(smem_u32(s), g, 16); }
 inline void cp_async_commit() { emu_cp_commit(); }
 template <int N> inline void cp_async_wait() { emu_cp_wait(N); }
-inline unsigned to_tf32(unsigned x) { return emu_tf32(x); }
+inline float tf32_rna(float x) { return __uint_as_float(emu_tf32(__float_as_uint(x))); }
 inline void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   emu_mma<FE_MMA_KIND>(d, a, b[0], b[1]);
 }
 // tanh.approx.f32 as tanhf (run.sh's tolerance covers the SFU's ~2^-11 relative error).
-inline float fe_tanh_approx(float x) { return tanhf(x); }
+inline float tanh_approx(float x) { return tanhf(x); }

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <barrier>
 #include <cmath>
+using std::isnan;  // CUDA's isnan is global; the kernels call it unqualified
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -110,9 +111,11 @@ inline __half __float2half_rn(float f) {
 // The special-function unit: .approx.ftz results (subnormal inputs and results flushed to 0);
 // the emulation computes them with libm (the hardware's ≤ 2⁻²² relative error is not modelled).
 inline float emu_ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? copysignf(0.f, x) : x; }
+// In namespace ferrite, as sfu.cuh declares them (act.cuh calls them qualified).
+namespace ferrite {
 inline float ex2_approx(float x) { return emu_ftz(exp2f(emu_ftz(x))); }
-inline float ex2_fast(float x) { return ex2_approx(x); }
 inline float rcp_approx(float x) { return emu_ftz(1.f / emu_ftz(x)); }
+}  // namespace ferrite
 
 // ------------------------------------------------------------------------ blocks and warps ----
 

@@ -7,7 +7,7 @@ import os, re, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 hdrs = os.path.join(here, '..', '..', 'crates', 'ferrite', 'src', 'core', 'cuda', 'kernels')
-REMOVE = {'ex2_approx', 'rcp_approx', 'ex2_fast', 'smem_u32', 'dynamic_smem_bytes', 'cp_async16',
+REMOVE = {'ex2_approx', 'rcp_approx', 'tanh_approx', 'red_add2', 'smem_u32', 'dynamic_smem_bytes', 'cp_async16',
           'cp_async16_s', 'cp_async4', 'cp_async_commit', 'cp_async_wait'}
 
 

@@ -2,8 +2,14 @@
 //! compiles them for the device's architecture with `-D` specialisations, and the PTX is cached on
 //! disk keyed by a hash of (source, arch, options, NVRTC version): a second run compiles nothing.
 //!
-//! Sources may `#include "ferrite.cuh"` (the shared device helpers); the include is expanded here,
-//! so NVRTC needs only the CUDA headers (`cuda_fp16.h`, `cuda_bf16.h`), found from the usual places.
+//! Sources may include the shared device headers of `core/cuda/kernels/` — `ferrite.cuh`
+//! (conversions, block reductions, vector types, `red_add2`), `async.cuh` (cp.async), `mma.cuh`
+//! (ldmatrix, mma.sync, 16-bit packing, tf32 rounding), `hopper.cuh` (mbarrier, TMA, wgmma, named
+//! barriers), `sfu.cuh` (one-instruction 2^x, 1/x, tanh), `act.cuh` (activations and their
+//! derivatives), `philox.cuh`, `fp8.cuh`; the includes are expanded here, so NVRTC needs only the
+//! CUDA headers (`cuda_fp16.h`, `cuda_bf16.h`), found from the usual places. A PTX-wrapping helper
+//! that more than one kernel module needs lives in one of them, written once (the host emulators,
+//! `scripts/*-emu`, remove such helpers by name and model them).
 
 use super::{CudaDevice, Kernel};
 use crate::core::device::Arch;
@@ -42,6 +48,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("act.cuh", include_str!("kernels/act.cuh")),
     ("mma.cuh", include_str!("kernels/mma.cuh")),
     ("fp8.cuh", include_str!("kernels/fp8.cuh")),
+    ("sfu.cuh", include_str!("kernels/sfu.cuh")),
 ];
 
 /// A source plus the `-D` definitions that specialise it (tile sizes, dtypes, flags).

@@ -2,6 +2,8 @@
 // kernels (compile-time FE_ACT) and moe's GLU backward (a runtime code dispatched to the
 // template). Codes: 0 none, 1 relu, 2 gelu_tanh, 3 gelu_erf, 4 silu.
 
+#include "sfu.cuh"
+
 #define SQRT_2_OVER_PI 0.7978845608028654f
 #define GELU_C 0.044715f
 #define INV_SQRT2 0.7071067811865476f
@@ -9,21 +11,10 @@
 
 #define LOG2E 1.4426950408889634f
 
-// 2^x and 1/x on the special-function unit, one MUFU instruction each (ex2.approx: ≤ 2⁻²² relative
-// error; rcp.approx: ≤ 1 ulp; subnormal results flush to 0). The IEEE expf and 1.f/x cost ~10 and
-// ~8 instructions plus a slow-path call each, the largest share of the first fused build's issue.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 // σ(z) = 1/(1 + 2^(−z·log₂e)) from t = −z·log₂e: t → +∞ gives 1/∞ = 0, t → −∞ gives 1; NaN stays NaN.
-__device__ __forceinline__ float sigmoid_of_neg_log2(float t) { return rcp_approx(1.f + ex2_approx(t)); }
+__device__ __forceinline__ float sigmoid_of_neg_log2(float t) {
+  return ferrite::rcp_approx(1.f + ferrite::ex2_approx(t));
+}
 
 // a = act(h) and d = act'(h) for activation code ACT; callers using one of them let the compiler
 // drop the other.
@@ -47,7 +38,7 @@ __device__ __forceinline__ void act_fg_of(float h, float& a, float& d) {
   } else if constexpr (ACT == 3) {
     const float e = erff(h * INV_SQRT2);
     a = 0.5f * h * (1.f + e);
-    d = 0.5f * (1.f + e) + h * INV_SQRT_2PI * ex2_approx(-0.5f * LOG2E * h * h);
+    d = 0.5f * (1.f + e) + h * INV_SQRT_2PI * ferrite::ex2_approx(-0.5f * LOG2E * h * h);
   } else {
     static_assert(ACT == 4, "activation codes 0..4");
     const float s = sigmoid_of_neg_log2(-LOG2E * h);

@@ -82,6 +82,17 @@ __device__ __forceinline__ float block_max(float a, float* red) {
   return a;
 }
 
+// p[0] += x, p[1] += y in global memory (p 8-byte aligned), no value returned: one vector
+// reduction on sm_90+, two scalar ones before.
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(y) : "memory");
+#endif
+}
+
 // A 16-byte vector of storage elements, for 128-bit loads and stores.
 template <typename E>
 struct alignas(16) Vec16 {

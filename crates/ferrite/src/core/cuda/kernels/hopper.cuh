@@ -13,6 +13,12 @@ struct alignas(64) TmaDesc {
   unsigned long long v[16];
 };
 
+// Brings a tensor map (a kernel parameter) into the TMA unit's descriptor cache before its first
+// load, so that load does not wait for the descriptor fetch.
+__device__ __forceinline__ void prefetch_tensormap(const TmaDesc* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
+
 // One box of a 3-D tensor map (coordinates innermost first) into shared memory at `dst` by
 // the tensor memory accelerator, counted in bytes on the mbarrier `bar`; elements outside the
 // tensor arrive as zeros.
@@ -74,10 +80,15 @@ __device__ __forceinline__ void acc_fence(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Initialised mbarriers released to the cluster (and to TMA completing on them).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 // Barrier-init visibility: after mbarrier.init, before the block barrier, so the async proxy
 // (TMA, wgmma) and the cluster's peers see initialised barriers.
 __device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  fence_mbarrier_init();
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 

@@ -73,6 +73,19 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One 32-bit store to shared memory at a shared-state-space address (as ldmatrix takes them).
+__device__ __forceinline__ void sts_u32(unsigned addr, unsigned v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// x rounded to tf32 (10 mantissa bits, to nearest, ties away from zero), as an fp32 value whose
+// low 13 bits are zero: the operand form the tf32 mma and wgmma expect.
+__device__ __forceinline__ float tf32_rna(float x) {
+  unsigned u;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(u) : "f"(x));
+  return __uint_as_float(u);
+}
+
 // Two floats → one register of two 16-bit U values (low half = x), rounded to nearest: an fp32
 // accumulator pair becomes half of an A fragment (or two elements of a 32-bit store).
 template <typename U>

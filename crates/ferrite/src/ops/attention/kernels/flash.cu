@@ -33,6 +33,7 @@
 #include "ferrite.cuh"
 #include "async.cuh"
 #include "mma.cuh"
+#include "sfu.cuh"
 using namespace ferrite;
 
 #ifndef FE_ELEM
@@ -59,18 +60,6 @@ constexpr float LN2 = 0.6931471805599453f;
 // d += a·b for one m16n8k16 tile, fp32 accumulate (bf16 or f16 inputs, as T).
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   mma_m16n8k16<IS_BF16>(d, a, b0, b1);
-}
-// 2^x in one MUFU.EX2 (exp2f adds a denormal-range fix-up of three instructions around it; the
-// probabilities here need no denormals: they are rounded to 16 bits next).
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float tanh_fast(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // ---- problem geometry ---------------------------------------------------------------------------
@@ -129,16 +118,13 @@ struct ScoreMap {
   float scale_log2, cap_in, cap_out_log2;
   int capped;
   __device__ __forceinline__ float operator()(float s) const {
-    return FE_SOFTCAP ? cap_out_log2 * tanh_fast(s * cap_in) : s * scale_log2;
+    return FE_SOFTCAP ? cap_out_log2 * tanh_approx(s * cap_in) : s * scale_log2;
   }
 };
 
 constexpr unsigned ROWB = LDS * sizeof(T);  // bytes per padded K/V/Q/dO row
 constexpr int INT32_MIN_ = -0x7fffffff - 1, INT32_MAX_ = 0x7fffffff;
 
-__device__ __forceinline__ void sts32(unsigned a, unsigned x) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(x) : "memory");
-}
 
 // Copies rows [row0, row0 + R) of a [len, D] slab (row stride `ld`, rows at or past len
 // zero-filled) into a padded shared tile at shared address `s`; NT threads. When NT is a multiple
@@ -342,7 +328,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
         for (int nt = 0; nt < F_BN / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = smap.cap_out_log2 * tanh_fast(s[mt][nt][e] * smap.cap_in);
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = smap.cap_out_log2 * tanh_approx(s[mt][nt][e] * smap.cap_in);
     }
     // The tile's test is uniform: taken once, not per element (inside the unrolled loop ptxas
     // kept a branch per element, taken on every full tile too); the masked path is branch-free.
@@ -397,7 +383,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         for (int r = 0; r < 2; ++r) {
           const float m_new = fmaxf(mx[mt][r], m_run[mt][r]);
           // A row with nothing visible yet keeps −inf (and base 0: its p stay 0).
-          const float alpha = exp2_fast(m_run[mt][r] - (m_new == -INFINITY ? 0.f : m_new));
+          const float alpha = ex2_approx(m_run[mt][r] - (m_new == -INFINITY ? 0.f : m_new));
           m_run[mt][r] = m_new;
           l_run[mt][r] *= alpha;
 #pragma unroll
@@ -419,8 +405,8 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < F_BN / 8; ++nt) {
-          const float p0 = exp2_fast(fmaf(s[mt][nt][2 * r], mul, -base));
-          const float p1 = exp2_fast(fmaf(s[mt][nt][2 * r + 1], mul, -base));
+          const float p0 = ex2_approx(fmaf(s[mt][nt][2 * r], mul, -base));
+          const float p1 = ex2_approx(fmaf(s[mt][nt][2 * r + 1], mul, -base));
           sum += p0 + p1;
           pa[mt][nt / 2][(nt & 1) * 2 + r] = pack2<T>(p0, p1);
         }
@@ -641,7 +627,7 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         const int qi = nt * 8 + 2 * t + (e & 1);
         const i64 i = m0 + qi, j = key_w + g + (e >> 1) * 8;
         const float x = smap(s[nt][e]);
-        float p = exp2_fast(x - cL[qi]);
+        float p = ex2_approx(x - cL[qi]);
         if (!visible(i, j, off, sk.len, wl, wr) || i >= sq.len) p = 0.f;
         s[nt][e] = p;
         dp[nt][e] = p * (dp[nt][e] - cD[qi]) * capped_grad(smap, x);
@@ -783,7 +769,7 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const int r = e >> 1;
         const i64 i = row_g + 8 * r, j = n0 + nt * 8 + 2 * t + (e & 1);
         const float x = smap(s[nt][e]);
-        float p = exp2_fast(x - lrow[r]);
+        float p = ex2_approx(x - lrow[r]);
         if (!visible(i, j, off, sk.len, wl, wr)) p = 0.f;
         dp[nt][e] = p * (dp[nt][e] - drow[r]) * capped_grad(smap, x);
       }
@@ -857,15 +843,6 @@ static_assert(U_BM % 32 == 0 && U_BM % (16 * U_QM) == 0 && U_WARPS % U_WGM == 0 
               "FE_BWD_* geometry does not tile dQ_tile");
 constexpr unsigned ROWT = U_LDT * sizeof(T);   // bytes per padded dSᵀ row
 
-// acc[0] += x, acc[1] += y in global memory (8-byte aligned), no return value.
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(y) : "memory");
-#endif
-}
 extern "C" __global__ void __launch_bounds__(U_NT, 1)
 flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
@@ -1025,11 +1002,11 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const float lq = (e & 1) ? l2.y : l2.x, dq = (e & 1) ? d2.y : d2.x;
         float p, grad = 1.f;
         if (FE_SOFTCAP) {
-          const float th = tanh_fast(s[nt][e] * smap.cap_in);
-          p = exp2_fast(smap.cap_out_log2 * th - lq);
+          const float th = tanh_approx(s[nt][e] * smap.cap_in);
+          p = ex2_approx(smap.cap_out_log2 * th - lq);
           grad = 1.f - th * th;
         } else {
-          p = exp2_fast(fmaf(s[nt][e], mul, -lq));
+          p = ex2_approx(fmaf(s[nt][e], mul, -lq));
         }
         s[nt][e] = p;
         dp[nt][e] = p * (dp[nt][e] - dq) * grad;
@@ -1059,8 +1036,8 @@ flash_bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __res
       pp[nt][1] = pack2<T>(s[nt][2], s[nt][3]);
       dd[nt][0] = pack2<T>(dp[nt][0], dp[nt][1]);
       dd[nt][1] = pack2<T>(dp[nt][2], dp[nt][3]);
-      sts32(st_ds + nt * 16, dd[nt][0]);
-      sts32(st_ds + 8 * ROWT + nt * 16, dd[nt][1]);
+      sts_u32(st_ds + nt * 16, dd[nt][0]);
+      sts_u32(st_ds + 8 * ROWT + nt * 16, dd[nt][1]);
     }
     // dV += Pᵀ·dO and dK += dSᵀ·Q: the k dim is the query tile; dO and Q through ldmatrix.trans.
 #pragma unroll

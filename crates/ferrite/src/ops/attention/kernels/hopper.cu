@@ -25,6 +25,7 @@
 
 #include "hopper.cuh"
 #include "mma.cuh"
+#include "sfu.cuh"
 using namespace ferrite;
 
 #ifndef FE_ELEM
@@ -111,18 +112,6 @@ __device__ __forceinline__ Sched schedule(int units, int nblk, int chunk) {
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NTHREADS * (65536 / NTHREADS / 8 * 8),
               "setmaxnreg budgets exceed the block's launch allocation");
-// 2^x in one MUFU.EX2 (exp2f adds a denormal-range fix-up of three instructions around it; the
-// probabilities here need no denormals: they are rounded to 16 bits next).
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float tanh_fast(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // d (64×128 fp32) (+)= A(64×16, smem desc da) · B(16×128, smem desc db, K-major); scale_d 0 zeroes d first.
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int scale_d) {
@@ -338,7 +327,7 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
     const float mul = FE_SOFTCAP ? 1.f : smap.scale_log2;
     if (FE_SOFTCAP) {
 #pragma unroll
-      for (int i = 0; i < 64; ++i) sc[i] = smap.cap_out_log2 * tanh_fast(sc[i] * smap.cap_in);
+      for (int i = 0; i < 64; ++i) sc[i] = smap.cap_out_log2 * tanh_approx(sc[i] * smap.cap_in);
     }
     // The tile's test is uniform: taken once, not per element (inside the unrolled loop it
     // compiled to a branch per element, 64 per tile, taken on every full tile too); the masked
@@ -363,13 +352,13 @@ attn_hopper_fwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       mx = fmaxf(mx * mul, m_run[r]);                // running max, log2 domain
       const float bse = mx == -INFINITY ? 0.f : mx;  // nothing visible yet: P = 0, keep O
-      alpha[r] = exp2_fast(m_run[r] - bse);
+      alpha[r] = ex2_approx(m_run[r] - bse);
       m_run[r] = mx;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        sc[4 * j + 2 * r] = exp2_fast(fmaf(sc[4 * j + 2 * r], mul, -bse));
-        sc[4 * j + 2 * r + 1] = exp2_fast(fmaf(sc[4 * j + 2 * r + 1], mul, -bse));
+        sc[4 * j + 2 * r] = ex2_approx(fmaf(sc[4 * j + 2 * r], mul, -bse));
+        sc[4 * j + 2 * r + 1] = ex2_approx(fmaf(sc[4 * j + 2 * r + 1], mul, -bse));
         sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
       }
       l_run[r] = l_run[r] * alpha[r] + sum;
@@ -537,16 +526,10 @@ __device__ __forceinline__ void wgmma_dq(float (&d)[DQ_REGS], u64 da, u64 db, in
   wgmma_ss_tt_n32(d, da, db, scale_d);
 #endif
 }
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
-}
 __device__ __forceinline__ float2 lds_f2(unsigned a) {
   float2 v;
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a));
   return v;
-}
-__device__ __forceinline__ void sts_u32(unsigned a, unsigned v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
 }
 
 // The query rows [lo, hi) that can see some key of [n0, n1) (bottom-right aligned mask).
@@ -751,14 +734,14 @@ attn_hopper_bwd(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaD
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          st[4 * j + e] = exp2_fast(fmaf(st[4 * j + e], scale_log2, (e & 1) ? -lq[j].y : -lq[j].x));
+          st[4 * j + e] = ex2_approx(fmaf(st[4 * j + e], scale_log2, (e & 1) ? -lq[j].y : -lq[j].x));
     } else {
       // Masked tiles (sequence ends, mask edges): the visibility test without branches.
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = exp2_fast(fmaf(st[4 * j + e], scale_log2, (e & 1) ? -lq[j].y : -lq[j].x));
+          const float p = ex2_approx(fmaf(st[4 * j + e], scale_log2, (e & 1) ? -lq[j].y : -lq[j].x));
           const i64 i = m0 + 8 * j + 2 * t + (e & 1), jj = n0 + key_l + (e >> 1) * 8;
           const i64 pos = i + off;
           const bool ok = (i < sq.len) & (jj < sk.len) & ((wl < 0) | (jj >= pos - wl)) &

@@ -45,6 +45,7 @@
 
 #include "ferrite.cuh"
 #include "async.cuh"
+#include "sfu.cuh"
 
 using namespace ferrite;
 
@@ -313,13 +314,6 @@ extern "C" __global__ void ce_fused(T* dx, float* __restrict__ loss_rows, const 
 
 // ---------------------------------------------------------------- resident (CUDA `resident`)
 
-// 2^x on the special-function unit (ex2.approx.ftz: ≤ 2⁻²² relative; results below 2⁻¹²⁶ flush
-// to 0, 2^−∞ = 0, NaN stays NaN). exp2f adds a subnormal-scaling sequence around the same MUFU.
-__device__ __forceinline__ float ex2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Pass 1 of one 16-byte vector: Σx, and the running (m, s) in log2 units with the max taken over
 // the vector's raw values first (one rescale per vector).
@@ -334,11 +328,11 @@ __device__ __forceinline__ void resident_add_vec(float& m, float& s, float& sx, 
   }
   const float mv = mx * LOG2E;
   if (mv > m) {
-    s *= ex2_fast(m - mv);
+    s *= ex2_approx(m - mv);
     m = mv;
   }
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) s += ex2_fast(fmaf(xf[e], LOG2E, -m));
+  for (int e = 0; e < VEC; ++e) s += ex2_approx(fmaf(xf[e], LOG2E, -m));
 }
 
 // Pass 2 of one vector: dx_j = 2^(x_j·log2e − M)·pa − (pb, or pbh at the target's lane).
@@ -347,7 +341,7 @@ __device__ __forceinline__ Vec resident_grad_vec(const Vec a, float M, float pa,
   Vec o;
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
-    const float q = ex2_fast(fmaf(to_float(a.v[e]), LOG2E, -M));
+    const float q = ex2_approx(fmaf(to_float(a.v[e]), LOG2E, -M));
     o.v[e] = from_float<T>(fmaf(q, pa, -(e == target_lane ? pbh : pb)));
   }
   return o;
@@ -465,11 +459,8 @@ extern "C" __global__ void __launch_bounds__(1024, 2)
 // works as in ce_resident: rank 0 reads the target logit before the barrier, and every block
 // writes dx only after it.
 #if defined(FE_CLUSTER) && FE_CLUSTER > 1
-__device__ __forceinline__ unsigned ce_cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
+#include "hopper.cuh"
+// The aligned form of hopper.cuh's cluster_sync: every thread of each warp arrives together here.
 __device__ __forceinline__ void ce_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
                    : "memory");
@@ -500,7 +491,7 @@ extern "C" __global__ void __cluster_dims__(FE_CLUSTER, 1, 1) __launch_bounds__(
   __shared__ float4 slot[2];  // this block's (max, Σ, Σx) of the rows of each parity
   extern __shared__ __align__(16) unsigned char ce_smem[];
   Vec* sm = reinterpret_cast<Vec*>(ce_smem);
-  const unsigned rank = ce_cluster_rank();
+  const unsigned rank = cluster_rank();
   const float scale = dx ? grad_scale(status, dloss, mean) : 0.f;
   const float off = smoothing / (float)v;
   int parity = 0;

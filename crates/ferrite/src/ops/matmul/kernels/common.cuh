@@ -14,6 +14,7 @@
 // - The layout (a_trans, b_trans) is dispatched once at kernel entry to a body templated on it,
 //   so the inner loops carry no layout branches.
 #include "ferrite.cuh"
+#include "sfu.cuh"
 
 using namespace ferrite;
 
@@ -205,14 +206,8 @@ __device__ __forceinline__ void fe_store4(float* c, i64 j, i64 n, float4 acc, fl
 #endif
 static_assert(!FE_EPI_DACT || FE_EPI, "FE_EPI_DACT needs FE_EPI = 1 + act");
 
-// tanh on the SFU: one MUFU.TANH (sm_75+), max relative error about 2^-11 — below the rounding
-// of a 16-bit output (2^-9 bf16, 2^-11 f16). tanhf is ~20 instructions with two range branches
-// plus an EX2 and an RCP. f32 outputs keep tanhf / erff / expf: their checks hold fp32 accuracy.
-__device__ __forceinline__ float fe_tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+// The 16-bit outputs of the pair epilogue take tanh on the SFU (sfu.cuh's tanh_approx, error
+// below their rounding); f32 outputs keep tanhf / erff / expf: their checks hold fp32 accuracy.
 constexpr bool FE_FAST_ACT = FE_EPI_PAIRS && sizeof(T) == 2;
 
 // act(v) for activation code ACT (FE_EPI's numbering: 1 none, 2 relu, 3 gelu_tanh, 4 gelu_erf,
@@ -227,7 +222,7 @@ __device__ __forceinline__ float fe_act_of(float v) {
       // ½v(1 + tanh u) as h + h·tanh u: one FFMA after the tanh.
       const float u = v * fmaf(0.7978845608028654f * 0.044715f, v * v, 0.7978845608028654f);
       const float h = 0.5f * v;
-      return fmaf(h, fe_tanh_approx(u), h);
+      return fmaf(h, tanh_approx(u), h);
     }
     const float u = 0.7978845608028654f * fmaf(0.044715f * v, v * v, v);
     return 0.5f * v * (1.f + tanhf(u));
@@ -251,7 +246,7 @@ __device__ __forceinline__ float fe_act_of(float v) {
     if (FAST) {
       // v·σ(v) = ½v(1 + tanh(v/2)): one SFU op instead of EX2 + RCP.
       const float h = 0.5f * v;
-      return fmaf(h, fe_tanh_approx(h), h);
+      return fmaf(h, tanh_approx(h), h);
     }
     return v / (1.f + expf(-v));
   } else {
@@ -270,7 +265,7 @@ __device__ __forceinline__ float fe_dact(float v) {
   const float c = 0.7978845608028654f, a = 0.044715f;
   const float v2 = v * v;
   const float u = c * fmaf(a * v, v2, v);
-  const float t = FE_FAST_ACT ? fe_tanh_approx(u) : tanhf(u);
+  const float t = FE_FAST_ACT ? tanh_approx(u) : tanhf(u);
   const float h = 0.5f * v * c * fmaf(3.f * a, v2, 1.f);
   return fmaf(h, fmaf(-t, t, 1.f), fmaf(0.5f, t, 0.5f));
 #elif FE_EPI == 4
@@ -292,7 +287,7 @@ __device__ __forceinline__ float fe_dact(float v) {
   return fmaf(0.5f, erff(v * 0.7071067811865476f), 0.5f) + v * pdf;
 #elif FE_EPI == 5
   // σ(v)(1 + v(1 − σ(v))), σ(v) = ½(1 + tanh(v/2)) on the SFU for 16-bit outputs.
-  const float s = FE_FAST_ACT ? fmaf(0.5f, fe_tanh_approx(0.5f * v), 0.5f)
+  const float s = FE_FAST_ACT ? fmaf(0.5f, tanh_approx(0.5f * v), 0.5f)
                               : 1.f / (1.f + expf(-v));
   return s * fmaf(v, 1.f - s, 1.f);
 #else

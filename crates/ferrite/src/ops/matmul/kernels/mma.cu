@@ -56,11 +56,6 @@ static_assert((FE_MMA_KIND == 2) == TF32, "FE_MMA_KIND must match FE_ELEM");
 static_assert(BM == BN, "one padded row length serves A and B");
 static_assert(OP_BYTES % 128 == 0, "stage alignment");
 
-__device__ __forceinline__ unsigned to_tf32(unsigned x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(x)));
-  return r;
-}
 
 // d += a·b for one 16×8 tile: m16n8k8 for tf32, m16n8k16 for the 16-bit types.
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
@@ -168,11 +163,11 @@ __device__ __forceinline__ void compute_stage(const char* smem, int stage, float
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) a[mt][x] = to_tf32(a[mt][x]);
+        for (int x = 0; x < 4; ++x) a[mt][x] = __float_as_uint(tf32_rna(__uint_as_float(a[mt][x])));
 #pragma unroll
       for (int nt = 0; nt < NTL; ++nt)
 #pragma unroll
-        for (int x = 0; x < 2; ++x) b[nt][x] = to_tf32(b[nt][x]);
+        for (int x = 0; x < 2; ++x) b[nt][x] = __float_as_uint(tf32_rna(__uint_as_float(b[nt][x])));
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

@@ -115,8 +115,8 @@ __device__ __forceinline__ void skinny_body(const FeEpi epi, const TmaDesc& tma_
   const unsigned bars = base + WARPS * P::STAGES * P::STAGE + warp * P::STAGES * 8;
   if (lane == 0) {
     for (int s = 0; s < P::STAGES; ++s) mbar_init(bars + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
+    fence_mbarrier_init();
+    prefetch_tensormap(&tma_b);
   }
   __syncwarp();
   unsigned used = 0;  // passes this warp took from its ring (all batches): stage and parity

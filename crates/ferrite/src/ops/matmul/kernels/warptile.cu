@@ -264,9 +264,7 @@ constexpr unsigned W_SMEM_BYTES = W_STAGES * (W_BUFA + W_BUFB) * sizeof(float);
 extern "C" __global__ void __launch_bounds__(W_NT, 1) matmul_warptile(FE_MATMUL_PARAMS) {
   // The tile code assumes exactly W_NT threads and the whole ring: a host/kernel mismatch must
   // fail loudly.
-  unsigned dyn_smem;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (blockDim.x * blockDim.y * blockDim.z != W_NT || dyn_smem < W_SMEM_BYTES) __trap();
+  if (blockDim.x * blockDim.y * blockDim.z != W_NT || dynamic_smem_bytes() < W_SMEM_BYTES) __trap();
   extern __shared__ __align__(16) float w_ring[];
   float* sA = w_ring;
   float* sB = w_ring + W_STAGES * W_BUFA;

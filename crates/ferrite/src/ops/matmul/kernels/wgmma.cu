@@ -68,6 +68,7 @@
 
 // TmaDesc, smem_u32, mbarriers, smem_desc, wgmma fences.
 #include "hopper.cuh"
+#include "mma.cuh"
 
 #ifndef FE_A_TRANS
 #define FE_A_TRANS 0
@@ -747,8 +748,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     regs_dec<40>();
 #endif
     if (threadIdx.x == 0) {
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
+      prefetch_tensormap(&tma_a);
+      prefetch_tensormap(&tma_b);
       int s = 0;
       unsigned ph = 0;
       for (i64 t = first_tile; t < total; t += tile_step) {
@@ -1121,11 +1122,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 }
 
 #if FE_WGMMA_TF32
-__device__ __forceinline__ float fe_tf32_rna(float x) {
-  unsigned u;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(u) : "f"(x));
-  return __uint_as_float(u);
-}
 
 // The tf32 pre-pass for an operand TMA/wgmma cannot read as it is: m- or n-contiguous (A
 // transposed, B not transposed: tf32 wgmma has no transpose bit), or k-contiguous with rows or
@@ -1150,7 +1146,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int i = ty; i < 32; i += 8) {
           const i64 r = r0 + i, p = p0 + tx;
-          if (r < rows && p < k) Yz[r * ldy + p] = fe_tf32_rna(Xz[r * sr + p]);
+          if (r < rows && p < k) Yz[r * ldy + p] = tf32_rna(Xz[r * sr + p]);
         }
         continue;  // block-uniform: no barrier skipped by part of the block
       }
@@ -1163,7 +1159,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int i = ty; i < 32; i += 8) {
         const i64 r = r0 + i, p = p0 + tx;
-        if (r < rows && p < k) Yz[r * ldy + p] = fe_tf32_rna(t[tx][i]);
+        if (r < rows && p < k) Yz[r * ldy + p] = tf32_rna(t[tx][i]);
       }
       __syncthreads();
     }

@@ -225,8 +225,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // ---- producer ----
     regs_dec<40>();
     if (threadIdx.x == 0) {
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_a)) : "memory");
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&tma_b)) : "memory");
+      prefetch_tensormap(&tma_a);
+      prefetch_tensormap(&tma_b);
       int s = 0;
       unsigned ph = 0;
       for (int t = blockIdx.x; t < total; t += gridDim.x) {
