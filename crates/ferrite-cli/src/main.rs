@@ -224,6 +224,54 @@ fn spinner() -> ProgressBar {
     pb
 }
 
+/// Before a run over several families on a GPU: every kernel module they list compiled on all
+/// cores into the disk cache (`ops::warm_kernel_cache`), once per architecture among `devices`,
+/// instead of one module at a time as each rung first runs. Says what it did above the bar.
+fn warm_kernels(
+    fams: &[&'static dyn ferrite::core::harness::OpFamily],
+    devices: &[Device],
+    pb: &ProgressBar,
+) -> Result<()> {
+    if fams.len() < 2 {
+        return Ok(());
+    }
+    let mut archs = Vec::new();
+    for &d in devices {
+        if let Some(arch) = cuda::arch_of(d)? {
+            if !archs.contains(&arch) {
+                archs.push(arch);
+            }
+        }
+    }
+    for arch in archs {
+        let t = std::time::Instant::now();
+        let w = ops::warm_kernel_cache(fams, arch, &|done, total| {
+            pb.set_message(format!(
+                "compiling kernels for {}: {done}/{total}",
+                arch.target()
+            ))
+        });
+        if w.compiled > 0 || w.failed > 0 {
+            pb.println(format!(
+                "kernels for {}: {} compiled on all cores in {:.0} s, {} from the cache{}",
+                arch.target(),
+                w.compiled,
+                t.elapsed().as_secs_f64(),
+                w.cached,
+                if w.failed > 0 {
+                    format!(
+                        ", {} failed (reported by the rungs that launch them)",
+                        w.failed
+                    )
+                } else {
+                    String::new()
+                }
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn write_json(path: &PathBuf, value: &serde_json::Value) -> Result<()> {
     let s = serde_json::to_string_pretty(value).map_err(|e| Error::Other(e.to_string()))?;
     std::fs::write(path, s).map_err(|e| Error::io(format!("writing {}", path.display()), e))
@@ -339,6 +387,7 @@ fn check(a: CheckArgs) -> Result<bool> {
     } else {
         spinner()
     };
+    warm_kernels(&fams, &cfg.devices, &pb)?;
     for f in fams {
         pb.set_message(format!("checking {}", f.name()));
         f.check(&cfg, &mut recs)?;
@@ -629,6 +678,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     validate_variants(&fams, &cfg.variants)?;
     validate_bench_args(&a, &fams, &cfg.devices)?;
     let pb = bench_progress(fams.len());
+    warm_kernels(&fams, &cfg.devices, &pb)?;
     let mut progress = |m: &str| pb.set_message(m.to_string());
     let ceilings = ops::measure_ceilings(&cfg.devices, cfg.quick, &mut progress)?;
     let mut recs = Vec::new();

@@ -242,6 +242,52 @@ pub struct KernelBuild {
     pub spill_loads: Option<u32>,
 }
 
+/// What [`warm_kernel_cache`] did: modules compiled now, read from the disk cache, or failed
+/// (a failure is left for the rung that launches the module to report, in its own context).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheWarmth {
+    /// Compiled by NVRTC in this call.
+    pub compiled: usize,
+    /// Already in the disk cache.
+    pub cached: usize,
+    /// NVRTC refused them.
+    pub failed: usize,
+}
+
+/// Fills the kernel cache for `arch` with every module the families list, compiled on all cores,
+/// before a run that will launch many of them: each module is otherwise compiled the first time
+/// one of its kernels runs, one after another (on a fresh machine `bench all`'s rungs spent most
+/// of their first run in NVRTC). Modules already cached cost a hash and a file read each.
+/// `progress(done, total)` is called as modules finish.
+pub fn warm_kernel_cache(
+    fams: &[&'static dyn OpFamily],
+    arch: Arch,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> CacheWarmth {
+    use rayon::prelude::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let specs: Vec<KernelSpec> = fams
+        .iter()
+        .flat_map(|f| f.kernels())
+        .filter(|s| arch >= s.min_arch)
+        .collect();
+    let done = AtomicUsize::new(0);
+    let outcomes: Vec<Option<bool>> = specs
+        .par_iter()
+        .map(|spec| {
+            let r = jit::compile(&spec.program, arch).ok().map(|c| c.from_cache);
+            progress(done.fetch_add(1, Ordering::Relaxed) + 1, specs.len());
+            r
+        })
+        .collect();
+    let count = |want: Option<bool>| outcomes.iter().filter(|o| **o == want).count();
+    CacheWarmth {
+        compiled: count(Some(false)),
+        cached: count(Some(true)),
+        failed: count(None),
+    }
+}
+
 /// Compiles every kernel of every family for `archs` through the runtime's own JIT path (no GPU
 /// needed) and, when `ptxas` is given, assembles each PTX and reads its resource report.
 /// `only`: keep the modules whose label contains this text.
@@ -493,5 +539,51 @@ mod layer_tests {
             "undeclared cross-family imports:\n{}",
             bad.join("\n")
         );
+    }
+}
+
+#[cfg(test)]
+mod warm_tests {
+    use super::*;
+
+    /// Every module of the families is accounted for (compiled now or read back), none fails, and
+    /// a second warm-up compiles nothing: the cache the rungs will read is full.
+    #[test]
+    fn warming_fills_the_cache_the_rungs_read() {
+        if cuda::nvrtc_available().is_err() {
+            eprintln!("NVRTC not available: skipped");
+            return;
+        }
+        let fams = vec![family("copy").unwrap(), family("softmax").unwrap()];
+        let total: usize = fams
+            .iter()
+            .map(|f| {
+                f.kernels()
+                    .iter()
+                    .filter(|s| Arch::SM80 >= s.min_arch)
+                    .count()
+            })
+            .sum();
+        assert!(total >= 2, "the two families list their modules");
+        let seen = std::sync::atomic::AtomicUsize::new(0);
+        let first = warm_kernel_cache(&fams, Arch::SM80, &|done, n| {
+            assert!(done <= n && n == total);
+            seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        assert_eq!(first.failed, 0);
+        assert_eq!(first.compiled + first.cached, total);
+        assert_eq!(seen.into_inner(), total, "progress once per module");
+        let again = warm_kernel_cache(&fams, Arch::SM80, &|_, _| {});
+        assert_eq!(
+            again,
+            CacheWarmth {
+                compiled: 0,
+                cached: total,
+                failed: 0
+            }
+        );
+        // A listed module compiled afterwards (as a rung does at its first launch) is read back.
+        let spec = &fams[1].kernels()[0];
+        assert!(jit::compile(&spec.program, Arch::SM80).unwrap().from_cache);
     }
 }
