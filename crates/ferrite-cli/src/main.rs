@@ -226,13 +226,15 @@ fn spinner() -> ProgressBar {
 
 /// Before a run over several families on a GPU: every kernel module they list compiled on all
 /// cores into the disk cache (`ops::warm_kernel_cache`), once per architecture among `devices`,
-/// instead of one module at a time as each rung first runs. Says what it did above the bar.
+/// instead of one module at a time as each rung first runs. Not when `--variant` names a few
+/// rungs (most modules would go unused). Says what it did above the bar.
 fn warm_kernels(
     fams: &[&'static dyn ferrite::core::harness::OpFamily],
     devices: &[Device],
+    variants: &[String],
     pb: &ProgressBar,
 ) -> Result<()> {
-    if fams.len() < 2 {
+    if fams.len() < 2 || !variants.is_empty() {
         return Ok(());
     }
     let mut archs = Vec::new();
@@ -387,7 +389,7 @@ fn check(a: CheckArgs) -> Result<bool> {
     } else {
         spinner()
     };
-    warm_kernels(&fams, &cfg.devices, &pb)?;
+    warm_kernels(&fams, &cfg.devices, &cfg.variants, &pb)?;
     for f in fams {
         pb.set_message(format!("checking {}", f.name()));
         f.check(&cfg, &mut recs)?;
@@ -678,7 +680,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     validate_variants(&fams, &cfg.variants)?;
     validate_bench_args(&a, &fams, &cfg.devices)?;
     let pb = bench_progress(fams.len());
-    warm_kernels(&fams, &cfg.devices, &pb)?;
+    warm_kernels(&fams, &cfg.devices, &cfg.variants, &pb)?;
     let mut progress = |m: &str| pb.set_message(m.to_string());
     let ceilings = ops::measure_ceilings(&cfg.devices, cfg.quick, &mut progress)?;
     let mut recs = Vec::new();
