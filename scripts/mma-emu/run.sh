@@ -25,7 +25,7 @@ python3 "$here/../emu-common/extract.py" "$work/mma_host.cpp" "$here/emu.h" "$sr
   --remove smem_u32,cp_async16,cp_async_commit,cp_async_wait,ldsm_x4,ldsm_x4_t,tf32_rna,mma,ex2_approx,rcp_approx,tanh_approx \
   --count mma_epilogue "$mm/kernels/common.cuh" "$mm/kernels/mma.cu"
 cat "$mm"/cuda/*.rs > "$work/cuda_all.rs"   # matmul's CUDA host code, read as one text
-eval "$(python3 "$here/launch.py" "$work/cuda_all.rs" "$mm/epilogue.rs" "$mm/kernels/common.cuh" "$work/launch_args.h")"
+eval "$(python3 "$here/launch.py" "$work/cuda_all.rs" "$src/core/act.rs" "$mm/kernels/common.cuh" "$work/launch_args.h")"
 cp "$here/driver.cpp" "$work/"
 san="-fsanitize=address,alignment -fno-sanitize-recover=alignment"
 [ "${EMU_SAN:-1}" = 0 ] && san=""
